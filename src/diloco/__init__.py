@@ -1,0 +1,7 @@
+"""diloco: DiLoCo training across machines joined by ordinary networks."""
+
+from diloco.server import DiLoCoServer, ServerConfig
+from diloco.worker import DiLoCoClient, DiLoCoWorker, WorkerSettings
+
+__all__ = ["DiLoCoClient", "DiLoCoServer", "DiLoCoWorker", "ServerConfig", "WorkerSettings"]
+__version__ = "0.1.0"

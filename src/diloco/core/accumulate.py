@@ -1,0 +1,44 @@
+"""A running weighted sum of pseudo-gradients: server memory does not grow with the workers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class WeightedSum:
+    """fp32 running sum ``sum_i w_i * g_i`` and ``sum_i w_i`` over one round's contributions."""
+
+    def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> None:
+        self.sums = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self.total_weight = 0.0
+        self.count = 0
+
+    @torch.no_grad()
+    def add(self, tensors: Sequence[torch.Tensor], weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"contribution weight must be positive, got {weight}")
+        if len(tensors) != len(self.sums):
+            raise ValueError(f"expected {len(self.sums)} tensors, got {len(tensors)}")
+        for acc, t in zip(self.sums, tensors, strict=True):
+            # add_ casts bf16 elementwise inside the kernel: no fp32 copy of the upload is made.
+            acc.add_(t, alpha=weight)
+        self.total_weight += weight
+        self.count += 1
+
+    @torch.no_grad()
+    def mean_(self) -> list[torch.Tensor]:
+        """Divide the sums by the total weight in place and return them."""
+        if self.count == 0:
+            raise ValueError("no contribution to average")
+        for acc in self.sums:
+            acc.div_(self.total_weight)
+        return self.sums
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for acc in self.sums:
+            acc.zero_()
+        self.total_weight = 0.0
+        self.count = 0

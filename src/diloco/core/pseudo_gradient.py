@@ -1,0 +1,39 @@
+"""Pseudo-gradients and the in-place moves a worker makes between global and local parameters.
+
+Notation of the paper: theta_g is the global snapshot a worker started from, theta_l its local
+parameters after H inner steps. The pseudo-gradient is ``theta_g - theta_l``; the local progress
+is its negation ``theta_l - theta_g``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pseudo_gradient(global_param: torch.Tensor, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``global - local`` computed in fp32 (on the local tensor's device), returned on the CPU in
+    ``dtype``. Rounding to bf16 happens once, after the subtraction, so small steps survive."""
+    local32 = local_param.detach().to(torch.float32)
+    diff = global_param.to(local32.device, non_blocking=True).to(torch.float32) - local32
+    return diff.to(dtype).cpu()
+
+
+@torch.no_grad()
+def to_progress_(local_param: torch.Tensor, global_param: torch.Tensor) -> None:
+    """Turn the local parameter into its progress ``local - global`` in place.
+
+    The worker does this before it downloads new global parameters into its snapshot, so that
+    the old snapshot is no longer needed and no second copy of the model is held."""
+    local_param.sub_(global_param.to(local_param.device, non_blocking=True))
+
+
+@torch.no_grad()
+def rebase_(progress: torch.Tensor, new_global: torch.Tensor) -> None:
+    """Keep local progress on top of new global parameters: ``progress + new_global`` in place."""
+    progress.add_(new_global.to(progress.device, non_blocking=True))
+
+
+@torch.no_grad()
+def adopt_(local_param: torch.Tensor, new_global: torch.Tensor) -> None:
+    """Replace the local parameter with the new global one (the progress was counted upstream)."""
+    local_param.copy_(new_global, non_blocking=True)

@@ -1,0 +1,197 @@
+"""HTTP routes. Thin: parse, call the coordinator, write the reply."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from diloco.server.coordinator import SyncCoordinator
+from diloco.server.errors import ApiError, bad_request, unknown_worker
+from diloco.wire import WireError, aread_layout
+from diloco.wire.encode import chunks
+
+log = logging.getLogger(__name__)
+
+JSON_LIMIT = 64 * 1024
+HEADER_LIMIT = 16 * 1024 * 1024
+COORDINATOR: web.AppKey[SyncCoordinator] = web.AppKey("coordinator", SyncCoordinator)
+TOKEN: web.AppKey[str | None] = web.AppKey("token", str)
+OPEN_PATHS = frozenset({"/healthz"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, code: str, detail: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": code, "detail": detail, **extra}, status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except WireError as exc:
+        return _error(exc.status, exc.code, exc.detail)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        raise
+    except (ConnectionResetError, TimeoutError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return _error(500, "internal", "the server hit an unexpected error; see its log")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    token = request.app[TOKEN]
+    if token is not None and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {token}"
+        # compare_digest: the time taken does not reveal how much of the token matched.
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer ...)")
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > JSON_LIMIT:
+        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
+    raw = await request.content.read(JSON_LIMIT + 1)
+    if len(raw) > JSON_LIMIT:
+        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
+    try:
+        body = json.loads(raw or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad_request("bad_json", "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("bad_json", "the body must be a JSON object")
+    return body
+
+
+def _str_field(body: dict[str, Any], key: str, *, required: bool = True, limit: int = 256) -> str | None:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise bad_request("bad_field", f"{key!r} must be a non-empty string of at most {limit} characters")
+    return value
+
+
+def _max_tensor_body(coord: SyncCoordinator) -> int:
+    store = coord.store
+    return HEADER_LIMIT + 8 + (store.nbytes if store else coord.config.max_initial_bytes)
+
+
+async def _read_tensor_header(request: web.Request, coord: SyncCoordinator) -> Any:
+    limit = _max_tensor_body(coord)
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "body_too_large", f"body of {request.content_length} bytes exceeds the limit of {limit}")
+    return await aread_layout(request.content, HEADER_LIMIT)
+
+
+async def register(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    worker_id = _str_field(body, "worker_id", required=False)
+    hostname = _str_field(body, "hostname", required=False) or request.remote or "?"
+    info = body.get("info", {})
+    if not isinstance(info, dict):
+        raise bad_request("bad_field", "'info' must be a JSON object")
+    if "last_submission_id" in body:
+        info = {**info, "last_submission_id": _str_field(body, "last_submission_id")}
+    return web.json_response(request.app[COORDINATOR].register(worker_id, hostname, info))
+
+
+async def deregister(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    worker_id = _str_field(body, "worker_id")
+    assert worker_id is not None
+    return web.json_response(request.app[COORDINATOR].deregister(worker_id))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    worker_id = _str_field(body, "worker_id")
+    assert worker_id is not None
+    return web.json_response(request.app[COORDINATOR].heartbeat(worker_id, body))
+
+
+async def submit_pseudograd(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    coord.require_store()
+    layout = await _read_tensor_header(request, coord)
+    return web.json_response(await coord.submit(layout, request.content))
+
+
+async def initial_params(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    worker_id = request.query.get("worker_id", "")
+    layout = await _read_tensor_header(request, coord)
+    return web.json_response(await coord.receive_initial(layout, request.content, worker_id))
+
+
+async def global_params(request: web.Request) -> web.StreamResponse:
+    coord = request.app[COORDINATOR]
+    store = coord.require_store()
+    worker_id = request.query.get("worker_id")
+    if worker_id and worker_id not in coord.registry:
+        raise unknown_worker(worker_id)
+    min_round = _query_int(request, "min_round", default=0)
+    if not await store.wait_for_round(min_round, coord.config.poll_timeout):
+        return web.json_response({"status": "pending", "round": store.round}, status=202)
+    snap = await coord.snapshot()
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = snap.total_size
+        await resp.prepare(request)
+        await resp.write(snap.header)
+        for part in chunks(snap.payload):
+            await resp.write(part)
+        await resp.write_eof()
+    finally:
+        store.close_snapshot(snap)
+    coord.count_download(worker_id, snap.total_size)
+    return resp
+
+
+def _query_int(request: web.Request, key: str, default: int) -> int:
+    raw = request.query.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request("bad_query", f"query parameter {key!r} must be an integer") from None
+    if value < 0:
+        raise bad_request("bad_query", f"query parameter {key!r} must be >= 0")
+    return value
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[COORDINATOR].status())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def build_app(coordinator: SyncCoordinator, token: str | None) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=JSON_LIMIT)
+    app[COORDINATOR] = coordinator
+    app[TOKEN] = token
+    app.router.add_post("/register", register)
+    app.router.add_post("/deregister", deregister)
+    app.router.add_post("/heartbeat", heartbeat)
+    app.router.add_post("/submit_pseudograd", submit_pseudograd)
+    app.router.add_post("/initial_params", initial_params)
+    app.router.add_get("/global_params", global_params)
+    app.router.add_get("/status", status)
+    app.router.add_get("/healthz", healthz)
+    return app

@@ -1,0 +1,33 @@
+"""API errors: each becomes a JSON body ``{"error": code, "detail": sentence}`` with a status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.code, "detail": self.detail, **self.extra}
+
+
+def bad_request(code: str, detail: str, **extra: Any) -> ApiError:
+    return ApiError(400, code, detail, **extra)
+
+
+def unknown_worker(worker_id: str) -> ApiError:
+    return ApiError(
+        410,
+        "unknown_worker",
+        f"worker {worker_id!r} is not registered here (evicted, or the server restarted); register again",
+    )
+
+
+def conflict(code: str, detail: str, **extra: Any) -> ApiError:
+    return ApiError(409, code, detail, **extra)

@@ -1,0 +1,92 @@
+"""The registry of live workers and what the server knows of each."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    hostname: str
+    registered_at: float
+    last_seen: float
+    info: dict[str, Any] = field(default_factory=dict)
+    steps_per_second: float | None = None
+    loss: float | None = None
+    submissions: int = 0
+    last_round: int | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def public(self, now: float) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "hostname": self.hostname,
+            "registered_s_ago": round(now - self.registered_at, 3),
+            "last_seen_s_ago": round(now - self.last_seen, 3),
+            "steps_per_second": self.steps_per_second,
+            "loss": self.loss,
+            "submissions": self.submissions,
+            "last_round": self.last_round,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
+
+
+class WorkerRegistry:
+    """Live workers by id. Mutated only from the server's event loop thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+        self.deaths = 0
+        self.registrations = 0
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __iter__(self) -> Iterator[WorkerInfo]:
+        return iter(list(self._workers.values()))
+
+    def ids(self) -> set[str]:
+        return set(self._workers)
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def add(self, worker_id: str, hostname: str, info: dict[str, Any]) -> tuple[WorkerInfo, bool]:
+        """Register (or refresh) a worker. Returns the record and whether it is new."""
+        now = self._clock()
+        existing = self._workers.get(worker_id)
+        if existing is not None:
+            existing.last_seen = now
+            existing.hostname = hostname
+            existing.info = info
+            return existing, False
+        record = WorkerInfo(worker_id, hostname, now, now, info)
+        self._workers[worker_id] = record
+        self.registrations += 1
+        return record, True
+
+    def touch(self, worker_id: str) -> WorkerInfo | None:
+        record = self._workers.get(worker_id)
+        if record is not None:
+            record.last_seen = self._clock()
+        return record
+
+    def remove(self, worker_id: str, *, died: bool) -> WorkerInfo | None:
+        record = self._workers.pop(worker_id, None)
+        if record is not None and died:
+            self.deaths += 1
+        return record
+
+    def public(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        return [w.public(now) for w in self._workers.values()]

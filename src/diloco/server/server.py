@@ -1,0 +1,158 @@
+"""DiLoCoServer: the coordinator and its HTTP app on an event loop, in the foreground or a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+from aiohttp import web
+
+from diloco.server.app import build_app
+from diloco.server.config import ServerConfig
+from diloco.server.coordinator import OptimizerFactory, SyncCoordinator
+from diloco.server.initial import load_initial_params
+from diloco.server.params import ParamStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class DiLoCoServer:
+    """A synchronous DiLoCo parameter server.
+
+    >>> server = DiLoCoServer(ServerConfig(port=0, num_workers=2))
+    >>> server.start(); server.address  # doctest: +SKIP
+    '127.0.0.1:40123'
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        *,
+        initial_params: dict[str, torch.Tensor] | None = None,
+        outer_optimizer_factory: OptimizerFactory | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        if initial_params is None and self.config.initial_params:
+            initial_params = load_initial_params(self.config.initial_params)
+        store = ParamStore.from_tensors(initial_params) if initial_params is not None else None
+        self.coordinator = SyncCoordinator(self.config, store, outer_optimizer_factory)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopped: asyncio.Event | None = None
+        self._port: int | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def _serve(self, ready: threading.Event | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        app = build_app(self.coordinator, self.config.token)
+        # Handlers are not cancelled when a client disconnects: an upload being added to the
+        # round's sum must finish, and long polls end by themselves within poll_timeout.
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self._port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("diloco server listening on %s (waiting for %d workers)", self.address, self.config.num_workers)
+        if ready is not None:
+            ready.set()
+        try:
+            await self._stopped.wait()
+        finally:
+            await self._runner.cleanup()
+
+    def start(self, timeout: float = 30.0) -> DiLoCoServer:
+        """Serve from a background thread; returns once the socket is bound."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                asyncio.run(self._serve(ready))
+            except BaseException as exc:  # surfaced to start()'s caller
+                failure.append(exc)
+                ready.set()
+
+        self._thread = threading.Thread(target=main, name="diloco-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError("server did not start in time")
+        if failure:
+            raise failure[0]
+        return self
+
+    def run(self) -> None:
+        """Serve in the foreground until SIGINT or SIGTERM."""
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            stopped = self._stopped = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stopped.set)
+            await self._serve()
+
+        asyncio.run(main())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is None or self._stopped is None:
+            return
+        self._loop.call_soon_threadsafe(self._stopped.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> DiLoCoServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- inspection (thread-safe) -------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        if self._loop is None:
+            raise RuntimeError("server not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def status(self) -> dict[str, Any]:
+        async def get() -> dict[str, Any]:
+            return self.coordinator.status()
+
+        return self._call(get())
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """fp32 copies of the current global parameters."""
+
+        async def get() -> dict[str, torch.Tensor]:
+            store = self.coordinator.require_store()
+            snap = await store.open_snapshot()
+            try:
+                return store.copy_out()
+            finally:
+                store.close_snapshot(snap)
+
+        return self._call(get())

@@ -1,0 +1,115 @@
+"""Streaming decoder: a bounded header read, then payload bytes copied into preallocated memory.
+
+Readers are duck-typed so the same checks serve the server (aiohttp's StreamReader) and the
+client (a urllib3 response). The caller validates the layout against its own table between
+``read_layout`` and reading the payload, so no payload byte is accepted for a bad header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from diloco.wire.layout import MAX_HEADER_BYTES, PREFIX, Layout, WireError, header_length, parse_header
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def tensor_views(layout: Layout, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views into a flat uint8 payload tensor, one per header entry (no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for spec, (begin, end) in zip(layout.specs, layout.offsets, strict=True):
+        raw = payload[begin:end]
+        if begin % spec.itemsize:  # a foreign writer packed it unaligned: copy this one tensor
+            raw = raw.clone()
+        out[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
+    return out
+
+
+# --- blocking readers (worker side) -----------------------------------------------------------
+
+
+def read_exact(read: Callable[[int], bytes], n: int) -> bytes:
+    parts: list[bytes] = []
+    remaining = n
+    while remaining:
+        part = read(remaining)
+        if not part:
+            raise WireError("truncated", f"body ended {remaining} bytes early")
+        parts.append(part)
+        remaining -= len(part)
+    return b"".join(parts)
+
+
+def read_layout(read: Callable[[int], bytes], max_header: int = MAX_HEADER_BYTES) -> Layout:
+    n = header_length(read_exact(read, PREFIX.size), max_header)
+    return parse_header(read_exact(read, n))
+
+
+def read_payload(read: Callable[[int], bytes], dest: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Fill ``dest`` exactly, then insist the body ends there."""
+    pos, size = 0, len(dest)
+    while pos < size:
+        part = read(min(chunk_bytes, size - pos))
+        if not part:
+            raise WireError("truncated", f"body ended {size - pos} bytes early")
+        dest[pos : pos + len(part)] = part
+        pos += len(part)
+    if read(1):
+        raise WireError("trailing_bytes", "body continues past the last tensor")
+
+
+# --- asyncio readers (server side) ------------------------------------------------------------
+
+
+class AsyncStream(Protocol):
+    async def read(self, n: int = -1) -> bytes: ...
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+async def aread_exact(stream: AsyncStream, n: int) -> bytes:
+    parts: list[bytes] = []
+    remaining = n
+    while remaining:
+        part = await stream.read(remaining)
+        if not part:
+            raise WireError("truncated", f"body ended {remaining} bytes early")
+        parts.append(part)
+        remaining -= len(part)
+    return b"".join(parts)
+
+
+async def aread_layout(stream: AsyncStream, max_header: int = MAX_HEADER_BYTES) -> Layout:
+    n = header_length(await aread_exact(stream, PREFIX.size), max_header)
+    return parse_header(await aread_exact(stream, n))
+
+
+async def aread_payload(stream: AsyncStream, dest: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+    pos, size = 0, len(dest)
+    while pos < size:
+        part = await stream.read(min(chunk_bytes, size - pos))
+        if not part:
+            raise WireError("truncated", f"body ended {size - pos} bytes early")
+        dest[pos : pos + len(part)] = part
+        pos += len(part)
+    if await stream.read(1):
+        raise WireError("trailing_bytes", "body continues past the last tensor")
+
+
+def decode(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[Layout, dict[str, torch.Tensor]]:
+    """Decode a whole in-memory body (small messages and tests). Returns owned tensors."""
+    view = memoryview(data)
+    pos = 0
+
+    def read(n: int) -> bytes:
+        nonlocal pos
+        part = bytes(view[pos : pos + n])
+        pos += len(part)
+        return part
+
+    layout = read_layout(read, max_header)
+    payload = torch.empty(layout.payload_size, dtype=torch.uint8)
+    read_payload(read, memoryview(payload.numpy()) if layout.payload_size else memoryview(bytearray()))
+    return layout, tensor_views(layout, payload)

@@ -1,0 +1,48 @@
+"""Streaming encoder: the header, then each tensor's own memory, chunk by chunk, never copied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from diloco.wire.layout import Layout, TensorSpec, WireError, build_layout, spec_of
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor's memory (bf16 included; no copy)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def chunks(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
+
+
+def iter_body(
+    layout: Layout,
+    produce: Callable[[TensorSpec], torch.Tensor],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[memoryview | bytes]:
+    """Yield a whole body. ``produce(spec)`` returns that tensor when it is about to be sent, so
+    a caller can compute each tensor (a pseudo-gradient, a bf16 cast) just in time and hold only
+    one of them at once."""
+    yield layout.header
+    for spec in layout.specs:
+        tensor = produce(spec)
+        if spec_of(spec.name, tensor) != spec:
+            raise WireError("internal", f"tensor {spec.name!r} does not match its header entry")
+        yield from chunks(byte_view(tensor.contiguous()), chunk_bytes)
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Whole body as bytes. For small messages and tests; large ones use iter_body."""
+    layout = build_layout([spec_of(n, t) for n, t in tensors.items()], metadata)
+    return b"".join(bytes(c) for c in iter_body(layout, lambda s: tensors[s.name].detach().cpu()))

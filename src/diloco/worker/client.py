@@ -1,0 +1,293 @@
+"""DiLoCoClient: the worker's side of the HTTP protocol, with timeouts and retries on every call."""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import torch
+
+from diloco.wire import Layout, TensorSpec, WireError, build_layout, iter_body, read_layout, read_payload, spec_of
+from diloco.wire.decode import tensor_views
+
+log = logging.getLogger(__name__)
+
+
+class ServerError(Exception):
+    """The server answered with an error status. ``code`` and ``body`` are its JSON reply."""
+
+    def __init__(self, status: int, body: Mapping[str, Any]) -> None:
+        self.status = status
+        self.body = dict(body)
+        self.code = str(body.get("error", "http_error"))
+        self.detail = str(body.get("detail", ""))
+        super().__init__(f"HTTP {status} {self.code}: {self.detail}")
+
+
+class UnknownWorker(ServerError):
+    """410: the server does not know this worker (evicted, or restarted); register again."""
+
+
+class Conflict(ServerError):
+    """409: the submission does not fit the current round; ``body['action']`` says what to do."""
+
+
+class Unreachable(Exception):
+    """The server could not be reached after every retry."""
+
+
+@dataclass(frozen=True)
+class Download:
+    round: int
+    instance: str
+    layout: Layout
+    nbytes: int
+
+
+def _error_for(status: int, body: Mapping[str, Any]) -> ServerError:
+    if status == 410:
+        return UnknownWorker(status, body)
+    if status == 409:
+        return Conflict(status, body)
+    return ServerError(status, body)
+
+
+# Statuses worth retrying: the server is up but cannot answer usefully yet.
+RETRY_STATUSES = frozenset({502, 503, 504})
+NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+
+
+class DiLoCoClient:
+    """Blocking client for one DiLoCo server.
+
+    Every call has a ``(connect, read)`` timeout. Network failures and 502/503/504 are retried
+    with exponential backoff and jitter, ``retries`` times; then ``Unreachable`` is raised.
+    Error replies raise ``ServerError`` (``UnknownWorker`` for 410, ``Conflict`` for 409).
+    """
+
+    def __init__(
+        self,
+        server_addr: str,
+        *,
+        token: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        retries: int = 5,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        verify: bool | str = True,
+    ) -> None:
+        if "://" not in server_addr:
+            server_addr = f"http://{server_addr}"
+        self.base_url = server_addr.rstrip("/")
+        self.timeout = (connect_timeout, read_timeout)
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._verify = verify
+        self._token = token
+        # One session per thread: requests.Session is not documented as thread-safe, and a
+        # heartbeat must not wait behind a long poll.
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self.retry_count = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._rng = random.Random()
+
+    @property
+    def _session(self) -> requests.Session:
+        session: requests.Session | None = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            session.verify = self._verify
+            session.trust_env = False  # an environment proxy must not see tensors or tokens
+            if self._token:
+                session.headers["Authorization"] = f"Bearer {self._token}"
+            self._local.session = session
+            self._sessions.append(session)
+        return session
+
+    def close(self) -> None:
+        for session in self._sessions:
+            session.close()
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    def _sleep_before(self, attempt: int) -> None:
+        delay = min(self.max_backoff, self.backoff * 2**attempt)
+        time.sleep(delay * (0.5 + self._rng.random() / 2))
+
+    def _with_retries(self, what: str, call: Callable[[], Any]) -> Any:
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.retry_count += 1
+                self._sleep_before(attempt - 1)
+            try:
+                return call()
+            except NETWORK_ERRORS as exc:
+                last = exc
+                log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, self.retries + 1, exc)
+            except ServerError as exc:
+                if exc.status not in RETRY_STATUSES:
+                    raise
+                last = exc
+                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, self.retries + 1, exc)
+            except WireError as exc:
+                if exc.code != "truncated":
+                    raise
+                last = exc  # the connection dropped mid-body
+                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, self.retries + 1, exc)
+        raise Unreachable(f"{what}: {self.base_url} unreachable after {self.retries + 1} attempts: {last}") from last
+
+    @staticmethod
+    def _json_or_raise(resp: requests.Response) -> dict[str, Any]:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"error": "bad_reply", "detail": resp.text[:200]}
+        if not isinstance(body, dict):
+            body = {"error": "bad_reply", "detail": str(body)[:200]}
+        if resp.status_code >= 400:
+            raise _error_for(resp.status_code, body)
+        return body
+
+    def _json(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            resp = self._session.request(
+                method, self.base_url + path, json=body, params=params or None, timeout=self.timeout
+            )
+            return self._json_or_raise(resp)
+
+        return self._with_retries(f"{method} {path}", call)
+
+    # --- JSON endpoints -----------------------------------------------------------------------
+
+    def register(
+        self,
+        worker_id: str | None = None,
+        *,
+        hostname: str | None = None,
+        info: dict[str, Any] | None = None,
+        last_submission_id: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"hostname": hostname or socket.gethostname(), "info": info or {}}
+        if worker_id:
+            body["worker_id"] = worker_id
+        if last_submission_id:
+            body["last_submission_id"] = last_submission_id
+        return self._json("POST", "/register", body)
+
+    def heartbeat(self, worker_id: str, *, steps_per_second: float | None = None, loss: float | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"worker_id": worker_id}
+        if steps_per_second is not None:
+            body["steps_per_second"] = steps_per_second
+        if loss is not None:
+            body["loss"] = loss
+        return self._json("POST", "/heartbeat", body)
+
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self._json("POST", "/deregister", {"worker_id": worker_id})
+
+    def status(self) -> dict[str, Any]:
+        return self._json("GET", "/status")
+
+    # --- tensor endpoints ---------------------------------------------------------------------
+
+    def _post_tensors(self, what: str, path: str, layout: Layout, produce: Callable[[TensorSpec], torch.Tensor], **params: Any) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            # A generator body goes out with chunked transfer encoding and no Content-Length.
+            body: Iterator[memoryview | bytes] = iter_body(layout, produce)
+            resp = self._session.post(
+                self.base_url + path,
+                data=body,
+                params=params or None,
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=self.timeout,
+            )
+            reply = self._json_or_raise(resp)
+            self.bytes_up += layout.total_size
+            return reply
+
+        return self._with_retries(what, call)
+
+    def submit_pseudogradients(
+        self,
+        worker_id: str,
+        base_round: int,
+        submission_id: str,
+        specs: list[TensorSpec],
+        produce: Callable[[TensorSpec], torch.Tensor],
+        *,
+        weight: float = 1.0,
+    ) -> dict[str, Any]:
+        """Stream a pseudo-gradient computed tensor by tensor by ``produce``. A retry resends
+        the same submission id, so the server counts it at most once."""
+        meta = {
+            "worker_id": worker_id,
+            "base_round": str(base_round),
+            "submission_id": submission_id,
+            "weight": repr(float(weight)),
+            "codec": "raw",
+        }
+        layout = build_layout(specs, meta)
+        return self._post_tensors("submit", "/submit_pseudograd", layout, produce)
+
+    def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        layout = build_layout([spec_of(n, t) for n, t in tensors.items()], {"worker_id": worker_id})
+        return self._post_tensors(
+            "initial params", "/initial_params", layout, lambda s: tensors[s.name].detach().cpu(), worker_id=worker_id
+        )
+
+    def download(
+        self,
+        into: Callable[[Layout], memoryview],
+        *,
+        min_round: int = 0,
+        worker_id: str | None = None,
+    ) -> Download | None:
+        """Stream the global parameters into the memory ``into(layout)`` returns (after the
+        caller checked the layout). None when the server's long poll ended before ``min_round``."""
+        params: dict[str, Any] = {"min_round": min_round}
+        if worker_id:
+            params["worker_id"] = worker_id
+
+        def call() -> Download | None:
+            resp = self._session.get(self.base_url + "/global_params", params=params, timeout=self.timeout, stream=True)
+            try:
+                if resp.status_code != 200 or "json" in resp.headers.get("Content-Type", ""):
+                    body = self._json_or_raise(resp)
+                    if resp.status_code == 202:
+                        return None
+                    raise ServerError(resp.status_code, body)
+                read = resp.raw.read
+                layout = read_layout(read)
+                read_payload(read, into(layout))
+            finally:
+                resp.close()
+            meta = layout.metadata
+            self.bytes_down += layout.total_size
+            return Download(int(meta.get("round", "0")), meta.get("instance", ""), layout, layout.total_size)
+
+        return self._with_retries("download", call)
+
+    def get_global_params(self, *, min_round: int = 0, worker_id: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """Convenience: download into fresh tensors. Returns (round, name -> tensor)."""
+        holder: dict[str, torch.Tensor] = {}
+
+        def into(layout: Layout) -> memoryview:
+            holder["payload"] = torch.empty(layout.payload_size, dtype=torch.uint8)
+            return memoryview(holder["payload"].numpy())
+
+        while True:
+            got = self.download(into, min_round=min_round, worker_id=worker_id)
+            if got is not None:
+                return got.round, tensor_views(got.layout, holder["payload"])

@@ -1,0 +1,119 @@
+"""Worker settings, and the ``DILOCO_*`` environment variables ``diloco worker`` sets for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    server_addr: str = "127.0.0.1:8512"
+    """``host:port`` (or a full http:// or https:// URL) of the server."""
+
+    sync_every: int = 500
+    """Inner optimizer steps between syncs (H in the paper)."""
+
+    bf16_comm: bool = True
+    """Send pseudo-gradients as bfloat16 (half the bytes; the sum stays fp32 on the server)."""
+
+    worker_id: str | None = None
+    """Stable id; the server makes one up when None."""
+
+    token: str | None = None
+    """Bearer token the server requires, if any."""
+
+    heartbeat_interval: float = 30.0
+    """Seconds between heartbeats (0 disables them)."""
+
+    connect_timeout: float = 10.0
+    """TCP connect timeout of every request, seconds."""
+
+    read_timeout: float = 120.0
+    """Read timeout of every request; must exceed the server's poll_timeout."""
+
+    retries: int = 5
+    """Retries of a failed request (exponential backoff with jitter) before giving up on a sync;
+    training then goes on locally and the next sync tries again."""
+
+    max_barrier_wait: float = 3600.0
+    """Longest a worker waits for a round to close before it rebases and trains on."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        for name in ("heartbeat_interval", "connect_timeout", "read_timeout", "max_barrier_wait"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite non-negative number, got {value}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+
+
+ENV_PREFIX = "DILOCO_"
+_ENV_FIELDS = {f"{ENV_PREFIX}{f.name.upper()}": f for f in dataclasses.fields(WorkerSettings)}
+_ENV_FIELDS[f"{ENV_PREFIX}SERVER"] = _ENV_FIELDS.pop(f"{ENV_PREFIX}SERVER_ADDR")
+#: Variables read by other parts of diloco, not by the worker.
+_OTHER_VARS = frozenset({f"{ENV_PREFIX}LOG_LEVEL"})
+
+
+def _parse(name: str, kind: Any, raw: str) -> Any:
+    if kind in (bool, "bool"):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+    if kind in (int, "int"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if kind in (float, "float"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+    return raw or None
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Settings named by ``DILOCO_*`` variables. An unknown ``DILOCO_*`` name is an error, so a
+    typo does not silently fall back to a default."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _OTHER_VARS:
+            continue
+        field = _ENV_FIELDS.get(name)
+        if field is None:
+            known = ", ".join(sorted(_ENV_FIELDS))
+            raise ValueError(f"unknown environment variable {name}; known: {known}")
+        kind = field.type.replace(" | None", "") if isinstance(field.type, str) else field.type
+        out[field.name] = _parse(name, kind, raw)
+    return out
+
+
+def resolve(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> WorkerSettings:
+    """Explicit arguments win over ``DILOCO_*`` variables, which win over defaults."""
+    merged = env_overrides(environ)
+    merged.update({k: v for k, v in explicit.items() if v is not None})
+    return WorkerSettings(**merged)
+
+
+def to_env(settings: WorkerSettings) -> dict[str, str]:
+    """The variables that make ``resolve({})`` in a child process give back ``settings``."""
+    out: dict[str, str] = {}
+    for name, field in _ENV_FIELDS.items():
+        value = getattr(settings, field.name)
+        if value is None:
+            continue
+        out[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return out

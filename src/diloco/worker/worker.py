@@ -1,0 +1,416 @@
+"""DiLoCoWorker: wraps any training loop through an optimizer post-step hook.
+
+Memory: besides the model, the worker keeps one fp32 snapshot of the global parameters, laid
+out exactly like the server's download body so new parameters are read straight into it.
+Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists.
+
+Failure handling follows one rule: local progress ``local - snapshot`` is never thrown away.
+Before new parameters are downloaded into the snapshot, the model holds its progress; once they
+arrive, the progress is either dropped (the server counted it) or added back (it did not).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diloco.core import adopt_, pseudo_gradient, rebase_, to_progress_
+from diloco.wire import Layout, TensorSpec, WireError, check_against, tensor_views
+from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
+from diloco.worker.settings import WorkerSettings, resolve
+
+log = logging.getLogger(__name__)
+
+
+class DiLoCoWorker:
+    """Join a DiLoCo run from any training loop.
+
+    >>> with DiLoCoWorker(model, optimizer, "10.0.0.5:8512", sync_every=500) as w:  # doctest: +SKIP
+    ...     for batch in data:
+    ...         loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+    ...         w.report(loss=loss.item(), samples=len(batch))
+
+    Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
+    (see ``WorkerSettings``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        server_addr: str | None = None,
+        sync_every: int | None = None,
+        bf16_comm: bool | None = None,
+        worker_id: str | None = None,
+        *,
+        token: str | None = None,
+        heartbeat_interval: float | None = None,
+        retries: int | None = None,
+        read_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        max_barrier_wait: float | None = None,
+        client: DiLoCoClient | None = None,
+    ) -> None:
+        self.settings: WorkerSettings = resolve(
+            {
+                "server_addr": server_addr,
+                "sync_every": sync_every,
+                "bf16_comm": bf16_comm,
+                "worker_id": worker_id,
+                "token": token,
+                "heartbeat_interval": heartbeat_interval,
+                "retries": retries,
+                "read_timeout": read_timeout,
+                "connect_timeout": connect_timeout,
+                "max_barrier_wait": max_barrier_wait,
+            }
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.sync_every = self.settings.sync_every
+        self.worker_id: str | None = self.settings.worker_id
+        self.client = client or DiLoCoClient(
+            self.settings.server_addr,
+            token=self.settings.token,
+            connect_timeout=self.settings.connect_timeout,
+            read_timeout=self.settings.read_timeout,
+            retries=self.settings.retries,
+        )
+        self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        if not self._params:
+            raise ValueError("the model has no parameters to synchronise")
+        self._comm_dtype = "BF16" if self.settings.bf16_comm else "F32"
+        self._device = next(iter(self._params.values())).device
+        self._snapshot_payload: torch.Tensor | None = None
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._snapshot_layout: Layout | None = None
+        self.base_round = 0
+        self.instance = ""
+        self.local_step = 0
+        self.total_steps = 0
+        self._samples = 0.0
+        self._last_submission: str | None = None
+        self._hook: Any = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._need_rejoin = threading.Event()
+        self._loss: float | None = None
+        self._speed_mark = (time.monotonic(), 0, 0.0)  # time, total steps, stall seconds
+        self._started = False
+        self._holds_progress = False  # the model holds local - snapshot, not parameters
+        self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
+        self.metrics: dict[str, float] = {
+            "rounds": 0,
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "sync_time_s": 0.0,
+            "stall_time_s": 0.0,
+            "barrier_wait_s": 0.0,
+            "retries": 0,
+            "reconnections": 0,
+            "rebases": 0,
+            "failed_syncs": 0,
+            "refused_submissions": 0,
+        }
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> DiLoCoWorker:
+        if self._started:
+            raise RuntimeError("worker already started")
+        self._join(initial=True)
+        self._hook = self.optimizer.register_step_post_hook(self._post_step)
+        self._started = True
+        if self.settings.heartbeat_interval > 0:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="diloco-heartbeat", daemon=True)
+            self._hb_thread.start()
+        return self
+
+    def stop(self, *, submit: bool = True) -> None:
+        """Send the remaining local steps (when ``submit``), then leave the run."""
+        if not self._started:
+            return
+        self._started = False
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        assert self.worker_id is not None
+        try:
+            if submit and self.local_step > 0:
+                self._final_submit()
+            self.client.deregister(self.worker_id)
+        except (Unreachable, ServerError) as exc:
+            log.warning("worker %s: could not leave cleanly: %s", self.worker_id, exc)
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> DiLoCoWorker:
+        return self.start()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # After a crash in the training loop the local state may be garbage: do not send it.
+        self.stop(submit=exc_type is None)
+
+    # --- what the training loop calls -----------------------------------------------------------
+
+    def report(self, *, loss: float | None = None, samples: float | None = None) -> None:
+        """Tell the worker the latest loss (shown by the server) and the samples or tokens just
+        trained on (the weight of the next submission when the server weights by samples)."""
+        if loss is not None:
+            self._loss = float(loss)
+        if samples is not None:
+            if samples < 0:
+                raise ValueError("samples must be >= 0")
+            self._samples += samples
+
+    def force_sync(self) -> None:
+        """Sync now, whatever the step count (a no-op when no step was taken since the last)."""
+        if self.local_step > 0:
+            self._sync()
+
+    @property
+    def sync_metrics(self) -> dict[str, float]:
+        out = dict(self.metrics)
+        out["retries"] = self.client.retry_count
+        out["bytes_up"] = self.client.bytes_up
+        out["bytes_down"] = self.client.bytes_down
+        out["local_step"] = self.local_step
+        out["total_steps"] = self.total_steps
+        out["round"] = self.base_round
+        return out
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.local_step += 1
+        self.total_steps += 1
+        if self.local_step >= self.sync_every or self._need_rejoin.is_set():
+            self._sync()
+
+    # --- snapshot -------------------------------------------------------------------------------
+
+    def _own_table(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in self._params.items()}
+
+    def _into_snapshot(self, layout: Layout) -> memoryview:
+        """Check a download's layout against the model, then hand out the snapshot's memory."""
+        check_against(layout, self._own_table(), ("F32",))
+        if self._snapshot_layout is None or self._snapshot_layout.offsets != layout.offsets or self._snapshot_layout.specs != layout.specs:
+            payload = torch.empty(layout.payload_size, dtype=torch.uint8)
+            if self._device.type == "cuda":
+                payload = payload.pin_memory()  # lets the copies to the GPU run asynchronously
+            self._snapshot_payload = payload
+            self._snapshot = tensor_views(layout, payload)
+            self._snapshot_layout = layout
+        self._snapshot_dirty = True
+        assert self._snapshot_payload is not None
+        return memoryview(self._snapshot_payload.numpy())
+
+    def _download(self, min_round: int, deadline: float | None = None) -> bool:
+        """Long-poll until the global parameters of ``min_round`` or later are in the snapshot.
+        False if ``deadline`` passes first."""
+        t0 = time.monotonic()
+        try:
+            while True:
+                got = self.client.download(self._into_snapshot, min_round=min_round, worker_id=self.worker_id)
+                if got is not None:
+                    self.base_round = got.round
+                    self.instance = got.instance
+                    self._snapshot_dirty = False
+                    return True
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+        finally:
+            self.metrics["barrier_wait_s"] += time.monotonic() - t0
+
+    def _each_param(self, fn: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        with torch.no_grad():
+            for name, p in self._params.items():
+                fn(p.data, self._snapshot[name])
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    # --- joining --------------------------------------------------------------------------------
+
+    def _join(self, *, initial: bool) -> None:
+        """Register (again), seed the server's parameters if it has none, and fetch them.
+
+        On a re-join the model holds its local progress (``to_progress_`` was applied, or is
+        applied here); it is added back unless the server says its last upload is already in
+        the parameters it serves."""
+        reply = self.client.register(
+            self.worker_id,
+            hostname=socket.gethostname(),
+            info={"pid": os.getpid(), "device": str(self._device), "sync_every": self.sync_every},
+            last_submission_id=None if initial else self._last_submission,
+        )
+        self.worker_id = reply["worker_id"]
+        if reply.get("params") is not None:
+            self._check_server_table(reply["params"])
+        if not reply.get("has_params"):
+            try:
+                self.client.upload_initial(self.worker_id, {n: p.detach() for n, p in self._params.items()})
+                log.info("worker %s provided the initial parameters", self.worker_id)
+            except Conflict:
+                pass  # another worker was first
+        if initial:
+            self._download(0)
+            self._each_param(adopt_)
+            log.info("worker %s joined at round %d", self.worker_id, self.base_round)
+            return
+        # Only an upload whose result we never adopted can be inside the model's progress.
+        counted = bool((reply.get("last_submission") or {}).get("in_params"))
+        self._refresh(counted=counted, min_round=0)
+        self._last_submission = None
+        self.metrics["reconnections"] += 1
+        log.info("worker %s re-joined at round %d (last upload %s)", self.worker_id, self.base_round, "counted" if counted else "kept locally")
+
+    def _check_server_table(self, entries: list[Any]) -> None:
+        server = {str(n): tuple(int(d) for d in shape) for n, shape in entries}
+        own = self._own_table()
+        if server != own:
+            missing = sorted(set(own) - set(server))[:3]
+            extra = sorted(set(server) - set(own))[:3]
+            shapes = [n for n in own if n in server and own[n] != server[n]][:3]
+            raise ValueError(
+                "the model does not match the server's parameters: "
+                f"not on server {missing}, not in model {extra}, different shapes {shapes}"
+            )
+
+    # --- syncing --------------------------------------------------------------------------------
+
+    def _specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, self._comm_dtype, tuple(p.shape)) for n, p in self._params.items()]
+
+    def _produce(self, spec: TensorSpec) -> torch.Tensor:
+        return pseudo_gradient(self._snapshot[spec.name], self._params[spec.name].data, spec.torch_dtype)
+
+    def _submit(self, submission_id: str) -> dict[str, Any]:
+        assert self.worker_id is not None
+        weight = self._samples if self._samples > 0 else float(self.local_step)
+        return self.client.submit_pseudogradients(
+            self.worker_id, self.base_round, submission_id, self._specs(), self._produce, weight=weight
+        )
+
+    def _refresh(self, *, counted: bool, min_round: int, deadline: float | None = None) -> bool:
+        """Fetch global parameters of ``min_round`` or later. If ``counted``, the local progress is
+        in them and is dropped; otherwise it is kept on top of them (a rebase)."""
+        if not self._holds_progress:
+            self._each_param(to_progress_)
+            self._holds_progress = True
+        try:
+            if not self._download(min_round, deadline):
+                self._each_param(rebase_)  # the old snapshot is intact: back to local params
+                self._holds_progress = False
+                return False
+        except (Unreachable, ServerError, WireError):
+            if not self._snapshot_dirty:
+                self._each_param(rebase_)
+                self._holds_progress = False
+            raise
+        self._each_param(adopt_ if counted else rebase_)
+        self._holds_progress = False
+        if not counted:
+            self.metrics["rebases"] += 1
+        return True
+
+    def _sync(self) -> None:
+        """Submit, wait for the round, adopt its result. Never raises a network error: failures
+        are retried, logged, counted, and training goes on locally until the next sync."""
+        t0 = time.monotonic()
+        try:
+            self._sync_once()
+        except (Unreachable, ServerError, WireError) as exc:
+            self.metrics["failed_syncs"] += 1
+            log.warning("worker %s: sync failed, training on locally: %s", self.worker_id, exc)
+            if self._holds_progress:
+                self._recover_snapshot()
+        finally:
+            elapsed = time.monotonic() - t0
+            self.metrics["sync_time_s"] += elapsed
+            self.metrics["stall_time_s"] += elapsed
+            self.local_step = 0
+
+    def _recover_snapshot(self) -> None:
+        """A download broke off mid-payload after every retry: the model holds progress and the
+        snapshot is partly overwritten. Nothing is trainable until a full download succeeds."""
+        while True:
+            try:
+                self._refresh(counted=False, min_round=0)
+                return
+            except (Unreachable, ServerError, WireError) as exc:
+                log.error("worker %s: waiting for the server to rebuild the snapshot: %s", self.worker_id, exc)
+
+    def _sync_once(self) -> None:
+        if self._need_rejoin.is_set():
+            self._need_rejoin.clear()
+            self._rejoin()
+            return
+        submission_id = uuid.uuid4().hex
+        try:
+            reply = self._submit(submission_id)
+        except UnknownWorker:
+            self._rejoin()
+            return
+        except Conflict as exc:
+            self.metrics["refused_submissions"] += 1
+            action = exc.body.get("action")
+            log.info("worker %s: submission refused (%s): %s", self.worker_id, exc.code, exc.detail)
+            if action == "rebase":
+                self._refresh(counted=False, min_round=int(exc.body.get("round", 0)))
+            return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
+        self._last_submission = submission_id
+        self._samples = 0.0
+        counted_round = int(reply["round"])
+        deadline = time.monotonic() + self.settings.max_barrier_wait
+        try:
+            if self._refresh(counted=True, min_round=counted_round + 1, deadline=deadline):
+                self.metrics["rounds"] += 1
+                self._last_submission = None
+            else:
+                log.warning("worker %s: round %d did not close within %.0f s", self.worker_id, counted_round, self.settings.max_barrier_wait)
+        except UnknownWorker:
+            self._rejoin()
+
+    def _rejoin(self) -> None:
+        self._join(initial=False)
+
+    def _final_submit(self) -> None:
+        """On exit: hand in the last local steps without waiting for the round to close."""
+        try:
+            self._submit(uuid.uuid4().hex)
+        except (Conflict, UnknownWorker) as exc:
+            log.warning("worker %s: final submission not counted: %s", self.worker_id, exc.detail)
+
+    # --- heartbeats -------------------------------------------------------------------------------
+
+    def _steps_per_second(self) -> float | None:
+        now = time.monotonic()
+        t, steps, stall = self._speed_mark
+        stall_now = self.metrics["stall_time_s"]
+        busy = (now - t) - (stall_now - stall)
+        self._speed_mark = (now, self.total_steps, stall_now)
+        if busy <= 0 or self.total_steps == steps:
+            return None
+        return (self.total_steps - steps) / busy
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.settings.heartbeat_interval):
+            assert self.worker_id is not None
+            try:
+                self.client.heartbeat(self.worker_id, steps_per_second=self._steps_per_second(), loss=self._loss)
+            except UnknownWorker:
+                self._need_rejoin.set()  # the training thread re-joins at its next step
+            except (Unreachable, ServerError) as exc:
+                log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+
