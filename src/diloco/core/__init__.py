@@ -1,7 +1,12 @@
 """Pure tensor maths of DiLoCo: no I/O, no threads, no clocks."""
 
 from diloco.core.accumulate import WeightedSum
-from diloco.core.outer import apply_outer_step, default_outer_optimizer, optimizer_hparams, set_optimizer_hparams
+from diloco.core.outer import (
+    apply_outer_step,
+    default_outer_optimizer,
+    optimizer_hparams,
+    set_optimizer_hparams,
+)
 from diloco.core.pseudo_gradient import adopt_, pseudo_gradient, rebase_, to_progress_
 
 __all__ = [

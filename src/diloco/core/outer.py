@@ -21,7 +21,9 @@ def default_outer_optimizer(
     ``foreach=False``: the multi-tensor path materialises a temporary as large as the whole
     model; the per-tensor path needs only one tensor's worth, which keeps the server's peak
     memory flat."""
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False)
+    return torch.optim.SGD(
+        params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
+    )
 
 
 @torch.no_grad()
@@ -50,7 +52,9 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return out
 
 
-def set_optimizer_hparams(optimizer: torch.optim.Optimizer, lr: float | None = None, momentum: float | None = None) -> None:
+def set_optimizer_hparams(
+    optimizer: torch.optim.Optimizer, lr: float | None = None, momentum: float | None = None
+) -> None:
     for group in optimizer.param_groups:
         if lr is not None:
             group["lr"] = lr

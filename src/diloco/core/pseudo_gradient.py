@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def pseudo_gradient(global_param: torch.Tensor, local_param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pseudo_gradient(
+    global_param: torch.Tensor, local_param: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """``global - local`` computed in fp32 (on the local tensor's device), returned on the CPU in
     ``dtype``. Rounding to bf16 happens once, after the subtraction, so small steps survive."""
     local32 = local_param.detach().to(torch.float32)

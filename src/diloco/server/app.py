@@ -76,12 +76,16 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _str_field(body: dict[str, Any], key: str, *, required: bool = True, limit: int = 256) -> str | None:
+def _str_field(
+    body: dict[str, Any], key: str, *, required: bool = True, limit: int = 256
+) -> str | None:
     value = body.get(key)
     if value is None and not required:
         return None
     if not isinstance(value, str) or not value or len(value) > limit:
-        raise bad_request("bad_field", f"{key!r} must be a non-empty string of at most {limit} characters")
+        raise bad_request(
+            "bad_field", f"{key!r} must be a non-empty string of at most {limit} characters"
+        )
     return value
 
 
@@ -93,7 +97,11 @@ def _max_tensor_body(coord: SyncCoordinator) -> int:
 async def _read_tensor_header(request: web.Request, coord: SyncCoordinator) -> Any:
     limit = _max_tensor_body(coord)
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, "body_too_large", f"body of {request.content_length} bytes exceeds the limit of {limit}")
+        raise ApiError(
+            413,
+            "body_too_large",
+            f"body of {request.content_length} bytes exceeds the limit of {limit}",
+        )
     return await aread_layout(request.content, HEADER_LIMIT)
 
 
@@ -183,7 +191,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def build_app(coordinator: SyncCoordinator, token: str | None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=JSON_LIMIT)
+    app = web.Application(
+        middlewares=[errors_middleware, auth_middleware], client_max_size=JSON_LIMIT
+    )
     app[COORDINATOR] = coordinator
     app[TOKEN] = token
     app.router.add_post("/register", register)

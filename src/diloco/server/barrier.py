@@ -47,7 +47,9 @@ class SyncBarrier:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 1 <= min_workers <= num_workers:
-            raise ValueError(f"min_workers must be in [1, num_workers={num_workers}], got {min_workers}")
+            raise ValueError(
+                f"min_workers must be in [1, num_workers={num_workers}], got {min_workers}"
+            )
         self.num_workers = num_workers
         self.min_workers = min_workers
         self.round = round

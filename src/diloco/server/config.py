@@ -34,7 +34,11 @@ class ServerConfig:
     the first worker to register uploads its own parameters."""
 
     save_dir: str | None = None
-    """Where checkpoints go; None disables saving."""
+    """Where checkpoints go; None disables saving. On start the server resumes from the newest
+    complete checkpoint found here."""
+
+    from_checkpoint: str | None = None
+    """Resume from this checkpoint directory instead (overrides the newest in save_dir)."""
 
     save_every: int = 0
     """Save every N rounds (0: only on shutdown and on request)."""

@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +24,9 @@ from diloco.server.barrier import SyncBarrier, Verdict
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.params import ParamStore, Snapshot
+from diloco.server.persistence import Checkpoint, save_checkpoint
 from diloco.server.registry import WorkerRegistry
-from diloco.wire import Layout, WireError, aread_payload, check_against, tensor_views
+from diloco.wire import Layout, WireError, aread_payload, byte_view, check_against, tensor_views
 from diloco.wire.decode import AsyncStream
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,13 @@ def _meta_weight(meta: dict[str, str]) -> float:
     try:
         weight = float(raw)
     except ValueError:
-        raise bad_request("bad_metadata", f"__metadata__['weight'] must be a number, got {raw!r}") from None
+        raise bad_request(
+            "bad_metadata", f"__metadata__['weight'] must be a number, got {raw!r}"
+        ) from None
     if not (math.isfinite(weight) and weight > 0):
-        raise bad_request("bad_metadata", f"__metadata__['weight'] must be finite and positive, got {raw!r}")
+        raise bad_request(
+            "bad_metadata", f"__metadata__['weight'] must be finite and positive, got {raw!r}"
+        )
     return weight
 
 
@@ -64,7 +70,9 @@ class SyncCoordinator:
         self.config = config
         self.clock = clock
         self.registry = WorkerRegistry(clock)
-        self.barrier = SyncBarrier(config.num_workers, config.min_workers, round=store.round if store else 0)
+        self.barrier = SyncBarrier(
+            config.num_workers, config.min_workers, round=store.round if store else 0
+        )
         self._factory = optimizer_factory or (
             lambda params: default_outer_optimizer(
                 params, config.outer_lr, config.outer_momentum, config.nesterov
@@ -76,6 +84,9 @@ class SyncCoordinator:
         self._tensor_lock = asyncio.Lock()
         self._pool: BufferPool | None = None
         self._initializing = False
+        self._save_task: asyncio.Task[Path | None] | None = None
+        self.last_save: dict[str, Any] | None = None
+        self.resumed_from: str | None = None
         self.started_at = clock()
         self.bytes_in = 0
         self.bytes_out = 0
@@ -95,51 +106,123 @@ class SyncCoordinator:
         self._pool = BufferPool(store.nbytes, self.config.upload_slots)
         self.barrier.round = store.round
 
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Resume from a checkpoint: parameters, outer optimizer state, counters, receipts."""
+        order = ckpt.extra.get("param_order") or list(ckpt.params)
+        if sorted(order) != sorted(ckpt.params):
+            raise ValueError(f"{ckpt.path}: param_order does not match the saved parameters")
+        store = ParamStore.from_tensors({n: ckpt.params[n] for n in order}, round=ckpt.round)
+        self._adopt_store(store)
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(ckpt.optimizer_state)
+        for sid, counted_in in ckpt.extra.get("receipts", []):
+            self.barrier.history[str(sid)] = int(counted_in)
+        self.registry.deaths = int(ckpt.extra.get("worker_deaths", 0))
+        self.resumed_from = str(ckpt.path)
+        log.info("resumed from %s at round %d", ckpt.path, ckpt.round)
+
+    async def save(self) -> Path | None:
+        """Write a checkpoint (off the event loop). None when saving is not configured."""
+        if self.config.save_dir is None or self.store is None:
+            return None
+        store, optimizer = self.store, self.optimizer
+        assert optimizer is not None
+        # Only submissions of closed rounds are in the saved parameters.
+        receipts = [[sid, r] for sid, r in self.barrier.history.items() if r < store.round]
+        extra = {
+            "param_order": [s.name for s in store.specs],
+            "receipts": receipts,
+            "worker_deaths": self.registry.deaths,
+            "instance": store.instance,
+        }
+        # The tensor lock keeps the outer step from changing parameters or momentum mid-write;
+        # uploads and downloads go on meanwhile.
+        async with self._tensor_lock:
+            path = await asyncio.to_thread(
+                save_checkpoint,
+                self.config.save_dir,
+                store.round,
+                store.named(),
+                optimizer.state_dict(),
+                extra,
+                self.config.keep_checkpoints,
+            )
+        self.last_save = {"round": store.round, "path": str(path)}
+        log.info("saved round %d to %s", store.round, path)
+        return path
+
     def require_store(self) -> ParamStore:
         if self.store is None:
             raise ApiError(
-                503, "no_parameters", "the server has no parameters yet; a worker must upload initial parameters"
+                503,
+                "no_parameters",
+                "the server has no parameters yet; a worker must upload initial parameters",
             )
         return self.store
 
-    async def receive_initial(self, layout: Layout, stream: AsyncStream, worker_id: str) -> dict[str, Any]:
+    async def receive_initial(
+        self, layout: Layout, stream: AsyncStream, worker_id: str
+    ) -> dict[str, Any]:
         """The first worker provides the initial parameters when the server was started without."""
         if worker_id not in self.registry:
             raise unknown_worker(worker_id)
         if self.store is not None:
-            raise conflict("already_initialized", "the server already has parameters; download them instead")
+            raise conflict(
+                "already_initialized", "the server already has parameters; download them instead"
+            )
         if layout.total_size > self.config.max_initial_bytes:
-            raise ApiError(413, "body_too_large", f"{layout.total_size} bytes exceed max_initial_bytes")
+            raise ApiError(
+                413, "body_too_large", f"{layout.total_size} bytes exceed max_initial_bytes"
+            )
         for spec in layout.specs:
             if spec.dtype not in ("F32", "BF16", "F16"):
-                raise WireError("bad_dtype", f"parameter {spec.name!r} must be floating point, got {spec.dtype}")
+                raise WireError(
+                    "bad_dtype", f"parameter {spec.name!r} must be floating point, got {spec.dtype}"
+                )
         if not layout.specs:
             raise bad_request("empty", "the initial parameters hold no tensor")
         if self._initializing:
-            raise conflict("already_initialized", "another worker is uploading the initial parameters")
+            raise conflict(
+                "already_initialized", "another worker is uploading the initial parameters"
+            )
         self._initializing = True  # claimed before the first await: one upload wins the race
         try:
             payload = torch.empty(layout.payload_size, dtype=torch.uint8)
-            await aread_payload(stream, memoryview(payload.numpy()))
+            await aread_payload(stream, byte_view(payload))
             tensors = tensor_views(layout, payload)
             bad = await asyncio.to_thread(_first_non_finite, tensors)
             if bad is not None:
-                raise ApiError(422, "non_finite", f"initial parameter {bad!r} has NaN or infinite values")
+                raise ApiError(
+                    422, "non_finite", f"initial parameter {bad!r} has NaN or infinite values"
+                )
             store = await asyncio.to_thread(ParamStore.from_tensors, tensors)
         finally:
             self._initializing = False
         self._adopt_store(store)
         self.bytes_in += layout.total_size
-        log.info("initial parameters from worker %s: %d tensors, %d parameters", worker_id, len(store.specs), store.numel)
+        log.info(
+            "initial parameters from worker %s: %d tensors, %d parameters",
+            worker_id,
+            len(store.specs),
+            store.numel,
+        )
         return {"status": "ok", "round": store.round, "num_params": store.numel}
 
     # --- membership ---------------------------------------------------------------------------
 
-    def register(self, worker_id: str | None, hostname: str, info: dict[str, Any]) -> dict[str, Any]:
+    def register(
+        self, worker_id: str | None, hostname: str, info: dict[str, Any]
+    ) -> dict[str, Any]:
         worker_id = worker_id or f"w-{uuid.uuid4().hex[:10]}"
         record, new = self.registry.add(worker_id, hostname, info)
         self.barrier.on_register(self.registry.ids())
-        log.info("worker %s %s from %s (round %d)", worker_id, "registered" if new else "re-registered", hostname, self.barrier.round)
+        log.info(
+            "worker %s %s from %s (round %d)",
+            worker_id,
+            "registered" if new else "re-registered",
+            hostname,
+            self.barrier.round,
+        )
         self._maybe_close()
         reply: dict[str, Any] = {
             "worker_id": worker_id,
@@ -167,7 +250,9 @@ class SyncCoordinator:
         if self.registry.remove(worker_id, died=died) is None:
             raise unknown_worker(worker_id)
         self.barrier.on_leave(worker_id)
-        log.info("worker %s %s (round %d)", worker_id, "removed" if died else "left", self.barrier.round)
+        log.info(
+            "worker %s %s (round %d)", worker_id, "removed" if died else "left", self.barrier.round
+        )
         self._maybe_close()
         return {"status": "ok", "round": self.barrier.round}
 
@@ -178,7 +263,11 @@ class SyncCoordinator:
         for key in ("steps_per_second", "loss"):
             value = body.get(key)
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                ):
                     raise bad_request("bad_field", f"{key} must be a finite number")
                 setattr(record, key, float(value))
         return {"status": "ok", "round": self.barrier.round}
@@ -191,7 +280,9 @@ class SyncCoordinator:
         worker_id = meta.get("worker_id", "")
         submission_id = meta.get("submission_id", "")
         if not worker_id or not submission_id:
-            raise bad_request("missing_metadata", "header __metadata__ needs worker_id and submission_id")
+            raise bad_request(
+                "missing_metadata", "header __metadata__ needs worker_id and submission_id"
+            )
         base_round = _meta_int(meta, "base_round")
         weight = _meta_weight(meta) if self.config.weighting == "samples" else 1.0
         record = self.registry.touch(worker_id)
@@ -205,12 +296,16 @@ class SyncCoordinator:
         self.barrier.begin_upload(worker_id, submission_id)
         try:
             async with self._pool.take() as buf:
-                await aread_payload(stream, memoryview(buf[: layout.payload_size].numpy()))
+                await aread_payload(stream, byte_view(buf[: layout.payload_size]))
                 views = tensor_views(layout, buf[: layout.payload_size])
                 tensors = [views[s.name] for s in store.specs]
-                bad = await asyncio.to_thread(_first_non_finite, dict(zip(store.table, tensors, strict=True)))
+                bad = await asyncio.to_thread(
+                    _first_non_finite, dict(zip(store.table, tensors, strict=True))
+                )
                 if bad is not None:
-                    raise ApiError(422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values")
+                    raise ApiError(
+                        422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values"
+                    )
                 if self.registry.get(worker_id) is None:
                     raise unknown_worker(worker_id)  # evicted while uploading
                 # From here on the submission counts: record it, then queue the addition on the
@@ -229,7 +324,9 @@ class SyncCoordinator:
         self._maybe_close()
         return {"status": "accepted", "round": base_round, "submission_id": submission_id}
 
-    def _verdict(self, worker_id: str, base_round: int, submission_id: str) -> dict[str, Any] | None:
+    def _verdict(
+        self, worker_id: str, base_round: int, submission_id: str
+    ) -> dict[str, Any] | None:
         """None to accept; the reply for a duplicate; raises 409 for everything else."""
         check = self.barrier.check(worker_id, base_round, submission_id)
         v = check.verdict
@@ -237,7 +334,11 @@ class SyncCoordinator:
             return None
         if v is Verdict.DUPLICATE:
             # Not an error: a retry of an upload that was already counted. Say where it went.
-            return {"status": "duplicate", "round": check.counted_in, "submission_id": submission_id}
+            return {
+                "status": "duplicate",
+                "round": check.counted_in,
+                "submission_id": submission_id,
+            }
         self.rejected += 1
         details = {
             Verdict.STALE: f"computed against round {base_round}, the server is at round {check.round}; rebase onto the current parameters",
@@ -290,7 +391,16 @@ class SyncCoordinator:
         self.round_times.append(now - self._round_started)
         self._round_started = now
         self.barrier.advance(self.registry.ids())
-        log.info("round %d closed: %d contributions (weight %.3g); round %d open", round_, count, total, round_ + 1)
+        log.info(
+            "round %d closed: %d contributions (weight %.3g); round %d open",
+            round_,
+            count,
+            total,
+            round_ + 1,
+        )
+        every = self.config.save_every
+        if every and (round_ + 1) % every == 0:
+            self._save_task = asyncio.get_running_loop().create_task(self.save())
         self._maybe_close()
 
     async def snapshot(self) -> Snapshot:
@@ -322,6 +432,9 @@ class SyncCoordinator:
             "last_round_time_s": round(self.round_times[-1], 4) if self.round_times else None,
             "registrations": self.registry.registrations,
             "worker_deaths": self.registry.deaths,
+            "save_dir": self.config.save_dir,
+            "last_save": self.last_save,
+            "resumed_from": self.resumed_from,
             "workers": self.registry.public(),
         }
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.wire import Layout, TensorSpec, build_layout, tensor_views
+from diloco.wire import Layout, TensorSpec, build_layout, byte_view, tensor_views
 
 
 class _Buffer:
@@ -44,7 +44,9 @@ class Snapshot:
 class ParamStore:
     """Global parameters of one model (fp32, CPU) with their published form."""
 
-    def __init__(self, specs: list[TensorSpec], round: int = 0, instance: str | None = None) -> None:
+    def __init__(
+        self, specs: list[TensorSpec], round: int = 0, instance: str | None = None
+    ) -> None:
         for spec in specs:
             if spec.dtype != "F32":
                 raise ValueError(f"parameter table entries are fp32, {spec.name!r} is {spec.dtype}")
@@ -54,7 +56,9 @@ class ParamStore:
         self.table: dict[str, tuple[int, ...]] = {s.name: s.shape for s in self.specs}
         self.round = round
         self._buffer = _Buffer(torch.zeros(self.layout.payload_size, dtype=torch.uint8))
-        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in self._views(self._buffer)]
+        self.params = [
+            torch.nn.Parameter(t, requires_grad=False) for t in self._views(self._buffer)
+        ]
         self._header = self._make_header()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -69,7 +73,9 @@ class ParamStore:
         specs = []
         for name, t in tensors.items():
             if not t.is_floating_point():
-                raise ValueError(f"parameter {name!r} is {t.dtype}; only floating-point parameters are synced")
+                raise ValueError(
+                    f"parameter {name!r} is {t.dtype}; only floating-point parameters are synced"
+                )
             specs.append(TensorSpec(name, "F32", tuple(t.shape)))
         store = cls(specs, round)
         by_name = store.named()
@@ -107,7 +113,7 @@ class ParamStore:
         await self._idle.wait()
         buf = self._buffer
         buf.readers += 1
-        return Snapshot(self.round, self._header, memoryview(buf.payload.numpy()), buf)
+        return Snapshot(self.round, self._header, byte_view(buf.payload), buf)
 
     @staticmethod
     def close_snapshot(snap: Snapshot) -> None:
@@ -117,7 +123,9 @@ class ParamStore:
         """Wait until the published round reaches ``min_round``. False on timeout."""
         async with self._round_changed:
             try:
-                await asyncio.wait_for(self._round_changed.wait_for(lambda: self.round >= min_round), timeout)
+                await asyncio.wait_for(
+                    self._round_changed.wait_for(lambda: self.round >= min_round), timeout
+                )
             except TimeoutError:
                 return False
         return True

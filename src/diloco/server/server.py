@@ -17,6 +17,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.coordinator import OptimizerFactory, SyncCoordinator
 from diloco.server.initial import load_initial_params
 from diloco.server.params import ParamStore
+from diloco.server.persistence import Checkpoint, latest_checkpoint, load_checkpoint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,15 +39,29 @@ class DiLoCoServer:
         outer_optimizer_factory: OptimizerFactory | None = None,
     ) -> None:
         self.config = config or ServerConfig()
-        if initial_params is None and self.config.initial_params:
+        checkpoint = self._find_checkpoint()
+        if checkpoint is None and initial_params is None and self.config.initial_params:
             initial_params = load_initial_params(self.config.initial_params)
-        store = ParamStore.from_tensors(initial_params) if initial_params is not None else None
+        store = (
+            ParamStore.from_tensors(initial_params)
+            if initial_params is not None and checkpoint is None
+            else None
+        )
         self.coordinator = SyncCoordinator(self.config, store, outer_optimizer_factory)
+        if checkpoint is not None:
+            self.coordinator.restore(checkpoint)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._stopped: asyncio.Event | None = None
         self._port: int | None = None
+
+    def _find_checkpoint(self) -> Checkpoint | None:
+        if self.config.from_checkpoint:
+            return load_checkpoint(self.config.from_checkpoint)
+        if self.config.save_dir:
+            return latest_checkpoint(self.config.save_dir)
+        return None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -61,15 +76,23 @@ class DiLoCoServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
-        server = site._server
-        assert server is not None
-        self._port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("diloco server listening on %s (waiting for %d workers)", self.address, self.config.num_workers)
+        sockets = getattr(site._server, "sockets", None)
+        assert sockets, "the site has no listening socket"
+        self._port = int(sockets[0].getsockname()[1])
+        log.info(
+            "diloco server listening on %s (waiting for %d workers)",
+            self.address,
+            self.config.num_workers,
+        )
         if ready is not None:
             ready.set()
         try:
             await self._stopped.wait()
         finally:
+            try:
+                await self.coordinator.save()
+            except Exception:
+                log.exception("saving on shutdown failed")
             await self._runner.cleanup()
 
     def start(self, timeout: float = 30.0) -> DiLoCoServer:
@@ -143,6 +166,11 @@ class DiLoCoServer:
             return self.coordinator.status()
 
         return self._call(get())
+
+    def save_state(self) -> str | None:
+        """Write a checkpoint now; returns its path (None without a save_dir)."""
+        path = self._call(self.coordinator.save())
+        return str(path) if path is not None else None
 
     def global_params(self) -> dict[str, torch.Tensor]:
         """fp32 copies of the current global parameters."""

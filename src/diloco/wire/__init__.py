@@ -1,6 +1,13 @@
 """Safetensors-layout tensor messages, streamed in both directions."""
 
-from diloco.wire.decode import aread_layout, aread_payload, decode, read_layout, read_payload, tensor_views
+from diloco.wire.decode import (
+    aread_layout,
+    aread_payload,
+    decode,
+    read_layout,
+    read_payload,
+    tensor_views,
+)
 from diloco.wire.encode import byte_view, encode, iter_body
 from diloco.wire.layout import (
     CODE_OF_DTYPE,

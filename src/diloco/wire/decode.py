@@ -12,7 +12,15 @@ from typing import Protocol
 
 import torch
 
-from diloco.wire.layout import MAX_HEADER_BYTES, PREFIX, Layout, WireError, header_length, parse_header
+from diloco.wire.encode import byte_view
+from diloco.wire.layout import (
+    MAX_HEADER_BYTES,
+    PREFIX,
+    Layout,
+    WireError,
+    header_length,
+    parse_header,
+)
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -48,7 +56,9 @@ def read_layout(read: Callable[[int], bytes], max_header: int = MAX_HEADER_BYTES
     return parse_header(read_exact(read, n))
 
 
-def read_payload(read: Callable[[int], bytes], dest: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+def read_payload(
+    read: Callable[[int], bytes], dest: memoryview, chunk_bytes: int = CHUNK_BYTES
+) -> None:
     """Fill ``dest`` exactly, then insist the body ends there."""
     pos, size = 0, len(dest)
     while pos < size:
@@ -86,7 +96,9 @@ async def aread_layout(stream: AsyncStream, max_header: int = MAX_HEADER_BYTES) 
     return parse_header(await aread_exact(stream, n))
 
 
-async def aread_payload(stream: AsyncStream, dest: memoryview, chunk_bytes: int = CHUNK_BYTES) -> None:
+async def aread_payload(
+    stream: AsyncStream, dest: memoryview, chunk_bytes: int = CHUNK_BYTES
+) -> None:
     pos, size = 0, len(dest)
     while pos < size:
         part = await stream.read(min(chunk_bytes, size - pos))
@@ -98,7 +110,9 @@ async def aread_payload(stream: AsyncStream, dest: memoryview, chunk_bytes: int 
         raise WireError("trailing_bytes", "body continues past the last tensor")
 
 
-def decode(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[Layout, dict[str, torch.Tensor]]:
+def decode(
+    data: bytes, max_header: int = MAX_HEADER_BYTES
+) -> tuple[Layout, dict[str, torch.Tensor]]:
     """Decode a whole in-memory body (small messages and tests). Returns owned tensors."""
     view = memoryview(data)
     pos = 0
@@ -111,5 +125,5 @@ def decode(data: bytes, max_header: int = MAX_HEADER_BYTES) -> tuple[Layout, dic
 
     layout = read_layout(read, max_header)
     payload = torch.empty(layout.payload_size, dtype=torch.uint8)
-    read_payload(read, memoryview(payload.numpy()) if layout.payload_size else memoryview(bytearray()))
+    read_payload(read, byte_view(payload))
     return layout, tensor_views(layout, payload)

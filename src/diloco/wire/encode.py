@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -18,7 +19,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()  # numpy arrays export the buffer protocol
+    return memoryview(array).cast("B")
 
 
 def chunks(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:

@@ -119,7 +119,11 @@ def build_layout(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None
         if spec.name == "__metadata__" or spec.name in header:
             raise WireError("bad_name", f"tensor name {spec.name!r} is reserved or repeated")
         end = pos + spec.nbytes
-        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [pos, end]}
+        header[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [pos, end],
+        }
         offsets.append((pos, end))
         pos = end
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -136,7 +140,9 @@ def header_length(prefix: bytes, max_header: int = MAX_HEADER_BYTES) -> int:
     if n < 2:
         raise WireError("bad_header", f"header length {n} is too small for a JSON object")
     if n > max_header:
-        raise WireError("header_too_large", f"header length {n} exceeds the limit of {max_header} bytes", 413)
+        raise WireError(
+            "header_too_large", f"header length {n} exceeds the limit of {max_header} bytes", 413
+        )
     return n
 
 
@@ -159,30 +165,40 @@ def parse_header(raw: bytes) -> Layout:
     if not isinstance(obj, dict):
         raise WireError("bad_header", "header must be a JSON object")
     meta = obj.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
         raise WireError("bad_header", "__metadata__ must map strings to strings")
     entries: list[tuple[int, int, TensorSpec]] = []
     for name, entry in obj.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise WireError("bad_header", f"entry {name!r} must have exactly dtype, shape and data_offsets")
+            raise WireError(
+                "bad_header", f"entry {name!r} must have exactly dtype, shape and data_offsets"
+            )
         dtype = entry["dtype"]
         if dtype not in DTYPE_CODES:
             raise WireError("bad_dtype", f"tensor {name!r} has unsupported dtype {dtype!r}")
         shape, offs = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2:
-            raise WireError("bad_header", f"tensor {name!r}: shape must be a list and data_offsets a pair")
+            raise WireError(
+                "bad_header", f"tensor {name!r}: shape must be a list and data_offsets a pair"
+            )
         spec = TensorSpec(name, dtype, tuple(_as_int(d, f"{name!r} shape") for d in shape))
         begin, end = (_as_int(o, f"{name!r} data_offsets") for o in offs)
         if end - begin != spec.nbytes:
             raise WireError(
-                "bad_header", f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {spec.nbytes}"
+                "bad_header",
+                f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {spec.nbytes}",
             )
         entries.append((begin, end, spec))
     entries.sort(key=lambda e: (e[0], e[1]))
     pos = 0
     for begin, _end, spec in entries:
         if begin != pos:
-            raise WireError("bad_header", f"tensor {spec.name!r} starts at {begin}, expected {pos} (gap or overlap)")
+            raise WireError(
+                "bad_header",
+                f"tensor {spec.name!r} starts at {begin}, expected {pos} (gap or overlap)",
+            )
         pos = _end
     header = PREFIX.pack(len(raw)) + raw
     return Layout(tuple(e[2] for e in entries), tuple((e[0], e[1]) for e in entries), meta, header)
@@ -205,18 +221,23 @@ def check_against(
     for spec in layout.specs:
         expected = table.get(spec.name)
         if expected is None:
-            raise WireError("unknown_tensor", f"tensor {spec.name!r} is not a parameter of the global model")
+            raise WireError(
+                "unknown_tensor", f"tensor {spec.name!r} is not a parameter of the global model"
+            )
         if spec.shape != tuple(expected):
             raise WireError(
-                "shape_mismatch", f"tensor {spec.name!r} has shape {list(spec.shape)}, expected {list(expected)}"
+                "shape_mismatch",
+                f"tensor {spec.name!r} has shape {list(spec.shape)}, expected {list(expected)}",
             )
         if spec.dtype not in allowed:
             raise WireError(
-                "dtype_mismatch", f"tensor {spec.name!r} has dtype {spec.dtype}, expected one of {sorted(allowed)}"
+                "dtype_mismatch",
+                f"tensor {spec.name!r} has dtype {spec.dtype}, expected one of {sorted(allowed)}",
             )
         seen.add(spec.name)
     if require_all and len(seen) != len(table):
         missing = [n for n in table if n not in seen]
         raise WireError(
-            "missing_tensor", f"{len(missing)} parameter(s) missing from the body, first {missing[0]!r}"
+            "missing_tensor",
+            f"{len(missing)} parameter(s) missing from the body, first {missing[0]!r}",
         )

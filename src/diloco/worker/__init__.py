@@ -4,4 +4,12 @@ from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWor
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.worker import DiLoCoWorker
 
-__all__ = ["Conflict", "DiLoCoClient", "DiLoCoWorker", "ServerError", "UnknownWorker", "Unreachable", "WorkerSettings"]
+__all__ = [
+    "Conflict",
+    "DiLoCoClient",
+    "DiLoCoWorker",
+    "ServerError",
+    "UnknownWorker",
+    "Unreachable",
+    "WorkerSettings",
+]

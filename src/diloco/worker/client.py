@@ -7,15 +7,25 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 import torch
 
-from diloco.wire import Layout, TensorSpec, WireError, build_layout, iter_body, read_layout, read_payload, spec_of
+from diloco.wire import (
+    Layout,
+    TensorSpec,
+    WireError,
+    build_layout,
+    iter_body,
+    read_layout,
+    read_payload,
+    spec_of,
+)
 from diloco.wire.decode import tensor_views
+from diloco.wire.encode import byte_view
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +71,11 @@ def _error_for(status: int, body: Mapping[str, Any]) -> ServerError:
 
 # Statuses worth retrying: the server is up but cannot answer usefully yet.
 RETRY_STATUSES = frozenset({502, 503, 504})
-NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+NETWORK_ERRORS = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+)
 
 
 class DiLoCoClient:
@@ -135,7 +149,9 @@ class DiLoCoClient:
                 return call()
             except NETWORK_ERRORS as exc:
                 last = exc
-                log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, self.retries + 1, exc)
+                log.warning(
+                    "%s: attempt %d/%d failed: %s", what, attempt + 1, self.retries + 1, exc
+                )
             except ServerError as exc:
                 if exc.status not in RETRY_STATUSES:
                     raise
@@ -146,7 +162,9 @@ class DiLoCoClient:
                     raise
                 last = exc  # the connection dropped mid-body
                 log.warning("%s: attempt %d/%d: %s", what, attempt + 1, self.retries + 1, exc)
-        raise Unreachable(f"{what}: {self.base_url} unreachable after {self.retries + 1} attempts: {last}") from last
+        raise Unreachable(
+            f"{what}: {self.base_url} unreachable after {self.retries + 1} attempts: {last}"
+        ) from last
 
     @staticmethod
     def _json_or_raise(resp: requests.Response) -> dict[str, Any]:
@@ -160,7 +178,9 @@ class DiLoCoClient:
             raise _error_for(resp.status_code, body)
         return body
 
-    def _json(self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> dict[str, Any]:
+    def _json(
+        self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any
+    ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
             resp = self._session.request(
                 method, self.base_url + path, json=body, params=params or None, timeout=self.timeout
@@ -186,7 +206,9 @@ class DiLoCoClient:
             body["last_submission_id"] = last_submission_id
         return self._json("POST", "/register", body)
 
-    def heartbeat(self, worker_id: str, *, steps_per_second: float | None = None, loss: float | None = None) -> dict[str, Any]:
+    def heartbeat(
+        self, worker_id: str, *, steps_per_second: float | None = None, loss: float | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {"worker_id": worker_id}
         if steps_per_second is not None:
             body["steps_per_second"] = steps_per_second
@@ -202,10 +224,17 @@ class DiLoCoClient:
 
     # --- tensor endpoints ---------------------------------------------------------------------
 
-    def _post_tensors(self, what: str, path: str, layout: Layout, produce: Callable[[TensorSpec], torch.Tensor], **params: Any) -> dict[str, Any]:
+    def _post_tensors(
+        self,
+        what: str,
+        path: str,
+        layout: Layout,
+        produce: Callable[[TensorSpec], torch.Tensor],
+        **params: Any,
+    ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
             # A generator body goes out with chunked transfer encoding and no Content-Length.
-            body: Iterator[memoryview | bytes] = iter_body(layout, produce)
+            body: Any = iter_body(layout, produce)  # requests' stubs do not list memoryview chunks
             resp = self._session.post(
                 self.base_url + path,
                 data=body,
@@ -244,7 +273,11 @@ class DiLoCoClient:
     def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         layout = build_layout([spec_of(n, t) for n, t in tensors.items()], {"worker_id": worker_id})
         return self._post_tensors(
-            "initial params", "/initial_params", layout, lambda s: tensors[s.name].detach().cpu(), worker_id=worker_id
+            "initial params",
+            "/initial_params",
+            layout,
+            lambda s: tensors[s.name].detach().cpu(),
+            worker_id=worker_id,
         )
 
     def download(
@@ -261,7 +294,9 @@ class DiLoCoClient:
             params["worker_id"] = worker_id
 
         def call() -> Download | None:
-            resp = self._session.get(self.base_url + "/global_params", params=params, timeout=self.timeout, stream=True)
+            resp = self._session.get(
+                self.base_url + "/global_params", params=params, timeout=self.timeout, stream=True
+            )
             try:
                 if resp.status_code != 200 or "json" in resp.headers.get("Content-Type", ""):
                     body = self._json_or_raise(resp)
@@ -275,17 +310,21 @@ class DiLoCoClient:
                 resp.close()
             meta = layout.metadata
             self.bytes_down += layout.total_size
-            return Download(int(meta.get("round", "0")), meta.get("instance", ""), layout, layout.total_size)
+            return Download(
+                int(meta.get("round", "0")), meta.get("instance", ""), layout, layout.total_size
+            )
 
         return self._with_retries("download", call)
 
-    def get_global_params(self, *, min_round: int = 0, worker_id: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    def get_global_params(
+        self, *, min_round: int = 0, worker_id: str | None = None
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         """Convenience: download into fresh tensors. Returns (round, name -> tensor)."""
         holder: dict[str, torch.Tensor] = {}
 
         def into(layout: Layout) -> memoryview:
             holder["payload"] = torch.empty(layout.payload_size, dtype=torch.uint8)
-            return memoryview(holder["payload"].numpy())
+            return byte_view(holder["payload"])
 
         while True:
             got = self.download(into, min_round=min_round, worker_id=worker_id)

@@ -101,7 +101,9 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
-def resolve(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> WorkerSettings:
+def resolve(
+    explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> WorkerSettings:
     """Explicit arguments win over ``DILOCO_*`` variables, which win over defaults."""
     merged = env_overrides(environ)
     merged.update({k: v for k, v in explicit.items() if v is not None})

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from diloco.core import adopt_, pseudo_gradient, rebase_, to_progress_
-from diloco.wire import Layout, TensorSpec, WireError, check_against, tensor_views
+from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
 from diloco.worker.settings import WorkerSettings, resolve
 
@@ -130,7 +130,9 @@ class DiLoCoWorker:
         self._hook = self.optimizer.register_step_post_hook(self._post_step)
         self._started = True
         if self.settings.heartbeat_interval > 0:
-            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="diloco-heartbeat", daemon=True)
+            self._hb_thread = threading.Thread(
+                target=self._heartbeat_loop, name="diloco-heartbeat", daemon=True
+            )
             self._hb_thread.start()
         return self
 
@@ -204,7 +206,11 @@ class DiLoCoWorker:
     def _into_snapshot(self, layout: Layout) -> memoryview:
         """Check a download's layout against the model, then hand out the snapshot's memory."""
         check_against(layout, self._own_table(), ("F32",))
-        if self._snapshot_layout is None or self._snapshot_layout.offsets != layout.offsets or self._snapshot_layout.specs != layout.specs:
+        if (
+            self._snapshot_layout is None
+            or self._snapshot_layout.offsets != layout.offsets
+            or self._snapshot_layout.specs != layout.specs
+        ):
             payload = torch.empty(layout.payload_size, dtype=torch.uint8)
             if self._device.type == "cuda":
                 payload = payload.pin_memory()  # lets the copies to the GPU run asynchronously
@@ -213,7 +219,7 @@ class DiLoCoWorker:
             self._snapshot_layout = layout
         self._snapshot_dirty = True
         assert self._snapshot_payload is not None
-        return memoryview(self._snapshot_payload.numpy())
+        return byte_view(self._snapshot_payload)
 
     def _download(self, min_round: int, deadline: float | None = None) -> bool:
         """Long-poll until the global parameters of ``min_round`` or later are in the snapshot.
@@ -221,7 +227,9 @@ class DiLoCoWorker:
         t0 = time.monotonic()
         try:
             while True:
-                got = self.client.download(self._into_snapshot, min_round=min_round, worker_id=self.worker_id)
+                got = self.client.download(
+                    self._into_snapshot, min_round=min_round, worker_id=self.worker_id
+                )
                 if got is not None:
                     self.base_round = got.round
                     self.instance = got.instance
@@ -258,7 +266,9 @@ class DiLoCoWorker:
             self._check_server_table(reply["params"])
         if not reply.get("has_params"):
             try:
-                self.client.upload_initial(self.worker_id, {n: p.detach() for n, p in self._params.items()})
+                self.client.upload_initial(
+                    self.worker_id, {n: p.detach() for n, p in self._params.items()}
+                )
                 log.info("worker %s provided the initial parameters", self.worker_id)
             except Conflict:
                 pass  # another worker was first
@@ -272,7 +282,12 @@ class DiLoCoWorker:
         self._refresh(counted=counted, min_round=0)
         self._last_submission = None
         self.metrics["reconnections"] += 1
-        log.info("worker %s re-joined at round %d (last upload %s)", self.worker_id, self.base_round, "counted" if counted else "kept locally")
+        log.info(
+            "worker %s re-joined at round %d (last upload %s)",
+            self.worker_id,
+            self.base_round,
+            "counted" if counted else "kept locally",
+        )
 
     def _check_server_table(self, entries: list[Any]) -> None:
         server = {str(n): tuple(int(d) for d in shape) for n, shape in entries}
@@ -292,13 +307,20 @@ class DiLoCoWorker:
         return [TensorSpec(n, self._comm_dtype, tuple(p.shape)) for n, p in self._params.items()]
 
     def _produce(self, spec: TensorSpec) -> torch.Tensor:
-        return pseudo_gradient(self._snapshot[spec.name], self._params[spec.name].data, spec.torch_dtype)
+        return pseudo_gradient(
+            self._snapshot[spec.name], self._params[spec.name].data, spec.torch_dtype
+        )
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         assert self.worker_id is not None
         weight = self._samples if self._samples > 0 else float(self.local_step)
         return self.client.submit_pseudogradients(
-            self.worker_id, self.base_round, submission_id, self._specs(), self._produce, weight=weight
+            self.worker_id,
+            self.base_round,
+            submission_id,
+            self._specs(),
+            self._produce,
+            weight=weight,
         )
 
     def _refresh(self, *, counted: bool, min_round: int, deadline: float | None = None) -> bool:
@@ -348,7 +370,11 @@ class DiLoCoWorker:
                 self._refresh(counted=False, min_round=0)
                 return
             except (Unreachable, ServerError, WireError) as exc:
-                log.error("worker %s: waiting for the server to rebuild the snapshot: %s", self.worker_id, exc)
+                log.error(
+                    "worker %s: waiting for the server to rebuild the snapshot: %s",
+                    self.worker_id,
+                    exc,
+                )
 
     def _sync_once(self) -> None:
         if self._need_rejoin.is_set():
@@ -377,7 +403,12 @@ class DiLoCoWorker:
                 self.metrics["rounds"] += 1
                 self._last_submission = None
             else:
-                log.warning("worker %s: round %d did not close within %.0f s", self.worker_id, counted_round, self.settings.max_barrier_wait)
+                log.warning(
+                    "worker %s: round %d did not close within %.0f s",
+                    self.worker_id,
+                    counted_round,
+                    self.settings.max_barrier_wait,
+                )
         except UnknownWorker:
             self._rejoin()
 
@@ -407,10 +438,10 @@ class DiLoCoWorker:
         while not self._hb_stop.wait(self.settings.heartbeat_interval):
             assert self.worker_id is not None
             try:
-                self.client.heartbeat(self.worker_id, steps_per_second=self._steps_per_second(), loss=self._loss)
+                self.client.heartbeat(
+                    self.worker_id, steps_per_second=self._steps_per_second(), loss=self._loss
+                )
             except UnknownWorker:
                 self._need_rejoin.set()  # the training thread re-joins at its next step
             except (Unreachable, ServerError) as exc:
                 log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
-
-

@@ -1,0 +1,5 @@
+import sys
+
+from diloco.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,112 @@
+"""Core maths against values computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.core import (
+    WeightedSum,
+    adopt_,
+    apply_outer_step,
+    default_outer_optimizer,
+    optimizer_hparams,
+    pseudo_gradient,
+    rebase_,
+    set_optimizer_hparams,
+    to_progress_,
+)
+
+
+def test_pseudo_gradient_is_global_minus_local() -> None:
+    g = torch.tensor([1.0, 2.0, -3.0])
+    local = torch.tensor([0.5, 2.5, -3.0])
+    assert pseudo_gradient(g, local, torch.float32).tolist() == [0.5, -0.5, 0.0]
+
+
+def test_pseudo_gradient_rounds_to_bf16_after_subtracting() -> None:
+    # 1000.0 and 1000.0 + 2**-4 are both exactly representable in fp32 but not distinct in bf16;
+    # subtracting first keeps the step 0.0625 exactly.
+    g = torch.tensor([1000.0 + 2**-4])
+    local = torch.tensor([1000.0])
+    pg = pseudo_gradient(g, local, torch.bfloat16)
+    assert pg.dtype == torch.bfloat16
+    assert pg.item() == 0.0625
+    # Rounding each side to bf16 first would have lost it entirely.
+    assert (g.bfloat16() - local.bfloat16()).item() == 0.0
+
+
+def test_progress_rebase_and_adopt() -> None:
+    local = torch.tensor([3.0, 5.0])
+    old_global = torch.tensor([1.0, 1.0])
+    to_progress_(local, old_global)
+    assert local.tolist() == [2.0, 4.0]
+    rebase_(local, torch.tensor([10.0, 20.0]))
+    assert local.tolist() == [12.0, 24.0]
+    adopt_(local, torch.tensor([7.0, 8.0]))
+    assert local.tolist() == [7.0, 8.0]
+
+
+def test_weighted_sum_mean() -> None:
+    acc = WeightedSum([(2,)])
+    acc.add([torch.tensor([1.0, 3.0])], weight=1.0)
+    acc.add([torch.tensor([4.0, 0.0], dtype=torch.bfloat16)], weight=3.0)
+    # (1*[1,3] + 3*[4,0]) / 4 = [13/4, 3/4]
+    (mean,) = acc.mean_()
+    assert mean.tolist() == [3.25, 0.75]
+    assert acc.count == 2
+    acc.reset()
+    assert acc.count == 0 and acc.total_weight == 0.0 and acc.sums[0].tolist() == [0.0, 0.0]
+
+
+def test_weighted_sum_rejects_bad_input() -> None:
+    acc = WeightedSum([(1,)])
+    with pytest.raises(ValueError):
+        acc.add([torch.zeros(1)], weight=0.0)
+    with pytest.raises(ValueError):
+        acc.add([torch.zeros(1), torch.zeros(1)], weight=1.0)
+    with pytest.raises(ValueError):
+        acc.mean_()
+
+
+def test_default_outer_optimizer_is_nesterov_sgd_by_hand() -> None:
+    p = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
+    opt = default_outer_optimizer([p], lr=0.5, momentum=0.9, nesterov=True)
+    # step 1: b = g = 2; update = g + m*b = 2 + 1.8 = 3.8; p = 1 - 0.5*3.8 = -0.9
+    apply_outer_step(opt, [p], [torch.tensor([2.0])])
+    assert p.item() == pytest.approx(-0.9)
+    assert p.grad is None
+    # step 2: b = 0.9*2 + 1 = 2.8; update = 1 + 0.9*2.8 = 3.52; p = -0.9 - 1.76 = -2.66
+    apply_outer_step(opt, [p], [torch.tensor([1.0])])
+    assert p.item() == pytest.approx(-2.66)
+
+
+def test_outer_step_with_plain_sgd_lr_one_is_averaging() -> None:
+    # lr 1, no momentum: the new global is exactly the mean of the workers' local params.
+    p = torch.nn.Parameter(torch.tensor([4.0, 4.0]), requires_grad=False)
+    opt = default_outer_optimizer([p], lr=1.0, momentum=0.0)
+    locals_ = [torch.tensor([2.0, 6.0]), torch.tensor([3.0, 3.0])]
+    mean_pg = sum(p.detach() - local for local in locals_) / 2
+    apply_outer_step(opt, [p], [mean_pg])
+    assert p.tolist() == [2.5, 4.5]
+
+
+def test_outer_step_skips_parameters_without_gradient() -> None:
+    a = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
+    b = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
+    opt = default_outer_optimizer([a, b], lr=1.0, momentum=0.9)
+    apply_outer_step(opt, [a], [torch.tensor([0.5])])
+    assert a.item() == pytest.approx(1.0 - (0.5 + 0.9 * 0.5))
+    assert b.item() == 1.0
+    assert b not in opt.state or "momentum_buffer" not in opt.state[b]
+
+
+def test_hparams_read_and_set() -> None:
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = default_outer_optimizer([p])
+    assert optimizer_hparams(opt) == {"lr": 0.7, "momentum": 0.9}
+    set_optimizer_hparams(opt, lr=0.3, momentum=0.5)
+    assert optimizer_hparams(opt) == {"lr": 0.3, "momentum": 0.5}
+    adam = torch.optim.Adam([p])
+    with pytest.raises(ValueError):
+        set_optimizer_hparams(adam, momentum=0.5)
