@@ -53,10 +53,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     token = request.app[TOKEN]
     if token is not None and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {token}"
+        # aiohttp decodes header bytes with surrogateescape; encode them back the same way.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        expected = f"Bearer {token}".encode()
         # compare_digest: the time taken does not reveal how much of the token matched.
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given, expected):
             return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer ...)")
     return await handler(request)
 
@@ -64,11 +65,16 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 async def read_json(request: web.Request) -> dict[str, Any]:
     if request.content_length is not None and request.content_length > JSON_LIMIT:
         raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
-    raw = await request.content.read(JSON_LIMIT + 1)
+    raw = bytearray()
+    while len(raw) <= JSON_LIMIT:  # read() returns what is buffered: loop to the end or the limit
+        part = await request.content.read(JSON_LIMIT + 1 - len(raw))
+        if not part:
+            break
+        raw += part
     if len(raw) > JSON_LIMIT:
         raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
     try:
-        body = json.loads(raw or b"{}")
+        body = json.loads(bytes(raw) or b"{}")
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise bad_request("bad_json", "the body is not valid JSON") from None
     if not isinstance(body, dict):

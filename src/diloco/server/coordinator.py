@@ -257,19 +257,19 @@ class SyncCoordinator:
         return {"status": "ok", "round": self.barrier.round}
 
     def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        record = self.registry.touch(worker_id)
-        if record is None:
+        if worker_id not in self.registry:
             raise unknown_worker(worker_id)
+        updates = {}
         for key in ("steps_per_second", "loss"):
             value = body.get(key)
             if value is not None:
-                if (
-                    isinstance(value, bool)
-                    or not isinstance(value, (int, float))
-                    or not math.isfinite(value)
-                ):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise bad_request("bad_field", f"{key} must be a finite number")
-                setattr(record, key, float(value))
+                updates[key] = float(value)
+        record = self.registry.touch(worker_id)  # validated first: a rejected request changes nothing
+        assert record is not None
+        for key, value in updates.items():
+            setattr(record, key, value)
         return {"status": "ok", "round": self.barrier.round}
 
     # --- submissions --------------------------------------------------------------------------
@@ -285,7 +285,7 @@ class SyncCoordinator:
             )
         base_round = _meta_int(meta, "base_round")
         weight = _meta_weight(meta) if self.config.weighting == "samples" else 1.0
-        record = self.registry.touch(worker_id)
+        record = self.registry.get(worker_id)
         if record is None:
             raise unknown_worker(worker_id)
         check_against(layout, store.table, UPLOAD_DTYPES)
@@ -317,6 +317,7 @@ class SyncCoordinator:
             self.barrier.abort_upload(worker_id, submission_id)
             self._maybe_close()
             raise
+        self.registry.touch(worker_id)
         record.submissions += 1
         record.last_round = base_round
         record.bytes_in += layout.total_size

@@ -72,7 +72,8 @@ class DiLoCoServer:
         app = build_app(self.coordinator, self.config.token)
         # Handlers are not cancelled when a client disconnects: an upload being added to the
         # round's sum must finish, and long polls end by themselves within poll_timeout.
-        self._runner = web.AppRunner(app, access_log=None)
+        # On shutdown, handlers still running (long polls) get a few seconds, then are cancelled.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
@@ -130,12 +131,16 @@ class DiLoCoServer:
         asyncio.run(main())
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._loop is None or self._stopped is None:
+        """Stop serving (saving first when a save_dir is set). Safe to call twice."""
+        loop, stopped = self._loop, self._stopped
+        if loop is None or stopped is None or loop.is_closed():
             return
-        self._loop.call_soon_threadsafe(self._stopped.set)
+        loop.call_soon_threadsafe(stopped.set)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._loop = None
+        self._stopped = None
 
     def __enter__(self) -> DiLoCoServer:
         return self.start()

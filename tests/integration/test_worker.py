@@ -1,0 +1,167 @@
+"""DiLoCoWorker against a real server: failures never escape optimizer.step(), progress is kept."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 2)
+
+
+def fake_step(model: torch.nn.Module, opt: torch.optim.Optimizer, delta: float) -> None:
+    """An optimizer step with a known effect: SGD lr 1 on a constant gradient ``-delta``."""
+    for p in model.parameters():
+        p.grad = torch.full_like(p, -delta)
+    opt.step()
+    opt.zero_grad()
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fast_client(address: str) -> DiLoCoClient:
+    return DiLoCoClient(address, retries=1, backoff=0.01, connect_timeout=2, read_timeout=10)
+
+
+@pytest.fixture
+def server():
+    srv = DiLoCoServer(ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)).start()
+    yield srv
+    srv.stop()
+
+
+def test_one_worker_with_plain_averaging_adopts_its_own_params(server: DiLoCoServer) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with DiLoCoWorker(model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False) as w:
+        start = params_of(model)
+        fake_step(model, opt, 0.25)
+        fake_step(model, opt, 0.25)  # sync: outer lr 1, no momentum => global = local
+        assert w.sync_metrics["rounds"] == 1
+    got = server.global_params()
+    for name, t in start.items():
+        torch.testing.assert_close(got[name], t + 0.5)
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), t + 0.5)
+
+
+def test_unreachable_server_never_escapes_optimizer_step(server: DiLoCoServer) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    worker = DiLoCoWorker(
+        model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False,
+        client=fast_client(server.address),
+    ).start()
+    start = params_of(model)
+    server.stop()
+    for _ in range(4):
+        fake_step(model, opt, 0.125)  # two syncs fail inside step(); nothing is raised
+    m = worker.sync_metrics
+    assert m["failed_syncs"] == 2
+    assert m["retries"] >= 2
+    assert m["rounds"] == 0
+    # Local progress is intact: four steps of +0.125 on top of the start.
+    for name, t in params_of(model).items():
+        torch.testing.assert_close(t, start[name] + 0.5)
+    worker.stop()  # leaving an unreachable server logs and returns
+
+
+def test_restarted_server_unknown_worker_rejoins_and_rebases(server: DiLoCoServer) -> None:
+    port = server.port
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    worker = DiLoCoWorker(
+        model, opt, server.address, sync_every=3, heartbeat_interval=0, bf16_comm=False,
+        client=fast_client(server.address),
+    ).start()
+    start = params_of(model)
+    fake_step(model, opt, 0.5)
+    fake_step(model, opt, 0.5)
+    server.stop()
+    # A new server with other parameters comes up on the same port and does not know the worker.
+    new_global = {n: torch.full_like(t, 10.0) for n, t in start.items()}
+    with DiLoCoServer(ServerConfig(port=port, num_workers=1, outer_lr=1.0, outer_momentum=0.0), initial_params=new_global):
+        fake_step(model, opt, 0.5)  # sync: 410 -> register -> rebase onto the new parameters
+        m = worker.sync_metrics
+        assert m["reconnections"] == 1 and m["rebases"] == 1 and m["failed_syncs"] == 0
+        # Progress (3 steps of +0.5) kept on top of the new global parameters, not replaced.
+        for name, t in params_of(model).items():
+            torch.testing.assert_close(t, new_global[name] + 1.5)
+        worker.stop()
+
+
+def test_late_joiner_is_refused_then_takes_part_next_round() -> None:
+    cfg = ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)
+    with DiLoCoServer(cfg, initial_params=params_of(make_model())) as srv:
+        first_model, second_model = make_model(), make_model()
+        o1 = torch.optim.SGD(first_model.parameters(), lr=1.0)
+        o2 = torch.optim.SGD(second_model.parameters(), lr=1.0)
+        w1 = DiLoCoWorker(first_model, o1, srv.address, sync_every=2, heartbeat_interval=0, worker_id="a", bf16_comm=False).start()
+        # Round 0 opened with {a}; b joins after it opened.
+        w2 = DiLoCoWorker(second_model, o2, srv.address, sync_every=2, heartbeat_interval=0, worker_id="b", bf16_comm=False).start()
+        assert srv.status()["expected"] == ["a"]
+        fake_step(second_model, o2, 1.0)
+        fake_step(second_model, o2, 1.0)  # b submits to round 0: not expected, keeps training
+        assert w2.sync_metrics["refused_submissions"] == 1
+        assert srv.status()["submitted"] == []
+        fake_step(first_model, o1, 0.25)
+        fake_step(first_model, o1, 0.25)  # a closes round 0 alone
+        status = srv.status()
+        assert status["round"] == 1 and sorted(status["expected"]) == ["a", "b"]
+        done = threading.Event()
+
+        def b_round() -> None:
+            fake_step(second_model, o2, 1.0)
+            fake_step(second_model, o2, 1.0)  # stale (base 0): rebases onto round 1, keeps 4 steps
+            done.set()
+
+        t = threading.Thread(target=b_round)
+        t.start()
+        t.join(30)
+        assert done.is_set()
+        assert w2.sync_metrics["rebases"] == 1
+        g1 = srv.global_params()
+        for name, t0 in params_of(second_model).items():
+            torch.testing.assert_close(t0, g1[name] + 4.0)
+        w1.stop(submit=False)
+        w2.stop(submit=False)
+
+
+def test_model_that_does_not_match_the_server_is_a_clear_error(server: DiLoCoServer) -> None:
+    model = make_model()
+    with DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), server.address, heartbeat_interval=0):
+        pass
+    other = torch.nn.Linear(3, 5)
+    with pytest.raises(ValueError, match="does not match the server"):
+        DiLoCoWorker(other, torch.optim.SGD(other.parameters(), lr=0.1), server.address, heartbeat_interval=0).start()
+
+
+def test_exit_sends_remaining_steps_then_deregisters(server: DiLoCoServer) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    start = params_of(model)
+    with DiLoCoWorker(model, opt, server.address, sync_every=100, heartbeat_interval=0, bf16_comm=False):
+        fake_step(model, opt, 0.5)
+    status = server.status()
+    assert status["workers"] == [] and status["round"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 0.5)
+
+
+def test_env_variables_are_defaults_and_unknown_ones_are_errors(server: DiLoCoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    monkeypatch.setenv("DILOCO_SERVER", server.address)
+    monkeypatch.setenv("DILOCO_SYNC_EVERY", "7")
+    monkeypatch.setenv("DILOCO_BF16_COMM", "0")
+    w = DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), heartbeat_interval=0)
+    assert w.sync_every == 7 and w.settings.bf16_comm is False and w.settings.server_addr == server.address
+    monkeypatch.setenv("DILOCO_SYNC_EVRY", "7")
+    with pytest.raises(ValueError, match="unknown environment variable DILOCO_SYNC_EVRY"):
+        DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,0 +1,66 @@
+"""The diloco command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from diloco import DiLoCoServer, ServerConfig
+from diloco.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def server():
+    import torch
+
+    srv = DiLoCoServer(ServerConfig(port=0, num_workers=2), initial_params={"w": torch.zeros(3)}).start()
+    yield srv
+    srv.stop()
+
+
+def test_status_table_and_json(server: DiLoCoServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from diloco import DiLoCoClient
+
+    DiLoCoClient(server.address).register("alpha", hostname="box1")
+    assert main(["status", "--server", server.address]) == 0
+    out = capsys.readouterr().out
+    assert "round 0" in out and "alpha" in out and "box1" in out and "waiting for workers" in out
+    assert main(["status", "--server", server.address, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["mode"] == "sync" and [w["worker_id"] for w in st["workers"]] == ["alpha"]
+
+
+def test_status_of_a_dead_server_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", "--server", f"127.0.0.1:{port}"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_server_rejects_bad_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["server", "--port", "0", "--num-workers", "2", "--min-workers", "3"]) == 2
+    assert "min_workers" in capsys.readouterr().err
+    assert main(["server", "--port", "0", "--outer-lr", "nan"]) == 2
+
+
+def test_worker_passes_settings_as_environment(capfd: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "worker", "--server", "10.1.2.3:9000", "--sync-every", "9", "--no-bf16", "--worker-id", "abc", "--",
+        sys.executable, "-c",
+        "import os; print(os.environ['DILOCO_SERVER'], os.environ['DILOCO_SYNC_EVERY'], "
+        "os.environ['DILOCO_BF16_COMM'], os.environ['DILOCO_WORKER_ID'])",
+    ])
+    assert code == 0
+    assert capfd.readouterr().out.strip() == "10.1.2.3:9000 9 0 abc"
+
+
+def test_worker_propagates_exit_code_and_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert main(["worker"]) == 2
+    assert "give the training command" in capsys.readouterr().err
+    assert main(["worker", "--", "/nonexistent/trainer"]) == 127
