@@ -66,6 +66,8 @@ class SyncBarrier:
         """Call after a registration with the set of live workers."""
         if not self.opened and len(live) >= self.num_workers:
             self._open(live)
+        # Dynamic join: the expected count grows to fit (a newcomer is expected from the next round).
+        self.num_workers = max(self.num_workers, len(live))
 
     def on_leave(self, worker_id: str) -> None:
         """A worker left (deregistered, evicted, kicked). Its accepted submission stays counted."""

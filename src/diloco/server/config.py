@@ -53,6 +53,14 @@ class ServerConfig:
     """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
     worker reports with its submission)."""
 
+    heartbeat_timeout: float = 120.0
+    """A worker silent for this long is evicted and every barrier re-evaluated (0 disables)."""
+
+    stuck_timeout: float = 1800.0
+    """A worker whose heartbeats say its training loop took no optimizer step for this long
+    (while not syncing) is evicted although its heartbeat thread still runs (0 disables). Raise
+    it if your loop runs long evaluations between steps."""
+
     poll_timeout: float = 30.0
     """Longest a ``GET /global_params?min_round=`` waits before answering 202 (poll again).
     Workers' read timeouts must exceed it."""
@@ -79,6 +87,10 @@ class ServerConfig:
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
+        for name in ("heartbeat_timeout", "stuck_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if not self.poll_timeout > 0:
             raise ValueError("poll_timeout must be positive")
         if self.upload_slots < 1:

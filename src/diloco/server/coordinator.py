@@ -251,7 +251,7 @@ class SyncCoordinator:
             raise unknown_worker(worker_id)
         self.barrier.on_leave(worker_id)
         log.info(
-            "worker %s %s (round %d)", worker_id, "removed" if died else "left", self.barrier.round
+            "worker %s %s (round %d)", worker_id, "evicted" if died else "left", self.barrier.round
         )
         self._maybe_close()
         return {"status": "ok", "round": self.barrier.round}
@@ -259,18 +259,54 @@ class SyncCoordinator:
     def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
         if worker_id not in self.registry:
             raise unknown_worker(worker_id)
-        updates = {}
-        for key in ("steps_per_second", "loss"):
+        updates: dict[str, Any] = {}
+        if "syncing" in body:
+            if not isinstance(body["syncing"], bool):
+                raise bad_request("bad_field", "syncing must be a boolean")
+            updates["syncing"] = body["syncing"]
+        for key in ("steps_per_second", "loss", "step_age_s"):
             value = body.get(key)
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                ):
                     raise bad_request("bad_field", f"{key} must be a finite number")
                 updates[key] = float(value)
-        record = self.registry.touch(worker_id)  # validated first: a rejected request changes nothing
+        record = self.registry.touch(
+            worker_id
+        )  # validated first: a rejected request changes nothing
         assert record is not None
         for key, value in updates.items():
             setattr(record, key, value)
         return {"status": "ok", "round": self.barrier.round}
+
+    def check_health(self) -> list[str]:
+        """Evict silent and stuck workers; returns their ids. Called periodically, and directly
+        by tests with a fake clock."""
+        evicted = []
+        reasons = {}
+        if self.config.heartbeat_timeout > 0:
+            reasons.update(
+                {w: "silent" for w in self.registry.silent(self.config.heartbeat_timeout)}
+            )
+        if self.config.stuck_timeout > 0:
+            reasons.update({w: "stuck" for w in self.registry.stuck(self.config.stuck_timeout)})
+        for worker_id, why in reasons.items():
+            log.warning("evicting worker %s: %s (round %d)", worker_id, why, self.barrier.round)
+            self.deregister(worker_id, died=True)
+            evicted.append(worker_id)
+        return evicted
+
+    async def health_loop(self) -> None:
+        timeouts = [t for t in (self.config.heartbeat_timeout, self.config.stuck_timeout) if t > 0]
+        if not timeouts:
+            return
+        interval = max(0.05, min(timeouts) / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.check_health()
 
     # --- submissions --------------------------------------------------------------------------
 
@@ -433,6 +469,8 @@ class SyncCoordinator:
             "last_round_time_s": round(self.round_times[-1], 4) if self.round_times else None,
             "registrations": self.registry.registrations,
             "worker_deaths": self.registry.deaths,
+            "heartbeat_timeout": self.config.heartbeat_timeout,
+            "stuck_timeout": self.config.stuck_timeout,
             "save_dir": self.config.save_dir,
             "last_save": self.last_save,
             "resumed_from": self.resumed_from,

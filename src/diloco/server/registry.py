@@ -21,6 +21,8 @@ class WorkerInfo:
     last_round: int | None = None
     bytes_in: int = 0
     bytes_out: int = 0
+    step_age_s: float | None = None  # seconds since the worker's last optimizer step, as reported
+    syncing: bool = False
 
     def public(self, now: float) -> dict[str, Any]:
         return {
@@ -34,6 +36,8 @@ class WorkerInfo:
             "last_round": self.last_round,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "step_age_s": self.step_age_s,
+            "syncing": self.syncing,
         }
 
 
@@ -86,6 +90,20 @@ class WorkerRegistry:
         if record is not None and died:
             self.deaths += 1
         return record
+
+    def silent(self, timeout: float) -> list[str]:
+        """Workers not heard from for longer than ``timeout`` seconds."""
+        now = self._clock()
+        return [w.worker_id for w in self._workers.values() if now - w.last_seen > timeout]
+
+    def stuck(self, timeout: float) -> list[str]:
+        """Workers whose training loop reported no optimizer step for ``timeout`` seconds while
+        not blocked in a sync (a hung loop whose heartbeat thread still runs)."""
+        return [
+            w.worker_id
+            for w in self._workers.values()
+            if w.step_age_s is not None and not w.syncing and w.step_age_s > timeout
+        ]
 
     def public(self) -> list[dict[str, Any]]:
         now = self._clock()

@@ -87,9 +87,11 @@ class DiLoCoServer:
         )
         if ready is not None:
             ready.set()
+        health = asyncio.get_running_loop().create_task(self.coordinator.health_loop())
         try:
             await self._stopped.wait()
         finally:
+            health.cancel()
             try:
                 await self.coordinator.save()
             except Exception:

@@ -207,13 +207,24 @@ class DiLoCoClient:
         return self._json("POST", "/register", body)
 
     def heartbeat(
-        self, worker_id: str, *, steps_per_second: float | None = None, loss: float | None = None
+        self,
+        worker_id: str,
+        *,
+        steps_per_second: float | None = None,
+        loss: float | None = None,
+        step_age_s: float | None = None,
+        syncing: bool | None = None,
     ) -> dict[str, Any]:
+        """Liveness plus what the status page shows. ``step_age_s`` (seconds since the training
+        loop's last optimizer step) and ``syncing`` let the server tell a hung loop from a busy one."""
         body: dict[str, Any] = {"worker_id": worker_id}
-        if steps_per_second is not None:
-            body["steps_per_second"] = steps_per_second
-        if loss is not None:
-            body["loss"] = loss
+        fields = {
+            "steps_per_second": steps_per_second,
+            "loss": loss,
+            "step_age_s": step_age_s,
+            "syncing": syncing,
+        }
+        body.update({k: v for k, v in fields.items() if v is not None})
         return self._json("POST", "/heartbeat", body)
 
     def deregister(self, worker_id: str) -> dict[str, Any]:

@@ -105,6 +105,8 @@ class DiLoCoWorker:
         self._loss: float | None = None
         self._speed_mark = (time.monotonic(), 0, 0.0)  # time, total steps, stall seconds
         self._started = False
+        self._last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
+        self._syncing = False
         self._holds_progress = False  # the model holds local - snapshot, not parameters
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
         self.metrics: dict[str, float] = {
@@ -195,6 +197,7 @@ class DiLoCoWorker:
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.local_step += 1
         self.total_steps += 1
+        self._last_step_at = time.monotonic()
         if self.local_step >= self.sync_every or self._need_rejoin.is_set():
             self._sync()
 
@@ -349,6 +352,7 @@ class DiLoCoWorker:
         """Submit, wait for the round, adopt its result. Never raises a network error: failures
         are retried, logged, counted, and training goes on locally until the next sync."""
         t0 = time.monotonic()
+        self._syncing = True
         try:
             self._sync_once()
         except (Unreachable, ServerError, WireError) as exc:
@@ -361,6 +365,8 @@ class DiLoCoWorker:
             self.metrics["sync_time_s"] += elapsed
             self.metrics["stall_time_s"] += elapsed
             self.local_step = 0
+            self._syncing = False
+            self._last_step_at = time.monotonic()
 
     def _recover_snapshot(self) -> None:
         """A download broke off mid-payload after every retry: the model holds progress and the
@@ -439,7 +445,11 @@ class DiLoCoWorker:
             assert self.worker_id is not None
             try:
                 self.client.heartbeat(
-                    self.worker_id, steps_per_second=self._steps_per_second(), loss=self._loss
+                    self.worker_id,
+                    steps_per_second=self._steps_per_second(),
+                    loss=self._loss,
+                    step_age_s=time.monotonic() - self._last_step_at,
+                    syncing=self._syncing,
                 )
             except UnknownWorker:
                 self._need_rejoin.set()  # the training thread re-joins at its next step

@@ -1,0 +1,102 @@
+"""Eviction of silent and stuck workers, driven by a fake clock (no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from diloco.server.config import ServerConfig
+from diloco.server.coordinator import SyncCoordinator
+from diloco.server.params import ParamStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: FakeClock, **cfg: object) -> SyncCoordinator:
+    config = ServerConfig(port=0, num_workers=2, **cfg)  # type: ignore[arg-type]
+    store = ParamStore.from_tensors({"w": torch.zeros(2)})
+    return SyncCoordinator(config, store, clock=clock)
+
+
+def test_silent_worker_is_evicted_and_counted() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = make(clock, heartbeat_timeout=120.0)
+        coord.register("a", "h", {})
+        coord.register("b", "h", {})
+        clock.now += 100
+        coord.heartbeat("b", {})
+        assert coord.check_health() == []
+        clock.now += 30  # a: 130 s silent; b: 30 s
+        assert coord.check_health() == ["a"]
+        st = coord.status()
+        assert [w["worker_id"] for w in st["workers"]] == ["b"]
+        assert st["worker_deaths"] == 1 and st["expected"] == ["b"]
+
+    asyncio.run(scenario())
+
+
+def test_eviction_releases_the_barrier_at_once() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = make(clock, heartbeat_timeout=60.0)
+        coord.register("a", "h", {})
+        coord.register("b", "h", {})
+        # b has submitted (recorded directly: the HTTP path is covered elsewhere).
+        coord.barrier.begin_upload("b", "s1")
+        coord.barrier.record("b", "s1")
+        assert coord.sum is not None
+        coord.sum.add([torch.ones(2)], 1.0)
+        clock.now += 61
+        coord.heartbeat("b", {})
+        coord.check_health()  # a is silent: evicted, the round closes with b alone
+        assert coord._closing_task is not None
+        await coord._closing_task
+        assert coord.barrier.round == 1
+        assert coord.store is not None and coord.store.round == 1
+
+    asyncio.run(scenario())
+
+
+def test_stuck_loop_is_evicted_even_with_heartbeats() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = make(clock, heartbeat_timeout=120.0, stuck_timeout=300.0)
+        coord.register("a", "h", {})
+        coord.register("b", "h", {})
+        coord.heartbeat("a", {"step_age_s": 301.0, "syncing": False})  # alive thread, hung loop
+        coord.heartbeat("b", {"step_age_s": 900.0, "syncing": True})  # waiting at the barrier: fine
+        assert coord.check_health() == ["a"]
+        assert coord.registry.deaths == 1
+
+    asyncio.run(scenario())
+
+
+def test_zero_timeouts_disable_eviction() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = make(clock, heartbeat_timeout=0.0, stuck_timeout=0.0)
+        coord.register("a", "h", {})
+        coord.heartbeat("a", {"step_age_s": 1e6, "syncing": False})
+        clock.now += 1e6
+        assert coord.check_health() == []
+
+    asyncio.run(scenario())
+
+
+def test_num_workers_grows_with_late_joiners() -> None:
+    async def scenario() -> None:
+        coord = make(FakeClock())
+        for w in ("a", "b", "c"):
+            coord.register(w, "h", {})
+        assert coord.barrier.num_workers == 3
+        assert coord.barrier.expected == {"a", "b"}  # c joined after round 0 opened
+
+    asyncio.run(scenario())
