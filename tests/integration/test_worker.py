@@ -33,7 +33,9 @@ def fast_client(address: str) -> DiLoCoClient:
 
 @pytest.fixture
 def server():
-    srv = DiLoCoServer(ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)).start()
+    srv = DiLoCoServer(
+        ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)
+    ).start()
     yield srv
     srv.stop()
 
@@ -41,7 +43,9 @@ def server():
 def test_one_worker_with_plain_averaging_adopts_its_own_params(server: DiLoCoServer) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    with DiLoCoWorker(model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False) as w:
+    with DiLoCoWorker(
+        model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False
+    ) as w:
         start = params_of(model)
         fake_step(model, opt, 0.25)
         fake_step(model, opt, 0.25)  # sync: outer lr 1, no momentum => global = local
@@ -56,7 +60,12 @@ def test_unreachable_server_never_escapes_optimizer_step(server: DiLoCoServer) -
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     worker = DiLoCoWorker(
-        model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False,
+        model,
+        opt,
+        server.address,
+        sync_every=2,
+        heartbeat_interval=0,
+        bf16_comm=False,
         client=fast_client(server.address),
     ).start()
     start = params_of(model)
@@ -78,7 +87,12 @@ def test_restarted_server_unknown_worker_rejoins_and_rebases(server: DiLoCoServe
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     worker = DiLoCoWorker(
-        model, opt, server.address, sync_every=3, heartbeat_interval=0, bf16_comm=False,
+        model,
+        opt,
+        server.address,
+        sync_every=3,
+        heartbeat_interval=0,
+        bf16_comm=False,
         client=fast_client(server.address),
     ).start()
     start = params_of(model)
@@ -87,7 +101,10 @@ def test_restarted_server_unknown_worker_rejoins_and_rebases(server: DiLoCoServe
     server.stop()
     # A new server with other parameters comes up on the same port and does not know the worker.
     new_global = {n: torch.full_like(t, 10.0) for n, t in start.items()}
-    with DiLoCoServer(ServerConfig(port=port, num_workers=1, outer_lr=1.0, outer_momentum=0.0), initial_params=new_global):
+    with DiLoCoServer(
+        ServerConfig(port=port, num_workers=1, outer_lr=1.0, outer_momentum=0.0),
+        initial_params=new_global,
+    ):
         fake_step(model, opt, 0.5)  # sync: 410 -> register -> rebase onto the new parameters
         m = worker.sync_metrics
         assert m["reconnections"] == 1 and m["rebases"] == 1 and m["failed_syncs"] == 0
@@ -103,9 +120,25 @@ def test_late_joiner_is_refused_then_takes_part_next_round() -> None:
         first_model, second_model = make_model(), make_model()
         o1 = torch.optim.SGD(first_model.parameters(), lr=1.0)
         o2 = torch.optim.SGD(second_model.parameters(), lr=1.0)
-        w1 = DiLoCoWorker(first_model, o1, srv.address, sync_every=2, heartbeat_interval=0, worker_id="a", bf16_comm=False).start()
+        w1 = DiLoCoWorker(
+            first_model,
+            o1,
+            srv.address,
+            sync_every=2,
+            heartbeat_interval=0,
+            worker_id="a",
+            bf16_comm=False,
+        ).start()
         # Round 0 opened with {a}; b joins after it opened.
-        w2 = DiLoCoWorker(second_model, o2, srv.address, sync_every=2, heartbeat_interval=0, worker_id="b", bf16_comm=False).start()
+        w2 = DiLoCoWorker(
+            second_model,
+            o2,
+            srv.address,
+            sync_every=2,
+            heartbeat_interval=0,
+            worker_id="b",
+            bf16_comm=False,
+        ).start()
         assert srv.status()["expected"] == ["a"]
         fake_step(second_model, o2, 1.0)
         fake_step(second_model, o2, 1.0)  # b submits to round 0: not expected, keeps training
@@ -136,18 +169,24 @@ def test_late_joiner_is_refused_then_takes_part_next_round() -> None:
 
 def test_model_that_does_not_match_the_server_is_a_clear_error(server: DiLoCoServer) -> None:
     model = make_model()
-    with DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), server.address, heartbeat_interval=0):
+    with DiLoCoWorker(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), server.address, heartbeat_interval=0
+    ):
         pass
     other = torch.nn.Linear(3, 5)
     with pytest.raises(ValueError, match="does not match the server"):
-        DiLoCoWorker(other, torch.optim.SGD(other.parameters(), lr=0.1), server.address, heartbeat_interval=0).start()
+        DiLoCoWorker(
+            other, torch.optim.SGD(other.parameters(), lr=0.1), server.address, heartbeat_interval=0
+        ).start()
 
 
 def test_exit_sends_remaining_steps_then_deregisters(server: DiLoCoServer) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     start = params_of(model)
-    with DiLoCoWorker(model, opt, server.address, sync_every=100, heartbeat_interval=0, bf16_comm=False):
+    with DiLoCoWorker(
+        model, opt, server.address, sync_every=100, heartbeat_interval=0, bf16_comm=False
+    ):
         fake_step(model, opt, 0.5)
     status = server.status()
     assert status["workers"] == [] and status["round"] == 1
@@ -155,13 +194,19 @@ def test_exit_sends_remaining_steps_then_deregisters(server: DiLoCoServer) -> No
         torch.testing.assert_close(t, start[name] + 0.5)
 
 
-def test_env_variables_are_defaults_and_unknown_ones_are_errors(server: DiLoCoServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_variables_are_defaults_and_unknown_ones_are_errors(
+    server: DiLoCoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = make_model()
     monkeypatch.setenv("DILOCO_SERVER", server.address)
     monkeypatch.setenv("DILOCO_SYNC_EVERY", "7")
     monkeypatch.setenv("DILOCO_BF16_COMM", "0")
     w = DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), heartbeat_interval=0)
-    assert w.sync_every == 7 and w.settings.bf16_comm is False and w.settings.server_addr == server.address
+    assert (
+        w.sync_every == 7
+        and w.settings.bf16_comm is False
+        and w.settings.server_addr == server.address
+    )
     monkeypatch.setenv("DILOCO_SYNC_EVRY", "7")
     with pytest.raises(ValueError, match="unknown environment variable DILOCO_SYNC_EVRY"):
         DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -15,7 +15,9 @@ from diloco.cli.main import main
 def server():
     import torch
 
-    srv = DiLoCoServer(ServerConfig(port=0, num_workers=2), initial_params={"w": torch.zeros(3)}).start()
+    srv = DiLoCoServer(
+        ServerConfig(port=0, num_workers=2), initial_params={"w": torch.zeros(3)}
+    ).start()
     yield srv
     srv.stop()
 
@@ -49,17 +51,30 @@ def test_server_rejects_bad_configuration(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_worker_passes_settings_as_environment(capfd: pytest.CaptureFixture[str]) -> None:
-    code = main([
-        "worker", "--server", "10.1.2.3:9000", "--sync-every", "9", "--no-bf16", "--worker-id", "abc", "--",
-        sys.executable, "-c",
-        "import os; print(os.environ['DILOCO_SERVER'], os.environ['DILOCO_SYNC_EVERY'], "
-        "os.environ['DILOCO_BF16_COMM'], os.environ['DILOCO_WORKER_ID'])",
-    ])
+    code = main(
+        [
+            "worker",
+            "--server",
+            "10.1.2.3:9000",
+            "--sync-every",
+            "9",
+            "--no-bf16",
+            "--worker-id",
+            "abc",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['DILOCO_SERVER'], os.environ['DILOCO_SYNC_EVERY'], "
+            "os.environ['DILOCO_BF16_COMM'], os.environ['DILOCO_WORKER_ID'])",
+        ]
+    )
     assert code == 0
     assert capfd.readouterr().out.strip() == "10.1.2.3:9000 9 0 abc"
 
 
-def test_worker_propagates_exit_code_and_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+def test_worker_propagates_exit_code_and_needs_a_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["worker", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert main(["worker"]) == 2
     assert "give the training command" in capsys.readouterr().err

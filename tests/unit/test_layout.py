@@ -46,7 +46,9 @@ def test_nothing_imports_the_cli() -> None:
     offenders = [
         str(f.relative_to(SRC))
         for f in SRC.rglob("*.py")
-        if "cli" not in f.relative_to(SRC).parts[:1] and f.name != "__main__.py" and "cli" in _diloco_imports(f)
+        if "cli" not in f.relative_to(SRC).parts[:1]
+        and f.name != "__main__.py"
+        and "cli" in _diloco_imports(f)
     ]
     assert not offenders
 
@@ -61,7 +63,14 @@ def test_core_imports_only_torch() -> None:
                 mods = [node.module.split(".")[0]]
             else:
                 continue
-            assert set(mods) <= {"torch", "diloco", "__future__", "collections", "math", "typing"}, (file, mods)
+            assert set(mods) <= {
+                "torch",
+                "diloco",
+                "__future__",
+                "collections",
+                "math",
+                "typing",
+            }, (file, mods)
 
 
 def test_no_pickle_anywhere() -> None:

@@ -12,12 +12,20 @@ from safetensors.torch import load_file
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.core import apply_outer_step, default_outer_optimizer
-from diloco.server.persistence import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from diloco.server.persistence import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _optimizer_after_two_steps() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(3, 2), requires_grad=False), torch.nn.Parameter(torch.randn(4), requires_grad=False)]
+    params = [
+        torch.nn.Parameter(torch.randn(3, 2), requires_grad=False),
+        torch.nn.Parameter(torch.randn(4), requires_grad=False),
+    ]
     opt = default_outer_optimizer(params)
     for _ in range(2):
         apply_outer_step(opt, params, [torch.randn_like(p) for p in params])
@@ -25,7 +33,10 @@ def _optimizer_after_two_steps() -> tuple[list[torch.nn.Parameter], torch.optim.
 
 
 def _digest(path: Path) -> dict[str, str]:
-    return {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in ("params.safetensors", "optimizer.safetensors", "state.json")}
+    return {
+        f: hashlib.sha256((path / f).read_bytes()).hexdigest()
+        for f in ("params.safetensors", "optimizer.safetensors", "state.json")
+    }
 
 
 def test_save_load_save_is_byte_identical(tmp_path: Path) -> None:
@@ -38,7 +49,14 @@ def test_save_load_save_is_byte_identical(tmp_path: Path) -> None:
     fresh = [torch.nn.Parameter(ckpt.params[n].clone(), requires_grad=False) for n in ("a", "b")]
     opt2 = default_outer_optimizer(fresh)
     opt2.load_state_dict(ckpt.optimizer_state)
-    second = save_checkpoint(tmp_path / "two", 5, {"a": fresh[0].data, "b": fresh[1].data}, opt2.state_dict(), {"x": 1}, keep=3)
+    second = save_checkpoint(
+        tmp_path / "two",
+        5,
+        {"a": fresh[0].data, "b": fresh[1].data},
+        opt2.state_dict(),
+        {"x": 1},
+        keep=3,
+    )
     assert _digest(first) == _digest(second)
     # And the restored optimizer takes the same next step as the original.
     g = [torch.ones(3, 2), torch.ones(4)]
@@ -51,7 +69,14 @@ def test_save_load_save_is_byte_identical(tmp_path: Path) -> None:
 def test_saved_params_load_into_a_model(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
     named = {n: p.detach() for n, p in model.named_parameters()}
-    path = save_checkpoint(tmp_path, 1, named, default_outer_optimizer(list(model.parameters())).state_dict(), {}, keep=1)
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        named,
+        default_outer_optimizer(list(model.parameters())).state_dict(),
+        {},
+        keep=1,
+    )
     other = torch.nn.Linear(3, 2)
     other.load_state_dict(load_file(str(path / "params.safetensors")))
     assert torch.equal(other.weight, model.weight)
@@ -61,7 +86,14 @@ def test_saved_params_load_into_a_model(tmp_path: Path) -> None:
 def test_rotation_keeps_the_newest(tmp_path: Path) -> None:
     params, opt = _optimizer_after_two_steps()
     for r in range(5):
-        save_checkpoint(tmp_path, r, {"a": params[0].data}, {"state": {}, "param_groups": opt.state_dict()["param_groups"]}, {}, keep=2)
+        save_checkpoint(
+            tmp_path,
+            r,
+            {"a": params[0].data},
+            {"state": {}, "param_groups": opt.state_dict()["param_groups"]},
+            {},
+            keep=2,
+        )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["round-000000003", "round-000000004"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
 

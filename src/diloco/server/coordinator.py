@@ -87,6 +87,7 @@ class SyncCoordinator:
         self._save_task: asyncio.Task[Path | None] | None = None
         self.last_save: dict[str, Any] | None = None
         self.resumed_from: str | None = None
+        self.last_round_contributions = 0
         self.started_at = clock()
         self.bytes_in = 0
         self.bytes_out = 0
@@ -425,6 +426,7 @@ class SyncCoordinator:
 
             await store.update(step, new_round=round_ + 1)
         now = self.clock()
+        self.last_round_contributions = count
         self.round_times.append(now - self._round_started)
         self._round_started = now
         self.barrier.advance(self.registry.ids())
@@ -466,6 +468,7 @@ class SyncCoordinator:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "rejected_submissions": self.rejected,
+            "last_round_contributions": self.last_round_contributions,
             "last_round_time_s": round(self.round_times[-1], 4) if self.round_times else None,
             "registrations": self.registry.registrations,
             "worker_deaths": self.registry.deaths,

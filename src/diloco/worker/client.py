@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import random
 import socket
@@ -13,6 +14,7 @@ from typing import Any
 
 import requests
 import torch
+import urllib3
 
 from diloco.wire import (
     Layout,
@@ -71,10 +73,15 @@ def _error_for(status: int, body: Mapping[str, Any]) -> ServerError:
 
 # Statuses worth retrying: the server is up but cannot answer usefully yet.
 RETRY_STATUSES = frozenset({502, 503, 504})
+# Raised by requests, or by urllib3 and the socket itself while a streamed body is read.
 NETWORK_ERRORS = (
     requests.ConnectionError,
     requests.Timeout,
     requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    ConnectionError,
+    TimeoutError,
 )
 
 

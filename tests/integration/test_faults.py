@@ -1,0 +1,108 @@
+"""Connections cut mid-upload and mid-download: retried, counted once, no progress lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
+from tests.faultproxy import Fault, FaultProxy
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Linear(64, 64)  # ~16 KB of fp32: bodies span many TCP segments
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, delta: float) -> None:
+    for p in model.parameters():
+        p.grad = torch.full_like(p, -delta)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def setup():
+    server = DiLoCoServer(
+        ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)
+    ).start()
+    proxy = FaultProxy(server.port)
+    yield server, proxy
+    proxy.close()
+    server.stop()
+
+
+def _worker(proxy: FaultProxy, model: torch.nn.Module, opt: torch.optim.Optimizer) -> DiLoCoWorker:
+    client = DiLoCoClient(proxy.address, retries=3, backoff=0.01, read_timeout=10)
+    return DiLoCoWorker(
+        model,
+        opt,
+        proxy.address,
+        sync_every=2,
+        heartbeat_interval=0,
+        bf16_comm=False,
+        client=client,
+    )
+
+
+@pytest.mark.parametrize("cut_after", [100, 9000])
+def test_upload_cut_midway_is_retried_and_counted_once(setup, cut_after: int) -> None:
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        proxy.add(Fault("up", cut_after, prefix=b"POST /submit_pseudograd"))
+        step(model, opt, 0.5)
+        step(model, opt, 0.5)
+        assert proxy.fired, "the fault never fired"
+        m = w.sync_metrics
+        assert (
+            m["rounds"] == 1 and m["retries"] >= 1 and m["failed_syncs"] == 0 and m["rebases"] == 0
+        )
+    st = server.status()
+    # Round 0 got exactly one contribution; with outer lr 1 the global params moved by exactly +1.
+    assert st["round"] == 1 and st["last_round_contributions"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 1.0)
+
+
+def test_reply_lost_after_upload_counted_is_a_duplicate_not_a_second_contribution(setup) -> None:
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # Cut the reply: the server has the whole upload and counts it; the client retries.
+        proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
+        step(model, opt, 0.25)
+        step(model, opt, 0.25)
+        assert proxy.fired
+        m = w.sync_metrics
+        assert (
+            m["rounds"] == 1
+            and m["retries"] >= 1
+            and m["rebases"] == 0
+            and m["refused_submissions"] == 0
+        )
+    st = server.status()
+    assert st["round"] == 1 and st["last_round_contributions"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 0.5)
+
+
+@pytest.mark.parametrize("cut_after", [10, 12000])
+def test_download_cut_midway_is_retried(setup, cut_after: int) -> None:
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        proxy.add(Fault("down", cut_after, prefix=b"GET /global_params?min_round=1"))
+        step(model, opt, 0.5)
+        step(model, opt, 0.5)
+        assert proxy.fired
+        assert w.sync_metrics["rounds"] == 1 and w.sync_metrics["retries"] >= 1
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), start[name] + 1.0)
+    assert server.status()["round"] == 1
