@@ -72,9 +72,12 @@ def run_through_server(num_workers: int) -> dict[str, torch.Tensor]:
     with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers)) as server:
         errors: list[BaseException] = []
 
+        # Built here, not in the threads: torch.manual_seed is process-global and would interleave.
+        models = [make_model() for _ in range(num_workers)]
+
         def work(i: int) -> None:
             try:
-                model = make_model()
+                model = models[i]
                 inner = make_inner(model)
                 with DiLoCoWorker(
                     model,

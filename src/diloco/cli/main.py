@@ -202,7 +202,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from diloco.demo import run as demo
+    from diloco.demo import run as demo  # light: heavy imports happen inside demo.run
 
     p = sub.add_parser("demo", help="train a small character model with a local server and workers")
     demo.add_arguments(p)
@@ -218,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server(sub)
     _add_status(sub)
     _add_worker(sub)
-    _add_demo(sub)
+    try:
+        _add_demo(sub)
+    except ImportError as exc:  # the demo is optional for the server and worker commands
+        log.debug("demo unavailable: %s", exc)
     return parser
 
 

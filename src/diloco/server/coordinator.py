@@ -84,10 +84,10 @@ class SyncCoordinator:
         self._tensor_lock = asyncio.Lock()
         self._pool: BufferPool | None = None
         self._initializing = False
-        self._save_task: asyncio.Task[Path | None] | None = None
         self.last_save: dict[str, Any] | None = None
         self.resumed_from: str | None = None
         self.last_round_contributions = 0
+        self.last_save_error: str | None = None
         self.started_at = clock()
         self.bytes_in = 0
         self.bytes_out = 0
@@ -122,35 +122,43 @@ class SyncCoordinator:
         self.resumed_from = str(ckpt.path)
         log.info("resumed from %s at round %d", ckpt.path, ckpt.round)
 
-    async def save(self) -> Path | None:
-        """Write a checkpoint (off the event loop). None when saving is not configured."""
-        if self.config.save_dir is None or self.store is None:
-            return None
-        store, optimizer = self.store, self.optimizer
-        assert optimizer is not None
-        # Only submissions of closed rounds are in the saved parameters.
-        receipts = [[sid, r] for sid, r in self.barrier.history.items() if r < store.round]
+    def _write_checkpoint(self, round_: int) -> Path:
+        """Blocking: write the parameters and optimizer state as of ``round_``. The caller holds
+        the tensor lock (nothing changes them mid-write) and runs this off the event loop."""
+        assert (
+            self.config.save_dir is not None
+            and self.store is not None
+            and self.optimizer is not None
+        )
+        store = self.store
         extra = {
             "param_order": [s.name for s in store.specs],
-            "receipts": receipts,
+            # Submissions counted in rounds before round_ are inside these parameters.
+            "receipts": [[sid, r] for sid, r in list(self.barrier.history.items()) if r < round_],
             "worker_deaths": self.registry.deaths,
             "instance": store.instance,
         }
-        # The tensor lock keeps the outer step from changing parameters or momentum mid-write;
-        # uploads and downloads go on meanwhile.
-        async with self._tensor_lock:
-            path = await asyncio.to_thread(
-                save_checkpoint,
-                self.config.save_dir,
-                store.round,
-                store.named(),
-                optimizer.state_dict(),
-                extra,
-                self.config.keep_checkpoints,
-            )
-        self.last_save = {"round": store.round, "path": str(path)}
-        log.info("saved round %d to %s", store.round, path)
+        path = save_checkpoint(
+            self.config.save_dir,
+            round_,
+            store.named(),
+            self.optimizer.state_dict(),
+            extra,
+            self.config.keep_checkpoints,
+        )
+        self.last_save = {"round": round_, "path": str(path)}
+        log.info("saved round %d to %s", round_, path)
         return path
+
+    async def save(self) -> Path | None:
+        """Write a checkpoint now (off the event loop). None when saving is not configured.
+
+        The tensor lock keeps the outer step from changing parameters or momentum mid-write;
+        uploads being received and downloads go on meanwhile."""
+        if self.config.save_dir is None or self.store is None:
+            return None
+        async with self._tensor_lock:
+            return await asyncio.to_thread(self._write_checkpoint, self.require_store().round)
 
     def require_store(self) -> ParamStore:
         if self.store is None:
@@ -360,7 +368,12 @@ class SyncCoordinator:
         record.bytes_in += layout.total_size
         self.bytes_in += layout.total_size
         self._maybe_close()
-        return {"status": "accepted", "round": base_round, "submission_id": submission_id}
+        return {
+            "status": "accepted",
+            "round": base_round,
+            "submission_id": submission_id,
+            "instance": self.require_store().instance,
+        }
 
     def _verdict(
         self, worker_id: str, base_round: int, submission_id: str
@@ -376,6 +389,7 @@ class SyncCoordinator:
                 "status": "duplicate",
                 "round": check.counted_in,
                 "submission_id": submission_id,
+                "instance": self.require_store().instance,
             }
         self.rejected += 1
         details = {
@@ -420,9 +434,20 @@ class SyncCoordinator:
         async with self._tensor_lock:
             count, total = wsum.count, wsum.total_weight
 
+            every = self.config.save_every
+            durable = self.config.save_dir is not None and every > 0 and (round_ + 1) % every == 0
+
             def step() -> None:
                 apply_outer_step(optimizer, store.params, wsum.mean_())
                 wsum.reset()
+                if durable:
+                    # Written before the result is published: no worker ever adopts parameters
+                    # a crash could take back, so no accepted contribution is lost with them.
+                    try:
+                        self._write_checkpoint(round_ + 1)
+                    except OSError as exc:  # a full disk must not stop training
+                        self.last_save_error = f"round {round_ + 1}: {exc}"
+                        log.error("checkpoint of round %d failed: %s", round_ + 1, exc)
 
             await store.update(step, new_round=round_ + 1)
         now = self.clock()
@@ -437,9 +462,6 @@ class SyncCoordinator:
             total,
             round_ + 1,
         )
-        every = self.config.save_every
-        if every and (round_ + 1) % every == 0:
-            self._save_task = asyncio.get_running_loop().create_task(self.save())
         self._maybe_close()
 
     async def snapshot(self) -> Snapshot:
@@ -476,6 +498,7 @@ class SyncCoordinator:
             "stuck_timeout": self.config.stuck_timeout,
             "save_dir": self.config.save_dir,
             "last_save": self.last_save,
+            "last_save_error": self.last_save_error,
             "resumed_from": self.resumed_from,
             "workers": self.registry.public(),
         }
