@@ -56,6 +56,12 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         help="shared token (default: $DILOCO_TOKEN)",
     )
     p.add_argument(
+        "--heartbeat-timeout", type=float, default=120.0, help="evict a worker silent this long, s (0: never)"
+    )
+    p.add_argument(
+        "--stuck-timeout", type=float, default=1800.0, help="evict a worker whose loop took no step this long, s (0: never)"
+    )
+    p.add_argument(
         "--poll-timeout",
         type=float,
         default=30.0,
@@ -83,6 +89,8 @@ def _server(args: argparse.Namespace) -> int:
         token=args.token,
         weighting=args.weighting,
         poll_timeout=args.poll_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+        stuck_timeout=args.stuck_timeout,
     )
     server = DiLoCoServer(config)
     server.run()

@@ -160,8 +160,8 @@ def parse_header(raw: bytes) -> Layout:
     """
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError("bad_header", f"header is not valid UTF-8 JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, huge integers, deep nesting
+        raise WireError("bad_header", f"header is not valid UTF-8 JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise WireError("bad_header", "header must be a JSON object")
     meta = obj.pop("__metadata__", {})
@@ -176,7 +176,7 @@ def parse_header(raw: bytes) -> Layout:
                 "bad_header", f"entry {name!r} must have exactly dtype, shape and data_offsets"
             )
         dtype = entry["dtype"]
-        if dtype not in DTYPE_CODES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
             raise WireError("bad_dtype", f"tensor {name!r} has unsupported dtype {dtype!r}")
         shape, offs = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2:

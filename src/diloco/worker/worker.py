@@ -179,9 +179,8 @@ class DiLoCoWorker:
             self._samples += samples
 
     def force_sync(self) -> None:
-        """Sync now, whatever the step count (a no-op when no step was taken since the last)."""
-        if self.local_step > 0:
-            self._sync()
+        """Sync now, whatever the step count (for example before an evaluation or a checkpoint)."""
+        self._sync()
 
     @property
     def sync_metrics(self) -> dict[str, float]:
