@@ -56,10 +56,16 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         help="shared token (default: $DILOCO_TOKEN)",
     )
     p.add_argument(
-        "--heartbeat-timeout", type=float, default=120.0, help="evict a worker silent this long, s (0: never)"
+        "--heartbeat-timeout",
+        type=float,
+        default=120.0,
+        help="evict a worker silent this long, s (0: never)",
     )
     p.add_argument(
-        "--stuck-timeout", type=float, default=1800.0, help="evict a worker whose loop took no step this long, s (0: never)"
+        "--stuck-timeout",
+        type=float,
+        default=1800.0,
+        help="evict a worker whose loop took no step this long, s (0: never)",
     )
     p.add_argument(
         "--poll-timeout",

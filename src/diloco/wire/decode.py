@@ -125,7 +125,9 @@ def decode(
 
     layout = read_layout(read, max_header)
     if layout.payload_size > len(view) - pos:  # allocate only what the body really holds
-        raise WireError("truncated", f"body ended {layout.payload_size - (len(view) - pos)} bytes early")
+        raise WireError(
+            "truncated", f"body ended {layout.payload_size - (len(view) - pos)} bytes early"
+        )
     payload = torch.empty(layout.payload_size, dtype=torch.uint8)
     read_payload(read, byte_view(payload))
     return layout, tensor_views(layout, payload)

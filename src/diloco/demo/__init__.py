@@ -1,0 +1,1 @@
+"""The embedded default: a small character model trained on text that ships with CPython."""

@@ -1,0 +1,27 @@
+"""The demo end to end with tiny settings: it trains, reports and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from diloco.demo import run as demo
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(
+        ["--workers", "2", "--steps", "20", "--sync-every", "10", "--out", str(tmp_path)]
+    )
+    assert demo.run(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["rounds"] == 2
+    assert report["global_eval_loss"] < report["initial_eval_loss"]
+    assert report["bytes_up"] > 0 and report["bytes_down"] > 0
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert "global model" in capsys.readouterr().out
