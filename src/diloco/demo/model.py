@@ -28,6 +28,7 @@ class CharTransformer(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB_SIZE, bias=False)
         nn.init.normal_(self.pos, std=0.02)
+        self.mask: torch.Tensor
         self.register_buffer(
             "mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False
         )
