@@ -210,3 +210,27 @@ def test_env_variables_are_defaults_and_unknown_ones_are_errors(
     monkeypatch.setenv("DILOCO_SYNC_EVRY", "7")
     with pytest.raises(ValueError, match="unknown environment variable DILOCO_SYNC_EVRY"):
         DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_barrier_wait_gives_up_without_counting_twice() -> None:
+    cfg = ServerConfig(port=0, num_workers=2, outer_lr=1.0, outer_momentum=0.0, poll_timeout=0.1)
+    init = params_of(make_model())
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        ma, mb = make_model(), make_model()
+        oa, ob = torch.optim.SGD(ma.parameters(), lr=1.0), torch.optim.SGD(mb.parameters(), lr=1.0)
+        kw = {"sync_every": 1, "heartbeat_interval": 0, "bf16_comm": False, "max_barrier_wait": 0.3}
+        wa = DiLoCoWorker(ma, oa, srv.address, worker_id="a", **kw).start()
+        wb = DiLoCoWorker(mb, ob, srv.address, worker_id="b", **kw).start()
+        fake_step(ma, oa, 1.0)  # a submits +1 and gives up waiting for b
+        assert wa.sync_metrics["rounds"] == 0 and srv.status()["submitted"] == ["a"]
+        for name, t in params_of(ma).items():  # its counted progress is not kept locally
+            torch.testing.assert_close(t, init[name])
+        fake_step(mb, ob, 3.0)  # b closes round 0: global = init + mean(+1, +3) = init + 2
+        g1 = srv.global_params()
+        for name in init:
+            torch.testing.assert_close(g1[name], init[name] + 2.0)
+        fake_step(ma, oa, 0.5)  # a: stale base 0 -> rebase onto round 1 with only its new +0.5
+        for name, t in params_of(ma).items():
+            torch.testing.assert_close(t, g1[name] + 0.5)
+        wa.stop(submit=False)
+        wb.stop(submit=False)

@@ -266,11 +266,13 @@ class DiLoCoWorker:
         self.worker_id = reply["worker_id"]
         if reply.get("params") is not None:
             self._check_server_table(reply["params"])
+        seeded = False
         if not reply.get("has_params"):
             try:
                 self.client.upload_initial(
                     self.worker_id, {n: p.detach() for n, p in self._params.items()}
                 )
+                seeded = True
                 log.info("worker %s provided the initial parameters", self.worker_id)
             except Conflict:
                 pass  # another worker was first
@@ -280,7 +282,9 @@ class DiLoCoWorker:
             log.info("worker %s joined at round %d", self.worker_id, self.base_round)
             return
         # Only an upload whose result we never adopted can be inside the model's progress.
-        counted = bool((reply.get("last_submission") or {}).get("in_params"))
+        # A server restarted with no state may have taken our own parameters as its initial ones:
+        # then the progress is in them already.
+        counted = seeded or bool((reply.get("last_submission") or {}).get("in_params"))
         self._refresh(counted=counted, min_round=0)
         self._last_submission = None
         self.metrics["reconnections"] += 1
@@ -333,7 +337,10 @@ class DiLoCoWorker:
             self._holds_progress = True
         try:
             if not self._download(min_round, deadline):
-                self._each_param(rebase_)  # the old snapshot is intact: back to local params
+                # Gave up waiting; the old snapshot is intact. A counted upload will land in a
+                # later round by itself, so its progress is dropped here (the loop was blocked:
+                # nothing else is in it); otherwise the local parameters come back unchanged.
+                self._each_param(adopt_ if counted else rebase_)
                 self._holds_progress = False
                 return False
         except (Unreachable, ServerError, WireError):
@@ -404,9 +411,10 @@ class DiLoCoWorker:
         counted_round = int(reply["round"])
         deadline = time.monotonic() + self.settings.max_barrier_wait
         try:
-            if self._refresh(counted=True, min_round=counted_round + 1, deadline=deadline):
+            adopted = self._refresh(counted=True, min_round=counted_round + 1, deadline=deadline)
+            self._last_submission = None  # either way the model no longer holds that progress
+            if adopted:
                 self.metrics["rounds"] += 1
-                self._last_submission = None
             else:
                 log.warning(
                     "worker %s: round %d did not close within %.0f s",
