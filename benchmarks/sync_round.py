@@ -1,0 +1,945 @@
+"""Synchronous DiLoCo rounds on loopback, against the raw-socket limit of the same machine.
+
+For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` layers) and N workers:
+
+* the server runs in its own spawned process, loading the initial parameters from a safetensors
+  file written to a temporary directory (so no worker uploads them);
+* N spawned worker processes each hold the model, an SGD optimizer and a ``DiLoCoWorker``
+  (``sync_every`` huge, no heartbeats, one torch thread). Each round they perturb their
+  parameters in place (standing in for local training), meet at a ``multiprocessing.Barrier``
+  and time ``force_sync()``. A round's wall time runs from the earliest start after the barrier
+  to the moment the last worker has adopted the new parameters (``time.monotonic``, which on
+  Linux is one system-wide clock, so stamps from different processes compare);
+* the loopback limit: N plain-socket client processes each send the upload size U to one server
+  process, which receives every upload into a preallocated buffer and then sends the download
+  size D back to each client. Same bytes, same pattern, no HTTP, no Python-level copies.
+
+Peak memory: ``ru_maxrss`` read inside each process at its end (exact), plus psutil polling of
+RSS from the parent at ~20 Hz (can miss spikes shorter than the period). The parent never imports
+torch, so the fork-before-exec copy of it that every spawned child briefly is stays small.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/sync_round.py                      # 100M params; 1, 4, 16 workers
+    .venv/bin/python benchmarks/sync_round.py --params 5e6 --workers 1 2 --json out.json
+
+MB below means 10**6 bytes. The targets printed next to the figures: 4 workers within 2x the
+loopback limit (efficiency >= 0.5); server peak RSS <= 4.5x the fp32 model size; worker peak RSS
+<= 3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+
+MB = 1e6
+TARGET_EFFICIENCY = 0.5  # for 4 workers: round time within 2x the loopback limit
+TARGET_SERVER_X = 4.5
+TARGET_WORKER_X = 3.0
+SOCKBUF = 4 * 1024 * 1024
+
+
+# --- model -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    dim: int
+    layers: int
+
+    @property
+    def numel(self) -> int:
+        return self.dim * self.dim * self.layers
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+
+def choose_shape(params: float, max_dim: int) -> ModelShape:
+    """Square layers: at most ``max_dim`` wide, at least 4 layers when the model allows it."""
+    dim = max(8, min(max_dim, int(math.sqrt(params / 4))))
+    layers = max(1, round(params / (dim * dim)))
+    return ModelShape(dim, layers)
+
+
+def build_model(shape: ModelShape, seed: int = 0) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        *[torch.nn.Linear(shape.dim, shape.dim, bias=False) for _ in range(shape.layers)]
+    )
+
+
+def _base_rss() -> int:
+    """RSS of a process that has imported torch and diloco and built one (tiny) torch optimizer:
+    the first optimizer imports torch._dynamo and friends (~800 modules, ~75 MB), a cost of
+    torch that every training process pays, whatever the model size."""
+    import torch
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return _rss()
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+# --- child processes: parameter file, server, workers -----------------------------------------
+
+
+def _write_params_main(path: str, shape: ModelShape) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    model = build_model(shape)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, path)
+
+
+def _server_main(conn: Any, num_workers: int, params_path: str, threads: int) -> None:
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from diloco.server import DiLoCoServer, ServerConfig
+
+    base_rss = _base_rss()
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        num_workers=num_workers,
+        initial_params=params_path,
+        # The benchmark's workers send no heartbeats; setup of 16 workers can take minutes.
+        heartbeat_timeout=0,
+        stuck_timeout=0,
+    )
+    server = DiLoCoServer(config).start()
+    conn.send(
+        {"address": server.address, "base_rss": base_rss, "rss_loaded": _rss(), "pid": os.getpid()}
+    )
+    try:
+        while True:
+            try:
+                cmd = conn.recv()
+            except EOFError:  # the parent went away
+                return
+            if cmd == "status":
+                conn.send(server.status())
+            elif cmd == "stop":
+                status = server.status()
+                conn.send({"status": status, "maxrss": _maxrss(), "rss_end": _rss()})
+                return
+    finally:
+        server.stop(timeout=10)
+
+
+def _worker_main(
+    idx: int,
+    address: str,
+    shape: ModelShape,
+    bf16: bool,
+    total_rounds: int,
+    barrier: Any,
+    out: Any,
+    barrier_timeout: float,
+) -> None:
+    try:
+        _worker_body(idx, address, shape, bf16, total_rounds, barrier, out, barrier_timeout)
+    except BaseException as exc:
+        out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _worker_body(
+    idx: int,
+    address: str,
+    shape: ModelShape,
+    bf16: bool,
+    total_rounds: int,
+    barrier: Any,
+    out: Any,
+    barrier_timeout: float,
+) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from diloco import DiLoCoWorker
+
+    base_rss = _base_rss()
+    model = build_model(shape)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1000 + idx)
+    noise = torch.empty(min(shape.dim * shape.dim, 1 << 20))  # 4 MB, so it barely shows in RSS
+    stamps: dict[str, float] = {}
+
+    with DiLoCoWorker(
+        model,
+        optimizer,
+        address,
+        sync_every=10**9,
+        bf16_comm=bf16,
+        worker_id=f"bench-{idx}",
+        heartbeat_interval=0,
+    ) as worker:
+        # Benchmark-side instrumentation (instance attributes; the library is untouched):
+        # when the upload was answered, and when the download body of the new round began.
+        submit = worker.client.submit_pseudogradients
+        into = worker._into_snapshot
+
+        def timed_submit(*a: Any, **k: Any) -> Any:
+            reply = submit(*a, **k)
+            stamps["submitted"] = time.monotonic()
+            return reply
+
+        def timed_into(layout: Any) -> Any:
+            stamps["body"] = time.monotonic()
+            return into(layout)
+
+        worker.client.submit_pseudogradients = timed_submit  # type: ignore[method-assign]
+        worker._into_snapshot = timed_into  # type: ignore[method-assign]
+        out.put(("ready", idx, {"base_rss": base_rss, "rss_joined": _rss()}))
+
+        for r in range(total_rounds):
+            with torch.no_grad():  # stand-in for H local steps: a small change to every weight
+                for p in model.parameters():
+                    flat = p.view(-1)
+                    for start in range(0, flat.numel(), noise.numel()):
+                        part = flat[start : start + noise.numel()]
+                        noise.normal_(0.0, 1e-3, generator=gen)
+                        part.add_(noise[: part.numel()])
+            before = worker.sync_metrics
+            barrier.wait(barrier_timeout)
+            stamps.clear()
+            t0 = time.monotonic()
+            worker.force_sync()
+            t1 = time.monotonic()
+            after = worker.sync_metrics
+            with torch.no_grad():
+                # fp32 sums (a float64 sum would allocate a float64 copy of each tensor): the
+                # same bytes give the same sum, so equal sums say every worker adopted the same
+                # parameters.
+                checksum = sum(float(p.sum()) for p in model.parameters())
+            delta = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+            out.put(
+                (
+                    "round",
+                    idx,
+                    {
+                        "round": r,
+                        "t0": t0,
+                        "t1": t1,
+                        "submitted": stamps.get("submitted"),
+                        "body": stamps.get("body"),
+                        "server_round": after["round"],
+                        "checksum": checksum,
+                        "delta": delta,
+                    },
+                )
+            )
+    out.put(("done", idx, {"maxrss": _maxrss(), "rss_end": _rss()}))
+
+
+# --- raw socket limit ---------------------------------------------------------------------------
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos, size = 0, len(view)
+    while pos < size:
+        n = sock.recv_into(view[pos:], size - pos)
+        if n == 0:
+            raise ConnectionError(f"peer closed with {size - pos} bytes to go")
+        pos += n
+
+
+def _raw_server_main(conn: Any, num_clients: int, up: int, down: int, rounds: int) -> None:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    _tune(listener)  # inherited by accepted sockets: the window is sized before the handshake
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(num_clients)
+    conn.send(listener.getsockname()[1])
+    recv_buf = memoryview(bytearray(up))  # one receive buffer, as the server's one upload slot
+    send_buf = memoryview(bytearray(down))  # one published payload, streamed to everyone
+    uploads_done = threading.Barrier(num_clients)
+    errors: list[BaseException] = []
+
+    def serve(sock: socket.socket) -> None:
+        try:
+            for _ in range(rounds):
+                _recv_exact(sock, recv_buf)
+                uploads_done.wait(600)  # every upload is in before any download starts
+                sock.sendall(send_buf)
+        except BaseException as exc:
+            errors.append(exc)
+            uploads_done.abort()
+        finally:
+            sock.close()
+
+    threads = []
+    listener.settimeout(600)
+    for _ in range(num_clients):
+        sock, _addr = listener.accept()
+        sock.settimeout(600)
+        t = threading.Thread(target=serve, args=(sock,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    listener.close()
+    conn.send({"errors": [repr(e) for e in errors], "maxrss": _maxrss()})
+
+
+def _raw_client_main(
+    idx: int, port: int, up: int, down: int, rounds: int, barrier: Any, out: Any
+) -> None:
+    try:
+        buf = memoryview(bytearray(max(up, down)))  # sent from, then received into (as a worker)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _tune(sock)
+        sock.settimeout(600)
+        sock.connect(("127.0.0.1", port))
+        out.put(("ready", idx, None))
+        for r in range(rounds):
+            barrier.wait(600)
+            t0 = time.monotonic()
+            sock.sendall(buf[:up])
+            t_sent = time.monotonic()
+            _recv_exact(sock, buf[:down])
+            t1 = time.monotonic()
+            out.put(("round", idx, {"round": r, "t0": t0, "sent": t_sent, "t1": t1}))
+        sock.close()
+        out.put(("done", idx, {"maxrss": _maxrss()}))
+    except BaseException as exc:
+        out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+# --- parent side ---------------------------------------------------------------------------------
+
+
+class _environ:
+    """Set environment variables around a spawn (``--server-env``), then restore them."""
+
+    def __init__(self, pairs: list[str] | None) -> None:
+        self.pairs = dict(p.split("=", 1) for p in pairs or [])
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for k, v in self.pairs.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc: object) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _start_profilers(out_dir: str, n: int, pids: dict[str, int]) -> list[Any]:
+    """py-spy (``pip install py-spy``) on the server and one worker for the measured rounds,
+    as collapsed stacks (``--format raw``), one file per process and thread (``--threads``)."""
+    import subprocess
+
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        print("--profile: py-spy not found; not profiling", flush=True)
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    procs = []
+    for name, pid in pids.items():
+        path = os.path.join(out_dir, f"{name}-N{n}.txt")
+        cmd = [exe, "record", "--pid", str(pid), "--rate", "200", "--threads", "--idle"]
+        cmd += ["--format", "raw", "--output", path, "--nonblocking"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    time.sleep(1.0)  # let py-spy attach before the round starts
+    return procs
+
+
+def _stop_profilers(procs: list[Any]) -> None:
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    for p in procs:
+        try:
+            p.wait(30)
+        except Exception:
+            p.kill()
+            p.wait(5)
+
+
+class RssPoller:
+    """Polls the RSS of some processes at ~20 Hz; keeps each one's maximum."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        self.period = period
+        self.peaks: dict[int, int] = {}
+        self._procs: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def watch(self, pid: int) -> None:
+        with self._lock:
+            try:
+                self._procs[pid] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                pass
+
+    def __enter__(self) -> RssPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            with self._lock:
+                procs = list(self._procs.items())
+            for pid, proc in procs:
+                try:
+                    rss = proc.memory_info().rss
+                except psutil.Error:
+                    continue
+                if rss > self.peaks.get(pid, 0):
+                    self.peaks[pid] = rss
+
+
+def _reap(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 10
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+class Inbox:
+    """Messages ``(kind, child index, payload)`` from children. A child may run ahead (its
+    "done" can arrive before a slower child's last "round"), so other kinds are kept for later."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+        self._early: list[tuple[str, int, Any]] = []
+
+    def collect(self, kind: str, count: int, timeout: float, what: str) -> dict[int, Any]:
+        """Wait for ``count`` messages of ``kind`` (one per child); raise on any child's error."""
+        got: dict[int, Any] = {}
+        keep = []
+        for msg in self._early:
+            if msg[0] == kind and msg[1] not in got:
+                got[msg[1]] = msg[2]
+            else:
+                keep.append(msg)
+        self._early = keep
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{what}: {len(got)}/{count} children answered within {timeout:.0f} s"
+                )
+            try:
+                msg_kind, idx, payload = self.q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if msg_kind == "error":
+                raise RuntimeError(f"{what}: child {idx} failed: {payload}")
+            if msg_kind == kind and idx not in got:
+                got[idx] = payload
+            else:
+                self._early.append((msg_kind, idx, payload))
+        return got
+
+
+def _check_alive(procs: list[Any], what: str) -> None:
+    dead = [p.name for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+    if dead:
+        raise RuntimeError(f"{what}: {', '.join(dead)} died")
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def run_diloco(
+    ctx: Any, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    total_rounds = args.warmup + args.rounds
+    procs: list[Any] = []
+    parent_conn, child_conn = ctx.Pipe()
+    server = ctx.Process(
+        target=_server_main,
+        args=(child_conn, n, params_path, args.server_threads),
+        name="diloco-server",
+        daemon=True,
+    )
+    procs.append(server)
+    setup_timeout = args.setup_timeout + 15 * n
+    try:
+        with RssPoller() as poller:
+            with _environ(args.server_env):
+                server.start()
+            if not parent_conn.poll(setup_timeout):
+                raise TimeoutError("server did not report its address")
+            hello = parent_conn.recv()
+            poller.watch(hello["pid"])
+            barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
+            out = ctx.Queue()
+            inbox = Inbox(out)
+            workers = [
+                ctx.Process(
+                    target=_worker_main,
+                    args=(
+                        i,
+                        hello["address"],
+                        shape,
+                        not args.no_bf16,
+                        total_rounds,
+                        barrier,
+                        out,
+                        setup_timeout + args.round_timeout,  # the first wait spans setup
+                    ),
+                    name=f"worker-{i}",
+                    daemon=True,
+                )
+                for i in range(n)
+            ]
+            procs.extend(workers)
+            for w in workers:
+                w.start()
+                poller.watch(w.pid)
+            ready = inbox.collect("ready", n, setup_timeout, f"N={n} worker setup")
+
+            def server_status() -> dict[str, Any]:
+                parent_conn.send("status")
+                if not parent_conn.poll(60):
+                    raise TimeoutError("server status timed out")
+                return parent_conn.recv()
+
+            status = server_status()
+            rounds = []
+            profilers: list[Any] = []
+            for r in range(total_rounds):
+                _check_alive(procs, f"N={n} round {r}")
+                if args.profile and r == args.warmup:
+                    profilers = _start_profilers(
+                        args.profile, n, {"server": hello["pid"], "worker0": workers[0].pid}
+                    )
+                barrier.wait(args.round_timeout)
+                msgs = inbox.collect("round", n, args.round_timeout, f"N={n} round {r}")
+                if r == total_rounds - 1:
+                    _stop_profilers(profilers)
+                new_status = server_status()
+                t0 = min(m["t0"] for m in msgs.values())
+                t1 = max(m["t1"] for m in msgs.values())
+                sub = [m["submitted"] for m in msgs.values()]
+                body = [m["body"] for m in msgs.values()]
+                phases = None
+                if None not in sub and None not in body:
+                    phases = {
+                        "uploads_s": max(sub) - t0,  # until the last upload was answered
+                        "close_s": min(body) - max(sub),  # outer step, until the first download
+                        "downloads_s": t1 - min(body),  # until the last worker adopted
+                    }
+                deltas = [m["delta"] for m in msgs.values()]
+                checksums = {m["checksum"] for m in msgs.values()}
+                server_rounds = {m["server_round"] for m in msgs.values()}
+                rounds.append(
+                    {
+                        "round": r,
+                        "warmup": r < args.warmup,
+                        "wall_s": t1 - t0,
+                        "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
+                        "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
+                        "phases": phases,
+                        "worker_bytes_up": [d["bytes_up"] for d in deltas],
+                        "worker_bytes_down": [d["bytes_down"] for d in deltas],
+                        "worker_rounds": [d["rounds"] for d in deltas],
+                        "failed_syncs": sum(d["failed_syncs"] for d in deltas),
+                        "retries": sum(d["retries"] for d in deltas),
+                        "server_bytes_in": new_status["bytes_in"] - status["bytes_in"],
+                        "server_bytes_out": new_status["bytes_out"] - status["bytes_out"],
+                        "server_round": new_status["round"],
+                        "server_contributions": new_status["last_round_contributions"],
+                        "server_last_round_time_s": new_status["last_round_time_s"],
+                        "consistent": len(checksums) == 1 and len(server_rounds) == 1,
+                    }
+                )
+                status = new_status
+                if args.verbose:
+                    print(f"    N={n} round {r}: {rounds[-1]['wall_s']:.3f} s {phases}", flush=True)
+            done = inbox.collect("done", n, setup_timeout, f"N={n} worker shutdown")
+            parent_conn.send("stop")
+            if not parent_conn.poll(60):
+                raise TimeoutError("server did not answer stop")
+            final = parent_conn.recv()
+            server.join(30)
+            for w in workers:
+                w.join(30)
+            server_polled = poller.peaks.get(hello["pid"], 0)
+            worker_polled = max((poller.peaks.get(w.pid, 0) for w in workers), default=0)
+    finally:
+        _reap(procs)
+
+    measured = [r for r in rounds if not r["warmup"]]
+    up = statistics.median(b for r in measured for b in r["worker_bytes_up"])
+    down = statistics.median(b for r in measured for b in r["worker_bytes_down"])
+    return {
+        "workers": n,
+        "rounds": rounds,
+        "round_s": _summary([r["wall_s"] for r in measured]),
+        "phases_median": (
+            {
+                k: statistics.median(r["phases"][k] for r in measured)
+                for k in ("uploads_s", "close_s", "downloads_s")
+            }
+            if all(r["phases"] for r in measured)
+            else None
+        ),
+        "upload_bytes_per_worker": int(up),
+        "download_bytes_per_worker": int(down),
+        "server_bytes_in_per_round": int(statistics.median(r["server_bytes_in"] for r in measured)),
+        "server_bytes_out_per_round": int(
+            statistics.median(r["server_bytes_out"] for r in measured)
+        ),
+        "all_rounds_ok": all(
+            r["consistent"]
+            and r["failed_syncs"] == 0
+            and all(x == 1 for x in r["worker_rounds"])
+            and r["server_contributions"] == n
+            for r in rounds
+        ),
+        "retries": sum(r["retries"] for r in rounds),
+        "server": {
+            "maxrss": final["maxrss"],
+            "polled_peak_rss": server_polled,
+            "base_rss": hello["base_rss"],
+            "rss_after_load": hello["rss_loaded"],
+            "rss_end": final["rss_end"],
+        },
+        "worker": {
+            "maxrss": max(d["maxrss"] for d in done.values()),
+            "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
+            "polled_peak_rss": worker_polled,
+            "base_rss": max(r["base_rss"] for r in ready.values()),
+            "rss_after_join": max(r["rss_joined"] for r in ready.values()),
+        },
+    }
+
+
+def run_loopback(ctx: Any, n: int, up: int, down: int, args: argparse.Namespace) -> dict[str, Any]:
+    total_rounds = args.warmup + args.rounds
+    parent_conn, child_conn = ctx.Pipe()
+    server = ctx.Process(
+        target=_raw_server_main,
+        args=(child_conn, n, up, down, total_rounds),
+        name="raw-server",
+        daemon=True,
+    )
+    procs: list[Any] = [server]
+    try:
+        server.start()
+        if not parent_conn.poll(args.setup_timeout):
+            raise TimeoutError("raw server did not report its port")
+        port = parent_conn.recv()
+        barrier = ctx.Barrier(n + 1)
+        out = ctx.Queue()
+        inbox = Inbox(out)
+        clients = [
+            ctx.Process(
+                target=_raw_client_main,
+                args=(i, port, up, down, total_rounds, barrier, out),
+                name=f"raw-client-{i}",
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        procs.extend(clients)
+        for c in clients:
+            c.start()
+        inbox.collect("ready", n, args.setup_timeout, f"loopback N={n} setup")
+        rounds = []
+        for r in range(total_rounds):
+            _check_alive(procs, f"loopback N={n} round {r}")
+            barrier.wait(args.round_timeout)
+            msgs = inbox.collect("round", n, args.round_timeout, f"loopback N={n} round {r}")
+            t0 = min(m["t0"] for m in msgs.values())
+            rounds.append(
+                {
+                    "round": r,
+                    "warmup": r < args.warmup,
+                    "wall_s": max(m["t1"] for m in msgs.values()) - t0,
+                    "uploads_sent_s": max(m["sent"] for m in msgs.values()) - t0,
+                }
+            )
+        inbox.collect("done", n, args.setup_timeout, f"loopback N={n} shutdown")
+        if not parent_conn.poll(60):
+            raise TimeoutError("raw server did not finish")
+        final = parent_conn.recv()
+        if final["errors"]:
+            raise RuntimeError(f"raw server errors: {final['errors']}")
+        server.join(30)
+        for c in clients:
+            c.join(30)
+    finally:
+        _reap(procs)
+    measured = [r for r in rounds if not r["warmup"]]
+    return {
+        "workers": n,
+        "upload_bytes": up,
+        "download_bytes": down,
+        "rounds": rounds,
+        "round_s": _summary([r["wall_s"] for r in measured]),
+        "throughput_MBps": (n * (up + down))
+        / statistics.median(r["wall_s"] for r in measured)
+        / MB,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def estimate_bytes(n: int, model_bytes: int) -> int:
+    """What one configuration is expected to need: the server's buffers (about 4x the model with
+    bf16 uploads) and each worker's model plus snapshot, with the interpreter and torch (~300 MB
+    per process) on top."""
+    overhead = 300 * 2**20
+    return int(4 * model_bytes + overhead + n * (2.2 * model_bytes + overhead))
+
+
+def _fmt_mb(b: float) -> str:
+    return f"{b / MB:,.0f}"
+
+
+def print_table(results: list[dict[str, Any]], model_bytes: int) -> None:
+    head = (
+        "| N | round s median (min-max) | loopback limit s | efficiency | up/worker MB | "
+        "down/worker MB | server in/out per round MB | server peak RSS MB (x model) | "
+        "worker peak RSS MB (x model) |"
+    )
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for res in results:
+        d, lb = res["diloco"], res["loopback"]
+        rs = d["round_s"]
+        eff = lb["round_s"]["median"] / rs["median"]
+        smax = d["server"]["maxrss"]
+        wmax = d["worker"]["maxrss"]
+        eff_mark = ""
+        if d["workers"] == 4:
+            eff_mark = " ok" if eff >= TARGET_EFFICIENCY else " MISS"
+        s_mark = " ok" if smax <= TARGET_SERVER_X * model_bytes else " MISS"
+        w_mark = " ok" if wmax <= TARGET_WORKER_X * model_bytes else " MISS"
+        print(
+            f"| {d['workers']} | {rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f}) | "
+            f"{lb['round_s']['median']:.2f} | {eff:.2f}{eff_mark} | "
+            f"{_fmt_mb(d['upload_bytes_per_worker'])} | {_fmt_mb(d['download_bytes_per_worker'])} | "
+            f"{_fmt_mb(d['server_bytes_in_per_round'])} / {_fmt_mb(d['server_bytes_out_per_round'])} | "
+            f"{_fmt_mb(smax)} ({smax / model_bytes:.2f}x){s_mark} | "
+            f"{_fmt_mb(wmax)} ({wmax / model_bytes:.2f}x){w_mark} |"
+        )
+    print(
+        f"\ntargets: efficiency >= {TARGET_EFFICIENCY} at N=4; server peak <= "
+        f"{TARGET_SERVER_X}x model; worker peak <= {TARGET_WORKER_X}x model "
+        f"(model = {_fmt_mb(model_bytes)} MB fp32)"
+    )
+    print("\nDetails (medians of the measured rounds):")
+    head2 = (
+        "| N | uploads s | close s | downloads s | loopback: uploads sent s | server peak RSS "
+        "polled MB | server RSS base / after load MB | server peak above base (x model) | "
+        "worker peak polled MB | worker RSS base MB | worker peak above base (x model) | "
+        "rounds ok |"
+    )
+    print(head2)
+    print("|---" * (head2.count("|") - 1) + "|")
+    for res in results:
+        d, lb = res["diloco"], res["loopback"]
+        ph = d["phases_median"] or {}
+        lb_sent = statistics.median(r["uploads_sent_s"] for r in lb["rounds"] if not r["warmup"])
+        w = d["worker"]
+        s = d["server"]
+        print(
+            f"| {d['workers']} | {ph.get('uploads_s', float('nan')):.2f} | "
+            f"{ph.get('close_s', float('nan')):.2f} | {ph.get('downloads_s', float('nan')):.2f} | "
+            f"{lb_sent:.2f} | {_fmt_mb(s['polled_peak_rss'])} | "
+            f"{_fmt_mb(s['base_rss'])} / {_fmt_mb(s['rss_after_load'])} | "
+            f"{(s['maxrss'] - s['base_rss']) / model_bytes:.2f}x | "
+            f"{_fmt_mb(w['polled_peak_rss'])} | {_fmt_mb(w['base_rss'])} | "
+            f"{(w['maxrss'] - w['base_rss']) / model_bytes:.2f}x | "
+            f"{'yes' if d['all_rounds_ok'] else 'NO'} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
+    ap.add_argument("--no-bf16", action="store_true", help="upload fp32 pseudo-gradients")
+    ap.add_argument("--max-dim", type=int, default=2048, help="widest square layer (default 2048)")
+    ap.add_argument("--server-threads", type=int, default=2, help="torch threads of the server")
+    ap.add_argument("--setup-timeout", type=float, default=180.0, help="seconds (+15 per worker)")
+    ap.add_argument("--round-timeout", type=float, default=600.0, help="seconds per round")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--force", action="store_true", help="run even if memory looks short")
+    ap.add_argument("--skip-loopback", action="store_true", help="do not measure the raw limit")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print every round")
+    ap.add_argument(
+        "--server-env",
+        metavar="KEY=VALUE",
+        action="append",
+        help="environment of the server process only, e.g. MALLOC_MMAP_THRESHOLD_=131072",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="record the server and worker 0 with py-spy during the measured rounds",
+    )
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0:
+        ap.error("--rounds must be >= 1 and --warmup >= 0")
+
+    shape = choose_shape(args.params, args.max_dim)
+    model_bytes = shape.nbytes
+    info = machine_info()
+    print(
+        f"model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
+        f"{shape.numel:,} params, {_fmt_mb(model_bytes)} MB fp32; "
+        f"uploads {'fp32' if args.no_bf16 else 'bf16'}; rounds {args.warmup} warm-up + "
+        f"{args.rounds} measured",
+        flush=True,
+    )
+    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="diloco-bench-")
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    try:
+        params_path = os.path.join(tmp, "init.safetensors")
+        writer = ctx.Process(target=_write_params_main, args=(params_path, shape), daemon=True)
+        try:
+            writer.start()
+            writer.join(args.setup_timeout)
+            if writer.exitcode != 0:
+                raise RuntimeError(f"writing the initial parameters failed ({writer.exitcode})")
+        finally:
+            _reap([writer])
+        for n in sorted(set(args.workers)):
+            need = estimate_bytes(n, model_bytes)
+            avail = psutil.virtual_memory().available
+            if need > avail - 2**30 and not args.force:
+                msg = (
+                    f"N={n}: skipped, needs about {need / 2**30:.1f} GiB, "
+                    f"{avail / 2**30:.1f} GiB available (use a smaller --params, or --force)"
+                )
+                print(msg, flush=True)
+                skipped.append({"workers": n, "reason": msg})
+                continue
+            print(f"N={n}: DiLoCo rounds ...", flush=True)
+            t = time.monotonic()
+            d = run_diloco(ctx, n, shape, params_path, args)
+            print(
+                f"N={n}: round median {d['round_s']['median']:.3f} s "
+                f"(phases {d['phases_median']}), took {time.monotonic() - t:.0f} s",
+                flush=True,
+            )
+            lb: dict[str, Any] | None = None
+            if not args.skip_loopback:
+                print(f"N={n}: loopback limit ...", flush=True)
+                lb = run_loopback(
+                    ctx, n, d["upload_bytes_per_worker"], d["download_bytes_per_worker"], args
+                )
+                print(f"N={n}: loopback median {lb['round_s']['median']:.3f} s", flush=True)
+            results.append({"diloco": d, "loopback": lb})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print()
+    complete = [r for r in results if r["loopback"] is not None]
+    if complete:
+        print_table(complete, model_bytes)
+    if args.json:
+        doc = {
+            "benchmark": "sync_round",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "machine": info,
+            "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
+            "bf16_uploads": not args.no_bf16,
+            "warmup_rounds": args.warmup,
+            "measured_rounds": args.rounds,
+            "targets": {
+                "efficiency_at_4": TARGET_EFFICIENCY,
+                "server_peak_x": TARGET_SERVER_X,
+                "worker_peak_x": TARGET_WORKER_X,
+            },
+            "results": results,
+            "skipped": skipped,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
