@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -188,6 +189,10 @@ def test_exit_sends_remaining_steps_then_deregisters(server: DiLoCoServer) -> No
         model, opt, server.address, sync_every=100, heartbeat_interval=0, bf16_comm=False
     ):
         fake_step(model, opt, 0.5)
+    # The round closes in the server's background right after the upload is counted.
+    deadline = time.monotonic() + 10
+    while server.status()["round"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     status = server.status()
     assert status["workers"] == [] and status["round"] == 1
     for name, t in server.global_params().items():

@@ -110,3 +110,55 @@ def test_hparams_read_and_set() -> None:
     adam = torch.optim.Adam([p])
     with pytest.raises(ValueError):
         set_optimizer_hparams(adam, momentum=0.5)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_sgd_matches_torch_sgd(nesterov: bool) -> None:
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(5, 3), requires_grad=False)
+    b = torch.nn.Parameter(a.detach().clone(), requires_grad=False)
+    ours = default_outer_optimizer([a], lr=0.7, momentum=0.9, nesterov=nesterov)
+    ref = torch.optim.SGD([b], lr=0.7, momentum=0.9, nesterov=nesterov)
+    for _ in range(4):
+        g = torch.randn(5, 3)
+        apply_outer_step(ours, [a], [g.clone()])
+        apply_outer_step(ref, [b], [g.clone()])
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ours.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
+
+
+def test_weighted_sum_converts_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import diloco.core.accumulate as acc_mod
+
+    monkeypatch.setattr(acc_mod, "CHUNK", 7)  # force several chunks and a ragged last one
+    acc = acc_mod.WeightedSum([(5, 4)])
+    t = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    acc.add([t.bfloat16()], weight=2.0)
+    torch.testing.assert_close(acc.sums[0], 2 * t)
+
+
+@pytest.mark.parametrize("comm", [None, torch.bfloat16])
+def test_pseudo_gradient_pieces_match_the_whole(comm: torch.dtype | None) -> None:
+    from diloco.core import pseudo_gradient_pieces
+
+    g = torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
+    local = g - torch.randn(7, 5, generator=torch.Generator().manual_seed(2))
+    s32 = torch.empty(8)
+    s16 = torch.empty(8, dtype=comm) if comm is not None else None
+    pieces = [p.clone() for p in pseudo_gradient_pieces(g, local, s32, s16)]
+    assert [p.numel() for p in pieces] == [8, 8, 8, 8, 3]
+    expected = pseudo_gradient(g, local, comm or torch.float32).reshape(-1)
+    assert torch.equal(torch.cat(pieces), expected)
+
+
+def test_body_from_pieces_equals_body_from_tensor() -> None:
+    from diloco.wire import build_layout, decode, iter_body
+    from diloco.wire.layout import TensorSpec
+
+    t = torch.arange(10, dtype=torch.float32)
+    layout = build_layout([TensorSpec("t", "F32", (10,))])
+    whole = b"".join(bytes(c) for c in iter_body(layout, lambda s: t))
+    pieces = b"".join(bytes(c) for c in iter_body(layout, lambda s: iter([t[:4], t[4:]])))
+    assert whole == pieces and torch.equal(decode(pieces)[1]["t"], t)
+    with pytest.raises(ValueError, match="pieces of 't' hold 16 bytes"):
+        b"".join(bytes(c) for c in iter_body(layout, lambda s: iter([t[:4]])))

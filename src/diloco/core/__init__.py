@@ -7,7 +7,13 @@ from diloco.core.outer import (
     optimizer_hparams,
     set_optimizer_hparams,
 )
-from diloco.core.pseudo_gradient import adopt_, pseudo_gradient, rebase_, to_progress_
+from diloco.core.pseudo_gradient import (
+    adopt_,
+    pseudo_gradient,
+    pseudo_gradient_pieces,
+    rebase_,
+    to_progress_,
+)
 
 __all__ = [
     "WeightedSum",
@@ -16,6 +22,7 @@ __all__ = [
     "default_outer_optimizer",
     "optimizer_hparams",
     "pseudo_gradient",
+    "pseudo_gradient_pieces",
     "rebase_",
     "set_optimizer_hparams",
     "to_progress_",

@@ -6,12 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
+CHUNK = 1 << 20  # elements converted at a time when a contribution is not fp32
+
 
 class WeightedSum:
     """fp32 running sum ``sum_i w_i * g_i`` and ``sum_i w_i`` over one round's contributions."""
 
     def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> None:
         self.sums = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self._scratch = torch.empty(CHUNK, dtype=torch.float32)
         self.total_weight = 0.0
         self.count = 0
 
@@ -22,8 +25,17 @@ class WeightedSum:
         if len(tensors) != len(self.sums):
             raise ValueError(f"expected {len(self.sums)} tensors, got {len(tensors)}")
         for acc, t in zip(self.sums, tensors, strict=True):
-            # add_ casts bf16 elementwise inside the kernel: no fp32 copy of the upload is made.
-            acc.add_(t, alpha=weight)
+            if t.dtype == acc.dtype:
+                acc.add_(t, alpha=weight)
+                continue
+            # A mixed-dtype add_ would first make an fp32 copy of the whole tensor (one large
+            # embedding: its full fp32 size); going through a small scratch keeps memory flat.
+            flat_acc, flat_t = acc.view(-1), t.reshape(-1)
+            for start in range(0, flat_t.numel(), CHUNK):
+                piece = flat_t[start : start + CHUNK]
+                scratch = self._scratch[: piece.numel()]
+                scratch.copy_(piece)
+                flat_acc[start : start + piece.numel()].add_(scratch, alpha=weight)
         self.total_weight += weight
         self.count += 1
 

@@ -2,12 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
+
+
+class OuterSGD(torch.optim.Optimizer):
+    """SGD with (Nesterov) momentum, computed in place.
+
+    The same update as ``torch.optim.SGD`` without dampening or weight decay:
+    ``b = momentum * b + g``; ``p -= lr * (g + momentum * b)`` (Nesterov) or ``p -= lr * b``.
+    torch's version builds ``g + momentum * b`` as a new tensor per parameter (or, with foreach,
+    for the whole model at once); two in-place adds need no temporary, which keeps the server's
+    peak memory at parameters + sum + momentum. The state is torch's (``momentum_buffer``)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float = DEFAULT_OUTER_LR,
+        momentum: float = DEFAULT_OUTER_MOMENTUM,
+        nesterov: bool = True,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        assert closure is None, "OuterSGD takes no closure"
+        for group in self.param_groups:
+            lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if momentum == 0:
+                    p.add_(g, alpha=-lr)
+                    continue
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = g.detach().clone()
+                else:
+                    buf.mul_(momentum).add_(g)
+                if nesterov:
+                    p.add_(g, alpha=-lr)
+                    p.add_(buf, alpha=-lr * momentum)
+                else:
+                    p.add_(buf, alpha=-lr)
 
 
 def default_outer_optimizer(
@@ -16,14 +64,8 @@ def default_outer_optimizer(
     momentum: float = DEFAULT_OUTER_MOMENTUM,
     nesterov: bool = True,
 ) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum, the DiLoCo paper's outer optimizer.
-
-    ``foreach=False``: the multi-tensor path materialises a temporary as large as the whole
-    model; the per-tensor path needs only one tensor's worth, which keeps the server's peak
-    memory flat."""
-    return torch.optim.SGD(
-        params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, foreach=False
-    )
+    """SGD with Nesterov momentum, the DiLoCo paper's outer optimizer (lr 0.7, momentum 0.9)."""
+    return OuterSGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
 @torch.no_grad()

@@ -7,6 +7,8 @@ is its negation ``theta_l - theta_g``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -18,6 +20,36 @@ def pseudo_gradient(
     local32 = local_param.detach().to(torch.float32)
     diff = global_param.to(local32.device, non_blocking=True).to(torch.float32) - local32
     return diff.to(dtype).cpu()
+
+
+@torch.no_grad()
+def pseudo_gradient_pieces(
+    global_param: torch.Tensor,
+    local_param: torch.Tensor,
+    scratch32: torch.Tensor,
+    scratch_comm: torch.Tensor | None,
+) -> Iterator[torch.Tensor]:
+    """``global - local`` in consecutive flat pieces, written into reused scratch buffers.
+
+    Each piece is valid until the next is requested. Memory is the scratch, whatever the tensor's
+    size; rounding to the communication dtype (``scratch_comm``, None for fp32) happens after the
+    fp32 subtraction."""
+    flat_global = global_param.reshape(-1)
+    flat_local = local_param.detach().reshape(-1)
+    size = scratch32.numel()
+    for start in range(0, flat_global.numel(), size):
+        g = flat_global[start : start + size]
+        n = g.numel()
+        local = flat_local[start : start + n]
+        if local.device != g.device:
+            local = local.to(g.device)  # one piece of a GPU model comes to the CPU
+        out = scratch32[:n]
+        torch.sub(g, local, out=out)
+        if scratch_comm is None:
+            yield out
+        else:
+            scratch_comm[:n].copy_(out)
+            yield scratch_comm[:n]
 
 
 @torch.no_grad()

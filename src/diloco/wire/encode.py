@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ def chunks(view: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryv
 
 def iter_body(
     layout: Layout,
-    produce: Callable[[TensorSpec], torch.Tensor],
+    produce: Callable[[TensorSpec], torch.Tensor | Iterable[torch.Tensor]],
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[memoryview | bytes]:
     """Yield a whole body. ``produce(spec)`` returns that tensor when it is about to be sent, so
@@ -38,10 +38,28 @@ def iter_body(
     one of them at once."""
     yield layout.header
     for spec in layout.specs:
-        tensor = produce(spec)
-        if spec_of(spec.name, tensor) != spec:
-            raise WireError("internal", f"tensor {spec.name!r} does not match its header entry")
-        yield from chunks(byte_view(tensor.contiguous()), chunk_bytes)
+        produced = produce(spec)
+        if isinstance(produced, torch.Tensor):
+            if spec_of(spec.name, produced) != spec:
+                raise WireError("internal", f"tensor {spec.name!r} does not match its header entry")
+            yield from chunks(byte_view(produced.contiguous()), chunk_bytes)
+            continue
+        # Pieces: the tensor's flat bytes in order. The next piece is asked for only after the
+        # previous one's chunks were taken, so a producer may reuse one scratch buffer.
+        sent = 0
+        for piece in produced:
+            if piece.dtype != spec.torch_dtype:
+                raise WireError(
+                    "internal", f"a piece of {spec.name!r} is {piece.dtype}, not {spec.dtype}"
+                )
+            view = byte_view(piece.contiguous())
+            sent += len(view)
+            yield from chunks(view, chunk_bytes)
+        if sent != spec.nbytes:
+            raise WireError(
+                "internal",
+                f"pieces of {spec.name!r} hold {sent} bytes, the header says {spec.nbytes}",
+            )
 
 
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:

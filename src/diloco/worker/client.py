@@ -8,7 +8,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,7 +247,7 @@ class DiLoCoClient:
         what: str,
         path: str,
         layout: Layout,
-        produce: Callable[[TensorSpec], torch.Tensor],
+        produce: Callable[[TensorSpec], torch.Tensor | Iterable[torch.Tensor]],
         **params: Any,
     ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
@@ -272,7 +272,7 @@ class DiLoCoClient:
         base_round: int,
         submission_id: str,
         specs: list[TensorSpec],
-        produce: Callable[[TensorSpec], torch.Tensor],
+        produce: Callable[[TensorSpec], torch.Tensor | Iterable[torch.Tensor]],
         *,
         weight: float = 1.0,
     ) -> dict[str, Any]:

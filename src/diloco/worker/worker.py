@@ -17,17 +17,19 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from diloco.core import adopt_, pseudo_gradient, rebase_, to_progress_
+from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
 from diloco.worker.settings import WorkerSettings, resolve
 
 log = logging.getLogger(__name__)
+
+PIECE = 1 << 20  # elements of a pseudo-gradient computed at a time (4 MB of fp32 scratch)
 
 
 class DiLoCoWorker:
@@ -108,6 +110,8 @@ class DiLoCoWorker:
         self._last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
         self._syncing = False
         self._holds_progress = False  # the model holds local - snapshot, not parameters
+        self._scratch32: torch.Tensor | None = None
+        self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
         self.metrics: dict[str, float] = {
             "rounds": 0,
@@ -312,9 +316,13 @@ class DiLoCoWorker:
     def _specs(self) -> list[TensorSpec]:
         return [TensorSpec(n, self._comm_dtype, tuple(p.shape)) for n, p in self._params.items()]
 
-    def _produce(self, spec: TensorSpec) -> torch.Tensor:
-        return pseudo_gradient(
-            self._snapshot[spec.name], self._params[spec.name].data, spec.torch_dtype
+    def _produce(self, spec: TensorSpec) -> Iterator[torch.Tensor]:
+        if self._scratch32 is None:  # small buffers reused for every tensor and every sync
+            self._scratch32 = torch.empty(PIECE, dtype=torch.float32)
+            self._scratch_comm = torch.empty(PIECE, dtype=torch.bfloat16)
+        comm = self._scratch_comm if spec.dtype == "BF16" else None
+        return pseudo_gradient_pieces(
+            self._snapshot[spec.name], self._params[spec.name].data, self._scratch32, comm
         )
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
