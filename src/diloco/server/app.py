@@ -18,6 +18,7 @@ from diloco.wire.encode import chunks
 log = logging.getLogger(__name__)
 
 JSON_LIMIT = 64 * 1024
+DOWNLOAD_CHUNK = 1024 * 1024
 HEADER_LIMIT = 16 * 1024 * 1024
 COORDINATOR: web.AppKey[SyncCoordinator] = web.AppKey("coordinator", SyncCoordinator)
 TOKEN: web.AppKey[str | None] = web.AppKey("token", str)
@@ -166,7 +167,9 @@ async def global_params(request: web.Request) -> web.StreamResponse:
         resp.content_length = snap.total_size
         await resp.prepare(request)
         await resp.write(snap.header)
-        for part in chunks(snap.payload):
+        # 1 MiB writes: asyncio copies what the socket does not take at once into its buffer and
+        # shifts that buffer as it drains, so smaller writes cost less CPU than 4 MiB ones.
+        for part in chunks(snap.payload, DOWNLOAD_CHUNK):
             await resp.write(part)
         await resp.write_eof()
     finally:

@@ -57,16 +57,25 @@ def read_layout(read: Callable[[int], bytes], max_header: int = MAX_HEADER_BYTES
 
 
 def read_payload(
-    read: Callable[[int], bytes], dest: memoryview, chunk_bytes: int = CHUNK_BYTES
+    read: Callable[[int], bytes],
+    dest: memoryview,
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    readinto: Callable[[memoryview], int | None] | None = None,
 ) -> None:
-    """Fill ``dest`` exactly, then insist the body ends there."""
+    """Fill ``dest`` exactly (with ``readinto`` when given: no intermediate copy), then insist
+    the body ends there."""
     pos, size = 0, len(dest)
     while pos < size:
-        part = read(min(chunk_bytes, size - pos))
-        if not part:
+        if readinto is not None:
+            n = readinto(dest[pos : pos + min(chunk_bytes, size - pos)]) or 0
+        else:
+            part = read(min(chunk_bytes, size - pos))
+            n = len(part)
+            dest[pos : pos + n] = part
+        if not n:
             raise WireError("truncated", f"body ended {size - pos} bytes early")
-        dest[pos : pos + len(part)] = part
-        pos += len(part)
+        pos += n
     if read(1):
         raise WireError("trailing_bytes", "body continues past the last tensor")
 
@@ -100,10 +109,14 @@ async def aread_payload(
     stream: AsyncStream, dest: memoryview, chunk_bytes: int = CHUNK_BYTES
 ) -> None:
     pos, size = 0, len(dest)
+    # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and copy it.
+    readany = getattr(stream, "readany", None)
     while pos < size:
-        part = await stream.read(min(chunk_bytes, size - pos))
+        part = await readany() if readany is not None else await stream.read(min(chunk_bytes, size - pos))
         if not part:
             raise WireError("truncated", f"body ended {size - pos} bytes early")
+        if len(part) > size - pos:
+            raise WireError("trailing_bytes", "body continues past the last tensor")
         dest[pos : pos + len(part)] = part
         pos += len(part)
     if await stream.read(1):
