@@ -57,25 +57,16 @@ def read_layout(read: Callable[[int], bytes], max_header: int = MAX_HEADER_BYTES
 
 
 def read_payload(
-    read: Callable[[int], bytes],
-    dest: memoryview,
-    chunk_bytes: int = CHUNK_BYTES,
-    *,
-    readinto: Callable[[memoryview], int | None] | None = None,
+    read: Callable[[int], bytes], dest: memoryview, chunk_bytes: int = CHUNK_BYTES
 ) -> None:
-    """Fill ``dest`` exactly (with ``readinto`` when given: no intermediate copy), then insist
-    the body ends there."""
+    """Fill ``dest`` exactly, then insist the body ends there."""
     pos, size = 0, len(dest)
     while pos < size:
-        if readinto is not None:
-            n = readinto(dest[pos : pos + min(chunk_bytes, size - pos)]) or 0
-        else:
-            part = read(min(chunk_bytes, size - pos))
-            n = len(part)
-            dest[pos : pos + n] = part
-        if not n:
+        part = read(min(chunk_bytes, size - pos))
+        if not part:
             raise WireError("truncated", f"body ended {size - pos} bytes early")
-        pos += n
+        dest[pos : pos + len(part)] = part
+        pos += len(part)
     if read(1):
         raise WireError("trailing_bytes", "body continues past the last tensor")
 

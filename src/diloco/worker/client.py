@@ -85,20 +85,6 @@ NETWORK_ERRORS = (
 )
 
 
-def _body_readers(
-    resp: requests.Response,
-) -> tuple[Callable[[int], bytes], Callable[[memoryview], int] | None]:
-    """Readers of a streamed body. Under urllib3 lies an http.client response whose readinto()
-    writes socket data straight into our buffer; urllib3's own read() copies it twice more. Used
-    only for a plain body with a Content-Length (the server's downloads always are)."""
-    raw = resp.raw
-    fp = getattr(raw, "_fp", None)
-    plain = resp.headers.get("Content-Encoding", "identity") == "identity"
-    if isinstance(fp, http.client.HTTPResponse) and plain and fp.length is not None and not fp.chunked:
-        return fp.read, fp.readinto
-    return raw.read, None
-
-
 class DiLoCoClient:
     """Blocking client for one DiLoCo server.
 
@@ -335,9 +321,9 @@ class DiLoCoClient:
                     if resp.status_code == 202:
                         return None
                     raise ServerError(resp.status_code, body)
-                read, readinto = _body_readers(resp)
+                read = resp.raw.read
                 layout = read_layout(read)
-                read_payload(read, into(layout), readinto=readinto)
+                read_payload(read, into(layout))
             finally:
                 resp.close()
             meta = layout.metadata
