@@ -32,6 +32,21 @@ def fast_client(address: str) -> DiLoCoClient:
     return DiLoCoClient(address, retries=1, backoff=0.01, connect_timeout=2, read_timeout=10)
 
 
+def flaky_link_worker(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, address: str, sync_every: int
+) -> DiLoCoWorker:
+    """A started fp32 worker whose client gives up fast, for tests that take the server away."""
+    return DiLoCoWorker(
+        model,
+        opt,
+        address,
+        sync_every=sync_every,
+        heartbeat_interval=0,
+        bf16_comm=False,
+        client=fast_client(address),
+    ).start()
+
+
 @pytest.fixture
 def server():
     srv = DiLoCoServer(
@@ -60,15 +75,7 @@ def test_one_worker_with_plain_averaging_adopts_its_own_params(server: DiLoCoSer
 def test_unreachable_server_never_escapes_optimizer_step(server: DiLoCoServer) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    worker = DiLoCoWorker(
-        model,
-        opt,
-        server.address,
-        sync_every=2,
-        heartbeat_interval=0,
-        bf16_comm=False,
-        client=fast_client(server.address),
-    ).start()
+    worker = flaky_link_worker(model, opt, server.address, sync_every=2)
     start = params_of(model)
     server.stop()
     for _ in range(4):
@@ -87,15 +94,7 @@ def test_restarted_server_unknown_worker_rejoins_and_rebases(server: DiLoCoServe
     port = server.port
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    worker = DiLoCoWorker(
-        model,
-        opt,
-        server.address,
-        sync_every=3,
-        heartbeat_interval=0,
-        bf16_comm=False,
-        client=fast_client(server.address),
-    ).start()
+    worker = flaky_link_worker(model, opt, server.address, sync_every=3)
     start = params_of(model)
     fake_step(model, opt, 0.5)
     fake_step(model, opt, 0.5)
