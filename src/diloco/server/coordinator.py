@@ -353,6 +353,14 @@ class SyncCoordinator:
                     )
                 if self.registry.get(worker_id) is None:
                     raise unknown_worker(worker_id)  # evicted while uploading
+                if self.barrier.uploading.get(worker_id) != submission_id:
+                    # The worker left and came back while this body was in flight.
+                    raise conflict(
+                        "superseded",
+                        "this upload was superseded; rebase",
+                        action="rebase",
+                        round=self.barrier.round,
+                    )
                 # From here on the submission counts: record it, then queue the addition on the
                 # tensor lock before yielding, so a round close queued later sees this sum.
                 self.barrier.record(worker_id, submission_id)
