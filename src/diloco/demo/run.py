@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4, help="DiLoCo worker processes (default 4)")
-    p.add_argument("--steps", type=int, default=500, help="inner steps per worker (default 500)")
+    p.add_argument("--steps", type=int, default=1000, help="inner steps per worker (default 1000)")
     p.add_argument(
         "--sync-every", type=int, default=50, help="inner steps per round, H (default 50)"
     )

@@ -43,8 +43,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status >= 400:
             return _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         raise
-    except (ConnectionResetError, TimeoutError):
-        raise
+    except (ConnectionResetError, TimeoutError) as exc:
+        # The client went away mid-request (a killed worker, a cut link). Nothing was counted;
+        # one line is enough, and the answer below reaches no one.
+        log.warning("%s %s: connection lost: %s", request.method, request.path, exc)
+        return _error(400, "connection_lost", "the connection was lost during the request")
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return _error(500, "internal", "the server hit an unexpected error; see its log")
