@@ -493,6 +493,8 @@ class SyncCoordinator:
             "has_params": store is not None,
             "num_params": store.numel if store else 0,
             "model_bytes": store.nbytes if store else 0,
+            # Outer steps that had to copy the parameters because a download still held them.
+            "copies_on_write": store.copies_on_write if store else 0,
             "outer_optimizer": optimizer_hparams(self.optimizer) if self.optimizer else None,
             "weighting": self.config.weighting,
             "bytes_in": self.bytes_in,
