@@ -69,6 +69,15 @@ class SyncBarrier:
         # Dynamic join: the expected count grows to fit (a newcomer is expected from the next round).
         self.num_workers = max(self.num_workers, len(live))
 
+    def set_num_workers(self, num_workers: int, live: set[str]) -> None:
+        """An operator changed the expected worker count. Before round 0 it is how many must
+        register; lowering it may open round 0 with the workers already here."""
+        if num_workers < self.min_workers:
+            raise ValueError(f"num_workers must be >= min_workers ({self.min_workers})")
+        self.num_workers = num_workers
+        if not self.opened and len(live) >= num_workers:
+            self._open(live)
+
     def on_leave(self, worker_id: str) -> None:
         """A worker left (deregistered, evicted, kicked). Its accepted submission stays counted."""
         self.uploading.pop(worker_id, None)

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from diloco.core import WeightedSum, apply_outer_step, default_outer_optimizer, optimizer_hparams
+from diloco.core import (
+    WeightedSum,
+    apply_outer_step,
+    default_outer_optimizer,
+    optimizer_hparams,
+    set_optimizer_hparams,
+)
 from diloco.server.barrier import SyncBarrier, Verdict
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
@@ -92,6 +98,7 @@ class SyncCoordinator:
         self.bytes_in = 0
         self.bytes_out = 0
         self.rejected = 0
+        self.kicks = 0
         self.round_times: list[float] = []
         self._round_started = clock()
         self._closing_task: asyncio.Task[None] | None = None
@@ -480,6 +487,58 @@ class SyncCoordinator:
         record = self.registry.get(worker_id) if worker_id else None
         if record is not None:
             record.bytes_out += nbytes
+
+    # --- control ------------------------------------------------------------------------------
+
+    def kick(self, worker_id: str) -> dict[str, Any]:
+        """Evict a worker on request. Its accepted submission stays counted; a kicked worker
+        that is still running gets 410 at its next request and may re-join."""
+        if worker_id not in self.registry:
+            raise unknown_worker(worker_id)
+        log.warning("worker %s kicked by an operator (round %d)", worker_id, self.barrier.round)
+        self.kicks += 1
+        return self.deregister(worker_id, died=False)
+
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every outer optimizer the server steps (one per fragment when streaming)."""
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def set_outer_hparams(
+        self, lr: float | None = None, momentum: float | None = None
+    ) -> dict[str, Any]:
+        """Change the outer learning rate and/or momentum of every outer optimizer. Validated
+        before anything changes."""
+        if lr is not None and not (math.isfinite(lr) and lr > 0):
+            raise bad_request("bad_field", f"lr must be a finite positive number, got {lr}")
+        if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
+            raise bad_request("bad_field", f"momentum must be in [0, 1), got {momentum}")
+        optimizers = self.outer_optimizers()
+        if not optimizers:
+            raise ApiError(503, "no_parameters", "the server has no parameters yet")
+        if momentum is not None and any(
+            "momentum" not in g for o in optimizers for g in o.param_groups
+        ):
+            raise bad_request("bad_field", "the outer optimizer has no momentum to set")
+        for opt in optimizers:
+            set_optimizer_hparams(opt, lr=lr, momentum=momentum)
+        log.info("outer optimizer changed: lr=%s momentum=%s", lr, momentum)
+        return {"status": "ok", "outer_optimizer": optimizer_hparams(optimizers[0])}
+
+    def set_num_workers(self, num_workers: int) -> dict[str, Any]:
+        """Change how many workers the run expects (round 0 waits for them; never below
+        ``min_workers``)."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+            raise bad_request("bad_field", "num_workers must be an integer")
+        if num_workers < self.barrier.min_workers:
+            raise bad_request(
+                "bad_field",
+                f"num_workers must be >= min_workers ({self.barrier.min_workers}), "
+                f"got {num_workers}",
+            )
+        self.barrier.set_num_workers(num_workers, self.registry.ids())
+        log.info("expected workers set to %d (round %d)", num_workers, self.barrier.round)
+        self._maybe_close()
+        return {"status": "ok", "num_workers": self.barrier.num_workers}
 
     # --- status -------------------------------------------------------------------------------
 
