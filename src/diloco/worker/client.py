@@ -275,9 +275,11 @@ class DiLoCoClient:
         produce: Callable[[TensorSpec], torch.Tensor | Iterable[torch.Tensor]],
         *,
         weight: float = 1.0,
+        fragment: int | None = None,
     ) -> dict[str, Any]:
         """Stream a pseudo-gradient computed tensor by tensor by ``produce``. A retry resends
-        the same submission id, so the server counts it at most once."""
+        the same submission id, so the server counts it at most once. With ``fragment``, the
+        specs are that fragment's pieces (streaming DiLoCo) and ``base_round`` its round."""
         meta = {
             "worker_id": worker_id,
             "base_round": str(base_round),
@@ -285,6 +287,8 @@ class DiLoCoClient:
             "weight": repr(float(weight)),
             "codec": "raw",
         }
+        if fragment is not None:
+            meta["fragment"] = str(fragment)
         layout = build_layout(specs, meta)
         return self._post_tensors("submit", "/submit_pseudograd", layout, produce)
 
@@ -304,12 +308,16 @@ class DiLoCoClient:
         *,
         min_round: int = 0,
         worker_id: str | None = None,
+        fragment: int | None = None,
     ) -> Download | None:
-        """Stream the global parameters into the memory ``into(layout)`` returns (after the
-        caller checked the layout). None when the server's long poll ended before ``min_round``."""
+        """Stream the global parameters (or one fragment's pieces) into the memory
+        ``into(layout)`` returns (after the caller checked the layout). None when the server's
+        long poll ended before ``min_round`` (the fragment's round when ``fragment`` is given)."""
         params: dict[str, Any] = {"min_round": min_round}
         if worker_id:
             params["worker_id"] = worker_id
+        if fragment is not None:
+            params["fragment"] = fragment
 
         def call() -> Download | None:
             resp = self._session.get(

@@ -43,6 +43,25 @@ class WorkerSettings:
     max_barrier_wait: float = 3600.0
     """Longest a worker waits for a round to close before it rebases and trains on."""
 
+    num_fragments: int = 1
+    """Streaming DiLoCo: sync the model in this many fragments, one every
+    ``sync_every / num_fragments`` steps, each once per ``sync_every`` steps (1: plain DiLoCo)."""
+
+    fragment_pattern: str = "sequential"
+    """How fragments are cut: ``sequential`` (contiguous runs of layers) or ``strided``
+    (interleaved across the depth of the network)."""
+
+    overlap_steps: int = 0
+    """Streaming: inner steps a fragment's exchange may overlap with training (tau) before its
+    result is merged; 0 waits for it at once."""
+
+    merge_alpha: float = 0.5
+    """Streaming: a returned fragment becomes ``alpha * local + (1 - alpha) * global``."""
+
+    dylu: bool = False
+    """Dynamic local updates: adopt the ``sync_every`` the server recommends for this worker's
+    speed (the server must run with DyLU on)."""
+
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
@@ -54,6 +73,19 @@ class WorkerSettings:
             raise ValueError("timeouts must be positive")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if not 1 <= self.num_fragments <= self.sync_every:
+            raise ValueError(
+                f"num_fragments must be in [1, sync_every={self.sync_every}], "
+                f"got {self.num_fragments}"
+            )
+        if self.fragment_pattern not in ("sequential", "strided"):
+            raise ValueError(
+                f"fragment_pattern must be 'sequential' or 'strided', got {self.fragment_pattern!r}"
+            )
+        if self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
+        if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
+            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
 
 
 ENV_PREFIX = "DILOCO_"

@@ -59,6 +59,11 @@ class DiLoCoWorker:
         read_timeout: float | None = None,
         connect_timeout: float | None = None,
         max_barrier_wait: float | None = None,
+        num_fragments: int | None = None,
+        fragment_pattern: str | None = None,
+        overlap_steps: int | None = None,
+        merge_alpha: float | None = None,
+        dylu: bool | None = None,
         client: DiLoCoClient | None = None,
     ) -> None:
         self.settings: WorkerSettings = resolve(
@@ -73,6 +78,11 @@ class DiLoCoWorker:
                 "read_timeout": read_timeout,
                 "connect_timeout": connect_timeout,
                 "max_barrier_wait": max_barrier_wait,
+                "num_fragments": num_fragments,
+                "fragment_pattern": fragment_pattern,
+                "overlap_steps": overlap_steps,
+                "merge_alpha": merge_alpha,
+                "dylu": dylu,
             }
         )
         self.model = model
@@ -264,7 +274,13 @@ class DiLoCoWorker:
         reply = self.client.register(
             self.worker_id,
             hostname=socket.gethostname(),
-            info={"pid": os.getpid(), "device": str(self._device), "sync_every": self.sync_every},
+            info={
+                "pid": os.getpid(),
+                "device": str(self._device),
+                "sync_every": self.settings.sync_every,
+                "num_fragments": self.settings.num_fragments,
+                "fragment_pattern": self.settings.fragment_pattern,
+            },
             last_submission_id=None if initial else self._last_submission,
         )
         self.worker_id = reply["worker_id"]
