@@ -29,6 +29,7 @@ class Verdict(enum.Enum):
     ALREADY_SUBMITTED = "already_submitted"  # a different submission from the same worker
     IN_PROGRESS = "upload_in_progress"  # the same worker is uploading right now
     CLOSING = "round_closing"  # the round is full and its outer step is running
+    TOO_STALE = "too_stale"  # async: more updates than max_staleness since the worker's base
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,25 @@ class ServerConfig:
     """How many checkpoints to keep in ``save_dir``."""
 
     token: str | None = None
-    """Shared secret required as ``Authorization: Bearer`` on every endpoint except /healthz."""
+    """Shared secret required as ``Authorization: Bearer`` on every endpoint except /healthz
+    and the dashboard's static files. None leaves the API open (fine on loopback only)."""
+
+    admin_token: str | None = None
+    """When set, ``/control/*`` needs this token instead of ``token`` (which is then not enough).
+    It is also accepted wherever ``token`` is, so one dashboard login can watch and steer."""
+
+    tls_cert: str | None = None
+    """PEM certificate chain: serve HTTPS instead of HTTP (needs ``tls_key``)."""
+
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+
+    auth_failure_limit: int = 5
+    """Failed authentications from one address within ``auth_failure_window`` after which
+    further requests from it get 429 until the window passes (0 disables the slowdown)."""
+
+    auth_failure_window: float = 60.0
+    """Seconds over which failed authentications are counted."""
 
     weighting: str = "equal"
     """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
@@ -72,6 +90,40 @@ class ServerConfig:
     max_initial_bytes: int = 64 * 1024**3
     """Largest parameter upload accepted before the model is known."""
 
+    mode: str = "sync"
+    """``sync``: rounds behind a barrier. ``async``: each submission is applied as it arrives."""
+
+    max_staleness: int | None = None
+    """Async: refuse (409, rebase) a submission computed against parameters more than this many
+    updates old. None accepts any."""
+
+    staleness_weighting: str = "none"
+    """Async: ``none``, or ``inverse_sqrt`` to scale a pseudo-gradient by 1/sqrt(1 + staleness)."""
+
+    delayed_nesterov: bool = False
+    """Async: use Delayed Nesterov (Liu et al. 2024, Algorithm 3) as the outer optimizer: every
+    arrival applies g/N, momentum moves once per N arrivals."""
+
+    dn_buffer_size: int | None = None
+    """Delayed Nesterov's N (arrivals per momentum step); None: ``num_workers``."""
+
+    dn_activation: float = 0.0
+    """Delayed Nesterov's c in [0, 1/N]: share of the momentum applied at every arrival."""
+
+    dylu: bool = False
+    """Dynamic local updates: recommend ``sync_every`` per worker from its smoothed speed,
+    H_w = max(floor(v_w / v_max * H_w_base), dylu_min_sync_every), in heartbeat replies."""
+
+    dylu_min_sync_every: int = 1
+    """Smallest ``sync_every`` DyLU recommends."""
+
+    num_fragments: int | None = None
+    """Streaming DiLoCo: synchronise the model in this many fragments, each with its own rounds
+    and outer optimizer state. None: as the first worker to register asks (1 for plain workers)."""
+
+    fragment_pattern: str | None = None
+    """``sequential`` or ``strided`` (None: as the first worker asks)."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -95,5 +147,53 @@ class ServerConfig:
             raise ValueError("poll_timeout must be positive")
         if self.upload_slots < 1:
             raise ValueError("upload_slots must be >= 1")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.staleness_weighting not in ("none", "inverse_sqrt"):
+            raise ValueError(
+                "staleness_weighting must be 'none' or 'inverse_sqrt', "
+                f"got {self.staleness_weighting!r}"
+            )
+        if self.mode == "sync" and (
+            self.delayed_nesterov
+            or self.max_staleness is not None
+            or self.staleness_weighting != "none"
+        ):
+            raise ValueError(
+                "delayed_nesterov, max_staleness and staleness_weighting need mode='async'"
+            )
+        if self.mode == "async" and self.weighting != "equal":
+            raise ValueError(
+                "weighting='samples' averages one round's contributions; async mode has no rounds"
+            )
+        buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
+        if buffer < 1:
+            raise ValueError(f"dn_buffer_size must be >= 1, got {self.dn_buffer_size}")
+        if not (math.isfinite(self.dn_activation) and 0 <= self.dn_activation <= 1 / buffer):
+            raise ValueError(
+                f"dn_activation must be in [0, 1/N] = [0, {1 / buffer:.4g}], got {self.dn_activation}"
+            )
+        if self.dylu_min_sync_every < 1:
+            raise ValueError("dylu_min_sync_every must be >= 1")
+        if self.num_fragments is not None and self.num_fragments < 1:
+            raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
+        if self.fragment_pattern not in (None, "sequential", "strided"):
+            raise ValueError(
+                f"fragment_pattern must be 'sequential' or 'strided', got {self.fragment_pattern!r}"
+            )
         if self.token is not None and len(self.token) < 8:
             raise ValueError("token must be at least 8 characters")
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError("admin_token must be at least 8 characters")
+        if self.admin_token is not None and self.admin_token == self.token:
+            raise ValueError("admin_token must differ from token, or it guards nothing")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.auth_failure_limit < 0:
+            raise ValueError(f"auth_failure_limit must be >= 0, got {self.auth_failure_limit}")
+        if not (math.isfinite(self.auth_failure_window) and self.auth_failure_window > 0):
+            raise ValueError(
+                f"auth_failure_window must be a finite positive number, got {self.auth_failure_window}"
+            )

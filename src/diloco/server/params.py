@@ -29,16 +29,22 @@ class _Buffer:
 
 @dataclass
 class Snapshot:
-    """What a download streams: the header of its round and the payload it points into."""
+    """What a download streams: the header of its round and the payload it points into.
+    ``parts`` is the whole payload, or the byte ranges of one fragment's pieces."""
 
     round: int
     header: bytes
     payload: memoryview
     _buffer: _Buffer
+    parts: list[memoryview] | None = None
+
+    @property
+    def body_parts(self) -> list[memoryview]:
+        return self.parts if self.parts is not None else [self.payload]
 
     @property
     def total_size(self) -> int:
-        return len(self.header) + len(self.payload)
+        return len(self.header) + sum(len(p) for p in self.body_parts)
 
 
 class ParamStore:
@@ -59,6 +65,11 @@ class ParamStore:
         self.params = [
             torch.nn.Parameter(t, requires_grad=False) for t in self._views(self._buffer)
         ]
+        #: Extra header metadata of full downloads (fragment rounds when streaming).
+        self.header_meta: Callable[[], dict[str, str]] | None = None
+        #: Called after a copy-on-write moved the parameters to a fresh buffer, so views made
+        #: from them (fragment pieces) can follow.
+        self.on_new_buffer: Callable[[], None] | None = None
         self._header = self._make_header()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -90,7 +101,12 @@ class ParamStore:
 
     def _make_header(self) -> bytes:
         meta = {"round": str(self.round), "instance": self.instance, "kind": "global_params"}
+        if self.header_meta is not None:
+            meta.update(self.header_meta())
         return build_layout(self.specs, meta).header
+
+    def refresh_header(self) -> None:
+        self._header = self._make_header()
 
     def named(self) -> dict[str, torch.Tensor]:
         return {s.name: p.data for s, p in zip(self.specs, self.params, strict=True)}
@@ -119,21 +135,41 @@ class ParamStore:
     def close_snapshot(snap: Snapshot) -> None:
         snap._buffer.readers -= 1
 
+    async def open_parts(
+        self, header: Callable[[], bytes], ranges: list[tuple[int, int]], round: int
+    ) -> Snapshot:
+        """Pin the current bytes and hand out the given payload byte ranges (one fragment)."""
+        await self._idle.wait()
+        buf = self._buffer
+        buf.readers += 1
+        payload = byte_view(buf.payload)
+        return Snapshot(round, header(), payload, buf, [payload[a:b] for a, b in ranges])
+
     async def wait_for_round(self, min_round: int, timeout: float) -> bool:
         """Wait until the published round reaches ``min_round``. False on timeout."""
+        return await self.wait_until(lambda: self.round >= min_round, timeout)
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate()`` holds after a publication. False on timeout."""
         async with self._round_changed:
             try:
-                await asyncio.wait_for(
-                    self._round_changed.wait_for(lambda: self.round >= min_round), timeout
-                )
+                await asyncio.wait_for(self._round_changed.wait_for(predicate), timeout)
             except TimeoutError:
                 return False
         return True
 
     # --- writers --------------------------------------------------------------------------
 
-    async def update(self, fn: Callable[[], None], *, new_round: int | None = None) -> None:
+    async def update(
+        self,
+        fn: Callable[[], None],
+        *,
+        new_round: int | None = None,
+        on_publish: Callable[[], None] | None = None,
+    ) -> None:
         """Run ``fn`` (which mutates ``self.params`` in place) off the event loop, then publish.
+        ``on_publish`` runs on the loop just before waiters are woken (to move round counters
+        that their predicates read).
 
         Readers that arrive meanwhile wait; readers already streaming keep the old bytes."""
         self._idle.clear()
@@ -143,6 +179,8 @@ class ParamStore:
             await asyncio.to_thread(fn)
             if new_round is not None:
                 self.round = new_round
+            if on_publish is not None:
+                on_publish()
             self._header = self._make_header()
         finally:
             self._idle.set()
@@ -156,3 +194,5 @@ class ParamStore:
                 p.data = view
         self._buffer = fresh
         self.copies_on_write += 1
+        if self.on_new_buffer is not None:
+            self.on_new_buffer()

@@ -1,0 +1,173 @@
+"""The parts of the model the server synchronises independently.
+
+Plain DiLoCo has one unit, the whole model, whose pieces are the parameters themselves. Streaming
+DiLoCo has one unit per fragment, whose pieces are flat element ranges of parameters
+(``core.fragments``). Each unit has its own round (sync: a barrier; async: an admission gate),
+running sum and outer optimizer, so fragments advance independently. Its parameters are views
+into the store's payload, so an outer step on a fragment changes exactly the bytes that fragment's
+downloads stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from diloco.core import WeightedSum
+from diloco.core.fragments import Span, split_sequential, split_strided
+from diloco.server.async_gate import AsyncGate
+from diloco.server.barrier import SyncBarrier
+from diloco.server.params import ParamStore
+from diloco.wire import TensorSpec, build_layout
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+PATTERNS = ("sequential", "strided")
+F32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor of a unit's messages: a whole parameter, or elements [start, stop) of it."""
+
+    wire_name: str
+    param: str
+    index: int  # position of the parameter in the store's payload order
+    start: int
+    stop: int
+    shape: tuple[int, ...]  # the shape on the wire: the parameter's, or (stop - start,)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def plan_pieces(store: ParamStore, num_fragments: int, pattern: str) -> list[list[Piece]]:
+    """Pieces of each unit. One fragment: the parameters with their own names and shapes (the
+    messages of plain DiLoCo). More: flat spans named ``param[start:stop]``, balanced by size."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"fragment pattern must be one of {PATTERNS}, got {pattern!r}")
+    index = {s.name: i for i, s in enumerate(store.specs)}
+    if num_fragments == 1:
+        return [
+            [
+                Piece(s.name, s.name, i, 0, s.numel, tuple(s.shape))
+                for i, s in enumerate(store.specs)
+            ]
+        ]
+    sizes = [(s.name, s.numel) for s in store.specs]
+    split = split_sequential if pattern == "sequential" else split_strided
+    spans: list[list[Span]] = split(sizes, num_fragments)
+    return [
+        [
+            Piece(
+                f"{sp.name}[{sp.start}:{sp.stop}]",
+                sp.name,
+                index[sp.name],
+                sp.start,
+                sp.stop,
+                (sp.numel,),
+            )
+            for sp in fragment
+        ]
+        for fragment in spans
+    ]
+
+
+class Unit:
+    """One independently synchronised part of the model and its server-side state."""
+
+    def __init__(
+        self,
+        index: int,
+        pieces: list[Piece],
+        store: ParamStore,
+        factory: OptimizerFactory,
+        *,
+        mode: str,
+        round: int,
+        num_workers: int,
+        min_workers: int,
+        max_staleness: int | None,
+    ) -> None:
+        self.index = index
+        self.pieces = pieces
+        self.table: dict[str, tuple[int, ...]] = {p.wire_name: p.shape for p in pieces}
+        self.names = [p.wire_name for p in pieces]
+        self._store = store
+        self.params = [torch.nn.Parameter(self._view(p), requires_grad=False) for p in pieces]
+        self.optimizer = factory(self.params)
+        self.sum = WeightedSum([p.shape for p in pieces])
+        self.barrier: SyncBarrier | None = None
+        self.gate: AsyncGate | None = None
+        if mode == "sync":
+            self.barrier = SyncBarrier(num_workers, min_workers, round=round)
+        else:
+            self.gate = AsyncGate(round, max_staleness)
+        #: The round whose result the store's bytes hold (moves when a result is published;
+        #: the barrier's round moves after, and downloads wait on this one).
+        self.published_round = round
+        self.nbytes = sum(p.numel for p in pieces) * F32_BYTES
+        self.ranges = [self._byte_range(p) for p in pieces]
+
+    def _view(self, piece: Piece) -> torch.Tensor:
+        param = self._store.params[piece.index].data
+        if piece.start == 0 and piece.stop == param.numel() and piece.shape == tuple(param.shape):
+            return param
+        return param.view(-1)[piece.start : piece.stop]
+
+    def _byte_range(self, piece: Piece) -> tuple[int, int]:
+        begin, _ = self._store.layout.offsets[piece.index]
+        return begin + piece.start * F32_BYTES, begin + piece.stop * F32_BYTES
+
+    def repoint(self) -> None:
+        """The store moved its parameters to a fresh buffer (copy-on-write): follow them."""
+        for p, piece in zip(self.params, self.pieces, strict=True):
+            p.data = self._view(piece)
+
+    @property
+    def round(self) -> int:
+        """The round (sync) or version (async) submissions must name."""
+        if self.barrier is not None:
+            return self.barrier.round
+        assert self.gate is not None
+        return self.gate.version
+
+    @property
+    def history(self) -> dict[str, int]:
+        if self.barrier is not None:
+            return self.barrier.history
+        assert self.gate is not None
+        return self.gate.history
+
+    def header(self, instance: str) -> bytes:
+        """Header of this unit's download at its published round."""
+        specs = [TensorSpec(p.wire_name, "F32", p.shape) for p in self.pieces]
+        meta = {
+            "round": str(self.published_round),
+            "fragment": str(self.index),
+            "instance": instance,
+            "kind": "global_params",
+        }
+        return build_layout(specs, meta).header
+
+    def public(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "fragment": self.index,
+            "round": self.round,
+            "published_round": self.published_round,
+            "num_params": self.nbytes // F32_BYTES,
+        }
+        if self.barrier is not None:
+            out.update(
+                {
+                    k: v
+                    for k, v in self.barrier.public().items()
+                    if k in ("submitted", "uploading", "closing")
+                }
+            )
+        else:
+            assert self.gate is not None
+            out["uploading"] = sorted(self.gate.uploading)
+        return out
