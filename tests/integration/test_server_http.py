@@ -21,16 +21,12 @@ from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.wire import TensorSpec, encode, spec_of
 from diloco.worker.client import Conflict, DiLoCoClient, UnknownWorker
+from tests.integration.conftest import ServerFactory, initial_params
 
 TIMEOUT = 10.0
 TOKEN = "secret-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 EXACT = {"outer_lr": 1.0, "outer_momentum": 0.0}  # new params = old params - mean pseudo-gradient
-
-
-def initial_params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
 
 
 def pseudo_grad(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -42,28 +38,6 @@ def pseudo_grad(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torc
 
 
 # --- fixtures and helpers ----------------------------------------------------------------------
-
-
-ServerFactory = Callable[..., DiLoCoServer]
-
-
-@pytest.fixture
-def make_server() -> Iterator[ServerFactory]:
-    started: list[DiLoCoServer] = []
-
-    def make(params: dict[str, torch.Tensor] | None = None, **config: Any) -> DiLoCoServer:
-        config.setdefault("num_workers", 1)
-        server = DiLoCoServer(
-            ServerConfig(port=0, **config),
-            initial_params=initial_params() if params is None else params,
-        )
-        server.start()
-        started.append(server)
-        return server
-
-    yield make
-    for server in started:
-        server.stop()
 
 
 def url(server: DiLoCoServer, path: str) -> str:

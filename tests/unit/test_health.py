@@ -50,16 +50,17 @@ def test_eviction_releases_the_barrier_at_once() -> None:
         coord.register("a", "h", {})
         coord.register("b", "h", {})
         # b has submitted (recorded directly: the HTTP path is covered elsewhere).
-        coord.barrier.begin_upload("b", "s1")
-        coord.barrier.record("b", "s1")
-        assert coord.sum is not None
-        coord.sum.add([torch.ones(2)], 1.0)
+        barrier = coord.barrier
+        assert barrier is not None
+        barrier.begin_upload("b", "s1")
+        barrier.record("b", "s1")
+        coord.units[0].sum.add([torch.ones(2)], 1.0)
         clock.now += 61
         coord.heartbeat("b", {})
         coord.check_health()  # a is silent: evicted, the round closes with b alone
-        assert coord._closing_task is not None
-        await coord._closing_task
-        assert coord.barrier.round == 1
+        assert coord._closing_tasks
+        await coord.settle()
+        assert barrier.round == 1
         assert coord.store is not None and coord.store.round == 1
 
     asyncio.run(scenario())

@@ -73,6 +73,57 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="longest a parameter long-poll waits, seconds",
     )
+    g = p.add_argument_group("async mode (arXiv 2401.09135)")
+    g.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="apply each submission when it arrives, with no barrier",
+    )
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="refuse (409, rebase) submissions more than this many updates old",
+    )
+    g.add_argument(
+        "--staleness-weighting",
+        choices=("none", "inverse_sqrt"),
+        default="none",
+        help="scale a pseudo-gradient by 1/sqrt(1 + staleness)",
+    )
+    g.add_argument(
+        "--delayed-nesterov",
+        action="store_true",
+        help="Delayed Nesterov outer optimizer: g/N per arrival, momentum once per N arrivals",
+    )
+    g.add_argument(
+        "--dn-buffer-size", type=int, default=None, help="Delayed Nesterov's N (default: -n)"
+    )
+    g.add_argument(
+        "--dn-activation", type=float, default=0.0, help="Delayed Nesterov's c in [0, 1/N]"
+    )
+    g = p.add_argument_group("dynamic local updates and streaming fragments")
+    g.add_argument(
+        "--dylu",
+        action="store_true",
+        help="recommend sync_every per worker from its speed (workers opt in with --dylu)",
+    )
+    g.add_argument(
+        "--dylu-min-sync-every", type=int, default=1, help="smallest sync_every DyLU recommends"
+    )
+    g.add_argument(
+        "--num-fragments",
+        type=int,
+        default=None,
+        help="streaming DiLoCo fragments (default: as the first worker asks)",
+    )
+    g.add_argument(
+        "--fragment-pattern",
+        choices=("sequential", "strided"),
+        default=None,
+        help="how fragments cut the model (default: as the first worker asks)",
+    )
     p.set_defaults(func=_server)
 
 
@@ -97,6 +148,16 @@ def _server(args: argparse.Namespace) -> int:
         poll_timeout=args.poll_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         stuck_timeout=args.stuck_timeout,
+        mode="async" if args.async_mode else "sync",
+        max_staleness=args.max_staleness,
+        staleness_weighting=args.staleness_weighting,
+        delayed_nesterov=args.delayed_nesterov,
+        dn_buffer_size=args.dn_buffer_size,
+        dn_activation=args.dn_activation,
+        dylu=args.dylu,
+        dylu_min_sync_every=args.dylu_min_sync_every,
+        num_fragments=args.num_fragments,
+        fragment_pattern=args.fragment_pattern,
     )
     server = DiLoCoServer(config)
     server.run()
@@ -133,6 +194,17 @@ def render_status(st: dict[str, Any]) -> str:
         f"round: expected {len(st['expected'])}, submitted {len(st['submitted'])}"
         f"  last round {st['last_round_time_s'] if st['last_round_time_s'] is not None else '-'} s",
         f"bytes in {_fmt_bytes(st['bytes_in'])}  out {_fmt_bytes(st['bytes_out'])}",
+    ]
+    stale = st.get("staleness") or {}
+    if st.get("mode") == "async":
+        lines.append(
+            f"staleness: last {stale.get('last', '-')}  mean {stale.get('mean', '-')}"
+            f"  max {stale.get('max', '-')}  (max allowed {st.get('max_staleness') or '-'})"
+        )
+    if st.get("fragments"):
+        rounds = " ".join(str(f["round"]) for f in st["fragments"])
+        lines.append(f"fragments ({st.get('fragment_pattern')}): rounds {rounds}")
+    lines += [
         "",
         f"{'worker':<20} {'host':<16} {'round':>5} {'steps/s':>8} {'loss':>8} {'seen':>7} {'sent':>10} {'recv':>10}",
     ]

@@ -10,8 +10,9 @@ from typing import Any
 
 from aiohttp import web
 
-from diloco.server.coordinator import SyncCoordinator
+from diloco.server.coordinator import Coordinator
 from diloco.server.errors import ApiError, bad_request, unknown_worker
+from diloco.server.params import ParamStore
 from diloco.wire import WireError, aread_layout
 from diloco.wire.encode import chunks
 
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 JSON_LIMIT = 64 * 1024
 DOWNLOAD_CHUNK = 1024 * 1024
 HEADER_LIMIT = 16 * 1024 * 1024
-COORDINATOR: web.AppKey[SyncCoordinator] = web.AppKey("coordinator", SyncCoordinator)
+COORDINATOR: web.AppKey[Coordinator] = web.AppKey("coordinator", Coordinator)
 TOKEN: web.AppKey[str | None] = web.AppKey("token", str)
 OPEN_PATHS = frozenset({"/healthz"})
 
@@ -99,12 +100,12 @@ def _str_field(
     return value
 
 
-def _max_tensor_body(coord: SyncCoordinator) -> int:
+def _max_tensor_body(coord: Coordinator) -> int:
     store = coord.store
     return HEADER_LIMIT + 8 + (store.nbytes if store else coord.config.max_initial_bytes)
 
 
-async def _read_tensor_header(request: web.Request, coord: SyncCoordinator) -> Any:
+async def _read_tensor_header(request: web.Request, coord: Coordinator) -> Any:
     limit = _max_tensor_body(coord)
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
@@ -156,15 +157,23 @@ async def initial_params(request: web.Request) -> web.Response:
 
 
 async def global_params(request: web.Request) -> web.StreamResponse:
+    """The global parameters, or with ``?fragment=k`` one fragment's pieces. Long-polls until
+    ``min_round`` is published. No lock is held while the bytes stream: the snapshot pins them
+    and an outer step meanwhile writes to a copy."""
     coord = request.app[COORDINATOR]
-    store = coord.require_store()
+    coord.require_store()
     worker_id = request.query.get("worker_id")
     if worker_id and worker_id not in coord.registry:
         raise unknown_worker(worker_id)
+    raw_fragment = request.query.get("fragment")
+    fragment = None if raw_fragment is None else coord.fragment_index(raw_fragment)
     min_round = _query_int(request, "min_round", default=0)
-    if not await store.wait_for_round(min_round, coord.config.poll_timeout):
-        return web.json_response({"status": "pending", "round": store.round}, status=202)
-    snap = await coord.snapshot()
+    if not await coord.wait_published(fragment, min_round, coord.config.poll_timeout):
+        pending: dict[str, Any] = {"status": "pending", "round": coord.published_round(fragment)}
+        if fragment is not None:
+            pending["fragment"] = fragment
+        return web.json_response(pending, status=202)
+    snap = await coord.snapshot(fragment)
     try:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         resp.content_length = snap.total_size
@@ -172,11 +181,12 @@ async def global_params(request: web.Request) -> web.StreamResponse:
         await resp.write(snap.header)
         # 1 MiB writes: asyncio copies what the socket does not take at once into its buffer and
         # shifts that buffer as it drains, so smaller writes cost less CPU than 4 MiB ones.
-        for part in chunks(snap.payload, DOWNLOAD_CHUNK):
-            await resp.write(part)
+        for body in snap.body_parts:
+            for part in chunks(body, DOWNLOAD_CHUNK):
+                await resp.write(part)
         await resp.write_eof()
     finally:
-        store.close_snapshot(snap)
+        ParamStore.close_snapshot(snap)
     coord.count_download(worker_id, snap.total_size)
     return resp
 
@@ -202,7 +212,7 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def build_app(coordinator: SyncCoordinator, token: str | None) -> web.Application:
+def build_app(coordinator: Coordinator, token: str | None) -> web.Application:
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware], client_max_size=JSON_LIMIT
     )

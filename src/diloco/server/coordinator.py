@@ -1,8 +1,13 @@
-"""Synchronous DiLoCo on the server: registry, barrier, running sum and outer step together.
+"""DiLoCo on the server: registry, units (the whole model or its fragments), rounds or
+asynchronous updates, outer steps, checkpoints.
 
 Everything here runs on the server's event loop thread, so barrier and registry state need no
-locks. Tensor work (adding an upload to the sum, the outer step) runs in worker threads; the
+locks. Tensor work (adding an upload to a sum, an outer step) runs in worker threads; the
 ``_tensor_lock`` orders it. No lock is held while bytes travel on a socket.
+
+Modes (``ServerConfig.mode``): ``sync`` closes a round per unit when its expected workers have
+submitted (docs/design.md, "Sync barrier"); ``async`` applies every submission as it arrives,
+recording its staleness. Both work per unit, so streaming fragments advance independently.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -20,18 +26,22 @@ from typing import Any
 import torch
 
 from diloco.core import (
-    WeightedSum,
     apply_outer_step,
     default_outer_optimizer,
     optimizer_hparams,
     set_optimizer_hparams,
 )
-from diloco.server.barrier import SyncBarrier, Verdict
+from diloco.core.delayed_nesterov import DelayedNesterov
+from diloco.core.dylu import recommended_sync_every, smooth_speed
+from diloco.core.staleness import inverse_sqrt_weight
+from diloco.server.async_gate import AsyncCheck
+from diloco.server.barrier import Check, SyncBarrier, Verdict
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.params import ParamStore, Snapshot
 from diloco.server.persistence import Checkpoint, save_checkpoint
-from diloco.server.registry import WorkerRegistry
+from diloco.server.registry import WorkerInfo, WorkerRegistry
+from diloco.server.units import PATTERNS, Unit, plan_pieces
 from diloco.wire import Layout, WireError, aread_payload, byte_view, check_against, tensor_views
 from diloco.wire.decode import AsyncStream
 
@@ -39,6 +49,8 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 UPLOAD_DTYPES = ("F32", "BF16")
+UPDATE_LOG = 2048  # outer updates remembered for status and metrics
+STATUS_LOG = 200  # of which /status shows the newest
 
 
 def _meta_int(meta: dict[str, str], key: str) -> int:
@@ -65,7 +77,9 @@ def _meta_weight(meta: dict[str, str]) -> float:
     return weight
 
 
-class SyncCoordinator:
+class Coordinator:
+    """The server's state machine. Sync or async, one unit or one per fragment."""
+
     def __init__(
         self,
         config: ServerConfig,
@@ -76,17 +90,16 @@ class SyncCoordinator:
         self.config = config
         self.clock = clock
         self.registry = WorkerRegistry(clock)
-        self.barrier = SyncBarrier(
-            config.num_workers, config.min_workers, round=store.round if store else 0
-        )
-        self._factory = optimizer_factory or (
-            lambda params: default_outer_optimizer(
-                params, config.outer_lr, config.outer_momentum, config.nesterov
-            )
-        )
+        #: Workers round 0 waits for; an operator may change it (config is frozen).
+        self.num_workers = config.num_workers
+        self._factory = optimizer_factory or self._default_optimizer
         self.store: ParamStore | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.sum: WeightedSum | None = None
+        self.units: list[Unit] = []
+        #: (number of fragments, pattern): from the config, a checkpoint, or the first worker.
+        self.fragmenting: tuple[int, str] | None = None
+        if config.num_fragments is not None:
+            self.fragmenting = (config.num_fragments, config.fragment_pattern or "sequential")
+        self._restored: Checkpoint | None = None
         self._tensor_lock = asyncio.Lock()
         self._pool: BufferPool | None = None
         self._initializing = False
@@ -100,72 +113,206 @@ class SyncCoordinator:
         self.rejected = 0
         self.kicks = 0
         self.round_times: list[float] = []
-        self._round_started = clock()
-        self._closing_task: asyncio.Task[None] | None = None
+        #: Recent outer updates (sync: rounds; async: applied submissions), newest last.
+        self.update_log: deque[dict[str, Any]] = deque(maxlen=UPDATE_LOG)
+        self.staleness_log: deque[int] = deque(maxlen=UPDATE_LOG)
+        self.staleness_total = 0
+        self.staleness_count = 0
+        self._closing_tasks: set[asyncio.Task[None]] = set()
         if store is not None:
             self._adopt_store(store)
 
-    # --- parameters ---------------------------------------------------------------------------
+    def _default_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        config = self.config
+        if config.delayed_nesterov:
+            return DelayedNesterov(
+                params,
+                lr=config.outer_lr,
+                momentum=config.outer_momentum,
+                buffer_size=config.dn_buffer_size or config.num_workers,
+                activation=config.dn_activation,
+            )
+        return default_outer_optimizer(
+            params, config.outer_lr, config.outer_momentum, config.nesterov
+        )
+
+    # --- parameters and units -------------------------------------------------------------------
 
     def _adopt_store(self, store: ParamStore) -> None:
         self.store = store
-        self.optimizer = self._factory(store.params)
-        self.sum = WeightedSum([tuple(s.shape) for s in store.specs])
-        self._pool = BufferPool(store.nbytes, self.config.upload_slots)
-        self.barrier.round = store.round
+        store.on_new_buffer = self._repoint
+        if self.fragmenting is not None:
+            self._build_units()
+
+    def _repoint(self) -> None:
+        for unit in self.units:
+            unit.repoint()
+
+    def _header_meta(self) -> dict[str, str]:
+        """Full downloads tell a streaming worker the round of every fragment they hold."""
+        return {"fragment_rounds": ",".join(str(u.published_round) for u in self.units)}
+
+    def _build_units(self) -> None:
+        """Split the model into units once both the parameters and the fragmenting are known."""
+        store, fragmenting = self.store, self.fragmenting
+        assert store is not None and fragmenting is not None and not self.units
+        num, pattern = fragmenting
+        plans = plan_pieces(store, num, pattern)
+        ckpt = self._restored
+        rounds = [store.round] if num == 1 else [0] * num
+        if ckpt is not None:
+            rounds = [int(r) for r in ckpt.extra.get("unit_rounds", [ckpt.round])]
+            if len(rounds) != num:
+                raise ValueError(f"{ckpt.path}: unit_rounds has {len(rounds)} entries, not {num}")
+        self.units = [
+            Unit(
+                i,
+                pieces,
+                store,
+                self._factory,
+                mode=self.config.mode,
+                round=rounds[i],
+                num_workers=self.num_workers,
+                min_workers=self.config.min_workers,
+                max_staleness=self.config.max_staleness,
+            )
+            for i, pieces in enumerate(plans)
+        ]
+        if ckpt is not None:
+            self._load_unit_state(ckpt)
+            self._restored = None
+        self._pool = BufferPool(max(u.nbytes for u in self.units), self.config.upload_slots)
+        store.header_meta = self._header_meta if num > 1 else None
+        store.refresh_header()
+        live = self.registry.ids()
+        for unit in self.units:
+            if unit.barrier is not None:
+                unit.barrier.on_register(live)
+        log.info(
+            "%s mode, %d unit(s) (%s): %s elements each",
+            self.config.mode,
+            num,
+            pattern,
+            "/".join(str(u.nbytes // 4) for u in self.units),
+        )
+
+    def require_units(self) -> list[Unit]:
+        self.require_store()
+        if not self.units:
+            raise ApiError(
+                503, "not_ready", "no worker has registered yet, so the fragments are not planned"
+            )
+        return self.units
+
+    @property
+    def barrier(self) -> SyncBarrier | None:
+        """The whole model's barrier (sync mode with one unit); None otherwise."""
+        return self.units[0].barrier if len(self.units) == 1 else None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The whole model's outer optimizer (one unit); None otherwise."""
+        return self.units[0].optimizer if len(self.units) == 1 else None
+
+    # --- checkpoints ----------------------------------------------------------------------------
 
     def restore(self, ckpt: Checkpoint) -> None:
-        """Resume from a checkpoint: parameters, outer optimizer state, counters, receipts."""
+        """Resume from a checkpoint: parameters, each unit's round and outer optimizer state,
+        counters, receipts. A checkpoint of another mode or fragmenting is refused: its
+        optimizer state would not fit."""
         order = ckpt.extra.get("param_order") or list(ckpt.params)
         if sorted(order) != sorted(ckpt.params):
             raise ValueError(f"{ckpt.path}: param_order does not match the saved parameters")
+        mode = ckpt.extra.get("mode", "sync")
+        if mode != self.config.mode:
+            raise ValueError(
+                f"{ckpt.path} was saved in {mode} mode; start the server in {mode} mode, "
+                "or without this save dir"
+            )
+        num, pattern = ckpt.extra.get("fragments", [1, "sequential"])
+        saved = (int(num), str(pattern))
+        if self.fragmenting is not None and self.fragmenting[0] != saved[0]:
+            raise ValueError(
+                f"{ckpt.path} holds {saved[0]} fragment(s), the server was asked for "
+                f"{self.fragmenting[0]}"
+            )
+        self.fragmenting = saved
+        self._restored = ckpt
         store = ParamStore.from_tensors({n: ckpt.params[n] for n in order}, round=ckpt.round)
         self._adopt_store(store)
-        assert self.optimizer is not None
-        self.optimizer.load_state_dict(ckpt.optimizer_state)
-        for sid, counted_in in ckpt.extra.get("receipts", []):
-            self.barrier.history[str(sid)] = int(counted_in)
         self.registry.deaths = int(ckpt.extra.get("worker_deaths", 0))
         self.resumed_from = str(ckpt.path)
         log.info("resumed from %s at round %d", ckpt.path, ckpt.round)
 
-    def _write_checkpoint(self, round_: int) -> Path:
-        """Blocking: write the parameters and optimizer state as of ``round_``. The caller holds
-        the tensor lock (nothing changes them mid-write) and runs this off the event loop."""
-        assert (
-            self.config.save_dir is not None
-            and self.store is not None
-            and self.optimizer is not None
-        )
+    def _load_unit_state(self, ckpt: Checkpoint) -> None:
+        saved_class = ckpt.extra.get("outer_optimizer")
+        ours = type(self.units[0].optimizer).__name__
+        if saved_class is not None and saved_class != ours:
+            raise ValueError(
+                f"{ckpt.path} holds {saved_class} state; this server's outer optimizer is {ours}"
+            )
+        states = _split_states(ckpt.optimizer_state, ckpt.extra.get("optimizer_units"))
+        if len(states) != len(self.units):
+            raise ValueError(
+                f"{ckpt.path}: optimizer state for {len(states)} units, not {len(self.units)}"
+            )
+        for unit, state in zip(self.units, states, strict=True):
+            unit.optimizer.load_state_dict(state)
+        for entry in ckpt.extra.get("receipts", []):
+            sid, counted_in = entry[0], int(entry[1])
+            index = int(entry[2]) if len(entry) > 2 else 0
+            self.units[index].history[str(sid)] = counted_in
+
+    def _write_checkpoint(self, store_round: int, unit_rounds: list[int]) -> Path:
+        """Blocking: write the parameters and every unit's state as of ``unit_rounds``. The
+        caller holds the tensor lock (nothing changes them mid-write) and runs this off the
+        event loop."""
+        assert self.config.save_dir is not None and self.store is not None and self.units
         store = self.store
+        assert self.fragmenting is not None
+        receipts = [
+            [sid, r, unit.index]
+            for unit, upto in zip(self.units, unit_rounds, strict=True)
+            # Receipts of rounds (versions) whose result is inside these parameters.
+            for sid, r in list(unit.history.items())
+            if r < upto
+        ]
+        merged, shape = _merge_states([u.optimizer for u in self.units])
         extra = {
             "param_order": [s.name for s in store.specs],
-            # Submissions counted in rounds before round_ are inside these parameters.
-            "receipts": [[sid, r] for sid, r in list(self.barrier.history.items()) if r < round_],
+            "mode": self.config.mode,
+            "fragments": list(self.fragmenting),
+            "unit_rounds": unit_rounds,
+            "optimizer_units": shape,
+            "outer_optimizer": type(self.units[0].optimizer).__name__,
+            "receipts": receipts,
             "worker_deaths": self.registry.deaths,
             "instance": store.instance,
         }
         path = save_checkpoint(
             self.config.save_dir,
-            round_,
+            store_round,
             store.named(),
-            self.optimizer.state_dict(),
+            merged,
             extra,
             self.config.keep_checkpoints,
         )
-        self.last_save = {"round": round_, "path": str(path)}
-        log.info("saved round %d to %s", round_, path)
+        self.last_save = {"round": store_round, "path": str(path)}
+        log.info("saved round %d to %s", store_round, path)
         return path
 
     async def save(self) -> Path | None:
-        """Write a checkpoint now (off the event loop). None when saving is not configured.
+        """Write a checkpoint now (off the event loop). None when saving is not configured or
+        there is nothing to save yet.
 
-        The tensor lock keeps the outer step from changing parameters or momentum mid-write;
+        The tensor lock keeps outer steps from changing parameters or momentum mid-write;
         uploads being received and downloads go on meanwhile."""
-        if self.config.save_dir is None or self.store is None:
+        if self.config.save_dir is None or self.store is None or not self.units:
             return None
         async with self._tensor_lock:
-            return await asyncio.to_thread(self._write_checkpoint, self.require_store().round)
+            store = self.require_store()
+            rounds = [u.published_round for u in self.units]
+            return await asyncio.to_thread(self._write_checkpoint, store.round, rounds)
 
     def require_store(self) -> ParamStore:
         if self.store is None:
@@ -212,6 +359,10 @@ class SyncCoordinator:
                     422, "non_finite", f"initial parameter {bad!r} has NaN or infinite values"
                 )
             store = await asyncio.to_thread(ParamStore.from_tensors, tensors)
+            if self.fragmenting is not None:
+                plan_pieces(store, *self.fragmenting)  # refuse a model that cannot be split
+        except ValueError as exc:
+            raise bad_request("bad_fragments", str(exc)) from None
         finally:
             self._initializing = False
         self._adopt_store(store)
@@ -222,55 +373,125 @@ class SyncCoordinator:
             len(store.specs),
             store.numel,
         )
-        return {"status": "ok", "round": store.round, "num_params": store.numel}
+        return {"status": "ok", "round": store.round, "num_params": store.numel, **self._plan()}
 
-    # --- membership ---------------------------------------------------------------------------
+    def _plan(self) -> dict[str, Any]:
+        """The fragments a streaming worker must use: for each, ``[wire name, parameter, start,
+        stop]`` per piece (None in plain DiLoCo), and each fragment's round."""
+        if len(self.units) <= 1:
+            return {"fragments": None, "fragment_rounds": None}
+        return {
+            "fragments": [
+                [[p.wire_name, p.param, p.start, p.stop] for p in unit.pieces]
+                for unit in self.units
+            ],
+            "fragment_rounds": [u.published_round for u in self.units],
+        }
+
+    # --- membership -----------------------------------------------------------------------------
+
+    def _asked_fragmenting(self, info: dict[str, Any]) -> tuple[int, str]:
+        num = info.get("num_fragments", 1)
+        pattern = info.get("fragment_pattern", "sequential")
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
+        if pattern not in PATTERNS:
+            raise bad_request("bad_field", f"info.fragment_pattern must be one of {PATTERNS}")
+        return num, str(pattern)
+
+    def _check_fragmenting(self, asked: tuple[int, str]) -> None:
+        have = self.fragmenting
+        if have is None:
+            return
+        if asked[0] != have[0] or (have[0] > 1 and asked[1] != have[1]):
+            raise conflict(
+                "fragments_mismatch",
+                f"this run syncs in {have[0]} fragment(s) ({have[1]}); the worker asks for "
+                f"{asked[0]} ({asked[1]}). Start it with num_fragments={have[0]}"
+                + (f" and fragment_pattern={have[1]!r}" if have[0] > 1 else ""),
+                action="reconfigure",
+                fragments=have[0],
+                fragment_pattern=have[1],
+            )
 
     def register(
         self, worker_id: str | None, hostname: str, info: dict[str, Any]
     ) -> dict[str, Any]:
+        asked = self._asked_fragmenting(info)
+        self._check_fragmenting(asked)
+        if self.fragmenting is None and self.store is not None:
+            try:
+                plan_pieces(self.store, *asked)
+            except ValueError as exc:
+                raise bad_request("bad_fragments", str(exc)) from None
+        # Validated: from here on the registration changes state.
         worker_id = worker_id or f"w-{uuid.uuid4().hex[:10]}"
         record, new = self.registry.add(worker_id, hostname, info)
-        self.barrier.on_register(self.registry.ids())
+        if self.fragmenting is None:
+            self.fragmenting = asked
+            log.info("fragmenting %s set by worker %s", asked, worker_id)
+        if self.store is not None and not self.units:
+            self._build_units()
+        for unit in self.units:
+            if unit.barrier is not None:
+                unit.barrier.on_register(self.registry.ids())
         log.info(
             "worker %s %s from %s (round %d)",
             worker_id,
             "registered" if new else "re-registered",
             hostname,
-            self.barrier.round,
+            self._round(),
         )
         self._maybe_close()
         reply: dict[str, Any] = {
             "worker_id": worker_id,
-            "round": self.barrier.round,
-            "mode": "sync",
+            "round": self._round(),
+            "mode": self.config.mode,
             "instance": self.store.instance if self.store else None,
             "has_params": self.store is not None,
-            "num_workers": self.barrier.num_workers,
+            "num_workers": self._num_workers(),
             "poll_timeout": self.config.poll_timeout,
+            **self._plan(),
         }
+        recommended = self._recommend(record)
+        if recommended is not None:
+            reply["recommended_sync_every"] = recommended
         last = info.get("last_submission_id")
         if isinstance(last, str) and last:
-            # A worker that lost its connection asks whether its last upload was counted in a
-            # round whose result is in our parameters; if not it keeps that progress (rebases).
-            counted = self.barrier.history.get(last)
-            reply["last_submission"] = {
-                "counted_in": counted,
-                "in_params": counted is not None and counted < self.barrier.round,
-            }
+            # A worker that lost its connection asks whether its last upload was counted in an
+            # update whose result is in our parameters; if not it keeps that progress (rebases).
+            counted, in_params = None, False
+            for unit in self.units:
+                if last in unit.history:
+                    counted = unit.history[last]
+                    in_params = counted < unit.published_round
+            reply["last_submission"] = {"counted_in": counted, "in_params": in_params}
         if self.store is not None:
             reply["params"] = [[s.name, list(s.shape)] for s in self.store.specs]
         return reply
 
+    def _round(self) -> int:
+        """The round to show: the whole model's (one unit) or the store's update count."""
+        if len(self.units) == 1:
+            return self.units[0].round
+        return self.store.round if self.store is not None else 0
+
+    def _num_workers(self) -> int:
+        barriers = [u.barrier for u in self.units if u.barrier is not None]
+        return barriers[0].num_workers if barriers else self.num_workers
+
     def deregister(self, worker_id: str, *, died: bool = False) -> dict[str, Any]:
         if self.registry.remove(worker_id, died=died) is None:
             raise unknown_worker(worker_id)
-        self.barrier.on_leave(worker_id)
-        log.info(
-            "worker %s %s (round %d)", worker_id, "evicted" if died else "left", self.barrier.round
-        )
+        for unit in self.units:
+            if unit.barrier is not None:
+                unit.barrier.on_leave(worker_id)
+            else:
+                assert unit.gate is not None
+                unit.gate.on_leave(worker_id)
+        log.info("worker %s %s (round %d)", worker_id, "evicted" if died else "left", self._round())
         self._maybe_close()
-        return {"status": "ok", "round": self.barrier.round}
+        return {"status": "ok", "round": self._round()}
 
     def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
         if worker_id not in self.registry:
@@ -290,13 +511,30 @@ class SyncCoordinator:
                 ):
                     raise bad_request("bad_field", f"{key} must be a finite number")
                 updates[key] = float(value)
-        record = self.registry.touch(
-            worker_id
-        )  # validated first: a rejected request changes nothing
+        record = self.registry.touch(worker_id)  # validated first: a bad request changes nothing
         assert record is not None
         for key, value in updates.items():
             setattr(record, key, value)
-        return {"status": "ok", "round": self.barrier.round}
+        # A worker that spent the interval syncing reports no speed (or 0): the smoothed speed
+        # keeps its previous value instead of collapsing, so DyLU does not flap.
+        record.smoothed_speed = smooth_speed(record.smoothed_speed, updates.get("steps_per_second"))
+        reply: dict[str, Any] = {"status": "ok", "round": self._round()}
+        recommended = self._recommend(record)
+        if recommended is not None:
+            reply["recommended_sync_every"] = recommended
+        return reply
+
+    def _recommend(self, record: WorkerInfo) -> int | None:
+        """DyLU: this worker's sync_every from its smoothed speed relative to the fastest."""
+        if not self.config.dylu:
+            return None
+        base = record.info.get("sync_every")
+        if isinstance(base, bool) or not isinstance(base, int) or base < 1:
+            return None
+        speeds = {w.worker_id: w.smoothed_speed for w in self.registry}
+        value = recommended_sync_every(speeds, base, self.config.dylu_min_sync_every)
+        record.recommended_sync_every = value[record.worker_id]
+        return record.recommended_sync_every
 
     def check_health(self) -> list[str]:
         """Evict silent and stuck workers; returns their ids. Called periodically, and directly
@@ -310,7 +548,7 @@ class SyncCoordinator:
         if self.config.stuck_timeout > 0:
             reasons.update({w: "stuck" for w in self.registry.stuck(self.config.stuck_timeout)})
         for worker_id, why in reasons.items():
-            log.warning("evicting worker %s: %s (round %d)", worker_id, why, self.barrier.round)
+            log.warning("evicting worker %s: %s (round %d)", worker_id, why, self._round())
             self.deregister(worker_id, died=True)
             evicted.append(worker_id)
         return evicted
@@ -324,10 +562,39 @@ class SyncCoordinator:
             await asyncio.sleep(interval)
             self.check_health()
 
-    # --- submissions --------------------------------------------------------------------------
+    # --- submissions ----------------------------------------------------------------------------
+
+    def _unit_of(self, meta: dict[str, str]) -> Unit:
+        units = self.require_units()
+        raw = meta.get("fragment")
+        if raw is None:
+            if len(units) > 1:
+                raise bad_request(
+                    "missing_metadata",
+                    f"this run syncs in {len(units)} fragments: __metadata__ needs 'fragment'",
+                )
+            return units[0]
+        return units[self.fragment_index(raw)]
+
+    def fragment_index(self, raw: str) -> int:
+        """Validate a fragment number from a request."""
+        units = self.require_units()
+        try:
+            index = int(raw)
+        except ValueError:
+            raise bad_request("bad_fragment", f"fragment must be an integer, got {raw!r}") from None
+        if not 0 <= index < len(units):
+            raise bad_request(
+                "bad_fragment", f"fragment must be in [0, {len(units) - 1}], got {index}"
+            )
+        return index
+
+    def _which(self, unit: Unit) -> dict[str, int]:
+        """The ``fragment`` field of replies, present when the run streams fragments."""
+        return {"fragment": unit.index} if len(self.units) > 1 else {}
 
     async def submit(self, layout: Layout, stream: AsyncStream) -> dict[str, Any]:
-        store = self.require_store()
+        self.require_store()
         meta = dict(layout.metadata)
         worker_id = meta.get("worker_id", "")
         submission_id = meta.get("submission_id", "")
@@ -340,19 +607,23 @@ class SyncCoordinator:
         record = self.registry.get(worker_id)
         if record is None:
             raise unknown_worker(worker_id)
-        check_against(layout, store.table, UPLOAD_DTYPES)
-        duplicate = self._verdict(worker_id, base_round, submission_id)
+        unit = self._unit_of(meta)
+        check_against(layout, unit.table, UPLOAD_DTYPES)
+        duplicate = self._verdict(unit, worker_id, base_round, submission_id)
         if duplicate is not None:
             return duplicate
         assert self._pool is not None
-        self.barrier.begin_upload(worker_id, submission_id)
+        admission = unit.barrier if unit.barrier is not None else unit.gate
+        assert admission is not None
+        admission.begin_upload(worker_id, submission_id)
+        reply: dict[str, Any]
         try:
             async with self._pool.take() as buf:
                 await aread_payload(stream, byte_view(buf[: layout.payload_size]))
                 views = tensor_views(layout, buf[: layout.payload_size])
-                tensors = [views[s.name] for s in store.specs]
+                tensors = [views[n] for n in unit.names]
                 bad = await asyncio.to_thread(
-                    _first_non_finite, dict(zip(store.table, tensors, strict=True))
+                    _first_non_finite, dict(zip(unit.names, tensors, strict=True))
                 )
                 if bad is not None:
                     raise ApiError(
@@ -360,21 +631,28 @@ class SyncCoordinator:
                     )
                 if self.registry.get(worker_id) is None:
                     raise unknown_worker(worker_id)  # evicted while uploading
-                if self.barrier.uploading.get(worker_id) != submission_id:
+                if admission.uploading.get(worker_id) != submission_id:
                     # The worker left and came back while this body was in flight.
                     raise conflict(
                         "superseded",
                         "this upload was superseded; rebase",
                         action="rebase",
-                        round=self.barrier.round,
+                        round=unit.round,
+                        **self._which(unit),
                     )
-                # From here on the submission counts: record it, then queue the addition on the
-                # tensor lock before yielding, so a round close queued later sees this sum.
-                self.barrier.record(worker_id, submission_id)
-                async with self._tensor_lock:
-                    await asyncio.to_thread(self._require_sum().add, tensors, weight)
+                if unit.barrier is not None:
+                    # From here on the submission counts: record it, then queue the addition on
+                    # the tensor lock before yielding, so a round close queued later sees it.
+                    unit.barrier.record(worker_id, submission_id)
+                    async with self._tensor_lock:
+                        await asyncio.to_thread(unit.sum.add, tensors, weight)
+                    reply = {"status": "accepted", "round": base_round}
+                else:
+                    reply = await self._apply_async(
+                        unit, record, submission_id, base_round, tensors, layout.total_size
+                    )
         except BaseException:
-            self.barrier.abort_upload(worker_id, submission_id)
+            admission.abort_upload(worker_id, submission_id)
             self._maybe_close()
             raise
         self.registry.touch(worker_id)
@@ -383,37 +661,129 @@ class SyncCoordinator:
         record.bytes_in += layout.total_size
         self.bytes_in += layout.total_size
         self._maybe_close()
+        reply.update(
+            submission_id=submission_id, instance=self.require_store().instance, **self._which(unit)
+        )
+        return reply
+
+    async def _apply_async(
+        self,
+        unit: Unit,
+        record: WorkerInfo,
+        submission_id: str,
+        base: int,
+        tensors: list[torch.Tensor],
+        nbytes: int,
+    ) -> dict[str, Any]:
+        """Apply one submission as the next update of ``unit``. The reply names the version it
+        made; the worker downloads it (or a newer one) next."""
+        gate, store = unit.gate, self.require_store()
+        assert gate is not None
+        async with self._tensor_lock:
+            t0 = self.clock()
+            if gate.too_stale(base):
+                # Other updates were applied while this body was on the wire.
+                self.rejected += 1
+                stale = gate.staleness_now(base)
+                raise conflict(
+                    Verdict.TOO_STALE.value,
+                    f"{stale} updates were applied since version {base}, more than "
+                    f"max_staleness={gate.max_staleness}; rebase onto the current parameters",
+                    action="rebase",
+                    round=gate.version,
+                    **self._which(unit),
+                    staleness=stale,
+                )
+            stale = gate.staleness_now(base)
+            applied_to = gate.record(record.worker_id, submission_id)
+            weight = (
+                inverse_sqrt_weight(stale)
+                if self.config.staleness_weighting == "inverse_sqrt"
+                else 1.0
+            )
+            new_round = store.round + 1
+            rounds = [u.published_round for u in self.units]
+            rounds[unit.index] = applied_to + 1
+            durable = self._durable(new_round)
+
+            def step() -> None:
+                unit.sum.add(tensors, weight)
+                apply_outer_step(unit.optimizer, unit.params, unit.sum.sums)
+                unit.sum.reset()
+                if durable:
+                    self._checkpoint_quietly(new_round, rounds)
+
+            def publish() -> None:
+                gate.advance()
+                unit.published_round = gate.version
+
+            await store.update(step, new_round=new_round, on_publish=publish)
+            outer_s = self.clock() - t0
+        record.staleness = stale
+        self.staleness_log.append(stale)
+        self.staleness_total += stale
+        self.staleness_count += 1
+        self.last_round_contributions = 1
+        self._log_update(unit, applied_to, outer_s, 1, nbytes, staleness=stale, weight=weight)
         return {
             "status": "accepted",
-            "round": base_round,
-            "submission_id": submission_id,
-            "instance": self.require_store().instance,
+            "round": applied_to,
+            "version": applied_to + 1,
+            "staleness": stale,
+            "weight": weight,
         }
 
+    def _durable(self, store_round: int) -> bool:
+        every = self.config.save_every
+        return self.config.save_dir is not None and every > 0 and store_round % every == 0
+
+    def _checkpoint_quietly(self, store_round: int, unit_rounds: list[int]) -> None:
+        """Written before the result is published: no worker ever adopts parameters a crash
+        could take back, so no accepted contribution is lost with them. A full disk must not
+        stop training."""
+        try:
+            self._write_checkpoint(store_round, unit_rounds)
+        except OSError as exc:
+            self.last_save_error = f"round {store_round}: {exc}"
+            log.error("checkpoint of round %d failed: %s", store_round, exc)
+
     def _verdict(
-        self, worker_id: str, base_round: int, submission_id: str
+        self, unit: Unit, worker_id: str, base_round: int, submission_id: str
     ) -> dict[str, Any] | None:
         """None to accept; the reply for a duplicate; raises 409 for everything else."""
-        check = self.barrier.check(worker_id, base_round, submission_id)
+        check: Check | AsyncCheck
+        if unit.barrier is not None:
+            check = unit.barrier.check(worker_id, base_round, submission_id)
+            current = check.round
+        else:
+            assert unit.gate is not None
+            check = unit.gate.check(worker_id, base_round, submission_id)
+            current = check.version
         v = check.verdict
         if v is Verdict.ACCEPT:
             return None
         if v is Verdict.DUPLICATE:
             # Not an error: a retry of an upload that was already counted. Say where it went.
-            return {
+            reply: dict[str, Any] = {
                 "status": "duplicate",
                 "round": check.counted_in,
                 "submission_id": submission_id,
                 "instance": self.require_store().instance,
+                **self._which(unit),
             }
+            if unit.gate is not None and check.counted_in is not None:
+                reply["version"] = check.counted_in + 1
+            return reply
         self.rejected += 1
+        stale = getattr(check, "staleness", 0)
         details = {
-            Verdict.STALE: f"computed against round {base_round}, the server is at round {check.round}; rebase onto the current parameters",
-            Verdict.FUTURE: f"names round {base_round}, the server is at round {check.round}; rebase onto the current parameters",
-            Verdict.NOT_EXPECTED: f"round {check.round} opened before this worker joined; keep training, it takes part from round {check.round + 1}",
-            Verdict.ALREADY_SUBMITTED: f"this worker already contributed to round {check.round}; wait for its result",
+            Verdict.STALE: f"computed against round {base_round}, the server is at round {current}; rebase onto the current parameters",
+            Verdict.FUTURE: f"names round {base_round}, the server is at round {current}; rebase onto the current parameters",
+            Verdict.NOT_EXPECTED: f"round {current} opened before this worker joined; keep training, it takes part from round {current + 1}",
+            Verdict.ALREADY_SUBMITTED: f"this worker already contributed to round {current}; wait for its result",
             Verdict.IN_PROGRESS: "an upload from this worker is still being received; retry shortly",
-            Verdict.CLOSING: f"round {check.round} is closing; rebase onto its result",
+            Verdict.CLOSING: f"round {current} is closing; rebase onto its result",
+            Verdict.TOO_STALE: f"{stale} updates were applied since version {base_round}, more than max_staleness={self.config.max_staleness}; rebase onto the current parameters",
         }
         action = {
             Verdict.STALE: "rebase",
@@ -422,65 +792,120 @@ class SyncCoordinator:
             Verdict.ALREADY_SUBMITTED: "wait",
             Verdict.IN_PROGRESS: "retry",
             Verdict.CLOSING: "rebase",
+            Verdict.TOO_STALE: "rebase",
         }[v]
-        raise conflict(v.value, details[v], round=check.round, action=action)
+        extra: dict[str, Any] = {"staleness": stale} if v is Verdict.TOO_STALE else {}
+        raise conflict(
+            v.value, details[v], round=current, action=action, **self._which(unit), **extra
+        )
 
-    def _require_sum(self) -> WeightedSum:
-        assert self.sum is not None
-        return self.sum
-
-    # --- rounds -------------------------------------------------------------------------------
+    # --- sync rounds ----------------------------------------------------------------------------
 
     def _maybe_close(self) -> None:
-        if self.barrier.ready() and self.store is not None:
-            round_ = self.barrier.begin_close()
-            self._closing_task = asyncio.get_running_loop().create_task(self._close(round_))
+        if self.store is None:
+            return
+        for unit in self.units:
+            if unit.barrier is not None and unit.barrier.ready():
+                round_ = unit.barrier.begin_close()
+                task = asyncio.get_running_loop().create_task(self._close(unit, round_))
+                self._closing_tasks.add(task)
+                task.add_done_callback(self._closing_tasks.discard)
 
-    async def _close(self, round_: int) -> None:
+    async def settle(self) -> None:
+        """Wait for the outer steps under way (tests, shutdown)."""
+        while self._closing_tasks:
+            await asyncio.gather(*list(self._closing_tasks), return_exceptions=True)
+
+    async def _close(self, unit: Unit, round_: int) -> None:
         try:
-            await self._apply_round(round_)
+            await self._apply_round(unit, round_)
         except Exception:  # the round stays closing; nothing would make it succeed on retry
-            log.exception("outer step of round %d failed", round_)
+            log.exception("outer step of round %d (fragment %d) failed", round_, unit.index)
             raise
 
-    async def _apply_round(self, round_: int) -> None:
-        store, optimizer, wsum = self.require_store(), self.optimizer, self._require_sum()
-        assert optimizer is not None
+    async def _apply_round(self, unit: Unit, round_: int) -> None:
+        store, wsum, barrier = self.require_store(), unit.sum, unit.barrier
+        assert barrier is not None
         async with self._tensor_lock:
+            t0 = self.clock()
             count, total = wsum.count, wsum.total_weight
-
-            every = self.config.save_every
-            durable = self.config.save_dir is not None and every > 0 and (round_ + 1) % every == 0
+            new_round = store.round + 1
+            rounds = [u.published_round for u in self.units]
+            rounds[unit.index] = round_ + 1
+            durable = self._durable(new_round)
 
             def step() -> None:
-                apply_outer_step(optimizer, store.params, wsum.mean_())
+                apply_outer_step(unit.optimizer, unit.params, wsum.mean_())
                 wsum.reset()
                 if durable:
-                    # Written before the result is published: no worker ever adopts parameters
-                    # a crash could take back, so no accepted contribution is lost with them.
-                    try:
-                        self._write_checkpoint(round_ + 1)
-                    except OSError as exc:  # a full disk must not stop training
-                        self.last_save_error = f"round {round_ + 1}: {exc}"
-                        log.error("checkpoint of round %d failed: %s", round_ + 1, exc)
+                    self._checkpoint_quietly(new_round, rounds)
 
-            await store.update(step, new_round=round_ + 1)
-        now = self.clock()
+            def publish() -> None:
+                unit.published_round = round_ + 1
+
+            await store.update(step, new_round=new_round, on_publish=publish)
+            outer_s = self.clock() - t0
         self.last_round_contributions = count
-        self.round_times.append(now - self._round_started)
-        self._round_started = now
-        self.barrier.advance(self.registry.ids())
+        barrier.advance(self.registry.ids())
+        self._log_update(unit, round_, outer_s, count, None)
         log.info(
-            "round %d closed: %d contributions (weight %.3g); round %d open",
+            "round %d%s closed: %d contributions (weight %.3g); round %d open",
             round_,
+            f" of fragment {unit.index}" if len(self.units) > 1 else "",
             count,
             total,
             round_ + 1,
         )
         self._maybe_close()
 
-    async def snapshot(self) -> Snapshot:
-        return await self.require_store().open_snapshot()
+    def _log_update(
+        self,
+        unit: Unit,
+        round_: int,
+        outer_s: float,
+        contributions: int,
+        nbytes: int | None,
+        **extra: Any,
+    ) -> None:
+        now = self.clock()
+        previous = self.update_log[-1]["t"] if self.update_log else None
+        since = now - (previous if previous is not None else self.started_at)
+        self.round_times.append(since)
+        entry = {
+            "round": round_,
+            "fragment": unit.index,
+            "t": now,  # shown relative to the start in status()
+            "round_time_s": round(since, 4),
+            "outer_step_s": round(outer_s, 4),
+            "contributions": contributions,
+            "bytes_in": self.bytes_in + (nbytes or 0),
+            **extra,
+        }
+        self.update_log.append(entry)
+
+    # --- downloads ------------------------------------------------------------------------------
+
+    def published_round(self, fragment: int | None) -> int:
+        if fragment is None:
+            return self.require_store().round
+        return self.require_units()[fragment].published_round
+
+    async def wait_published(self, fragment: int | None, min_round: int, timeout: float) -> bool:
+        """Long-poll until the model (or one fragment) has a published round >= ``min_round``."""
+        store = self.require_store()
+        if fragment is None:
+            return await store.wait_for_round(min_round, timeout)
+        unit = self.require_units()[fragment]
+        return await store.wait_until(lambda: unit.published_round >= min_round, timeout)
+
+    async def snapshot(self, fragment: int | None = None) -> Snapshot:
+        store = self.require_store()
+        if fragment is None:
+            return await store.open_snapshot()
+        unit = self.require_units()[fragment]
+        return await store.open_parts(
+            lambda: unit.header(store.instance), unit.ranges, unit.published_round
+        )
 
     def count_download(self, worker_id: str | None, nbytes: int) -> None:
         self.bytes_out += nbytes
@@ -488,20 +913,20 @@ class SyncCoordinator:
         if record is not None:
             record.bytes_out += nbytes
 
-    # --- control ------------------------------------------------------------------------------
+    # --- control --------------------------------------------------------------------------------
 
     def kick(self, worker_id: str) -> dict[str, Any]:
         """Evict a worker on request. Its accepted submission stays counted; a kicked worker
         that is still running gets 410 at its next request and may re-join."""
         if worker_id not in self.registry:
             raise unknown_worker(worker_id)
-        log.warning("worker %s kicked by an operator (round %d)", worker_id, self.barrier.round)
+        log.warning("worker %s kicked by an operator (round %d)", worker_id, self._round())
         self.kicks += 1
         return self.deregister(worker_id, died=False)
 
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         """Every outer optimizer the server steps (one per fragment when streaming)."""
-        return [self.optimizer] if self.optimizer is not None else []
+        return [u.optimizer for u in self.units]
 
     def set_outer_hparams(
         self, lr: float | None = None, momentum: float | None = None
@@ -529,38 +954,89 @@ class SyncCoordinator:
         ``min_workers``)."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int):
             raise bad_request("bad_field", "num_workers must be an integer")
-        if num_workers < self.barrier.min_workers:
+        if num_workers < self.config.min_workers:
             raise bad_request(
                 "bad_field",
-                f"num_workers must be >= min_workers ({self.barrier.min_workers}), "
+                f"num_workers must be >= min_workers ({self.config.min_workers}), "
                 f"got {num_workers}",
             )
-        self.barrier.set_num_workers(num_workers, self.registry.ids())
-        log.info("expected workers set to %d (round %d)", num_workers, self.barrier.round)
+        live = self.registry.ids()
+        for unit in self.units:
+            if unit.barrier is not None:
+                unit.barrier.set_num_workers(num_workers, live)
+        self.num_workers = num_workers  # units planned later start from it
+        log.info("expected workers set to %d (round %d)", num_workers, self._round())
         self._maybe_close()
-        return {"status": "ok", "num_workers": self.barrier.num_workers}
+        return {"status": "ok", "num_workers": num_workers}
 
-    # --- status -------------------------------------------------------------------------------
+    # --- status ---------------------------------------------------------------------------------
+
+    def _barrier_public(self) -> dict[str, Any]:
+        barrier = next((u.barrier for u in self.units if u.barrier is not None), None)
+        if barrier is not None:
+            out = barrier.public()
+            out["round"] = self._round()
+            return out
+        return {
+            "round": self._round(),
+            "opened": self.config.mode == "async" and bool(self.units),
+            "num_workers": self.num_workers,
+            "min_workers": self.config.min_workers,
+            "expected": [],
+            "submitted": [],
+            "uploading": sorted({w for u in self.units if u.gate for w in u.gate.uploading}),
+            "closing": False,
+        }
 
     def status(self) -> dict[str, Any]:
         store = self.store
+        optimizers = self.outer_optimizers()
+        recent = list(self.staleness_log)
         return {
-            "mode": "sync",
+            "mode": self.config.mode,
             "instance": store.instance if store else None,
             "uptime_s": round(self.clock() - self.started_at, 3),
-            **self.barrier.public(),
+            **self._barrier_public(),
+            "updates": store.round if store else 0,
+            "fragments": [u.public() for u in self.units] if len(self.units) > 1 else None,
+            "fragment_pattern": self.fragmenting[1] if self.fragmenting else None,
             "has_params": store is not None,
             "num_params": store.numel if store else 0,
             "model_bytes": store.nbytes if store else 0,
             # Outer steps that had to copy the parameters because a download still held them.
             "copies_on_write": store.copies_on_write if store else 0,
-            "outer_optimizer": optimizer_hparams(self.optimizer) if self.optimizer else None,
+            "outer_optimizer": optimizer_hparams(optimizers[0]) if optimizers else None,
+            "outer_optimizer_class": type(optimizers[0]).__name__ if optimizers else None,
+            "delayed_nesterov": (
+                {
+                    "buffer_size": self.config.dn_buffer_size or self.config.num_workers,
+                    "activation": self.config.dn_activation,
+                }
+                if self.config.delayed_nesterov
+                else None
+            ),
             "weighting": self.config.weighting,
+            "staleness_weighting": self.config.staleness_weighting,
+            "max_staleness": self.config.max_staleness,
+            "staleness": {
+                "last": recent[-1] if recent else None,
+                "mean": round(self.staleness_total / self.staleness_count, 4)
+                if self.staleness_count
+                else None,
+                "max": max(recent) if recent else None,
+                "count": self.staleness_count,
+            },
+            "dylu": self.config.dylu,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "rejected_submissions": self.rejected,
+            "kicks": self.kicks,
             "last_round_contributions": self.last_round_contributions,
             "last_round_time_s": round(self.round_times[-1], 4) if self.round_times else None,
+            "update_log": [
+                {**e, "t": round(e["t"] - self.started_at, 4)}
+                for e in list(self.update_log)[-STATUS_LOG:]
+            ],
             "registrations": self.registry.registrations,
             "worker_deaths": self.registry.deaths,
             "heartbeat_timeout": self.config.heartbeat_timeout,
@@ -571,6 +1047,50 @@ class SyncCoordinator:
             "resumed_from": self.resumed_from,
             "workers": self.registry.public(),
         }
+
+
+SyncCoordinator = Coordinator  # the name before async mode; kept for callers
+
+
+def _merge_states(
+    optimizers: list[torch.optim.Optimizer],
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One state dict for all units' optimizers (parameter indices offset, groups
+    concatenated), and per unit [parameters, groups] to split it again."""
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    shape: list[list[int]] = []
+    offset = 0
+    for opt in optimizers:
+        sd = opt.state_dict()
+        count = sum(len(g["params"]) for g in sd["param_groups"])
+        for idx, entry in sd["state"].items():
+            state[int(idx) + offset] = entry
+        for group in sd["param_groups"]:
+            groups.append({**group, "params": [int(i) + offset for i in group["params"]]})
+        shape.append([count, len(sd["param_groups"])])
+        offset += count
+    return {"state": state, "param_groups": groups}, shape
+
+
+def _split_states(merged: dict[str, Any], shape: list[list[int]] | None) -> list[dict[str, Any]]:
+    """Inverse of ``_merge_states``. No shape: a checkpoint of one optimizer."""
+    if shape is None:
+        return [merged]
+    out = []
+    p_off = g_off = 0
+    for count, ngroups in shape:
+        groups = [
+            {**g, "params": [int(i) - p_off for i in g["params"]]}
+            for g in merged["param_groups"][g_off : g_off + ngroups]
+        ]
+        state = {
+            int(i) - p_off: v for i, v in merged["state"].items() if p_off <= int(i) < p_off + count
+        }
+        out.append({"state": state, "param_groups": groups})
+        p_off += count
+        g_off += ngroups
+    return out
 
 
 class BufferPool:

@@ -23,6 +23,9 @@ class WorkerInfo:
     bytes_out: int = 0
     step_age_s: float | None = None  # seconds since the worker's last optimizer step, as reported
     syncing: bool = False
+    smoothed_speed: float | None = None  # steps/s, smoothed over heartbeats (DyLU)
+    recommended_sync_every: int | None = None  # DyLU's last recommendation
+    staleness: int | None = None  # async: staleness of the last applied submission
 
     def public(self, now: float) -> dict[str, Any]:
         return {
@@ -38,6 +41,9 @@ class WorkerInfo:
             "bytes_out": self.bytes_out,
             "step_age_s": self.step_age_s,
             "syncing": self.syncing,
+            "smoothed_speed": self.smoothed_speed,
+            "recommended_sync_every": self.recommended_sync_every,
+            "staleness": self.staleness,
         }
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from diloco.server.app import build_app
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import OptimizerFactory, SyncCoordinator
+from diloco.server.coordinator import Coordinator, OptimizerFactory
 from diloco.server.initial import load_initial_params
 from diloco.server.params import ParamStore
 from diloco.server.persistence import Checkpoint, latest_checkpoint, load_checkpoint
@@ -47,7 +47,7 @@ class DiLoCoServer:
             if initial_params is not None and checkpoint is None
             else None
         )
-        self.coordinator = SyncCoordinator(self.config, store, outer_optimizer_factory)
+        self.coordinator = Coordinator(self.config, store, outer_optimizer_factory)
         if checkpoint is not None:
             self.coordinator.restore(checkpoint)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -103,7 +103,11 @@ async def aread_payload(
     # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and copy it.
     readany = getattr(stream, "readany", None)
     while pos < size:
-        part = await readany() if readany is not None else await stream.read(min(chunk_bytes, size - pos))
+        part = (
+            await readany()
+            if readany is not None
+            else await stream.read(min(chunk_bytes, size - pos))
+        )
         if not part:
             raise WireError("truncated", f"body ended {size - pos} bytes early")
         if len(part) > size - pos:

@@ -135,6 +135,7 @@ class DiLoCoWorker:
             "rebases": 0,
             "failed_syncs": 0,
             "refused_submissions": 0,
+            "sync_every": self.sync_every,
         }
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -284,6 +285,7 @@ class DiLoCoWorker:
             last_submission_id=None if initial else self._last_submission,
         )
         self.worker_id = reply["worker_id"]
+        self._adopt_recommendation(reply)
         if reply.get("params") is not None:
             self._check_server_table(reply["params"])
         seeded = False
@@ -475,14 +477,30 @@ class DiLoCoWorker:
         while not self._hb_stop.wait(self.settings.heartbeat_interval):
             assert self.worker_id is not None
             try:
-                self.client.heartbeat(
+                reply = self.client.heartbeat(
                     self.worker_id,
                     steps_per_second=self._steps_per_second(),
                     loss=self._loss,
                     step_age_s=time.monotonic() - self._last_step_at,
                     syncing=self._syncing,
                 )
+                self._adopt_recommendation(reply)
             except UnknownWorker:
                 self._need_rejoin.set()  # the training thread re-joins at its next step
             except (Unreachable, ServerError) as exc:
                 log.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    def _adopt_recommendation(self, reply: dict[str, Any]) -> None:
+        """DyLU: with ``dylu`` on, take the server's recommended ``sync_every`` (slower workers
+        take fewer local steps, so all hand in work at about the same rate). The training thread
+        reads it at its next step; an int assignment needs no lock."""
+        value = reply.get("recommended_sync_every")
+        if not self.settings.dylu or isinstance(value, bool) or not isinstance(value, int):
+            return
+        value = max(value, self.settings.num_fragments, 1)
+        if value != self.sync_every:
+            log.info(
+                "worker %s: sync_every %d -> %d (DyLU)", self.worker_id, self.sync_every, value
+            )
+            self.sync_every = value
+            self.metrics["sync_every"] = value
