@@ -9,6 +9,7 @@ from diloco.core.outer import (
 )
 from diloco.core.pseudo_gradient import (
     adopt_,
+    merge_,
     pseudo_gradient,
     pseudo_gradient_pieces,
     rebase_,
@@ -20,6 +21,7 @@ __all__ = [
     "adopt_",
     "apply_outer_step",
     "default_outer_optimizer",
+    "merge_",
     "optimizer_hparams",
     "pseudo_gradient",
     "pseudo_gradient_pieces",

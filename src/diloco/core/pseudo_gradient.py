@@ -71,3 +71,19 @@ def rebase_(progress: torch.Tensor, new_global: torch.Tensor) -> None:
 def adopt_(local_param: torch.Tensor, new_global: torch.Tensor) -> None:
     """Replace the local parameter with the new global one (the progress was counted upstream)."""
     local_param.copy_(new_global, non_blocking=True)
+
+
+@torch.no_grad()
+def merge_(
+    local_param: torch.Tensor, snapshot: torch.Tensor, new_global: torch.Tensor, alpha: float
+) -> None:
+    """Streaming DiLoCo's merge of a returned fragment (arXiv 2501.18512): the local parameters
+    become ``alpha * local + (1 - alpha) * new_global`` and the snapshot becomes ``new_global``,
+    in place. ``alpha = 0`` adopts the global values; a positive alpha keeps part of the steps
+    the worker took while the fragment was in flight."""
+    fresh = new_global.to(local_param.device, non_blocking=True)
+    if alpha == 0:
+        local_param.copy_(fresh)
+    else:
+        local_param.mul_(alpha).add_(fresh.to(local_param.dtype), alpha=1 - alpha)
+    snapshot.copy_(new_global)

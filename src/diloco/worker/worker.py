@@ -26,6 +26,7 @@ from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
 from diloco.worker.settings import WorkerSettings, resolve
+from diloco.worker.streaming import FragmentStreamer
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class DiLoCoWorker:
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
+        self._last_metadata: dict[str, str] = {}  # of the last full download
         self.metrics: dict[str, float] = {
             "rounds": 0,
             "bytes_up": 0,
@@ -136,7 +138,12 @@ class DiLoCoWorker:
             "failed_syncs": 0,
             "refused_submissions": 0,
             "sync_every": self.sync_every,
+            "peak_sync_bytes_up": 0,
+            "peak_sync_bytes_down": 0,
+            "fragments_sent": 0,
+            "stalls": 0,
         }
+        self._streaming = FragmentStreamer(self) if self.settings.num_fragments > 1 else None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -166,7 +173,9 @@ class DiLoCoWorker:
             self._hb_thread.join(timeout=5)
         assert self.worker_id is not None
         try:
-            if submit and self.local_step > 0:
+            if self._streaming is not None:
+                self._streaming.finish(submit=submit)
+            elif submit and self.local_step > 0:
                 self._final_submit()
             self.client.deregister(self.worker_id)
         except (Unreachable, ServerError) as exc:
@@ -194,8 +203,12 @@ class DiLoCoWorker:
             self._samples += samples
 
     def force_sync(self) -> None:
-        """Sync now, whatever the step count (for example before an evaluation or a checkpoint)."""
-        self._sync()
+        """Sync now, whatever the step count (for example before an evaluation or a checkpoint).
+        Streaming: every fragment in turn, each merged before the next is sent."""
+        if self._streaming is not None:
+            self._streaming.sync_all()
+        else:
+            self._sync()
 
     @property
     def sync_metrics(self) -> dict[str, float]:
@@ -212,6 +225,9 @@ class DiLoCoWorker:
         self.local_step += 1
         self.total_steps += 1
         self._last_step_at = time.monotonic()
+        if self._streaming is not None:
+            self._streaming.after_step()
+            return
         if self.local_step >= self.sync_every or self._need_rejoin.is_set():
             self._sync()
 
@@ -250,6 +266,7 @@ class DiLoCoWorker:
                 if got is not None:
                     self.base_round = got.round
                     self.instance = got.instance
+                    self._last_metadata = dict(got.layout.metadata)
                     self._snapshot_dirty = False
                     return True
                 if deadline is not None and time.monotonic() > deadline:
@@ -272,7 +289,74 @@ class DiLoCoWorker:
         On a re-join the model holds its local progress (``to_progress_`` was applied, or is
         applied here); it is added back unless the server says its last upload is already in
         the parameters it serves."""
-        reply = self.client.register(
+        try:
+            reply = self._register(initial)
+        except Conflict as exc:
+            if exc.code == "fragments_mismatch":
+                raise ValueError(
+                    f"the server fragments the model differently: {exc.detail} "
+                    "(set num_fragments and fragment_pattern as the server has them)"
+                ) from exc
+            raise
+        self.worker_id = reply["worker_id"]
+        self._adopt_recommendation(reply)
+        if reply.get("params") is not None:
+            self._check_server_table(reply["params"])
+        if self._streaming is not None:
+            self._streaming.configure(reply)
+        seeded = False
+        if not reply.get("has_params"):
+            try:
+                seeded_reply = self.client.upload_initial(
+                    self.worker_id, {n: p.detach() for n, p in self._params.items()}
+                )
+                seeded = True
+                log.info("worker %s provided the initial parameters", self.worker_id)
+                if self._streaming is not None:
+                    self._streaming.configure(seeded_reply)
+            except Conflict:
+                pass  # another worker was first
+        if initial:
+            self._download(0)
+            if self._streaming is not None:
+                try:
+                    self._streaming.after_download(self._last_metadata)
+                except ValueError:
+                    self._leave_quietly()
+                    raise
+            self._each_param(adopt_)
+            log.info("worker %s joined at round %d", self.worker_id, self.base_round)
+            return
+        # Only an upload whose result we never adopted can be inside the model's progress.
+        # A server restarted with no state may have taken our own parameters as its initial ones:
+        # then the progress is in them already.
+        in_params = bool((reply.get("last_submission") or {}).get("in_params"))
+        if self._streaming is not None and in_params:
+            self._streaming.drop_counted_upload()  # only that fragment's progress is in them
+            in_params = False
+        counted = seeded or in_params
+        self._refresh(counted=counted, min_round=0)
+        if self._streaming is not None:
+            self._streaming.after_download(self._last_metadata)
+        self._last_submission = None
+        self.metrics["reconnections"] += 1
+        log.info(
+            "worker %s re-joined at round %d (last upload %s)",
+            self.worker_id,
+            self.base_round,
+            "counted" if counted else "kept locally",
+        )
+
+    def _leave_quietly(self) -> None:
+        """Deregister after a failed start, so the server does not wait for this worker."""
+        assert self.worker_id is not None
+        try:
+            self.client.deregister(self.worker_id)
+        except (Unreachable, ServerError) as exc:
+            log.warning("worker %s: could not deregister: %s", self.worker_id, exc)
+
+    def _register(self, initial: bool) -> dict[str, Any]:
+        return self.client.register(
             self.worker_id,
             hostname=socket.gethostname(),
             info={
@@ -283,38 +367,6 @@ class DiLoCoWorker:
                 "fragment_pattern": self.settings.fragment_pattern,
             },
             last_submission_id=None if initial else self._last_submission,
-        )
-        self.worker_id = reply["worker_id"]
-        self._adopt_recommendation(reply)
-        if reply.get("params") is not None:
-            self._check_server_table(reply["params"])
-        seeded = False
-        if not reply.get("has_params"):
-            try:
-                self.client.upload_initial(
-                    self.worker_id, {n: p.detach() for n, p in self._params.items()}
-                )
-                seeded = True
-                log.info("worker %s provided the initial parameters", self.worker_id)
-            except Conflict:
-                pass  # another worker was first
-        if initial:
-            self._download(0)
-            self._each_param(adopt_)
-            log.info("worker %s joined at round %d", self.worker_id, self.base_round)
-            return
-        # Only an upload whose result we never adopted can be inside the model's progress.
-        # A server restarted with no state may have taken our own parameters as its initial ones:
-        # then the progress is in them already.
-        counted = seeded or bool((reply.get("last_submission") or {}).get("in_params"))
-        self._refresh(counted=counted, min_round=0)
-        self._last_submission = None
-        self.metrics["reconnections"] += 1
-        log.info(
-            "worker %s re-joined at round %d (last upload %s)",
-            self.worker_id,
-            self.base_round,
-            "counted" if counted else "kept locally",
         )
 
     def _check_server_table(self, entries: list[Any]) -> None:
@@ -384,6 +436,7 @@ class DiLoCoWorker:
         """Submit, wait for the round, adopt its result. Never raises a network error: failures
         are retried, logged, counted, and training goes on locally until the next sync."""
         t0 = time.monotonic()
+        up, down = self.client.bytes_up, self.client.bytes_down
         self._syncing = True
         try:
             self._sync_once()
@@ -399,6 +452,9 @@ class DiLoCoWorker:
             self.local_step = 0
             self._syncing = False
             self._last_step_at = time.monotonic()
+            sent, got = self.client.bytes_up - up, self.client.bytes_down - down
+            self.metrics["peak_sync_bytes_up"] = max(self.metrics["peak_sync_bytes_up"], sent)
+            self.metrics["peak_sync_bytes_down"] = max(self.metrics["peak_sync_bytes_down"], got)
 
     def _recover_snapshot(self) -> None:
         """A download broke off mid-payload after every retry: the model holds progress and the
