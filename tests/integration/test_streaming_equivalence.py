@@ -56,12 +56,9 @@ def reference_streaming(
     inners = [make_inner(m) for m in workers]
     snapshots = [{n: t.clone() for n, t in global_flat.items()} for _ in range(num_workers)]
     data = [batches(i, STEPS) for i in range(num_workers)]
-    for t in range(1, STEPS + 1):
-        for i in range(num_workers):
-            train_step(workers[i], inners[i], data[i][t - 1])
-        f = fragment_due(t, SYNC_EVERY, num_fragments)
-        if f is None:
-            continue
+    last_sync = [0] * num_fragments
+
+    def outer_step(f: int) -> None:
         locals_ = [dict(m.named_parameters()) for m in workers]
         with torch.no_grad():
             for j, s in enumerate(plan[f]):
@@ -80,6 +77,19 @@ def reference_streaming(
                     local = locals_[i][s.name].view(-1)[s.start : s.stop]
                     local.mul_(alpha).add_(new, alpha=1 - alpha)
                     snapshots[i][s.name][s.start : s.stop] = new
+
+    for t in range(1, STEPS + 1):
+        for i in range(num_workers):
+            train_step(workers[i], inners[i], data[i][t - 1])
+        f = fragment_due(t, SYNC_EVERY, num_fragments)
+        if f is not None:
+            outer_step(f)
+            last_sync[f] = t
+    # On exit every worker hands in each fragment's steps since it last synced: one more round
+    # of those fragments (all but the last, which synced after the final step).
+    for f in range(num_fragments):
+        if last_sync[f] < STEPS:
+            outer_step(f)
     shapes = dict(template.named_parameters())
     return {n: global_flat[n].view(shapes[n].shape) for n in names}
 
@@ -138,7 +148,7 @@ def test_streaming_workers_match_single_process_streaming_diloco(
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
     for m in metrics:
-        assert m["fragments_sent"] == num_fragments * PERIODS
+        assert m["fragments_sent"] == num_fragments * PERIODS + num_fragments - 1
         assert m["rounds"] == num_fragments * PERIODS
         assert m["failed_syncs"] == 0 and m["refused_submissions"] == 0
         # One fragment per sync: about 1/P of the model per upload.

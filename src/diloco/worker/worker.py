@@ -219,6 +219,8 @@ class DiLoCoWorker:
         out["local_step"] = self.local_step
         out["total_steps"] = self.total_steps
         out["round"] = self.base_round
+        if self._streaming is not None and self._streaming.rounds:
+            out["round"] = min(self._streaming.rounds)  # the fragment furthest behind
         return out
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
