@@ -1,8 +1,8 @@
 """Streaming DiLoCo workers through a real server end where single-process streaming DiLoCo does.
 
-Sync mode, tau = 0: fragment f of every worker is sent after the same inner step, its round
-closes when both have sent it, and each merges the result before its next step, so thread timing
-cannot change any value. The reference below is the paper's algorithm written plainly: one outer
+Sync mode: fragment f of every worker is sent after the same inner step, its round closes when
+both have sent it, and each merges the result ``tau`` steps later (before its next step when
+tau = 0), so thread timing cannot change any value. The reference below is the paper's algorithm written plainly: one outer
 SGD-Nesterov per fragment over that fragment's elements.
 """
 
@@ -39,7 +39,7 @@ STEPS = SYNC_EVERY * PERIODS
 
 
 def reference_streaming(
-    num_workers: int, num_fragments: int, pattern: str, alpha: float
+    num_workers: int, num_fragments: int, pattern: str, alpha: float, tau: int = 0
 ) -> dict[str, torch.Tensor]:
     template = make_model()
     names = [n for n, _ in template.named_parameters()]
@@ -58,7 +58,8 @@ def reference_streaming(
     data = [batches(i, STEPS) for i in range(num_workers)]
     last_sync = [0] * num_fragments
 
-    def outer_step(f: int) -> None:
+    def outer_step(f: int) -> list[torch.Tensor]:
+        """Every worker's pseudo-gradient of fragment f, averaged, one outer step."""
         locals_ = [dict(m.named_parameters()) for m in workers]
         with torch.no_grad():
             for j, s in enumerate(plan[f]):
@@ -70,21 +71,38 @@ def reference_streaming(
                 outer_params[f][j].grad = torch.stack(grads).sum(0) / num_workers
             outers[f].step()
             outers[f].zero_grad()
+            news = [p.detach().clone() for p in outer_params[f]]
             for j, s in enumerate(plan[f]):
-                new = outer_params[f][j].detach()
-                global_flat[s.name][s.start : s.stop] = new
-                for i in range(num_workers):
-                    local = locals_[i][s.name].view(-1)[s.start : s.stop]
-                    local.mul_(alpha).add_(new, alpha=1 - alpha)
-                    snapshots[i][s.name][s.start : s.stop] = new
+                global_flat[s.name][s.start : s.stop] = news[j]
+        return news
 
+    def merge(f: int, news: list[torch.Tensor]) -> None:
+        """Every worker: local = alpha * local + (1 - alpha) * global; snapshot = global."""
+        with torch.no_grad():
+            for i, model in enumerate(workers):
+                params = dict(model.named_parameters())
+                for j, s in enumerate(plan[f]):
+                    local = params[s.name].view(-1)[s.start : s.stop]
+                    local.mul_(alpha).add_(news[j], alpha=1 - alpha)
+                    snapshots[i][s.name][s.start : s.stop] = news[j]
+
+    pending: tuple[int, int, list[torch.Tensor]] | None = None  # (merge after step, fragment, new)
     for t in range(1, STEPS + 1):
         for i in range(num_workers):
             train_step(workers[i], inners[i], data[i][t - 1])
+        if pending is not None and t >= pending[0]:
+            merge(pending[1], pending[2])
+            pending = None
         f = fragment_due(t, SYNC_EVERY, num_fragments)
         if f is not None:
-            outer_step(f)
+            assert pending is None, "the tests keep tau below the steps between fragments"
+            pending = (t + tau, f, outer_step(f))
             last_sync[f] = t
+            if tau == 0:
+                merge(f, pending[2])
+                pending = None
+    if pending is not None:  # on exit the exchange in flight is merged first
+        merge(pending[1], pending[2])
     # On exit every worker hands in each fragment's steps since it last synced: one more round
     # of those fragments (all but the last, which synced after the final step).
     for f in range(num_fragments):
@@ -95,7 +113,7 @@ def reference_streaming(
 
 
 def run_through_server(
-    num_workers: int, num_fragments: int, pattern: str, alpha: float
+    num_workers: int, num_fragments: int, pattern: str, alpha: float, tau: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers)) as server:
         errors: list[BaseException] = []
@@ -117,7 +135,7 @@ def run_through_server(
                     num_fragments=num_fragments,
                     fragment_pattern=pattern,
                     merge_alpha=alpha,
-                    overlap_steps=0,
+                    overlap_steps=tau,
                 ) as worker:
                     for batch in batches(i, STEPS):
                         train_step(model, inner, batch)
@@ -136,14 +154,20 @@ def run_through_server(
 
 @needs_streaming_server
 @pytest.mark.parametrize(
-    ("num_fragments", "pattern", "alpha"),
-    [(2, "sequential", 0.0), (3, "strided", 0.5), (3, "sequential", 0.5)],
+    ("num_fragments", "pattern", "alpha", "tau"),
+    [
+        (2, "sequential", 0.0, 0),
+        (3, "strided", 0.5, 0),
+        (3, "sequential", 0.5, 0),
+        (3, "sequential", 0.5, 1),
+        (2, "strided", 0.0, 2),
+    ],
 )
 def test_streaming_workers_match_single_process_streaming_diloco(
-    num_fragments: int, pattern: str, alpha: float
+    num_fragments: int, pattern: str, alpha: float, tau: int
 ) -> None:
-    expected = reference_streaming(2, num_fragments, pattern, alpha)
-    got, metrics = run_through_server(2, num_fragments, pattern, alpha)
+    expected = reference_streaming(2, num_fragments, pattern, alpha, tau)
+    got, metrics = run_through_server(2, num_fragments, pattern, alpha, tau)
     assert set(got) == set(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
@@ -160,5 +184,7 @@ def test_reference_differs_from_plain_and_moves() -> None:
     start = {n: p.detach().clone() for n, p in make_model().named_parameters()}
     a0 = reference_streaming(2, 3, "sequential", 0.0)
     a5 = reference_streaming(2, 3, "sequential", 0.5)
+    a5_tau1 = reference_streaming(2, 3, "sequential", 0.5, tau=1)
     assert any(not torch.equal(start[n], a0[n]) for n in start)
     assert any(not torch.equal(a0[n], a5[n]) for n in start)
+    assert any(not torch.equal(a5[n], a5_tau1[n]) for n in start)
