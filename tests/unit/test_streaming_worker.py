@@ -35,6 +35,7 @@ class FakeServer:
         self.submissions: list[tuple[int, int, dict[str, torch.Tensor]]] = []
         self.refuse: dict[int, dict[str, Any]] = {}  # fragment -> 409 body, used once
         self.fail_submit: set[int] = set()  # fragments whose next upload is unreachable
+        self.fail_download: set[int] = set()  # fragments whose next download is unreachable
         self.gate: threading.Event | None = None  # uploads wait on it when set
         self.entered = threading.Event()
         self.active = 0
@@ -102,6 +103,9 @@ class FakeClient:
             tensors = dict(s.params)
             meta = {"round": "0", "fragment_rounds": ",".join(map(str, s.rounds))}
         else:
+            if fragment in s.fail_download:
+                s.fail_download.discard(fragment)
+                raise Unreachable("fake: link down")
             assert s.rounds[fragment] >= min_round, "the fake closes rounds at once"
             tensors = {w[0]: s.view(w).clone() for w in s.plan[fragment]}
             meta = {"round": str(s.rounds[fragment]), "fragment": str(fragment)}
@@ -140,7 +144,9 @@ class FakeClient:
             if fragment in s.refuse:
                 raise Conflict(409, s.refuse.pop(fragment))
             got = {spec.name: produce(spec).float().clone() for spec in specs}
-            assert base_round == s.rounds[fragment]
+            if base_round != s.rounds[fragment]:
+                body = {"error": "stale_round", "detail": "", "action": "rebase"}
+                raise Conflict(409, {**body, "round": s.rounds[fragment]})
             assert sorted(got) == sorted(w[0] for w in s.plan[fragment])
             s.submissions.append((fragment, base_round, got))
             for wire in s.plan[fragment]:
@@ -356,6 +362,24 @@ def test_unreachable_server_keeps_progress_and_training_goes_on() -> None:
         torch.testing.assert_close(flat(model), START + 2 * D)
         torch.testing.assert_close(worker._snapshot["weight"].view(-1)[:4], START[F0])
         assert worker.sync_metrics["failed_syncs"] == 1
+
+
+def test_counted_upload_whose_result_is_lost_is_removed_from_the_model() -> None:
+    server = FakeServer(outer_lr=1.0)
+    worker, model, opt = make_worker(server, overlap_steps=1)
+    with worker:
+        server.fail_download.add(0)
+        step(model, opt)
+        step(model, opt)  # fragment 0 sent (-2D) and counted; its download fails
+        step(model, opt)  # the outcome is applied: the 2 counted steps leave, step 3 stays
+        torch.testing.assert_close(flat(model)[F0], START[F0] + D)
+        torch.testing.assert_close(flat(model)[4:], START[4:] + 3 * D)
+        assert worker.sync_metrics["failed_syncs"] == 1
+        assert server.rounds[0] == 1  # the server holds them: they come back with round 1
+        for _ in range(4):  # fragment 0 is sent again after step 6 and refused as stale;
+            step(model, opt)  # after step 7 its progress is rebased onto round 1 (start + 2D)
+        torch.testing.assert_close(flat(model)[F0], START[F0] + 7 * D)  # each step counted once
+        assert worker.sync_metrics["rebases"] == 1
 
 
 def test_exit_sends_every_fragments_remaining_steps() -> None:
