@@ -13,25 +13,9 @@ import threading
 import pytest
 import torch
 
-from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.core.fragments import fragment_due, split_sequential, split_strided
 from tests.integration.test_equivalence import batches, make_inner, make_model, train_step
-
-
-def server_streams() -> bool:
-    """Whether this build's server plans fragments (its register reply names them)."""
-    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
-        client = DiLoCoClient(server.address, retries=0)
-        try:
-            reply = client.register(None, info={"sync_every": 4, "num_fragments": 2})
-            return "fragments" in reply
-        finally:
-            client.close()
-
-
-needs_streaming_server = pytest.mark.skipif(
-    not server_streams(), reason="the server of this build does not plan fragments yet"
-)
 
 SYNC_EVERY = 6
 PERIODS = 2
@@ -152,7 +136,6 @@ def run_through_server(
         return server.global_params(), metrics
 
 
-@needs_streaming_server
 @pytest.mark.parametrize(
     ("num_fragments", "pattern", "alpha", "tau"),
     [
