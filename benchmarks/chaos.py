@@ -38,12 +38,28 @@ class Server:
 
     def start(self) -> None:
         args = [
-            sys.executable, "-m", "diloco", "server", "--port", str(self.port), "--num-workers", str(self.workers),
-            "--save-dir", str(self.save_dir), "--save-every", "1", "--heartbeat-timeout", "6", "--poll-timeout", "5",
+            sys.executable,
+            "-m",
+            "diloco",
+            "server",
+            "--port",
+            str(self.port),
+            "--num-workers",
+            str(self.workers),
+            "--save-dir",
+            str(self.save_dir),
+            "--save-every",
+            "1",
+            "--heartbeat-timeout",
+            "6",
+            "--poll-timeout",
+            "5",
         ]
         if self.starts == 0:
             args += ["--init", str(self.init)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.starts += 1
         found = threading.Event()
 
@@ -94,7 +110,13 @@ def _worker(rank: int, cfg: dict[str, Any], address: str, progress: Any, out: An
     gen = torch.Generator().manual_seed(cfg["seed"] * 100 + rank * 7 + progress[rank])
     client = DiLoCoClient(address, retries=8, backoff=0.2, max_backoff=2.0, read_timeout=30)
     worker = DiLoCoWorker(
-        model, opt, address, sync_every=cfg["sync_every"], worker_id=f"w{rank}", heartbeat_interval=1.0, client=client
+        model,
+        opt,
+        address,
+        sync_every=cfg["sync_every"],
+        worker_id=f"w{rank}",
+        heartbeat_interval=1.0,
+        client=client,
     )
     with worker:
         while progress[rank] < cfg["steps"]:
@@ -124,7 +146,10 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     progress = ctx.Array("i", cfg["workers"])
     out = ctx.Queue()
-    procs = {r: ctx.Process(target=_worker, args=(r, cfg, server.address, progress, out)) for r in range(cfg["workers"])}
+    procs = {
+        r: ctx.Process(target=_worker, args=(r, cfg, server.address, progress, out))
+        for r in range(cfg["workers"])
+    }
     for p in procs.values():
         p.start()
     events = {"worker_kills": 0, "server_kills": 0}
@@ -151,7 +176,9 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
                         os.kill(procs[r].pid, signal.SIGKILL)  # type: ignore[arg-type]
                         procs[r].join()
                         events["worker_kills"] += 1
-                        procs[r] = ctx.Process(target=_worker, args=(r, cfg, server.address, progress, out))
+                        procs[r] = ctx.Process(
+                            target=_worker, args=(r, cfg, server.address, progress, out)
+                        )
                         procs[r].start()
         while not out.empty():
             rank, m = out.get()
@@ -186,25 +213,51 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600, help="inner steps per worker slot")
     parser.add_argument("--sync-every", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fault-min", type=float, default=4.0, help="seconds between faults, low end")
-    parser.add_argument("--fault-max", type=float, default=10.0, help="seconds between faults, high end")
-    parser.add_argument("--server-share", type=float, default=0.4, help="share of faults that kill the server")
+    parser.add_argument(
+        "--fault-min", type=float, default=4.0, help="seconds between faults, low end"
+    )
+    parser.add_argument(
+        "--fault-max", type=float, default=10.0, help="seconds between faults, high end"
+    )
+    parser.add_argument(
+        "--server-share", type=float, default=0.4, help="share of faults that kill the server"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     cfg = {
-        "workers": args.workers, "steps": args.steps, "sync_every": args.sync_every, "seed": args.seed,
-        "lr": 3e-3, "fault_every": (args.fault_min, args.fault_max), "server_share": args.server_share,
+        "workers": args.workers,
+        "steps": args.steps,
+        "sync_every": args.sync_every,
+        "seed": args.seed,
+        "lr": 3e-3,
+        "fault_every": (args.fault_min, args.fault_max),
+        "server_share": args.server_share,
     }
     results = []
     for chaos in (False, True):
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"running {'with' if chaos else 'without'} faults ...", file=sys.stderr, flush=True)
+            print(
+                f"running {'with' if chaos else 'without'} faults ...", file=sys.stderr, flush=True
+            )
             results.append(run(cfg, chaos, Path(tmp)))
-    keys = ["rounds", "worker_kills", "server_kills", "worker_deaths", "reconnections", "failed_syncs", "eval_loss", "wall_s"]
-    print(f"\nchaos run: {args.workers} workers x {args.steps} steps, sync every {args.sync_every}, seed {args.seed}")
+    keys = [
+        "rounds",
+        "worker_kills",
+        "server_kills",
+        "worker_deaths",
+        "reconnections",
+        "failed_syncs",
+        "eval_loss",
+        "wall_s",
+    ]
+    print(
+        f"\nchaos run: {args.workers} workers x {args.steps} steps, sync every {args.sync_every}, seed {args.seed}"
+    )
     print(f"{'':>12}" + "".join(f"{k:>14}" for k in keys))
     for r in results:
-        cells = "".join(f"{r[k]:>14.3f}" if isinstance(r[k], float) else f"{r[k]:>14}" for k in keys)
+        cells = "".join(
+            f"{r[k]:>14.3f}" if isinstance(r[k], float) else f"{r[k]:>14}" for k in keys
+        )
         print(f"{'faults' if r['chaos'] else 'fault-free':>12}{cells}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -4,6 +4,8 @@ each against arithmetic written out here (not the server's own code)."""
 from __future__ import annotations
 
 import math
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -391,3 +393,44 @@ def test_restart_refuses_another_mode(tmp_path: Path) -> None:
         srv.save_state()
     with pytest.raises(ValueError, match="sync mode"):
         DiLoCoServer(ServerConfig(port=0, num_workers=1, mode="async", save_dir=str(tmp_path)))
+
+
+def test_async_update_does_not_wait_for_a_stalled_download(make_server: ServerFactory) -> None:
+    """A client that stops reading mid-download holds no lock: submissions are applied
+    meanwhile (to a copy of the parameters), and the stalled client still gets the bytes of the
+    version it asked for."""
+    big = {"w": torch.zeros(8 * 1024 * 1024)}  # 32 MiB: far more than the socket buffers
+    server = make_server(params=big, mode="async", outer_lr=1.0, outer_momentum=0.0)
+    join(server, "a")
+    host, port = server.address.split(":")
+    stalled = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    try:
+        stalled.sendall(f"GET /global_params HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        first = stalled.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        for v in range(3):  # each applied at once, while the download above sits half-sent
+            accept(
+                server,
+                encode(
+                    {"w": torch.full((8 * 1024 * 1024,), -1.0)},
+                    {"worker_id": "a", "base_round": str(v), "submission_id": f"s{v}"},
+                ),
+            )
+        st = server.status()
+        assert st["round"] == 3 and st["copies_on_write"] >= 1
+        received = bytearray(first)
+        while True:
+            chunk = stalled.recv(1 << 20)
+            if not chunk:
+                break
+            received += chunk
+            head, _, body_bytes = bytes(received).partition(b"\r\n\r\n")
+            length = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+            if len(body_bytes) >= length:
+                break
+        old = safetensors.torch.load(body_bytes[:length])
+        assert parse_safetensors_metadata(body_bytes)["round"] == "0"
+        assert torch.equal(old["w"], big["w"])  # the version it asked for, not a mix
+    finally:
+        stalled.close()
+    assert torch.equal(server.global_params()["w"], torch.full((8 * 1024 * 1024,), 3.0))
