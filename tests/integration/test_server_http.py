@@ -26,6 +26,7 @@ from tests.integration.conftest import ServerFactory, initial_params
 TIMEOUT = 10.0
 TOKEN = "secret-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CLIENT = {"X-Diloco-Client": "test"}  # state-changing requests need it (the cross-site rule)
 EXACT = {"outer_lr": 1.0, "outer_momentum": 0.0}  # new params = old params - mean pseudo-gradient
 
 
@@ -47,13 +48,15 @@ def url(server: DiLoCoServer, path: str) -> str:
 def post_json(
     server: DiLoCoServer, path: str, body: Any, headers: dict[str, str] | None = None
 ) -> requests.Response:
-    return requests.post(url(server, path), json=body, headers=headers, timeout=TIMEOUT)
+    return requests.post(
+        url(server, path), json=body, headers={**CLIENT, **(headers or {})}, timeout=TIMEOUT
+    )
 
 
 def post_raw(
     server: DiLoCoServer, path: str, data: bytes, headers: dict[str, str] | None = None
 ) -> requests.Response:
-    hdrs = {"Content-Type": "application/octet-stream", **(headers or {})}
+    hdrs = {"Content-Type": "application/octet-stream", **CLIENT, **(headers or {})}
     return requests.post(url(server, path), data=data, headers=hdrs, timeout=TIMEOUT)
 
 
@@ -773,7 +776,7 @@ def test_413_json_over_64k_chunked(two_workers: DiLoCoServer) -> None:
     resp = requests.post(
         url(server, "/register"),
         data=gen(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **CLIENT},
         timeout=TIMEOUT,
     )
     assert resp.status_code == 413, resp.text
@@ -803,6 +806,7 @@ def _post_with_declared_length(
     try:
         conn.putrequest("POST", path)
         conn.putheader("Content-Type", "application/octet-stream")
+        conn.putheader("X-Diloco-Client", "test")
         conn.putheader("Content-Length", str(declared))
         conn.endheaders()
         conn.send(sent)
@@ -1096,7 +1100,7 @@ def test_json_body_arriving_in_two_segments(make_server: ServerFactory) -> None:
     server = make_server(num_workers=2)
     raw = json.dumps({"worker_id": "split", "hostname": "h"}).encode()
     head = (
-        f"POST /register HTTP/1.1\r\nHost: {server.address}\r\nContent-Type: application/json\r\n"
+        f"POST /register HTTP/1.1\r\nHost: {server.address}\r\nContent-Type: application/json\r\nX-Diloco-Client: test\r\n"
         f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
     ).encode()
     status_line, reply = _send_in_two_parts(server, head, raw[:10], raw[10:])
@@ -1114,7 +1118,7 @@ def test_413_chunked_json_over_64k_with_a_valid_prefix(make_server: ServerFactor
     first = b'{"worker_id": "sneaky"}'
     rest = b" " * (80 * 1024)
     head = (
-        f"POST /register HTTP/1.1\r\nHost: {server.address}\r\nContent-Type: application/json\r\n"
+        f"POST /register HTTP/1.1\r\nHost: {server.address}\r\nContent-Type: application/json\r\nX-Diloco-Client: test\r\n"
         "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     ).encode()
     status_line, reply = _send_in_two_parts(

@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from diloco.server import control, dashboard
+from diloco.server.bodies import JSON_LIMIT, read_json
+from diloco.server.bodies import str_field as _str_field
+from diloco.server.config import ServerConfig
+from diloco.server.control import Shutdown
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import ApiError, bad_request, unknown_worker
+from diloco.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from diloco.server.metrics import HttpCounters
+from diloco.server.metrics import render as render_metrics
 from diloco.server.params import ParamStore
+from diloco.server.security import AuthThrottle, Guard, add_response_headers, security_middleware
 from diloco.wire import WireError, aread_layout
 from diloco.wire.encode import chunks
 
 log = logging.getLogger(__name__)
 
-JSON_LIMIT = 64 * 1024
 DOWNLOAD_CHUNK = 1024 * 1024
 HEADER_LIMIT = 16 * 1024 * 1024
 COORDINATOR: web.AppKey[Coordinator] = web.AppKey("coordinator", Coordinator)
-TOKEN: web.AppKey[str | None] = web.AppKey("token", str)
+COUNTERS: web.AppKey[HttpCounters] = web.AppKey("counters", HttpCounters)
+#: The liveness check stays open: it says only that the process answers.
 OPEN_PATHS = frozenset({"/healthz"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -52,52 +60,6 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return _error(500, "internal", "the server hit an unexpected error; see its log")
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[TOKEN]
-    if token is not None and request.path not in OPEN_PATHS:
-        # aiohttp decodes header bytes with surrogateescape; encode them back the same way.
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        expected = f"Bearer {token}".encode()
-        # compare_digest: the time taken does not reveal how much of the token matched.
-        if not hmac.compare_digest(given, expected):
-            return _error(401, "unauthorized", "missing or wrong token (Authorization: Bearer ...)")
-    return await handler(request)
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    if request.content_length is not None and request.content_length > JSON_LIMIT:
-        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
-    raw = bytearray()
-    while len(raw) <= JSON_LIMIT:  # read() returns what is buffered: loop to the end or the limit
-        part = await request.content.read(JSON_LIMIT + 1 - len(raw))
-        if not part:
-            break
-        raw += part
-    if len(raw) > JSON_LIMIT:
-        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {JSON_LIMIT} bytes")
-    try:
-        body = json.loads(bytes(raw) or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise bad_request("bad_json", "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("bad_json", "the body must be a JSON object")
-    return body
-
-
-def _str_field(
-    body: dict[str, Any], key: str, *, required: bool = True, limit: int = 256
-) -> str | None:
-    value = body.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value or len(value) > limit:
-        raise bad_request(
-            "bad_field", f"{key!r} must be a non-empty string of at most {limit} characters"
-        )
-    return value
 
 
 def _max_tensor_body(coord: Coordinator) -> int:
@@ -208,16 +170,41 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[COORDINATOR].status())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    text = render_metrics(request.app[COORDINATOR].status(), request.app[COUNTERS])
+    return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def build_app(coordinator: Coordinator, token: str | None) -> web.Application:
-    app = web.Application(
-        middlewares=[errors_middleware, auth_middleware], client_max_size=JSON_LIMIT
+def build_app(
+    coordinator: Coordinator,
+    config: ServerConfig | None = None,
+    *,
+    shutdown: Shutdown | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The server's routes behind its middleware: response counting, JSON errors, security."""
+    config = config or coordinator.config
+    guard = Guard(
+        token=config.token,
+        admin_token=config.admin_token,
+        open_paths=OPEN_PATHS | dashboard.PATHS,
+        throttle=AuthThrottle(config.auth_failure_limit, config.auth_failure_window, clock),
     )
+    counters = HttpCounters(
+        auth_failures=lambda: guard.throttle.total_failures,
+        auth_refused=lambda: guard.throttle.total_refused,
+    )
+    app = web.Application(
+        middlewares=[counters.middleware(), errors_middleware, security_middleware(guard)],
+        client_max_size=JSON_LIMIT,
+    )
+    app.on_response_prepare.append(add_response_headers)
     app[COORDINATOR] = coordinator
-    app[TOKEN] = token
+    app[COUNTERS] = counters
     app.router.add_post("/register", register)
     app.router.add_post("/deregister", deregister)
     app.router.add_post("/heartbeat", heartbeat)
@@ -225,5 +212,8 @@ def build_app(coordinator: Coordinator, token: str | None) -> web.Application:
     app.router.add_post("/initial_params", initial_params)
     app.router.add_get("/global_params", global_params)
     app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    app.add_routes(control.routes(coordinator, shutdown))
+    app.add_routes(dashboard.routes())
     return app

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import ssl
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -21,6 +23,13 @@ from diloco.server.persistence import Checkpoint, latest_checkpoint, load_checkp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+MAX_LINE_SIZE = 8190
+"""Longest request line (and so URL) accepted, bytes."""
+MAX_FIELD_SIZE = 8190
+"""Longest header field accepted, bytes."""
+MAX_HEADERS = 64
+"""Most header fields in one request."""
 
 
 class DiLoCoServer:
@@ -55,6 +64,8 @@ class DiLoCoServer:
         self._runner: web.AppRunner | None = None
         self._stopped: asyncio.Event | None = None
         self._port: int | None = None
+        self._save_on_stop = True
+        self._done = threading.Event()
 
     def _find_checkpoint(self) -> Checkpoint | None:
         if self.config.from_checkpoint:
@@ -69,13 +80,30 @@ class DiLoCoServer:
         self._loop = asyncio.get_running_loop()
         if self._stopped is None:
             self._stopped = asyncio.Event()
-        app = build_app(self.coordinator, self.config.token)
+        app = build_app(self.coordinator, self.config, shutdown=self._request_shutdown)
         # Handlers are not cancelled when a client disconnects: an upload being added to the
         # round's sum must finish, and long polls end by themselves within poll_timeout.
         # On shutdown, handlers still running (long polls) get a few seconds, then are cancelled.
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=3.0,
+            # Header limits: a request line or header field past 8 KiB is refused by the
+            # parser. Bodies are never decompressed: nothing here sends them compressed, and a
+            # small gzip body must not expand past the limits checked on what was sent.
+            max_line_size=MAX_LINE_SIZE,
+            max_field_size=MAX_FIELD_SIZE,
+            max_headers=MAX_HEADERS,
+            auto_decompress=False,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl_context=self._ssl_context(),
+        )
         await site.start()
         sockets = getattr(site._server, "sockets", None)
         assert sockets, "the site has no listening socket"
@@ -92,11 +120,31 @@ class DiLoCoServer:
             await self._stopped.wait()
         finally:
             health.cancel()
-            try:
-                await self.coordinator.save()
-            except Exception:
-                log.exception("saving on shutdown failed")
+            if self._save_on_stop:
+                try:
+                    await self.coordinator.save()
+                except Exception:
+                    log.exception("saving on shutdown failed")
             await self._runner.cleanup()
+            self._done.set()
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.config.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        return context
+
+    def _request_shutdown(self, save: bool) -> None:
+        """From ``/control/shutdown``, on the event loop: stop serving, saving first if asked."""
+        self._save_on_stop = save
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped (after a remote shutdown, say); True if it has."""
+        return self._done.wait(timeout)
 
     def start(self, timeout: float = 30.0) -> DiLoCoServer:
         """Serve from a background thread; returns once the socket is bound."""
@@ -135,9 +183,11 @@ class DiLoCoServer:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop serving (saving first when a save_dir is set). Safe to call twice."""
         loop, stopped = self._loop, self._stopped
-        if loop is None or stopped is None or loop.is_closed():
+        if loop is None or stopped is None:
             return
-        loop.call_soon_threadsafe(stopped.set)
+        if not self._done.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (remote shutdown)
+                loop.call_soon_threadsafe(stopped.set)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -162,6 +212,12 @@ class DiLoCoServer:
     def address(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``, or ``https://`` when serving TLS."""
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{self.address}"
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         if self._loop is None:

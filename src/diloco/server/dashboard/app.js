@@ -1,0 +1,445 @@
+// The diloco dashboard: polls /status, draws the worker table and three SVG charts, and posts
+// to /control/*. Plain browser JavaScript, no library and no build step.
+//
+// The token lives in sessionStorage (this tab only) and goes out as `Authorization: Bearer`,
+// never as a cookie. Every request carries X-Diloco-Client, which the server requires on
+// state-changing requests (a cross-site page cannot add it). Server data is written with
+// textContent only: worker ids and host names come from whoever holds the token.
+"use strict";
+
+(() => {
+  const TOKEN_KEY = "diloco.token";
+  const query = new URLSearchParams(window.location.search);
+  const REFRESH_MS = Math.max(100, Number(query.get("refresh")) || 1000);
+  const MAX_POINTS = 600;
+  const PALETTE = ["#2f6fb2", "#d64045", "#2e9b4f", "#8c5bb5", "#d98b00", "#1b9aaa",
+    "#6b7480", "#c2549d"];
+  const SVG_NS = "http://www.w3.org/2000/svg";
+
+  const $ = (id) => document.getElementById(id);
+
+  class AuthError extends Error {}
+
+  // --- state kept by the page ---------------------------------------------------------------
+  let timer = null;
+  let stopped = false;
+  const hist = {
+    loss: new Map(), // worker id -> [[t, loss]]
+    roundTime: [], // [[round, seconds]]
+    bytes: [], // [[round, bytes]]
+    lastRound: null,
+    lastBytes: null,
+    lastSample: null, // [time, bytes in + out] for the byte rate
+    rate: null,
+    t0: performance.now(),
+  };
+
+  function resetHistory() {
+    hist.loss.clear();
+    hist.roundTime = [];
+    hist.bytes = [];
+    hist.lastRound = null;
+    hist.lastBytes = null;
+    hist.lastSample = null;
+    hist.rate = null;
+  }
+
+  // --- requests -----------------------------------------------------------------------------
+  function token() {
+    return window.sessionStorage.getItem(TOKEN_KEY) || "";
+  }
+
+  async function api(method, path, body) {
+    const headers = { "X-Diloco-Client": "dashboard" };
+    const t = token();
+    if (t) headers.Authorization = "Bearer " + t;
+    const init = { method, headers, cache: "no-store", credentials: "omit" };
+    if (body !== undefined) {
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const resp = await fetch(path, init);
+    let data = null;
+    try {
+      data = await resp.json();
+    } catch (_) {
+      data = null;
+    }
+    const detail = data && data.detail ? data.detail : "HTTP " + resp.status;
+    if (resp.status === 401 || resp.status === 429) throw new AuthError(detail);
+    if (!resp.ok) throw new Error(detail);
+    return data;
+  }
+
+  // --- formatting ---------------------------------------------------------------------------
+  function fmtBytes(n) {
+    if (typeof n !== "number" || !isFinite(n)) return "-";
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (Math.abs(n) >= 1024 && i < units.length - 1) {
+      n /= 1024;
+      i += 1;
+    }
+    return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + " " + units[i];
+  }
+
+  function fmtCount(n) {
+    if (typeof n !== "number") return "-";
+    if (n >= 1e9) return (n / 1e9).toFixed(2) + "B";
+    if (n >= 1e6) return (n / 1e6).toFixed(2) + "M";
+    if (n >= 1e3) return (n / 1e3).toFixed(1) + "k";
+    return String(n);
+  }
+
+  function fmtNum(v, digits) {
+    return typeof v === "number" && isFinite(v) ? v.toFixed(digits) : "-";
+  }
+
+  function fmtDuration(s) {
+    if (typeof s !== "number") return "-";
+    const h = Math.floor(s / 3600);
+    const m = Math.floor((s % 3600) / 60);
+    const sec = Math.floor(s % 60);
+    return h ? `${h}h ${m}m` : m ? `${m}m ${sec}s` : `${sec}s`;
+  }
+
+  function setText(id, text) {
+    const el = $(id);
+    if (el.textContent !== text) el.textContent = text;
+  }
+
+  function message(text, isError) {
+    const el = $("message");
+    el.textContent = text;
+    el.className = isError ? "error" : "";
+  }
+
+  // --- views --------------------------------------------------------------------------------
+  function showLogin(error) {
+    // Without a valid token the page shows nothing of the run: drop what was drawn.
+    $("main").hidden = true;
+    $("summary").hidden = true;
+    $("logout").hidden = true;
+    $("login").hidden = false;
+    $("worker-table").tBodies[0].replaceChildren();
+    for (const id of ["chart-loss", "chart-round-time", "chart-bytes"]) $(id).replaceChildren();
+    resetHistory();
+    $("login-error").textContent = error || "";
+    setText("connection", "not signed in");
+    $("token-input").focus();
+  }
+
+  function showMain() {
+    $("login").hidden = true;
+    $("main").hidden = false;
+    $("summary").hidden = false;
+    $("logout").hidden = !token();
+  }
+
+  function health(w, st) {
+    const timeout = st.heartbeat_timeout > 0 ? st.heartbeat_timeout : 120;
+    const seen = w.last_seen_s_ago;
+    if (typeof seen !== "number") return ["late", "unknown"];
+    if (seen < timeout * 0.25) return ["ok", "healthy"];
+    if (seen < timeout * 0.75) return ["late", "late heartbeat"];
+    return ["dead", "silent"];
+  }
+
+  function staleness(w, st) {
+    if (typeof w.staleness === "number") return String(w.staleness);
+    if (typeof w.last_round === "number" && typeof st.round === "number") {
+      return String(Math.max(0, st.round - 1 - w.last_round));
+    }
+    return "-";
+  }
+
+  function cell(row, text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (cls) td.className = cls;
+    row.appendChild(td);
+    return td;
+  }
+
+  function renderWorkers(st) {
+    const body = $("worker-table").tBodies[0];
+    const workers = Array.isArray(st.workers) ? st.workers : [];
+    const rows = workers.map((w) => {
+      const tr = document.createElement("tr");
+      tr.dataset.worker = String(w.worker_id);
+      cell(tr, String(w.worker_id), "worker-id");
+      cell(tr, String(w.hostname || "-"));
+      cell(tr, w.last_round === null || w.last_round === undefined ? "-" : String(w.last_round),
+        "num worker-round");
+      cell(tr, fmtNum(w.steps_per_second, 2), "num");
+      cell(tr, fmtNum(w.last_seen_s_ago, 1) + " s ago", "num");
+      const [cls, label] = health(w, st);
+      const td = cell(tr, "");
+      const dot = document.createElement("span");
+      dot.className = "health " + cls;
+      dot.title = label;
+      td.append(dot, label);
+      cell(tr, fmtBytes(w.bytes_in) + " / " + fmtBytes(w.bytes_out), "num");
+      cell(tr, staleness(w, st), "num");
+      cell(tr, fmtNum(w.loss, 4), "num worker-loss");
+      const kick = document.createElement("button");
+      kick.type = "button";
+      kick.className = "kick";
+      kick.textContent = "Kick";
+      kick.dataset.worker = String(w.worker_id);
+      const action = document.createElement("td");
+      action.appendChild(kick);
+      tr.appendChild(action);
+      return tr;
+    });
+    body.replaceChildren(...rows);
+    $("no-workers").hidden = rows.length > 0;
+  }
+
+  function renderSummary(st) {
+    const workers = Array.isArray(st.workers) ? st.workers : [];
+    const steps = workers.reduce(
+      (acc, w) => acc + (typeof w.steps_per_second === "number" ? w.steps_per_second : 0), 0);
+    const opt = st.outer_optimizer || {};
+    setText("s-mode", String(st.mode || "sync"));
+    setText("s-round", String(st.round ?? "-") + (st.opened === false ? " (waiting)" : ""));
+    setText("s-uptime", fmtDuration(st.uptime_s));
+    setText("s-model", fmtCount(st.num_params) + " params, " + fmtBytes(st.model_bytes));
+    const rate = hist.rate === null ? "" : ", " + fmtBytes(hist.rate) + "/s";
+    setText("s-throughput", fmtNum(steps, 1) + " steps/s" + rate);
+    setText("s-workers", `${workers.length} live / ${st.num_workers ?? "-"} expected`);
+    setText("s-outer", `${opt.lr ?? "-"} / ${opt.momentum ?? "-"}`);
+    fillIfIdle("lr-input", opt.lr);
+    fillIfIdle("momentum-input", opt.momentum);
+    fillIfIdle("num-workers-input", st.num_workers);
+  }
+
+  function fillIfIdle(id, value) {
+    const el = $(id);
+    if (document.activeElement === el || el.dataset.dirty === "1") return;
+    if (value === undefined || value === null) return;
+    el.value = String(value);
+  }
+
+  // --- history for the charts ---------------------------------------------------------------
+  function push(list, point) {
+    list.push(point);
+    if (list.length > MAX_POINTS) list.splice(0, list.length - MAX_POINTS);
+  }
+
+  function record(st) {
+    const now = (performance.now() - hist.t0) / 1000;
+    for (const w of Array.isArray(st.workers) ? st.workers : []) {
+      if (typeof w.loss !== "number") continue;
+      const id = String(w.worker_id);
+      if (!hist.loss.has(id)) hist.loss.set(id, []);
+      push(hist.loss.get(id), [now, w.loss]);
+    }
+    const total = (st.bytes_in || 0) + (st.bytes_out || 0);
+    if (hist.lastSample) {
+      const dt = now - hist.lastSample[0];
+      if (dt > 0) hist.rate = Math.max(0, (total - hist.lastSample[1]) / dt);
+    }
+    hist.lastSample = [now, total];
+    if (Array.isArray(st.update_log) && st.update_log.length) {
+      // The server's own log of updates: exact per-round figures.
+      hist.roundTime = st.update_log
+        .filter((u) => typeof u.round_time_s === "number")
+        .map((u) => [u.round, u.round_time_s]);
+      hist.bytes = st.update_log
+        .filter((u) => typeof u.bytes_in === "number")
+        .map((u) => [u.round, u.bytes_in]);
+    } else if (typeof st.round === "number") {
+      // Otherwise observed here: the time of the last round, bytes moved since the last one.
+      if (hist.lastRound !== null && st.round > hist.lastRound) {
+        if (typeof st.last_round_time_s === "number") push(hist.roundTime, [st.round, st.last_round_time_s]);
+        if (hist.lastBytes !== null) {
+          push(hist.bytes, [st.round, (total - hist.lastBytes) / (st.round - hist.lastRound)]);
+        }
+      }
+      if (hist.lastRound === null || st.round !== hist.lastRound) hist.lastBytes = total;
+      hist.lastRound = st.round;
+    }
+  }
+
+  // --- charts -------------------------------------------------------------------------------
+  function svg(tag, attrs, text) {
+    const el = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
+    if (text !== undefined) el.textContent = text;
+    return el;
+  }
+
+  function tickLabel(v) {
+    const a = Math.abs(v);
+    if (a >= 1e9) return (v / 1e9).toFixed(1) + "G";
+    if (a >= 1e6) return (v / 1e6).toFixed(1) + "M";
+    if (a >= 1e3) return (v / 1e3).toFixed(1) + "k";
+    if (a >= 10 || a === 0) return v.toFixed(0);
+    return v.toPrecision(3);
+  }
+
+  function lineChart(el, series, xName) {
+    const W = 420, H = 200, L = 46, R = 10, T = 10, B = 28;
+    const pts = series.flatMap((s) => s.points);
+    const nodes = [];
+    if (!pts.length) {
+      nodes.push(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no data yet"));
+      el.replaceChildren(...nodes);
+      return;
+    }
+    let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
+    let [y0, y1] = [Math.min(...pts.map((p) => p[1])), Math.max(...pts.map((p) => p[1]))];
+    if (x1 === x0) { x0 -= 1; x1 += 1; }
+    if (y1 === y0) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
+    const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+    const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+    for (let i = 0; i <= 4; i += 1) {
+      const y = y0 + ((y1 - y0) * i) / 4;
+      nodes.push(svg("line", { class: "grid", x1: L, x2: W - R, y1: sy(y), y2: sy(y) }));
+      nodes.push(svg("text", { x: L - 4, y: sy(y) + 3, "text-anchor": "end" }, tickLabel(y)));
+    }
+    nodes.push(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
+    nodes.push(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
+    nodes.push(svg("text", { x: L, y: H - B + 14 }, tickLabel(x0)));
+    nodes.push(svg("text", { x: W - R, y: H - B + 14, "text-anchor": "end" }, tickLabel(x1)));
+    nodes.push(svg("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle" }, xName));
+    series.forEach((s, i) => {
+      if (!s.points.length) return;
+      const colour = PALETTE[i % PALETTE.length];
+      const d = s.points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
+      if (s.points.length === 1) {
+        const [cx, cy] = d.split(",");
+        nodes.push(svg("circle", { cx, cy, r: 2.5, fill: colour }));
+      } else {
+        nodes.push(svg("polyline", { class: "series", points: d, stroke: colour }));
+      }
+      if (series.length > 1 || s.name) {
+        nodes.push(svg("text", { x: W - R - 4, y: T + 10 + i * 12, "text-anchor": "end",
+          fill: colour }, s.name));
+      }
+    });
+    el.replaceChildren(...nodes);
+  }
+
+  function renderCharts() {
+    const loss = [...hist.loss.entries()].slice(0, PALETTE.length)
+      .map(([name, points]) => ({ name, points }));
+    lineChart($("chart-loss"), loss, "seconds on this page");
+    lineChart($("chart-round-time"), [{ name: "", points: hist.roundTime }], "round");
+    lineChart($("chart-bytes"), [{ name: "", points: hist.bytes }], "round");
+  }
+
+  // --- polling ------------------------------------------------------------------------------
+  async function poll() {
+    timer = null;
+    if (stopped) return;
+    try {
+      const st = await api("GET", "/status");
+      showMain();
+      record(st);
+      renderSummary(st);
+      renderWorkers(st);
+      renderCharts();
+      setText("connection", "live · refreshed " + new Date().toLocaleTimeString());
+    } catch (err) {
+      if (err instanceof AuthError) {
+        // A refused token is forgotten; a first visit without one just asks for it.
+        const had = token() !== "";
+        window.sessionStorage.removeItem(TOKEN_KEY);
+        showLogin(had || err.message.includes("retry") ? "refused: " + err.message : "");
+        return; // wait for a token
+      }
+      setText("connection", "server unreachable: " + err.message + " (retrying)");
+    }
+    schedule();
+  }
+
+  function schedule() {
+    if (!stopped && timer === null) timer = window.setTimeout(poll, REFRESH_MS);
+  }
+
+  function refreshNow() {
+    if (timer !== null) window.clearTimeout(timer);
+    timer = null;
+    poll();
+  }
+
+  async function control(path, body, describe) {
+    try {
+      const reply = await api("POST", "/control/" + path, body);
+      message(describe(reply), false);
+      refreshNow();
+      return reply;
+    } catch (err) {
+      if (err instanceof AuthError) message("refused: " + err.message, true);
+      else message(err.message, true);
+      return null;
+    }
+  }
+
+  // --- wiring -------------------------------------------------------------------------------
+  function init() {
+    $("login-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const value = $("token-input").value.trim();
+      if (!value) return;
+      window.sessionStorage.setItem(TOKEN_KEY, value);
+      $("token-input").value = "";
+      $("login-error").textContent = "";
+      resetHistory();
+      refreshNow();
+    });
+    $("logout").addEventListener("click", () => {
+      window.sessionStorage.removeItem(TOKEN_KEY);
+      showLogin("");
+    });
+    $("worker-table").addEventListener("click", (ev) => {
+      const btn = ev.target.closest("button.kick");
+      if (!btn) return;
+      const id = btn.dataset.worker;
+      control("kick_worker", { worker_id: id }, () => `worker ${id} kicked`);
+    });
+    $("save-state").addEventListener("click", () => {
+      control("save_state", {}, (r) => `saved round ${r.round} to ${r.path}`);
+    });
+    for (const id of ["lr-input", "momentum-input", "num-workers-input"]) {
+      $(id).addEventListener("input", () => { $(id).dataset.dirty = "1"; });
+    }
+    $("optimizer-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const body = {};
+      const lr = $("lr-input").value.trim();
+      const momentum = $("momentum-input").value.trim();
+      if (lr !== "") body.lr = Number(lr);
+      if (momentum !== "") body.momentum = Number(momentum);
+      control("update_optimizer", body, (r) => {
+        const o = r.outer_optimizer || {};
+        $("lr-input").dataset.dirty = "";
+        $("momentum-input").dataset.dirty = "";
+        return `outer optimizer: lr ${o.lr}, momentum ${o.momentum}`;
+      });
+    });
+    $("workers-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const n = Number($("num-workers-input").value);
+      control("update_num_workers", { num_workers: n }, (r) => {
+        $("num-workers-input").dataset.dirty = "";
+        return `expected workers: ${r.num_workers}`;
+      });
+    });
+    $("shutdown").addEventListener("click", async () => {
+      if (!window.confirm("Shut the server down? It saves first (when it has a save directory); " +
+          "workers keep training locally until it is back.")) return;
+      const reply = await control("shutdown", { save: true }, () => "the server is shutting down");
+      if (reply) {
+        stopped = true;
+        setText("connection", "server shut down");
+      }
+    });
+    poll();
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();
