@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 from typing import Any
@@ -53,7 +55,21 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--token",
         default=os.environ.get("DILOCO_TOKEN"),
-        help="shared token (default: $DILOCO_TOKEN)",
+        help="shared bearer token (default: $DILOCO_TOKEN; made up and printed when the server "
+        "binds beyond loopback and none is given)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("DILOCO_ADMIN_TOKEN"),
+        help="separate token for /control/* (default: $DILOCO_ADMIN_TOKEN; none: --token)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve HTTPS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--auth-failure-limit",
+        type=int,
+        default=5,
+        help="failed authentications per address per minute before it gets 429 (0: no limit)",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -127,9 +143,29 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_server)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _server(args: argparse.Namespace) -> int:
     from diloco.server import DiLoCoServer, ServerConfig
 
+    token = args.token
+    if not token and not is_loopback(args.host):
+        # Beyond loopback the API is never left open by accident.
+        token = secrets.token_urlsafe(24)
+        print(
+            f"diloco: no --token given and the server binds {args.host}; generated one:\n"
+            f"  DILOCO_TOKEN={token}\n"
+            "give it to the workers (DILOCO_TOKEN) and to the dashboard",
+            file=sys.stderr,
+            flush=True,
+        )
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -143,7 +179,11 @@ def _server(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         keep_checkpoints=args.keep,
         from_checkpoint=args.from_checkpoint,
-        token=args.token,
+        token=token or None,
+        admin_token=args.admin_token or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_failure_limit=args.auth_failure_limit,
         weighting=args.weighting,
         poll_timeout=args.poll_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -170,6 +210,11 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
         "--server", default=os.environ.get("DILOCO_SERVER", "127.0.0.1:8512"), help="host:port"
     )
     p.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"))
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("DILOCO_TLS_CA"),
+        help="PEM file of the CA that signed an https:// server's certificate",
+    )
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(func=_status)
 
@@ -182,42 +227,61 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def _num(value: Any, fmt: str, unit: str = "") -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:{fmt}}{unit}"
+
+
 def render_status(st: dict[str, Any]) -> str:
+    """The state of a server at a glance (the same figures as ``/metrics``). Keys are read
+    with ``.get``: an older or newer server may lack some."""
     opt = st.get("outer_optimizer") or {}
-    lines = [
-        f"mode {st['mode']}  round {st['round']}  {'open' if st['opened'] else 'waiting for workers'}"
-        f"  uptime {st['uptime_s']:.0f}s",
-        f"workers {len(st['workers'])} registered, round 0 needs {st['num_workers']}, min {st['min_workers']}"
-        f"  deaths {st['worker_deaths']}",
-        f"model {st['num_params']:,} params ({_fmt_bytes(st['model_bytes'])})"
-        f"  outer lr {opt.get('lr', '-')} momentum {opt.get('momentum', '-')}",
-        f"round: expected {len(st['expected'])}, submitted {len(st['submitted'])}"
-        f"  last round {st['last_round_time_s'] if st['last_round_time_s'] is not None else '-'} s",
-        f"bytes in {_fmt_bytes(st['bytes_in'])}  out {_fmt_bytes(st['bytes_out'])}",
-    ]
     stale = st.get("staleness") or {}
-    if st.get("mode") == "async":
+    workers = st.get("workers") or []
+    submitted = set(st.get("submitted") or [])
+    state = "open" if st.get("opened", True) else "waiting for workers"
+    lines = [
+        f"mode {st.get('mode', 'sync')}  round {st.get('round', '-')}  {state}"
+        f"  uptime {_num(st.get('uptime_s'), '.0f', 's')}",
+        f"workers {len(workers)} live, expected {st.get('num_workers', '-')}, "
+        f"min {st.get('min_workers', '-')}  deaths {st.get('worker_deaths', 0)}"
+        f"  registrations {st.get('registrations', 0)}",
+        f"model {_num(st.get('num_params'), ',')} params ({_fmt_bytes(st.get('model_bytes') or 0)})"
+        f"  outer lr {opt.get('lr', '-')} momentum {opt.get('momentum', '-')}",
+        f"round: expected {len(st.get('expected') or [])}, submitted {len(submitted)}"
+        f"  last round {_num(st.get('last_round_time_s'), '.3f', ' s')}"
+        f"  contributions {st.get('last_round_contributions', '-')}",
+        f"bytes in {_fmt_bytes(st.get('bytes_in') or 0)}  out {_fmt_bytes(st.get('bytes_out') or 0)}"
+        f"  rejected submissions {st.get('rejected_submissions', 0)}",
+    ]
+    if st.get("mode") == "async" or stale.get("count"):
         lines.append(
-            f"staleness: last {stale.get('last', '-')}  mean {stale.get('mean', '-')}"
-            f"  max {stale.get('max', '-')}  (max allowed {st.get('max_staleness') or '-'})"
+            f"staleness last {stale.get('last', '-')}  mean {_num(stale.get('mean'), '.2f')}"
+            f"  max {stale.get('max', '-')}  ({stale.get('count', 0)} submissions;"
+            f" max allowed {st.get('max_staleness') or '-'})"
         )
     if st.get("fragments"):
-        rounds = " ".join(str(f["round"]) for f in st["fragments"])
+        rounds = " ".join(str(f.get("round")) for f in st["fragments"])
         lines.append(f"fragments ({st.get('fragment_pattern')}): rounds {rounds}")
+    if st.get("last_save_error"):
+        lines.append(f"last save FAILED: {st['last_save_error']}")
     lines += [
         "",
-        f"{'worker':<20} {'host':<16} {'round':>5} {'steps/s':>8} {'loss':>8} {'seen':>7} {'sent':>10} {'recv':>10}",
+        f"{'worker':<20} {'host':<16} {'round':>5} {'steps/s':>8} {'loss':>8} {'seen':>7}"
+        f" {'sent':>10} {'recv':>10}",
     ]
-    for w in st["workers"]:
-        sps = f"{w['steps_per_second']:.2f}" if w["steps_per_second"] is not None else "-"
-        loss = f"{w['loss']:.4f}" if w["loss"] is not None else "-"
-        last = w["last_round"] if w["last_round"] is not None else "-"
-        mark = "*" if w["worker_id"] in st["submitted"] else " "
+    for w in workers:
+        wid = str(w.get("worker_id", "?"))
+        mark = "*" if wid in submitted else " "
+        last = w.get("last_round")
         lines.append(
-            f"{w['worker_id'][:19] + mark:<20} {w['hostname'][:16]:<16} {last!s:>5} {sps:>8} {loss:>8}"
-            f" {w['last_seen_s_ago']:>6.1f}s {_fmt_bytes(w['bytes_in']):>10} {_fmt_bytes(w['bytes_out']):>10}"
+            f"{wid[:19] + mark:<20} {str(w.get('hostname', ''))[:16]:<16}"
+            f" {('-' if last is None else str(last)):>5} {_num(w.get('steps_per_second'), '.2f'):>8}"
+            f" {_num(w.get('loss'), '.4f'):>8} {_num(w.get('last_seen_s_ago'), '.1f', 's'):>7}"
+            f" {_fmt_bytes(w.get('bytes_in') or 0):>10} {_fmt_bytes(w.get('bytes_out') or 0):>10}"
         )
-    if not st["workers"]:
+    if not workers:
         lines.append("(no workers)")
     return "\n".join(lines)
 
@@ -225,7 +289,9 @@ def render_status(st: dict[str, Any]) -> str:
 def _status(args: argparse.Namespace) -> int:
     from diloco.worker import DiLoCoClient, ServerError, Unreachable
 
-    client = DiLoCoClient(args.server, token=args.token, retries=0, read_timeout=10)
+    client = DiLoCoClient(
+        args.server, token=args.token, tls_ca=args.tls_ca, retries=0, read_timeout=10
+    )
     try:
         st = client.status()
     except Unreachable as exc:
@@ -250,6 +316,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--token", default=None)
+    p.add_argument("--tls-ca", default=None, help="PEM file of the server certificate's CA")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_worker)
 
@@ -272,6 +339,7 @@ def _worker(args: argparse.Namespace) -> int:
             "worker_id": args.worker_id,
             "heartbeat_interval": args.heartbeat_interval,
             "token": args.token,
+            "tls_ca": args.tls_ca,
         }
     )
     env = {

@@ -31,6 +31,11 @@ from diloco.wire.encode import byte_view
 
 log = logging.getLogger(__name__)
 
+#: Sent on every request. A browser adds a custom header to a cross-site request only after a
+#: CORS preflight the server never grants, so the server refuses state-changing requests
+#: without it: a hostile web page cannot forge one.
+CLIENT_HEADER = "X-Diloco-Client"
+
 
 class ServerError(Exception):
     """The server answered with an error status. ``code`` and ``body`` are its JSON reply."""
@@ -104,6 +109,7 @@ class DiLoCoClient:
         backoff: float = 0.5,
         max_backoff: float = 30.0,
         verify: bool | str = True,
+        tls_ca: str | None = None,
     ) -> None:
         if "://" not in server_addr:
             server_addr = f"http://{server_addr}"
@@ -112,7 +118,9 @@ class DiLoCoClient:
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._verify = verify
+        # TLS certificates are verified: against ``tls_ca`` (a private CA or a self-signed
+        # certificate) when given, else against the system's authorities.
+        self._verify = tls_ca if tls_ca else verify
         self._token = token
         # One session per thread: requests.Session is not documented as thread-safe, and a
         # heartbeat must not wait behind a long poll.
@@ -130,6 +138,7 @@ class DiLoCoClient:
             session = requests.Session()
             session.verify = self._verify
             session.trust_env = False  # an environment proxy must not see tensors or tokens
+            session.headers[CLIENT_HEADER] = "worker"
             if self._token:
                 session.headers["Authorization"] = f"Bearer {self._token}"
             self._local.session = session

@@ -27,6 +27,11 @@ class WorkerSettings:
     token: str | None = None
     """Bearer token the server requires, if any."""
 
+    tls_ca: str | None = None
+    """PEM file of the certificate authority (or the self-signed certificate) that signed an
+    ``https://`` server's certificate; None trusts the system's authorities. Certificates are
+    always verified."""
+
     heartbeat_interval: float = 30.0
     """Seconds between heartbeats (0 disables them)."""
 

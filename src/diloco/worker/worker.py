@@ -55,6 +55,7 @@ class DiLoCoWorker:
         worker_id: str | None = None,
         *,
         token: str | None = None,
+        tls_ca: str | None = None,
         heartbeat_interval: float | None = None,
         retries: int | None = None,
         read_timeout: float | None = None,
@@ -74,6 +75,7 @@ class DiLoCoWorker:
                 "bf16_comm": bf16_comm,
                 "worker_id": worker_id,
                 "token": token,
+                "tls_ca": tls_ca,
                 "heartbeat_interval": heartbeat_interval,
                 "retries": retries,
                 "read_timeout": read_timeout,
@@ -93,6 +95,7 @@ class DiLoCoWorker:
         self.client = client or DiLoCoClient(
             self.settings.server_addr,
             token=self.settings.token,
+            tls_ca=self.settings.tls_ca,
             connect_timeout=self.settings.connect_timeout,
             read_timeout=self.settings.read_timeout,
             retries=self.settings.retries,
