@@ -79,3 +79,41 @@ def test_worker_propagates_exit_code_and_needs_a_command(
     assert main(["worker"]) == 2
     assert "give the training command" in capsys.readouterr().err
     assert main(["worker", "--", "/nonexistent/trainer"]) == 127
+
+
+def _captured_config(monkeypatch: pytest.MonkeyPatch) -> list[ServerConfig]:
+    """Stand in for DiLoCoServer so ``diloco server`` returns with the config it built."""
+    import diloco.server
+
+    seen: list[ServerConfig] = []
+
+    class FakeServer:
+        def __init__(self, config: ServerConfig) -> None:
+            seen.append(config)
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(diloco.server, "DiLoCoServer", FakeServer)
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    monkeypatch.delenv("DILOCO_ADMIN_TOKEN", raising=False)
+    return seen
+
+
+def test_server_makes_up_a_token_beyond_loopback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = _captured_config(monkeypatch)
+    assert main(["server", "--host", "0.0.0.0", "--port", "0"]) == 0
+    token = seen[0].token
+    assert token is not None and len(token) >= 24
+    assert f"DILOCO_TOKEN={token}" in capsys.readouterr().err
+    # On loopback no token is made up; a given one is used as is; TLS and admin flags pass on.
+    assert main(["server", "--host", "127.0.0.1", "--port", "0"]) == 0
+    assert seen[1].token is None
+    assert main(["server", "--host", "10.0.0.5", "--token", "given-token-1",
+                 "--admin-token", "admin-token-1", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+                 "--auth-failure-limit", "9"]) == 0  # fmt: skip
+    assert (seen[2].token, seen[2].admin_token) == ("given-token-1", "admin-token-1")
+    assert (seen[2].tls_cert, seen[2].tls_key, seen[2].auth_failure_limit) == ("c.pem", "k.pem", 9)
+    assert "DILOCO_TOKEN=" not in capsys.readouterr().err

@@ -20,7 +20,13 @@ from diloco.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.metrics import HttpCounters
 from diloco.server.metrics import render as render_metrics
 from diloco.server.params import ParamStore
-from diloco.server.security import AuthThrottle, Guard, add_response_headers, security_middleware
+from diloco.server.security import (
+    AuthThrottle,
+    Guard,
+    add_response_headers,
+    expect_handler,
+    security_middleware,
+)
 from diloco.wire import WireError, aread_layout
 from diloco.wire.encode import chunks
 
@@ -175,6 +181,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
+async def not_found(request: web.Request) -> web.Response:
+    raise ApiError(404, "not_found", "no such endpoint for this method")
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -205,15 +215,23 @@ def build_app(
     app.on_response_prepare.append(add_response_headers)
     app[COORDINATOR] = coordinator
     app[COUNTERS] = counters
-    app.router.add_post("/register", register)
-    app.router.add_post("/deregister", deregister)
-    app.router.add_post("/heartbeat", heartbeat)
-    app.router.add_post("/submit_pseudograd", submit_pseudograd)
-    app.router.add_post("/initial_params", initial_params)
-    app.router.add_get("/global_params", global_params)
-    app.router.add_get("/status", status)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.add_routes(control.routes(coordinator, shutdown))
-    app.add_routes(dashboard.routes())
+    routes = [
+        web.post("/register", register),
+        web.post("/deregister", deregister),
+        web.post("/heartbeat", heartbeat),
+        web.post("/submit_pseudograd", submit_pseudograd),
+        web.post("/initial_params", initial_params),
+        web.get("/global_params", global_params),
+        web.get("/status", status),
+        web.get("/metrics", metrics),
+        web.get("/healthz", healthz),
+        *control.routes(coordinator, shutdown),
+        *dashboard.routes(),
+        web.route("*", "/{tail:.*}", not_found),  # last: JSON for every unknown path
+    ]
+    for r in routes:  # every route gets the safe Expect handler (GET routes also answer HEAD)
+        if r.method == "GET":
+            app.router.add_get(r.path, r.handler, expect_handler=expect_handler)
+        else:
+            app.router.add_route(r.method, r.path, r.handler, expect_handler=expect_handler)
     return app

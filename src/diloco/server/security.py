@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.typedefs import Middleware
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,18 @@ def security_middleware(
         return await handler(request)
 
     return middleware
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """``Expect:`` handling for every route: ``100-continue`` or a JSON 417. (aiohttp's own
+    handler echoes the value into a reply and fails with a 500 on bytes that are not UTF-8.)"""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() != "100-continue":
+        return _error(417, "expectation_failed", "the only Expect value understood is 100-continue")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
 
 
 async def add_response_headers(request: web.Request, response: web.StreamResponse) -> None:

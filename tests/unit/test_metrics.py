@@ -1,0 +1,117 @@
+"""The Prometheus text of /metrics: well formed for any status, full or nearly empty."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+from diloco.cli.main import render_status
+from diloco.server.metrics import HttpCounters, render
+
+SAMPLE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*"'
+    r'(,[a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*")*)\})? (?P<value>-?[0-9.e+-]+|NaN|[+-]Inf)$'
+)
+
+FULL: dict[str, Any] = {
+    "mode": "async",
+    "instance": "abc123",
+    "uptime_s": 12.5,
+    "round": 7,
+    "opened": True,
+    "num_workers": 2,
+    "min_workers": 1,
+    "expected": ["a", "b"],
+    "submitted": ["a"],
+    "num_params": 1000,
+    "model_bytes": 4000,
+    "outer_optimizer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "bytes_in": 123456,
+    "bytes_out": 654321,
+    "rejected_submissions": 2,
+    "last_round_contributions": 2,
+    "last_round_time_s": 1.25,
+    "registrations": 5,
+    "worker_deaths": 1,
+    "staleness": {"last": 1, "mean": 0.5, "max": 3, "count": 8},
+    "workers": [
+        {"worker_id": "a", "hostname": "h1", "loss": 2.5, "steps_per_second": 10.0,
+         "last_seen_s_ago": 0.5, "bytes_in": 100, "bytes_out": 200, "last_round": 6},
+        {"worker_id": 'we"ird\\id\n', "hostname": "h2", "loss": None, "steps_per_second": None,
+         "last_seen_s_ago": 3.0, "bytes_in": 0, "bytes_out": 0, "last_round": None},
+    ],
+}  # fmt: skip
+
+
+def parse(text: str) -> dict[str, list[tuple[str, float]]]:
+    """Checks the format line by line; returns samples by metric name."""
+    assert text.endswith("\n")
+    samples: dict[str, list[tuple[str, float]]] = {}
+    declared: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("gauge", "counter"), line
+            assert name not in declared, f"{name} declared twice"
+            declared[name] = kind
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"malformed sample line: {line!r}"
+        name = m["name"]
+        assert name in declared, f"{name} has no TYPE line before it"
+        samples.setdefault(name, []).append((m["labels"] or "", float(m["value"])))
+    for name, kind in declared.items():
+        assert name in samples, f"{name} declared without samples"
+        if kind == "counter":
+            assert name.endswith("_total"), name
+    return samples
+
+
+def value(samples: dict[str, list[tuple[str, float]]], name: str, labels: str = "") -> float:
+    return dict(samples[name])[labels]
+
+
+def test_full_status() -> None:
+    counters = HttpCounters(Counter({200: 5, 401: 2}), lambda: 2, lambda: 1)
+    s = parse(render(FULL, counters))
+    assert value(s, "diloco_round") == 7
+    assert value(s, "diloco_round_duration_seconds") == 1.25
+    assert value(s, "diloco_bytes_in_total") == 123456
+    assert value(s, "diloco_bytes_out_total") == 654321
+    assert value(s, "diloco_workers_live") == 2
+    assert value(s, "diloco_worker_deaths_total") == 1
+    assert value(s, "diloco_registrations_total") == 5
+    assert value(s, "diloco_outer_lr") == 0.7
+    assert value(s, "diloco_staleness", 'stat="max"') == 3
+    assert value(s, "diloco_staleness", 'stat="mean"') == 0.5
+    assert value(s, "diloco_staleness_samples_total") == 8
+    assert value(s, "diloco_worker_loss", 'worker="a"') == 2.5
+    assert len(s["diloco_worker_loss"]) == 1  # no sample for a worker without a loss
+    assert 'worker="we\\"ird\\\\id\\n"' in dict(s["diloco_worker_last_seen_seconds"])
+    assert value(s, "diloco_http_responses_total", 'code="401"') == 2
+    assert value(s, "diloco_auth_failures_total") == 2
+    assert value(s, "diloco_auth_throttled_total") == 1
+    assert value(s, "diloco_info", 'mode="async",instance="abc123"') == 1
+
+
+def test_nearly_empty_status_is_still_valid() -> None:
+    s = parse(render({}))
+    assert value(s, "diloco_workers_live") == 0
+    assert "diloco_round" not in s and "diloco_staleness" not in s
+
+
+def test_non_finite_and_odd_values_are_dropped() -> None:
+    s = parse(render({"round": 3, "last_round_time_s": float("nan"), "uptime_s": "soon"}))
+    assert value(s, "diloco_round") == 3
+    assert "diloco_round_duration_seconds" not in s and "diloco_uptime_seconds" not in s
+
+
+def test_status_table_shows_the_same_figures() -> None:
+    text = render_status(FULL)
+    for expected in ("mode async", "round 7", "deaths 1", "registrations 5", "lr 0.7",
+                     "staleness last 1", "max 3", "1.250 s", "2.5000"):  # fmt: skip
+        assert expected in text, expected
+    assert "(no workers)" in render_status({})
