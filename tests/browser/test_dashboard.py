@@ -1,0 +1,278 @@
+"""The dashboard in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``;
+``.ci/run`` installs it). Skipped only when that browser is absent.
+
+Two workers run as threads against a server on loopback, one round every few tens of
+milliseconds. A screenshot of the live page is kept in ``test-artifacts/dashboard.png``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco.server.config import ServerConfig
+from diloco.server.server import DiLoCoServer
+from diloco.wire import spec_of
+from diloco.worker.client import DiLoCoClient
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+TOKEN = "browser-token-123"
+WORKERS = ("alpha-worker", "beta-worker")
+WAIT_MS = 15_000
+
+if not CHROMIUM.exists():
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+expect = sync_api.expect
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+
+
+class PacedWorker(threading.Thread):
+    """Submits a pseudo-gradient each round, reports a falling loss, adopts the result; stops
+    when told, or when the server no longer knows it (kicked) or goes away."""
+
+    def __init__(self, address: str, worker_id: str, stop: threading.Event) -> None:
+        super().__init__(name=f"worker-{worker_id}", daemon=True)
+        self.address, self.worker_id, self.stop = address, worker_id, stop
+        self.rounds = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        client = DiLoCoClient(self.address, token=TOKEN, retries=0, read_timeout=10)
+        grads = {"w": torch.full((3, 4), 0.01), "b": torch.full((4,), -0.01)}
+        specs = [spec_of(n, t) for n, t in grads.items()]
+        try:
+            reply = client.register(self.worker_id, hostname=f"host-{self.worker_id[0]}")
+            round_ = reply["round"]
+            while not self.stop.is_set():
+                client.submit_pseudogradients(
+                    self.worker_id, round_, f"{self.worker_id}-{round_}", specs,
+                    lambda s: grads[s.name],
+                )  # fmt: skip
+                client.heartbeat(
+                    self.worker_id, loss=3.0 / (1 + 0.1 * round_), steps_per_second=20.0
+                )
+                while not self.stop.is_set():
+                    got = client.download(
+                        lambda layout: memoryview(bytearray(layout.payload_size)),
+                        min_round=round_ + 1,
+                        worker_id=self.worker_id,
+                    )
+                    if got is not None:
+                        round_ = got.round
+                        break
+                self.rounds += 1
+                self.stop.wait(0.03)  # the time "training" takes between syncs
+        except Exception as exc:  # kicked (410), or the server stopped
+            self.error = exc
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def run() -> Iterator[DiLoCoServer]:
+    server = DiLoCoServer(
+        ServerConfig(
+            port=0,
+            num_workers=2,
+            token=TOKEN,
+            poll_timeout=0.2,
+            heartbeat_timeout=0,
+            stuck_timeout=0,
+        ),
+        initial_params=initial_params(),
+    ).start()
+    stop = threading.Event()
+    workers = [PacedWorker(server.address, w, stop) for w in WORKERS]
+    for w in workers:
+        w.start()
+    yield server
+    stop.set()
+    server.stop()
+    for w in workers:
+        w.join(10)
+
+
+class Page:
+    """A tab on the dashboard that may reach the server only: every other request is refused
+    and recorded, and console errors (a CSP violation, a script error) are recorded too."""
+
+    def __init__(self, browser: Any, server: DiLoCoServer) -> None:
+        self.origin = f"http://{server.address}"
+        self.context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        self.page = self.context.new_page()
+        self.outside: list[str] = []
+        self.errors: list[str] = []
+        self.statuses: list[tuple[str, int]] = []
+        self.page.route("**/*", self._route)
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("response", lambda r: self.statuses.append((r.url, r.status)))
+
+    def _console(self, message: Any) -> None:
+        # The first look at /status without a token is answered 401 on purpose.
+        if message.type == "error" and "status of 401" not in message.text:
+            self.errors.append(message.text)
+
+    def _route(self, route: Any) -> None:
+        if route.request.url.startswith(self.origin + "/"):
+            route.continue_()
+        else:
+            self.outside.append(route.request.url)
+            route.abort()
+
+    def open(self, token: str | None = TOKEN) -> Any:
+        self.page.goto(self.origin + "/dashboard?refresh=150")
+        if token is not None:
+            self.page.wait_for_selector("#login:not([hidden])", timeout=WAIT_MS)
+            self.page.fill("#token-input", token)
+            self.page.click("#login-form button")
+        return self.page
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def tab(browser: Any, run: DiLoCoServer) -> Iterator[Page]:
+    page = Page(browser, run)
+    yield page
+    page.close()
+
+
+def row(worker: str) -> str:
+    return f'#worker-table tbody tr[data-worker="{worker}"]'
+
+
+def shown_round(page: Any, worker: str) -> int:
+    return int(page.text_content(f"{row(worker)} .worker-round"))
+
+
+def wait_until(predicate: Any, what: str, timeout: float = WAIT_MS / 1000) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_live_workers_with_no_network(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open()
+    for w in WORKERS:
+        page.wait_for_selector(row(w), timeout=WAIT_MS)
+    assert page.evaluate("sessionStorage.getItem('diloco.token')") == TOKEN
+    # Both rows show a round that advances while the page refreshes itself.
+    start = {w: shown_round(page, w) for w in WORKERS}
+    for w in WORKERS:
+        wait_until(lambda w=w: shown_round(page, w) >= start[w] + 2, f"{w}'s round to advance")
+    page.wait_for_selector("#chart-loss polyline", timeout=WAIT_MS)
+    page.wait_for_selector("#chart-round-time polyline", timeout=WAIT_MS)
+    page.wait_for_selector("#chart-bytes polyline", timeout=WAIT_MS)
+    assert page.text_content("#s-mode") == "sync"
+    assert int(page.text_content("#s-round").split()[0]) >= 2
+    assert "params" in page.text_content("#s-model")
+    assert "steps/s" in page.text_content("#s-throughput")
+    assert page.text_content(f"{row(WORKERS[0])} td:nth-child(2)") == "host-a"
+    assert page.locator(f"{row(WORKERS[0])} .health.ok").count() == 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+    assert tab.outside == [], f"the page tried to reach outside the server: {tab.outside}"
+    assert tab.errors == [], tab.errors
+
+
+def test_kick_evicts_a_worker(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open()
+    page.wait_for_selector(row(WORKERS[0]), timeout=WAIT_MS)
+    page.click(f"{row(WORKERS[0])} button.kick")
+    page.wait_for_selector(row(WORKERS[0]), state="detached", timeout=WAIT_MS)
+    assert "kicked" in page.text_content("#message")
+    ids = [w["worker_id"] for w in run.status()["workers"]]
+    assert WORKERS[0] not in ids and WORKERS[1] in ids
+    # The other worker trains on alone: its rounds still advance on the page.
+    r = shown_round(page, WORKERS[1])
+    wait_until(lambda: shown_round(page, WORKERS[1]) > r, "the other worker's round to advance")
+    assert tab.errors == []
+
+
+def test_lr_control_changes_the_server_optimizer(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open()
+    page.wait_for_selector(row(WORKERS[0]), timeout=WAIT_MS)
+    page.fill("#lr-input", "0.25")
+    page.fill("#momentum-input", "0.5")
+    page.click("#optimizer-form button")
+    expect(page.locator("#message")).to_contain_text("lr 0.25", timeout=WAIT_MS)
+    groups = run.coordinator.outer_optimizers()[0].param_groups
+    assert all(g["lr"] == 0.25 and g["momentum"] == 0.5 for g in groups)
+    assert run.status()["outer_optimizer"]["lr"] == 0.25
+    expect(page.locator("#s-outer")).to_have_text("0.25 / 0.5", timeout=WAIT_MS)
+    # A refused value is reported on the page and changes nothing.
+    page.fill("#lr-input", "0")
+    page.click("#optimizer-form button")
+    page.wait_for_selector("#message.error", timeout=WAIT_MS)
+    assert run.status()["outer_optimizer"]["lr"] == 0.25
+
+
+def test_expected_workers_and_save_controls(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open()
+    page.wait_for_selector(row(WORKERS[0]), timeout=WAIT_MS)
+    page.fill("#num-workers-input", "5")
+    page.click("#workers-form button")
+    expect(page.locator("#message")).to_contain_text("expected workers: 5", timeout=WAIT_MS)
+    assert run.status()["num_workers"] == 5
+    page.click("#save-state")  # this server has no --save-dir: the page says so
+    page.wait_for_selector("#message.error", timeout=WAIT_MS)
+    assert "save-dir" in page.text_content("#message")
+
+
+def test_without_the_token_the_page_shows_nothing(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open(token=None)
+    page.wait_for_selector("#login:not([hidden])", timeout=WAIT_MS)
+    assert page.is_hidden("#main") and page.is_hidden("#summary")
+    assert page.locator("#worker-table tbody tr").count() == 0
+    assert [s for u, s in tab.statuses if u.endswith("/status")] == [401]
+    # A wrong token is refused, forgotten, and still shows nothing.
+    page.fill("#token-input", "not-the-token")
+    page.click("#login-form button")
+    expect(page.locator("#login-error")).to_contain_text("refused", timeout=WAIT_MS)
+    assert page.evaluate("sessionStorage.getItem('diloco.token')") is None
+    assert page.is_hidden("#main")
+    html = page.content()
+    assert all(w not in html for w in WORKERS)
+    assert "host-a" not in html
+    assert tab.outside == []
+
+
+def test_shutdown_after_confirmation(tab: Page, run: DiLoCoServer) -> None:
+    page = tab.open()
+    page.wait_for_selector(row(WORKERS[0]), timeout=WAIT_MS)
+    dialogs: list[str] = []
+
+    def answer(dialog: Any) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss() if len(dialogs) == 1 else dialog.accept()
+
+    page.on("dialog", answer)
+    page.click("#shutdown")  # dismissed: nothing happens
+    assert len(dialogs) == 1 and not run.wait_stopped(0.2)
+    page.click("#shutdown")
+    assert run.wait_stopped(WAIT_MS / 1000)
+    assert "Shut the server down" in dialogs[1]
+    expect(page.locator("#connection")).to_contain_text("shut down", timeout=WAIT_MS)
