@@ -183,9 +183,9 @@ def test_live_workers_with_no_network(tab: Page, run: DiLoCoServer) -> None:
     start = {w: shown_round(page, w) for w in WORKERS}
     for w in WORKERS:
         wait_until(lambda w=w: shown_round(page, w) >= start[w] + 2, f"{w}'s round to advance")
-    page.wait_for_selector("#chart-loss polyline", timeout=WAIT_MS)
-    page.wait_for_selector("#chart-round-time polyline", timeout=WAIT_MS)
-    page.wait_for_selector("#chart-bytes polyline", timeout=WAIT_MS)
+    page.wait_for_selector("#chart-loss polyline", state="attached", timeout=WAIT_MS)
+    page.wait_for_selector("#chart-round-time polyline", state="attached", timeout=WAIT_MS)
+    page.wait_for_selector("#chart-bytes polyline", state="attached", timeout=WAIT_MS)
     assert page.text_content("#s-mode") == "sync"
     assert int(page.text_content("#s-round").split()[0]) >= 2
     assert "params" in page.text_content("#s-model")

@@ -57,6 +57,11 @@ def test_save_state_without_a_save_dir(make_server: ServerFactory) -> None:
     assert_error(control(server, "save_state", {}), 409, "no_save_dir")
 
 
+def test_save_state_with_nothing_to_save(tmp_path: Path) -> None:
+    with DiLoCoServer(ServerConfig(port=0, save_dir=str(tmp_path))) as server:
+        assert_error(control(server, "save_state", {}), 409, "nothing_to_save")
+
+
 def test_kick_worker(make_server: ServerFactory, caplog: pytest.LogCaptureFixture) -> None:
     server = make_server(num_workers=2, **EXACT)
     register(server, "a")
@@ -101,6 +106,7 @@ def test_kick_worker_refusals_change_nothing(
 
 def test_update_optimizer(make_server: ServerFactory) -> None:
     server = make_server()
+    register(server, "a")  # the run's outer optimizers exist once a worker has set it up
     reply = ok(control(server, "update_optimizer", {"lr": 0.25}))
     assert reply["outer_optimizer"]["lr"] == 0.25
     reply = ok(control(server, "update_optimizer", {"momentum": 0.5}))
@@ -162,7 +168,8 @@ def test_update_num_workers_refusals_change_nothing(
 
 @pytest.mark.parametrize("save", [True, False])
 def test_shutdown(make_server: ServerFactory, tmp_path: Path, save: bool) -> None:
-    server = make_server(save_dir=str(tmp_path))
+    server = make_server(save_dir=str(tmp_path), num_workers=2)
+    register(server, "a")
     reply = ok(control(server, "shutdown", {"save": save}))
     assert reply == {"status": "shutting_down", "save": save, "round": 0}
     assert server.wait_stopped(TIMEOUT)

@@ -51,6 +51,7 @@ def test_worker_adopts_the_dylu_recommendation() -> None:
         r = requests.post(
             f"{base}/register",
             json={"worker_id": "fast", "info": {"sync_every": 50}},
+            headers={"X-Diloco-Client": "test"},
             timeout=TIMEOUT,
         )
         assert r.status_code == 200
@@ -58,6 +59,7 @@ def test_worker_adopts_the_dylu_recommendation() -> None:
         r = requests.post(
             f"{base}/heartbeat",
             json={"worker_id": "fast", "steps_per_second": 1e9},
+            headers={"X-Diloco-Client": "test"},
             timeout=TIMEOUT,
         )
         assert r.status_code == 200

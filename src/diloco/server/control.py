@@ -38,11 +38,15 @@ def routes(coordinator: Coordinator, shutdown: Shutdown | None) -> list[web.Rout
             raise ApiError(
                 500, "save_failed", f"the checkpoint could not be written: {exc}"
             ) from exc
+        if path is None:
+            raise ApiError(
+                409,
+                "nothing_to_save",
+                "the server has no parameters yet (or no worker has set up the run): nothing to save",
+            )
         round_ = coord.status().get("round")
         log.info("control: state saved to %s (round %s)", path, round_)
-        return web.json_response(
-            {"status": "ok", "path": str(path) if path is not None else None, "round": round_}
-        )
+        return web.json_response({"status": "ok", "path": str(path), "round": round_})
 
     async def kick_worker(request: web.Request) -> web.Response:
         body = await read_json(request)

@@ -152,6 +152,12 @@ def render(status: dict[str, Any], counters: HttpCounters | None = None) -> str:
         status.get("registrations"),
     )
     out.one(
+        "diloco_kicks_total",
+        "counter",
+        "Workers evicted by an operator (/control/kick_worker).",
+        status.get("kicks"),
+    )
+    out.one(
         "diloco_rejected_submissions_total",
         "counter",
         "Submissions refused with 409.",

@@ -31,6 +31,7 @@
     lastBytes: null,
     lastSample: null, // [time, bytes in + out] for the byte rate
     rate: null,
+    xName: "round",
     t0: performance.now(),
   };
 
@@ -236,28 +237,39 @@
       push(hist.loss.get(id), [now, w.loss]);
     }
     const total = (st.bytes_in || 0) + (st.bytes_out || 0);
+    const received = st.bytes_in || 0;
     if (hist.lastSample) {
       const dt = now - hist.lastSample[0];
       if (dt > 0) hist.rate = Math.max(0, (total - hist.lastSample[1]) / dt);
     }
     hist.lastSample = [now, total];
     if (Array.isArray(st.update_log) && st.update_log.length) {
-      // The server's own log of updates: exact per-round figures.
-      hist.roundTime = st.update_log
+      // The server's own log of updates: exact per-update figures. Its bytes_in is the running
+      // total, so an update's bytes are the step from the entry before. With fragments the
+      // rounds of different fragments interleave: plot against time instead.
+      const log = st.update_log;
+      const multi = log.some((u) => typeof u.fragment === "number" && u.fragment > 0);
+      const x = (u) => (multi ? u.t : u.round);
+      hist.xName = multi ? "seconds since start" : "round";
+      hist.roundTime = log
         .filter((u) => typeof u.round_time_s === "number")
-        .map((u) => [u.round, u.round_time_s]);
-      hist.bytes = st.update_log
-        .filter((u) => typeof u.bytes_in === "number")
-        .map((u) => [u.round, u.bytes_in]);
+        .map((u) => [x(u), u.round_time_s]);
+      hist.bytes = [];
+      for (let i = 1; i < log.length; i += 1) {
+        if (typeof log[i].bytes_in === "number" && typeof log[i - 1].bytes_in === "number") {
+          hist.bytes.push([x(log[i]), log[i].bytes_in - log[i - 1].bytes_in]);
+        }
+      }
     } else if (typeof st.round === "number") {
-      // Otherwise observed here: the time of the last round, bytes moved since the last one.
+      // Otherwise observed here: the time of the last round, bytes received since the last one.
+      hist.xName = "round";
       if (hist.lastRound !== null && st.round > hist.lastRound) {
         if (typeof st.last_round_time_s === "number") push(hist.roundTime, [st.round, st.last_round_time_s]);
         if (hist.lastBytes !== null) {
-          push(hist.bytes, [st.round, (total - hist.lastBytes) / (st.round - hist.lastRound)]);
+          push(hist.bytes, [st.round, (received - hist.lastBytes) / (st.round - hist.lastRound)]);
         }
       }
-      if (hist.lastRound === null || st.round !== hist.lastRound) hist.lastBytes = total;
+      if (hist.lastRound === null || st.round !== hist.lastRound) hist.lastBytes = received;
       hist.lastRound = st.round;
     }
   }
@@ -275,7 +287,7 @@
     if (a >= 1e9) return (v / 1e9).toFixed(1) + "G";
     if (a >= 1e6) return (v / 1e6).toFixed(1) + "M";
     if (a >= 1e3) return (v / 1e3).toFixed(1) + "k";
-    if (a >= 10 || a === 0) return v.toFixed(0);
+    if (a >= 10 || Number.isInteger(v)) return v.toFixed(0);
     return v.toPrecision(3);
   }
 
@@ -328,8 +340,8 @@
     const loss = [...hist.loss.entries()].slice(0, PALETTE.length)
       .map(([name, points]) => ({ name, points }));
     lineChart($("chart-loss"), loss, "seconds on this page");
-    lineChart($("chart-round-time"), [{ name: "", points: hist.roundTime }], "round");
-    lineChart($("chart-bytes"), [{ name: "", points: hist.bytes }], "round");
+    lineChart($("chart-round-time"), [{ name: "", points: hist.roundTime }], hist.xName);
+    lineChart($("chart-bytes"), [{ name: "", points: hist.bytes }], hist.xName);
   }
 
   // --- polling ------------------------------------------------------------------------------
