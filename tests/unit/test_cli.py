@@ -72,6 +72,35 @@ def test_worker_passes_settings_as_environment(capfd: pytest.CaptureFixture[str]
     assert capfd.readouterr().out.strip() == "10.1.2.3:9000 9 0 abc"
 
 
+def test_worker_passes_streaming_and_dylu_settings(capfd: pytest.CaptureFixture[str]) -> None:
+    keys = ["NUM_FRAGMENTS", "FRAGMENT_PATTERN", "OVERLAP_STEPS", "MERGE_ALPHA", "DYLU"]
+    show = "import os; print(" + ", ".join(f"os.environ['DILOCO_{k}']" for k in keys) + ")"
+    code = main(
+        [
+            "worker",
+            "--sync-every",
+            "40",
+            "--num-fragments",
+            "4",
+            "--fragment-pattern",
+            "strided",
+            "--overlap-steps",
+            "1",
+            "--merge-alpha",
+            "0.25",
+            "--dylu",
+            "--",
+            sys.executable,
+            "-c",
+            show,
+        ]
+    )
+    assert code == 0
+    assert capfd.readouterr().out.split() == ["4", "strided", "1", "0.25", "1"]
+    # Settings are validated before the command runs: more fragments than steps per period.
+    assert main(["worker", "--sync-every", "2", "--num-fragments", "3", "--", "true"]) == 2
+
+
 def test_worker_propagates_exit_code_and_needs_a_command(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

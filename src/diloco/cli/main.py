@@ -317,6 +317,22 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--token", default=None)
     p.add_argument("--tls-ca", default=None, help="PEM file of the server certificate's CA")
+    p.add_argument(
+        "--dylu",
+        action="store_true",
+        default=None,
+        help="follow the server's recommended sync_every (DyLU)",
+    )
+    p.add_argument(
+        "--num-fragments", type=int, default=None, help="streaming DiLoCo: fragments (P)"
+    )
+    p.add_argument("--fragment-pattern", choices=("sequential", "strided"), default=None)
+    p.add_argument(
+        "--overlap-steps", type=int, default=None, help="streaming: overlap tau, inner steps"
+    )
+    p.add_argument(
+        "--merge-alpha", type=float, default=None, help="streaming: local share alpha in merges"
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_worker)
 
@@ -340,6 +356,11 @@ def _worker(args: argparse.Namespace) -> int:
             "heartbeat_interval": args.heartbeat_interval,
             "token": args.token,
             "tls_ca": args.tls_ca,
+            "dylu": args.dylu,
+            "num_fragments": args.num_fragments,
+            "fragment_pattern": args.fragment_pattern,
+            "overlap_steps": args.overlap_steps,
+            "merge_alpha": args.merge_alpha,
         }
     )
     env = {
