@@ -97,9 +97,14 @@ def reference_streaming(
 
 
 def run_through_server(
-    num_workers: int, num_fragments: int, pattern: str, alpha: float, tau: int = 0
+    num_workers: int,
+    num_fragments: int,
+    pattern: str,
+    alpha: float,
+    tau: int = 0,
+    mode: str = "sync",
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-    with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers)) as server:
+    with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers, mode=mode)) as server:
         errors: list[BaseException] = []
         metrics: list[dict[str, float]] = [{} for _ in range(num_workers)]
         models = [make_model() for _ in range(num_workers)]
@@ -160,6 +165,19 @@ def test_streaming_workers_match_single_process_streaming_diloco(
         assert m["failed_syncs"] == 0 and m["refused_submissions"] == 0
         # One fragment per sync: about 1/P of the model per upload.
         assert m["peak_sync_bytes_up"] < m["bytes_up"] / PERIODS
+
+
+@pytest.mark.parametrize(("pattern", "alpha", "tau"), [("sequential", 0.5, 0), ("strided", 0.0, 1)])
+def test_one_streaming_worker_on_an_async_server_matches_the_reference(
+    pattern: str, alpha: float, tau: int
+) -> None:
+    # With one worker, applying each fragment on arrival (async) is the same arithmetic as a
+    # fragment round of one (sync): the async path must land exactly where the reference does.
+    expected = reference_streaming(1, 3, pattern, alpha, tau)
+    got, (m,) = run_through_server(1, 3, pattern, alpha, tau, mode="async")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert m["rounds"] == 3 * PERIODS and m["failed_syncs"] == 0
 
 
 def test_reference_differs_from_plain_and_moves() -> None:
