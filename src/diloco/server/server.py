@@ -56,6 +56,9 @@ class DiLoCoServer:
             if initial_params is not None and checkpoint is None
             else None
         )
+        # The first torch optimizer built in a process imports torch._dynamo (about 0.8 s). Pay
+        # for it here, not on the event loop when the first worker registers or uploads.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         self.coordinator = Coordinator(self.config, store, outer_optimizer_factory)
         if checkpoint is not None:
             self.coordinator.restore(checkpoint)
