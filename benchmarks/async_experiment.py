@@ -14,13 +14,11 @@ mean staleness. Results are printed and written as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-from experiment_common import Trial, run_trial, summarise
+from experiment_common import Trial, run_trial, summarise, write_results
 
 RATIO = (0.58, 0.75, 1.51, 3.33)
 
@@ -89,10 +87,7 @@ def main() -> int:
             f"{statistics.mean(r['updates'] for r in group):8.1f} "
             f"{(statistics.mean(stale) if stale else 0):9.2f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, rows)
     return 0
 
 

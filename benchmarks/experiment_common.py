@@ -7,10 +7,12 @@ the GIL in its kernels, and one process keeps the budget counter and the results
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,6 +135,13 @@ def run_trial(trial: Trial) -> dict[str, Any]:
         "workers": results,
         "steps": sum(r["steps"] for r in results),
     }
+
+
+def write_results(path: str, args: Any, rows: list[dict[str, Any]]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
 
 
 def summarise(rows: list[dict[str, Any]], key: str) -> str:

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-from experiment_common import Trial, run_trial, summarise
+from experiment_common import Trial, run_trial, summarise, write_results
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
@@ -96,10 +94,7 @@ def main() -> int:
             f"{statistics.mean(r['bytes_up'] for r in group) / 1e6:7.2f} "
             f"{summarise(group, 'wall_s'):>16}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"\nwrote {out}")
+    write_results(args.out, args, rows)
     return 0
 
 

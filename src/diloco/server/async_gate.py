@@ -9,10 +9,9 @@ its submission is how many updates other workers applied since.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
-from diloco.server.barrier import Verdict
+from diloco.server.barrier import Admission, Verdict
 
 
 @dataclass(frozen=True)
@@ -23,16 +22,13 @@ class AsyncCheck:
     counted_in: int | None = None  # for DUPLICATE: the version the submission was applied to
 
 
-class AsyncGate:
-    HISTORY = 8192  # submission ids remembered for idempotent retries
-
+class AsyncGate(Admission):
     def __init__(self, version: int = 0, max_staleness: int | None = None) -> None:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        super().__init__()  # history: submission id -> the version it was applied to
         self.version = version
         self.max_staleness = max_staleness
-        self.uploading: dict[str, str] = {}  # worker id -> submission id being received
-        self.history: OrderedDict[str, int] = OrderedDict()  # submission id -> version applied to
 
     def check(self, worker_id: str, base_version: int, submission_id: str) -> AsyncCheck:
         """Decide before any payload byte is read. Staleness is re-measured at application."""
@@ -49,14 +45,6 @@ class AsyncGate:
             return AsyncCheck(Verdict.TOO_STALE, self.version, staleness=stale)
         return AsyncCheck(Verdict.ACCEPT, self.version, staleness=stale)
 
-    def begin_upload(self, worker_id: str, submission_id: str) -> None:
-        assert worker_id not in self.uploading, "check() must have accepted this upload"
-        self.uploading[worker_id] = submission_id
-
-    def abort_upload(self, worker_id: str, submission_id: str) -> None:
-        if self.uploading.get(worker_id) == submission_id:
-            del self.uploading[worker_id]
-
     def on_leave(self, worker_id: str) -> None:
         self.uploading.pop(worker_id, None)
 
@@ -72,13 +60,8 @@ class AsyncGate:
     def record(self, worker_id: str, submission_id: str) -> int:
         """The submission is being applied as the next update; returns the version it applies to
         (the update makes ``version + 1``)."""
-        assert self.uploading.get(worker_id) == submission_id, "record() without begin_upload()"
-        del self.uploading[worker_id]
-        applied_to = self.version
-        self.history[submission_id] = applied_to
-        while len(self.history) > self.HISTORY:
-            self.history.popitem(last=False)
-        return applied_to
+        self._count(worker_id, submission_id, self.version)
+        return self.version
 
     def advance(self) -> None:
         """The update is applied and published."""

@@ -39,10 +39,35 @@ class Check:
     counted_in: int | None = None  # for DUPLICATE: the round the submission went into
 
 
-class SyncBarrier:
-    """State of the current synchronous round."""
+class Admission:
+    """What the sync barrier and the async gate share: the upload each worker has in flight,
+    and receipts of counted submission ids (bounded) for idempotent retries."""
 
     HISTORY = 8192  # submission ids remembered for idempotent retries
+
+    def __init__(self) -> None:
+        self.uploading: dict[str, str] = {}  # worker id -> submission id being received
+        self.history: OrderedDict[str, int] = OrderedDict()  # submission id -> where it counted
+
+    def begin_upload(self, worker_id: str, submission_id: str) -> None:
+        assert worker_id not in self.uploading, "check() must have accepted this upload"
+        self.uploading[worker_id] = submission_id
+
+    def abort_upload(self, worker_id: str, submission_id: str) -> None:
+        if self.uploading.get(worker_id) == submission_id:
+            del self.uploading[worker_id]
+
+    def _count(self, worker_id: str, submission_id: str, counted_in: int) -> None:
+        """The upload in flight is counted in ``counted_in``: end it and keep its receipt."""
+        assert self.uploading.get(worker_id) == submission_id, "counted without begin_upload()"
+        del self.uploading[worker_id]
+        self.history[submission_id] = counted_in
+        while len(self.history) > self.HISTORY:
+            self.history.popitem(last=False)
+
+
+class SyncBarrier(Admission):
+    """State of the current synchronous round."""
 
     def __init__(self, num_workers: int, min_workers: int = 1, round: int = 0) -> None:
         if num_workers < 1:
@@ -51,15 +76,14 @@ class SyncBarrier:
             raise ValueError(
                 f"min_workers must be in [1, num_workers={num_workers}], got {min_workers}"
             )
+        super().__init__()
         self.num_workers = num_workers
         self.min_workers = min_workers
         self.round = round
         self.opened = False
         self.expected: set[str] = set()
         self.submitted: dict[str, str] = {}  # worker id -> submission id, this round
-        self.uploading: dict[str, str] = {}  # worker id -> submission id being received
         self.closing = False
-        self.history: OrderedDict[str, int] = OrderedDict()  # submission id -> round counted in
 
     # --- membership -------------------------------------------------------------------------
 
@@ -115,22 +139,10 @@ class SyncBarrier:
             return Check(Verdict.NOT_EXPECTED, self.round)
         return Check(Verdict.ACCEPT, self.round)
 
-    def begin_upload(self, worker_id: str, submission_id: str) -> None:
-        assert worker_id not in self.uploading, "check() must have accepted this upload"
-        self.uploading[worker_id] = submission_id
-
-    def abort_upload(self, worker_id: str, submission_id: str) -> None:
-        if self.uploading.get(worker_id) == submission_id:
-            del self.uploading[worker_id]
-
     def record(self, worker_id: str, submission_id: str) -> None:
         """Count a fully received, validated submission. Caller re-checked it just before."""
-        assert self.uploading.get(worker_id) == submission_id, "record() without begin_upload()"
-        del self.uploading[worker_id]
+        self._count(worker_id, submission_id, self.round)
         self.submitted[worker_id] = submission_id
-        self.history[submission_id] = self.round
-        while len(self.history) > self.HISTORY:
-            self.history.popitem(last=False)
 
     # --- closing ----------------------------------------------------------------------------
 

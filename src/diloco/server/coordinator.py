@@ -112,7 +112,6 @@ class Coordinator:
         self.bytes_out = 0
         self.rejected = 0
         self.kicks = 0
-        self.round_times: list[float] = []
         #: Recent outer updates (sync: rounds; async: applied submissions), newest last.
         self.update_log: deque[dict[str, Any]] = deque(maxlen=UPDATE_LOG)
         self.staleness_log: deque[int] = deque(maxlen=UPDATE_LOG)
@@ -677,23 +676,14 @@ class Coordinator:
     ) -> dict[str, Any]:
         """Apply one submission as the next update of ``unit``. The reply names the version it
         made; the worker downloads it (or a newer one) next."""
-        gate, store = unit.gate, self.require_store()
+        gate = unit.gate
         assert gate is not None
         async with self._tensor_lock:
             t0 = self.clock()
             if gate.too_stale(base):
                 # Other updates were applied while this body was on the wire.
                 self.rejected += 1
-                stale = gate.staleness_now(base)
-                raise conflict(
-                    Verdict.TOO_STALE.value,
-                    f"{stale} updates were applied since version {base}, more than "
-                    f"max_staleness={gate.max_staleness}; rebase onto the current parameters",
-                    action="rebase",
-                    round=gate.version,
-                    **self._which(unit),
-                    staleness=stale,
-                )
+                raise self._too_stale(unit, base, gate.staleness_now(base))
             stale = gate.staleness_now(base)
             applied_to = gate.record(record.worker_id, submission_id)
             weight = (
@@ -701,23 +691,13 @@ class Coordinator:
                 if self.config.staleness_weighting == "inverse_sqrt"
                 else 1.0
             )
-            new_round = store.round + 1
-            rounds = [u.published_round for u in self.units]
-            rounds[unit.index] = applied_to + 1
-            durable = self._durable(new_round)
 
-            def step() -> None:
+            def outer_step() -> None:
                 unit.sum.add(tensors, weight)
                 apply_outer_step(unit.optimizer, unit.params, unit.sum.sums)
                 unit.sum.reset()
-                if durable:
-                    self._checkpoint_quietly(new_round, rounds)
 
-            def publish() -> None:
-                gate.advance()
-                unit.published_round = gate.version
-
-            await store.update(step, new_round=new_round, on_publish=publish)
+            await self._publish_update(unit, applied_to + 1, outer_step, before=gate.advance)
             outer_s = self.clock() - t0
         record.staleness = stale
         self.staleness_log.append(stale)
@@ -732,6 +712,46 @@ class Coordinator:
             "staleness": stale,
             "weight": weight,
         }
+
+    async def _publish_update(
+        self,
+        unit: Unit,
+        unit_round: int,
+        outer_step: Callable[[], None],
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``outer_step`` on ``unit`` off the event loop (caller holds the tensor lock),
+        write a periodic checkpoint if one is due, then publish: the unit's round becomes
+        ``unit_round`` and the store's update count moves by one. ``before`` runs on the loop
+        just before the unit's round moves (the async gate advances its version there)."""
+        store = self.require_store()
+        new_round = store.round + 1
+        rounds = [u.published_round for u in self.units]
+        rounds[unit.index] = unit_round
+        durable = self._durable(new_round)
+
+        def step() -> None:
+            outer_step()
+            if durable:
+                self._checkpoint_quietly(new_round, rounds)
+
+        def publish() -> None:
+            if before is not None:
+                before()
+            unit.published_round = unit_round
+
+        await store.update(step, new_round=new_round, on_publish=publish)
+
+    def _too_stale(self, unit: Unit, base: int, stale: int) -> ApiError:
+        return conflict(
+            Verdict.TOO_STALE.value,
+            f"{stale} updates were applied since version {base}, more than "
+            f"max_staleness={self.config.max_staleness}; rebase onto the current parameters",
+            action="rebase",
+            round=unit.round,
+            staleness=stale,
+            **self._which(unit),
+        )
 
     def _durable(self, store_round: int) -> bool:
         every = self.config.save_every
@@ -775,7 +795,8 @@ class Coordinator:
                 reply["version"] = check.counted_in + 1
             return reply
         self.rejected += 1
-        stale = getattr(check, "staleness", 0)
+        if isinstance(check, AsyncCheck) and v is Verdict.TOO_STALE:
+            raise self._too_stale(unit, base_round, check.staleness)
         details = {
             Verdict.STALE: f"computed against round {base_round}, the server is at round {current}; rebase onto the current parameters",
             Verdict.FUTURE: f"names round {base_round}, the server is at round {current}; rebase onto the current parameters",
@@ -783,7 +804,6 @@ class Coordinator:
             Verdict.ALREADY_SUBMITTED: f"this worker already contributed to round {current}; wait for its result",
             Verdict.IN_PROGRESS: "an upload from this worker is still being received; retry shortly",
             Verdict.CLOSING: f"round {current} is closing; rebase onto its result",
-            Verdict.TOO_STALE: f"{stale} updates were applied since version {base_round}, more than max_staleness={self.config.max_staleness}; rebase onto the current parameters",
         }
         action = {
             Verdict.STALE: "rebase",
@@ -792,12 +812,8 @@ class Coordinator:
             Verdict.ALREADY_SUBMITTED: "wait",
             Verdict.IN_PROGRESS: "retry",
             Verdict.CLOSING: "rebase",
-            Verdict.TOO_STALE: "rebase",
         }[v]
-        extra: dict[str, Any] = {"staleness": stale} if v is Verdict.TOO_STALE else {}
-        raise conflict(
-            v.value, details[v], round=current, action=action, **self._which(unit), **extra
-        )
+        raise conflict(v.value, details[v], round=current, action=action, **self._which(unit))
 
     # --- sync rounds ----------------------------------------------------------------------------
 
@@ -824,26 +840,17 @@ class Coordinator:
             raise
 
     async def _apply_round(self, unit: Unit, round_: int) -> None:
-        store, wsum, barrier = self.require_store(), unit.sum, unit.barrier
+        wsum, barrier = unit.sum, unit.barrier
         assert barrier is not None
         async with self._tensor_lock:
             t0 = self.clock()
             count, total = wsum.count, wsum.total_weight
-            new_round = store.round + 1
-            rounds = [u.published_round for u in self.units]
-            rounds[unit.index] = round_ + 1
-            durable = self._durable(new_round)
 
-            def step() -> None:
+            def outer_step() -> None:
                 apply_outer_step(unit.optimizer, unit.params, wsum.mean_())
                 wsum.reset()
-                if durable:
-                    self._checkpoint_quietly(new_round, rounds)
 
-            def publish() -> None:
-                unit.published_round = round_ + 1
-
-            await store.update(step, new_round=new_round, on_publish=publish)
+            await self._publish_update(unit, round_ + 1, outer_step)
             outer_s = self.clock() - t0
         self.last_round_contributions = count
         barrier.advance(self.registry.ids())
@@ -870,7 +877,6 @@ class Coordinator:
         now = self.clock()
         previous = self.update_log[-1]["t"] if self.update_log else None
         since = now - (previous if previous is not None else self.started_at)
-        self.round_times.append(since)
         entry = {
             "round": round_,
             "fragment": unit.index,
@@ -1032,7 +1038,7 @@ class Coordinator:
             "rejected_submissions": self.rejected,
             "kicks": self.kicks,
             "last_round_contributions": self.last_round_contributions,
-            "last_round_time_s": round(self.round_times[-1], 4) if self.round_times else None,
+            "last_round_time_s": self.update_log[-1]["round_time_s"] if self.update_log else None,
             "update_log": [
                 {**e, "t": round(e["t"] - self.started_at, 4)}
                 for e in list(self.update_log)[-STATUS_LOG:]
