@@ -9,7 +9,10 @@ For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` laye
   parameters in place (standing in for local training), meet at a ``multiprocessing.Barrier``
   and time ``force_sync()``. A round's wall time runs from the earliest start after the barrier
   to the moment the last worker has adopted the new parameters (``time.monotonic``, which on
-  Linux is one system-wide clock, so stamps from different processes compare);
+  Linux is one system-wide clock, so stamps from different processes compare). A worker that
+  is done waits for the others before its checksum and next perturbation, as the raw-socket
+  clients below wait: on a shared 2-core machine that work would otherwise slow the
+  downloads still running;
 * the loopback limit: N plain-socket client processes each send the upload size U to one server
   process, which receives every upload into a preallocated buffer and then sends the download
   size D back to each client. Same bytes, same pattern, no HTTP, no Python-level copies.
@@ -164,11 +167,14 @@ def _worker_main(
     bf16: bool,
     total_rounds: int,
     barrier: Any,
+    finished: Any,
     out: Any,
     barrier_timeout: float,
 ) -> None:
     try:
-        _worker_body(idx, address, shape, bf16, total_rounds, barrier, out, barrier_timeout)
+        _worker_body(
+            idx, address, shape, bf16, total_rounds, barrier, finished, out, barrier_timeout
+        )
     except BaseException as exc:
         out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
         raise
@@ -181,6 +187,7 @@ def _worker_body(
     bf16: bool,
     total_rounds: int,
     barrier: Any,
+    finished: Any,
     out: Any,
     barrier_timeout: float,
 ) -> None:
@@ -237,6 +244,7 @@ def _worker_body(
             t0 = time.monotonic()
             worker.force_sync()
             t1 = time.monotonic()
+            finished.wait(barrier_timeout)
             after = worker.sync_metrics
             with torch.no_grad():
                 # fp32 sums (a float64 sum would allocate a float64 copy of each tensor): the
@@ -525,6 +533,10 @@ def run_diloco(
             hello = parent_conn.recv()
             poller.watch(hello["pid"])
             barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
+            # Workers only: a worker that has adopted the new parameters waits here for the
+            # others before its checksum and the next round's perturbation, so that benchmark
+            # bookkeeping never competes for the cores with a download still in progress.
+            finished = ctx.Barrier(n)
             out = ctx.Queue()
             inbox = Inbox(out)
             workers = [
@@ -537,6 +549,7 @@ def run_diloco(
                         not args.no_bf16,
                         total_rounds,
                         barrier,
+                        finished,
                         out,
                         setup_timeout + args.round_timeout,  # the first wait spans setup
                     ),

@@ -56,7 +56,27 @@ def test_weighted_sum_mean() -> None:
     assert mean.tolist() == [3.25, 0.75]
     assert acc.count == 2
     acc.reset()
-    assert acc.count == 0 and acc.total_weight == 0.0 and acc.sums[0].tolist() == [0.0, 0.0]
+    assert acc.count == 0 and acc.total_weight == 0.0
+    # The next round starts from nothing: the stale sums are overwritten, not added to.
+    acc.add([torch.tensor([2.0, 1.0], dtype=torch.bfloat16)], weight=0.5)
+    acc.add([torch.tensor([1.0, 1.0])], weight=1.0)
+    assert acc.sums[0].tolist() == [2.0, 1.5] and acc.total_weight == 1.5
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_contribution_after_reset_is_bitwise_an_add_to_zeros(
+    weight: float, dtype: torch.dtype
+) -> None:
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fresh = WeightedSum([(1000,)])
+    fresh.add([g], weight)
+    reused = WeightedSum([(1000,)])
+    reused.add([torch.full((1000,), 7.0, dtype=dtype)], 2.0)
+    reused.reset()
+    reused.add([g], weight)
+    want = torch.zeros(1000).add_(g.float(), alpha=weight)
+    assert torch.equal(fresh.sums[0], want) and torch.equal(reused.sums[0], want)
 
 
 def test_weighted_sum_rejects_bad_input() -> None:
@@ -125,6 +145,53 @@ def test_outer_sgd_matches_torch_sgd(nesterov: bool) -> None:
         apply_outer_step(ref, [b], [g.clone()])
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(ours.state[a]["momentum_buffer"], ref.state[b]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_sgd_divisor_equals_stepping_on_the_mean(
+    monkeypatch: pytest.MonkeyPatch, nesterov: bool, momentum: float
+) -> None:
+    """The fused, piecewise update (pieces of 7 elements here, so tensors end in a ragged piece)
+    with ``divisor`` gives the bits that dividing the sum first and stepping whole tensors give."""
+    import diloco.core.outer as outer_mod
+
+    monkeypatch.setattr(outer_mod, "PIECE", 7)
+    nesterov = nesterov and momentum > 0  # torch refuses Nesterov without momentum
+    gen = torch.Generator().manual_seed(4)
+    start = [torch.randn(5, 4, generator=gen), torch.randn(3, generator=gen)]
+    ours = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in start]
+    ref = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in start]
+    opt = outer_mod.OuterSGD(ours, lr=0.7, momentum=momentum, nesterov=nesterov)
+    ref_opt = torch.optim.SGD(ref, lr=0.7, momentum=momentum, nesterov=nesterov)
+    for step in range(3):
+        sums = [torch.randn(t.shape, generator=gen) for t in start]
+        total = 3.0 + step  # not a power of two: division and multiplication round differently
+        apply_outer_step(opt, ours, [s.clone() for s in sums], divisor=total)
+        apply_outer_step(ref_opt, ref, [s / total for s in sums])
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    if momentum:
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(
+                opt.state[a]["momentum_buffer"], ref_opt.state[b]["momentum_buffer"]
+            )
+
+
+def test_outer_sgd_steps_non_contiguous_gradients_whole() -> None:
+    p = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+    q = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+    g = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # a transposed view
+    apply_outer_step(default_outer_optimizer([p]), [p], [g], divisor=2.0)
+    apply_outer_step(torch.optim.SGD([q], lr=0.7, momentum=0.9, nesterov=True), [q], [g / 2])
+    torch.testing.assert_close(p, q)
+
+
+def test_outer_step_refuses_a_non_positive_divisor() -> None:
+    p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    with pytest.raises(ValueError):
+        apply_outer_step(default_outer_optimizer([p]), [p], [torch.ones(1)], divisor=0.0)
+    assert p.grad is None and p.item() == 0.0
 
 
 def test_weighted_sum_converts_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,6 +40,7 @@ from diloco.wire import (
     iter_body,
     read_layout,
     read_payload,
+    readinto_payload,
     spec_of,
     tensor_views,
 )
@@ -123,6 +124,23 @@ class PiecewiseStream:
         return parts
 
 
+def read_into_blocking(body: bytes, seed: int) -> tuple[Layout, bytes]:
+    """The worker's download path: the payload written straight into its destination by a
+    ``readinto`` that fills only part of what it is offered each time."""
+    rng = random.Random(seed)
+    read = piecewise(body, rng)
+
+    def readinto(dest: memoryview) -> int:
+        part = read(len(dest)) if len(dest) else b""
+        dest[: len(part)] = part
+        return len(part)
+
+    layout = read_layout(read)
+    payload = torch.empty(layout.payload_size, dtype=torch.uint8)
+    readinto_payload(readinto, read, byte_view(payload))
+    return layout, raw_bytes(payload)
+
+
 def read_blocking(body: bytes, seed: int, chunk: int = 1 << 20) -> tuple[Layout, bytes]:
     read = piecewise(body, random.Random(seed))
     layout = read_layout(read)
@@ -144,11 +162,12 @@ def read_async(body: bytes, seed: int, chunk: int = 1 << 20) -> tuple[Layout, by
 
 
 def all_readers(seed: int, chunk: int) -> list[Callable[[bytes], object]]:
-    """decode, and the blocking and asyncio streaming readers fed in random-sized pieces."""
+    """decode, and the blocking, readinto and asyncio streaming readers fed in random-sized pieces."""
     return [
         decode,
         lambda b: read_blocking(b, seed, chunk),
         lambda b: read_async(b, seed, chunk),
+        lambda b: read_into_blocking(b, seed),
     ]
 
 
@@ -273,15 +292,16 @@ def test_iter_body_streams_exactly_what_encode_returns(
     seed=st.integers(0, 2**32 - 1),
     chunk=st.integers(1, 64),
 )
-def test_blocking_and_asyncio_readers_agree(
+def test_blocking_readinto_and_asyncio_readers_agree(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], seed: int, chunk: int
 ) -> None:
     body = encode(tensors, metadata)
     want_layout, want = decode(body)
     sync_layout, sync_payload = read_blocking(body, seed, chunk)
     async_layout, async_payload = read_async(body, seed + 1, chunk)
-    assert sync_layout == async_layout == want_layout
-    assert sync_payload == async_payload == body[len(want_layout.header) :]
+    into_layout, into_payload = read_into_blocking(body, seed + 2)
+    assert sync_layout == async_layout == into_layout == want_layout
+    assert sync_payload == async_payload == into_payload == body[len(want_layout.header) :]
     payload = torch.tensor(list(async_payload), dtype=torch.uint8)
     assert_same_tensors(tensor_views(async_layout, payload), tensors)
 

@@ -10,7 +10,11 @@ CHUNK = 1 << 20  # elements converted at a time when a contribution is not fp32
 
 
 class WeightedSum:
-    """fp32 running sum ``sum_i w_i * g_i`` and ``sum_i w_i`` over one round's contributions."""
+    """fp32 running sum ``sum_i w_i * g_i`` and ``sum_i w_i`` over one round's contributions.
+
+    ``reset`` only forgets the count: the first contribution of the next round overwrites the
+    sums (``w * g``, bit for bit what adding it to zeros gives), which saves zeroing the whole
+    model between rounds. So ``sums`` are meaningful only while ``count > 0``."""
 
     def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> None:
         self.sums = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
@@ -24,9 +28,10 @@ class WeightedSum:
             raise ValueError(f"contribution weight must be positive, got {weight}")
         if len(tensors) != len(self.sums):
             raise ValueError(f"expected {len(self.sums)} tensors, got {len(tensors)}")
+        first = self.count == 0
         for acc, t in zip(self.sums, tensors, strict=True):
             if t.dtype == acc.dtype:
-                acc.add_(t, alpha=weight)
+                _accumulate(acc, t, weight, first)
                 continue
             # A mixed-dtype add_ would first make an fp32 copy of the whole tensor (one large
             # embedding: its full fp32 size); going through a small scratch keeps memory flat.
@@ -35,7 +40,7 @@ class WeightedSum:
                 piece = flat_t[start : start + CHUNK]
                 scratch = self._scratch[: piece.numel()]
                 scratch.copy_(piece)
-                flat_acc[start : start + piece.numel()].add_(scratch, alpha=weight)
+                _accumulate(flat_acc[start : start + piece.numel()], scratch, weight, first)
         self.total_weight += weight
         self.count += 1
 
@@ -48,9 +53,15 @@ class WeightedSum:
             acc.div_(self.total_weight)
         return self.sums
 
-    @torch.no_grad()
     def reset(self) -> None:
-        for acc in self.sums:
-            acc.zero_()
         self.total_weight = 0.0
         self.count = 0
+
+
+def _accumulate(acc: torch.Tensor, t: torch.Tensor, weight: float, first: bool) -> None:
+    if not first:
+        acc.add_(t, alpha=weight)
+    elif weight == 1:
+        acc.copy_(t)
+    else:
+        torch.mul(t, weight, out=acc)

@@ -847,7 +847,8 @@ class Coordinator:
             count, total = wsum.count, wsum.total_weight
 
             def outer_step() -> None:
-                apply_outer_step(unit.optimizer, unit.params, wsum.mean_())
+                # The weighted mean is the sum over the total weight: the step divides as it goes.
+                apply_outer_step(unit.optimizer, unit.params, wsum.sums, divisor=total)
                 wsum.reset()
 
             await self._publish_update(unit, round_ + 1, outer_step)

@@ -6,6 +6,7 @@ from diloco.wire.decode import (
     decode,
     read_layout,
     read_payload,
+    readinto_payload,
     tensor_views,
 )
 from diloco.wire.encode import byte_view, encode, iter_body
@@ -38,6 +39,7 @@ __all__ = [
     "parse_header",
     "read_layout",
     "read_payload",
+    "readinto_payload",
     "spec_of",
     "tensor_views",
 ]

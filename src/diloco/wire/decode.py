@@ -71,6 +71,21 @@ def read_payload(
         raise WireError("trailing_bytes", "body continues past the last tensor")
 
 
+def readinto_payload(
+    readinto: Callable[[memoryview], int], read: Callable[[int], bytes], dest: memoryview
+) -> None:
+    """As ``read_payload``, with the stream writing straight into ``dest`` (no bytes objects
+    in between); ``read`` serves the final check that the body ends there."""
+    pos, size = 0, len(dest)
+    while pos < size:
+        got = readinto(dest[pos:])
+        if not got:
+            raise WireError("truncated", f"body ended {size - pos} bytes early")
+        pos += got
+    if read(1):
+        raise WireError("trailing_bytes", "body continues past the last tensor")
+
+
 # --- asyncio readers (server side) ------------------------------------------------------------
 
 

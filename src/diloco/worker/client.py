@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,12 @@ from diloco.wire import (
     build_layout,
     iter_body,
     read_layout,
-    read_payload,
+    readinto_payload,
     spec_of,
 )
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
+from diloco.worker.bulk import DownloadConnections
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,26 @@ class Unreachable(Exception):
     """The server could not be reached after every retry."""
 
 
+#: The most bytes of a JSON reply read on the download connection (errors, "pending").
+MAX_JSON_REPLY = 1 << 20
+
+
+class _SizedBody:
+    """A body produced piece by piece whose length is known: requests then sends it with a
+    Content-Length, straight from each piece's memory. (A bare generator would go out with
+    chunked transfer encoding, which urllib3 frames by copying every chunk.)"""
+
+    def __init__(self, size: int, make: Callable[[], Iterable[memoryview | bytes]]) -> None:
+        self._size = size
+        self._make = make
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        return iter(self._make())
+
+
 @dataclass(frozen=True)
 class Download:
     round: int
@@ -76,17 +98,29 @@ def _error_for(status: int, body: Mapping[str, Any]) -> ServerError:
     return ServerError(status, body)
 
 
+def _reply_or_raise(status: int, raw: bytes) -> dict[str, Any]:
+    """A JSON object reply, or the error it carries raised."""
+    try:
+        body = json.loads(raw)
+    except ValueError:  # also UnicodeDecodeError
+        body = {"error": "bad_reply", "detail": raw[:200].decode("utf-8", "replace")}
+    if not isinstance(body, dict):
+        body = {"error": "bad_reply", "detail": str(body)[:200]}
+    if status >= 400:
+        raise _error_for(status, body)
+    return body
+
+
 # Statuses worth retrying: the server is up but cannot answer usefully yet.
 RETRY_STATUSES = frozenset({502, 503, 504})
-# Raised by requests, or by urllib3 and the socket itself while a streamed body is read.
+# Raised by requests, by urllib3 and http.client while a body is read, and by the socket itself
+# (OSError covers a refused or reset connection, a timeout, a failed TLS handshake; requests'
+# own errors derive from it too).
 NETWORK_ERRORS = (
-    requests.ConnectionError,
-    requests.Timeout,
     requests.exceptions.ChunkedEncodingError,
     urllib3.exceptions.HTTPError,
     http.client.HTTPException,
-    ConnectionError,
-    TimeoutError,
+    OSError,
 )
 
 
@@ -130,6 +164,16 @@ class DiLoCoClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self._rng = random.Random()
+        headers = {CLIENT_HEADER: "worker"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._downloads = DownloadConnections(
+            self.base_url,
+            headers=headers,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            verify=self._verify,
+        )
 
     @property
     def _session(self) -> requests.Session:
@@ -148,6 +192,7 @@ class DiLoCoClient:
     def close(self) -> None:
         for session in self._sessions:
             session.close()
+        self._downloads.close()
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -184,15 +229,7 @@ class DiLoCoClient:
 
     @staticmethod
     def _json_or_raise(resp: requests.Response) -> dict[str, Any]:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {"error": "bad_reply", "detail": resp.text[:200]}
-        if not isinstance(body, dict):
-            body = {"error": "bad_reply", "detail": str(body)[:200]}
-        if resp.status_code >= 400:
-            raise _error_for(resp.status_code, body)
-        return body
+        return _reply_or_raise(resp.status_code, resp.content)
 
     def _json(
         self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any
@@ -260,8 +297,7 @@ class DiLoCoClient:
         **params: Any,
     ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
-            # A generator body goes out with chunked transfer encoding and no Content-Length.
-            body: Any = iter_body(layout, produce)  # requests' stubs do not list memoryview chunks
+            body: Any = _SizedBody(layout.total_size, lambda: iter_body(layout, produce))
             resp = self._session.post(
                 self.base_url + path,
                 data=body,
@@ -329,20 +365,23 @@ class DiLoCoClient:
             params["fragment"] = fragment
 
         def call() -> Download | None:
-            resp = self._session.get(
-                self.base_url + "/global_params", params=params, timeout=self.timeout, stream=True
-            )
+            resp = self._downloads.get("/global_params", params)
+            complete = False
             try:
-                if resp.status_code != 200 or "json" in resp.headers.get("Content-Type", ""):
-                    body = self._json_or_raise(resp)
-                    if resp.status_code == 202:
+                ctype = resp.getheader("Content-Type") or ""
+                if resp.status != 200 or "json" in ctype:
+                    raw = resp.read(MAX_JSON_REPLY)
+                    complete = resp.isclosed()
+                    body = _reply_or_raise(resp.status, raw)
+                    if resp.status == 202:
                         return None
-                    raise ServerError(resp.status_code, body)
-                read = resp.raw.read
-                layout = read_layout(read)
-                read_payload(read, into(layout))
+                    raise ServerError(resp.status, body)
+                layout = read_layout(resp.read)
+                readinto_payload(resp.readinto, resp.read, into(layout))
+                complete = True
             finally:
-                resp.close()
+                if not complete:  # a body left half read makes the connection unusable
+                    self._downloads.discard()
             meta = layout.metadata
             self.bytes_down += layout.total_size
             return Download(

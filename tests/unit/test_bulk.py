@@ -1,0 +1,182 @@
+"""The worker's download connections (http.client, readinto): keep-alive reuse, recovery from a
+connection the server closed while idle, and replies that are not a parameter body.
+
+A small HTTP/1.1 server in a thread plays the diloco server; it records the client port of every
+request, so a test sees whether a connection was reused."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from diloco.wire import Layout, WireError, byte_view, encode, tensor_views
+from diloco.worker.bulk import DownloadConnections
+from diloco.worker.client import DiLoCoClient, Download, ServerError, UnknownWorker
+
+
+@dataclass
+class Script:
+    """What the stub answers, one entry per request (the last one repeats)."""
+
+    replies: list[tuple[int, str, bytes]]
+    close_after: set[int] = field(default_factory=set)  # close silently after these requests
+    ports: list[int] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+
+def _handler(script: Script) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive unless a side closes
+        disable_nagle_algorithm = True  # headers and body are two writes, as in aiohttp
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            index = len(script.ports)
+            script.ports.append(self.client_address[1])
+            script.paths.append(self.path)
+            script.headers.append(dict(self.headers))
+            status, ctype, body = script.replies[min(index, len(script.replies) - 1)]
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            if index in script.close_after:
+                self.close_connection = True  # no "Connection: close": an idle timeout
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[Script, str]]:
+    script = Script(replies=[])
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(script))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield script, f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+TENSORS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+BODY = encode(TENSORS, {"round": "4", "instance": "abc"})
+OCTETS = "application/octet-stream"
+
+
+def _download(client: DiLoCoClient) -> tuple[Download, dict[str, torch.Tensor]] | None:
+    holder: dict[str, torch.Tensor] = {}
+
+    def into(layout: Layout) -> memoryview:
+        holder["payload"] = torch.empty(layout.payload_size, dtype=torch.uint8)
+        return byte_view(holder["payload"])
+
+    got = client.download(into, min_round=3, worker_id="w1")
+    if got is None:
+        return None
+    return got, tensor_views(got.layout, holder["payload"])
+
+
+def _client(address: str, retries: int = 1) -> DiLoCoClient:
+    return DiLoCoClient(address, retries=retries, backoff=0.01, token="secret")
+
+
+def test_downloads_land_in_place_and_reuse_one_connection(stub: tuple[Script, str]) -> None:
+    script, address = stub
+    script.replies = [(200, OCTETS, BODY)]
+    client = _client(address)
+    for _ in range(3):
+        result = _download(client)
+        assert result is not None
+        got, tensors = result
+        assert got.round == 4 and got.instance == "abc"
+        for name, want in TENSORS.items():
+            torch.testing.assert_close(tensors[name], want, rtol=0, atol=0)
+    assert len(set(script.ports)) == 1, "each download opened its own connection"
+    assert script.paths[0].startswith("/global_params?")
+    assert "min_round=3" in script.paths[0] and "worker_id=w1" in script.paths[0]
+    sent = {k.lower(): v for k, v in script.headers[0].items()}
+    assert sent["authorization"] == "Bearer secret" and sent["x-diloco-client"] == "worker"
+    assert client.bytes_down == 3 * len(BODY) and client.retry_count == 0
+    client.close()
+
+
+def test_a_connection_closed_while_idle_is_replaced_without_a_retry(
+    stub: tuple[Script, str],
+) -> None:
+    script, address = stub
+    script.replies = [(200, OCTETS, BODY)]
+    script.close_after = {0}
+    client = _client(address)
+    assert _download(client) is not None
+    assert _download(client) is not None
+    assert len(set(script.ports)) == 2  # a fresh connection for the second download
+    assert client.retry_count == 0
+    client.close()
+
+
+def test_pending_and_error_replies(stub: tuple[Script, str]) -> None:
+    script, address = stub
+    pending = json.dumps({"status": "pending", "round": 2}).encode()
+    gone = json.dumps({"error": "unknown_worker", "detail": "register again"}).encode()
+    script.replies = [
+        (202, "application/json", pending),
+        (410, "application/json", gone),
+        (500, "text/plain", b"not json at all"),
+        (200, OCTETS, BODY),
+    ]
+    client = _client(address, retries=0)
+    assert _download(client) is None  # the long poll ended first
+    with pytest.raises(UnknownWorker):
+        _download(client)
+    with pytest.raises(ServerError) as exc:
+        _download(client)
+    assert exc.value.status == 500 and exc.value.code == "bad_reply"
+    assert _download(client) is not None
+    assert len(set(script.ports)) == 1  # small replies read to the end keep the connection
+    client.close()
+
+
+def test_trailing_bytes_are_refused_and_the_connection_dropped(stub: tuple[Script, str]) -> None:
+    script, address = stub
+    script.replies = [(200, OCTETS, BODY + b"extra"), (200, OCTETS, BODY)]
+    client = _client(address)
+    with pytest.raises(WireError) as exc:
+        _download(client)
+    assert exc.value.code == "trailing_bytes"
+    assert _download(client) is not None
+    assert len(set(script.ports)) == 2  # the half-read connection was not reused
+    client.close()
+
+
+def test_a_short_body_is_truncated_and_retried(stub: tuple[Script, str]) -> None:
+    script, address = stub
+    # The Content-Length says the body is shorter than its own header announces.
+    script.replies = [(200, OCTETS, BODY[:-4]), (200, OCTETS, BODY)]
+    client = _client(address)
+    assert _download(client) is not None
+    assert client.retry_count == 1
+    client.close()
+
+
+def test_addresses_are_checked_up_front() -> None:
+    with pytest.raises(ValueError):
+        DownloadConnections(
+            "ftp://example.org",
+            headers={},
+            connect_timeout=1.0,
+            read_timeout=1.0,
+            verify=True,
+        )
