@@ -106,3 +106,41 @@ def test_download_cut_midway_is_retried(setup, cut_after: int) -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), start[name] + 1.0)
     assert server.status()["round"] == 1
+
+
+@pytest.mark.parametrize(
+    ("cut_after", "refused", "final_round"),
+    [
+        # Cut before the payload: the old snapshot is intact, training goes on from it, and the
+        # next upload (base round 0) is refused as stale and rebased onto round 1.
+        (10, 1, 1),
+        # Cut inside the payload: the snapshot is half written, so the worker first fetches
+        # round 1 in full; its next upload is then on time and closes round 2.
+        (12000, 0, 2),
+    ],
+)
+def test_counted_upload_is_not_counted_again_after_its_download_failed(
+    setup, cut_after: int, refused: int, final_round: int
+) -> None:
+    """The upload is counted, then every download attempt breaks. Training goes on, but the
+    counted steps must not travel a second time: they are in the server's parameters already."""
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(4):  # the first try and its 3 retries
+            proxy.add(Fault("down", cut_after, prefix=b"GET /global_params?min_round=1"))
+        step(model, opt, 0.5)
+        step(model, opt, 0.5)  # sync: +1 counted, round 1 closes, its download fails
+        assert len(proxy.fired) == 4
+        assert server.status()["round"] == 1
+        for name, t in server.global_params().items():
+            torch.testing.assert_close(t, start[name] + 1.0)
+        step(model, opt, 0.25)
+        step(model, opt, 0.25)  # stale base round 0: refused, rebased onto round 1 with +0.5
+        m = w.sync_metrics
+        assert m["failed_syncs"] == 1 and m["refused_submissions"] == refused
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), start[name] + 1.5)
+    assert server.status()["round"] == final_round

@@ -124,6 +124,9 @@ class DiLoCoWorker:
         self._last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
         self._syncing = False
         self._holds_progress = False  # the model holds local - snapshot, not parameters
+        # ... and that progress was counted by the server (its upload was accepted): it must be
+        # dropped, never added back, whatever happens to the download that follows.
+        self._progress_counted = False
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
@@ -418,6 +421,7 @@ class DiLoCoWorker:
         if not self._holds_progress:
             self._each_param(to_progress_)
             self._holds_progress = True
+        self._progress_counted = counted
         try:
             if not self._download(min_round, deadline):
                 # Gave up waiting; the old snapshot is intact. A counted upload will land in a
@@ -428,7 +432,9 @@ class DiLoCoWorker:
                 return False
         except (Unreachable, ServerError, WireError):
             if not self._snapshot_dirty:
-                self._each_param(rebase_)
+                # Back to the old snapshot. Counted progress is the server's now: adding it back
+                # would send it a second time with the next upload.
+                self._each_param(adopt_ if counted else rebase_)
                 self._holds_progress = False
             raise
         self._each_param(adopt_ if counted else rebase_)
@@ -466,7 +472,7 @@ class DiLoCoWorker:
         snapshot is partly overwritten. Nothing is trainable until a full download succeeds."""
         while True:
             try:
-                self._refresh(counted=False, min_round=0)
+                self._refresh(counted=self._progress_counted, min_round=0)
                 return
             except (Unreachable, ServerError, WireError) as exc:
                 log.error(
