@@ -144,3 +144,30 @@ def test_counted_upload_is_not_counted_again_after_its_download_failed(
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), start[name] + 1.5)
     assert server.status()["round"] == final_round
+
+
+def test_upload_failing_part_way_leaves_the_model_trainable_and_loses_nothing(setup) -> None:
+    """The upload turns the model into its progress as it streams. Cut every attempt after the
+    first tensor went out: the model must come back to its local values, and the next sync must
+    deliver all the steps, once."""
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(4):  # the first try and its 3 retries
+            proxy.add(Fault("up", 9000, prefix=b"POST /submit_pseudograd"))
+        step(model, opt, 0.5)
+        step(model, opt, 0.5)
+        assert len(proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1
+        assert server.status()["round"] == 0
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), start[name] + 1.0)
+        step(model, opt, 0.5)
+        step(model, opt, 0.5)
+        assert w.sync_metrics["rounds"] == 1
+    assert server.status()["round"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 2.0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), start[name] + 2.0)
