@@ -147,9 +147,8 @@ def test_counted_upload_is_not_counted_again_after_its_download_failed(
 
 
 def test_upload_failing_part_way_leaves_the_model_trainable_and_loses_nothing(setup) -> None:
-    """The upload turns the model into its progress as it streams. Cut every attempt after the
-    first tensor went out: the model must come back to its local values, and the next sync must
-    deliver all the steps, once."""
+    """Cut every attempt of an upload after the first tensor went out: the model must keep its
+    local values, and the next sync must deliver all the steps, once."""
     server, proxy = setup
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

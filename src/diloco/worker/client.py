@@ -155,7 +155,6 @@ class DiLoCoClient:
         # TLS certificates are verified: against ``tls_ca`` (a private CA or a self-signed
         # certificate) when given, else against the system's authorities.
         self._verify = tls_ca if tls_ca else verify
-        self._token = token
         # One session per thread: requests.Session is not documented as thread-safe, and a
         # heartbeat must not wait behind a long poll.
         self._local = threading.local()
@@ -164,12 +163,13 @@ class DiLoCoClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self._rng = random.Random()
-        headers = {CLIENT_HEADER: "worker"}
+        # Sent on every request, by the requests sessions and the download connections alike.
+        self._headers = {CLIENT_HEADER: "worker"}
         if token:
-            headers["Authorization"] = f"Bearer {token}"
+            self._headers["Authorization"] = f"Bearer {token}"
         self._downloads = DownloadConnections(
             self.base_url,
-            headers=headers,
+            headers=self._headers,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             verify=self._verify,
@@ -182,9 +182,7 @@ class DiLoCoClient:
             session = requests.Session()
             session.verify = self._verify
             session.trust_env = False  # an environment proxy must not see tensors or tokens
-            session.headers[CLIENT_HEADER] = "worker"
-            if self._token:
-                session.headers["Authorization"] = f"Bearer {self._token}"
+            session.headers.update(self._headers)
             self._local.session = session
             self._sessions.append(session)
         return session
