@@ -350,6 +350,7 @@
     if (stopped) return;
     try {
       const st = await api("GET", "/status");
+      if (stopped) return; // shut down while this poll was in flight: keep that message
       showMain();
       record(st);
       renderSummary(st);
@@ -364,6 +365,7 @@
         showLogin(had || err.message.includes("retry") ? "refused: " + err.message : "");
         return; // wait for a token
       }
+      if (stopped) return; // the poll failed because the server was shut down meanwhile
       setText("connection", "server unreachable: " + err.message + " (retrying)");
     }
     schedule();
