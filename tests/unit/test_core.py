@@ -89,6 +89,38 @@ def test_weighted_sum_rejects_bad_input() -> None:
         acc.mean_()
 
 
+def test_weighted_sum_in_a_given_order_reports_each_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    import diloco.core.accumulate as acc_mod
+
+    monkeypatch.setattr(acc_mod, "CHUNK", 4)  # pieces of 4 elements: 10 -> 4, 4, 2
+    shapes = [(2, 5), (3,)]
+    a = torch.arange(10, dtype=torch.float32).view(2, 5)
+    b = torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
+    reports: list[tuple[int, int]] = []
+    acc = acc_mod.WeightedSum(shapes)
+    acc.add([a, b], 2.0, order=[1, 0], on_piece=lambda i, end: reports.append((i, end)))
+    # Tensor 1 first (one piece of 3), then tensor 0 in pieces ending at 4, 8 and 10.
+    assert reports == [(1, 3), (0, 4), (0, 8), (0, 10)]
+    assert acc.sums[0].tolist() == (2 * a).tolist()
+    assert acc.sums[1].tolist() == [2.0, -4.0, 1.0]
+    # A second contribution adds (it no longer overwrites); the order does not change sums.
+    acc.add([a, b], 1.0)
+    assert acc.sums[1].tolist() == [3.0, -6.0, 1.5] and acc.total_weight == 3.0
+
+
+def test_weighted_sum_refuses_a_bad_order_or_shape_before_changing_anything() -> None:
+    acc = WeightedSum([(2,), (1,)])
+    acc.add([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], 1.0)
+    before = [s.clone() for s in acc.sums]
+    with pytest.raises(ValueError, match="order"):
+        acc.add([torch.tensor([1.0, 1.0]), torch.tensor([1.0])], 1.0, order=[0, 0])
+    with pytest.raises(ValueError, match="shape"):
+        # The first tensor is fine and the second is not: nothing at all is added.
+        acc.add([torch.tensor([5.0, 5.0]), torch.tensor([1.0, 2.0])], 1.0)
+    assert all(torch.equal(s, b) for s, b in zip(acc.sums, before, strict=True))
+    assert acc.count == 1 and acc.total_weight == 1.0
+
+
 def test_default_outer_optimizer_is_nesterov_sgd_by_hand() -> None:
     p = torch.nn.Parameter(torch.tensor([1.0]), requires_grad=False)
     opt = default_outer_optimizer([p], lr=0.5, momentum=0.9, nesterov=True)

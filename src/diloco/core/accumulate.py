@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-CHUNK = 1 << 20  # elements converted at a time when a contribution is not fp32
+CHUNK = 1 << 20  # elements added at a time (bf16 ones go through an fp32 scratch of this size)
 
 
 class WeightedSum:
@@ -23,24 +23,50 @@ class WeightedSum:
         self.count = 0
 
     @torch.no_grad()
-    def add(self, tensors: Sequence[torch.Tensor], weight: float) -> None:
+    def add(
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        order: Sequence[int] | None = None,
+        on_piece: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Add ``weight * tensors[i]`` to ``sums[i]`` for every i.
+
+        The work goes in pieces of ``CHUNK`` elements, tensor by tensor in ``order`` (default:
+        index order). After each piece ``on_piece(i, end)`` says that the first ``end`` flat
+        elements of ``tensors[i]`` (and every tensor before it in ``order``) are no longer read,
+        so a caller can reuse that memory while the rest is still being added."""
         if not weight > 0:
             raise ValueError(f"contribution weight must be positive, got {weight}")
         if len(tensors) != len(self.sums):
             raise ValueError(f"expected {len(self.sums)} tensors, got {len(tensors)}")
+        indices = range(len(self.sums)) if order is None else order
+        if sorted(indices) != list(range(len(self.sums))):
+            raise ValueError("order must name every tensor index exactly once")
+        for i, t in enumerate(tensors):
+            if t.shape != self.sums[i].shape:
+                raise ValueError(
+                    f"tensor {i} has shape {tuple(t.shape)}, expected {tuple(self.sums[i].shape)}"
+                )
         first = self.count == 0
-        for acc, t in zip(self.sums, tensors, strict=True):
-            if t.dtype == acc.dtype:
-                _accumulate(acc, t, weight, first)
-                continue
-            # A mixed-dtype add_ would first make an fp32 copy of the whole tensor (one large
-            # embedding: its full fp32 size); going through a small scratch keeps memory flat.
+        for i in indices:
+            acc, t = self.sums[i], tensors[i]
             flat_acc, flat_t = acc.view(-1), t.reshape(-1)
             for start in range(0, flat_t.numel(), CHUNK):
                 piece = flat_t[start : start + CHUNK]
-                scratch = self._scratch[: piece.numel()]
-                scratch.copy_(piece)
-                _accumulate(flat_acc[start : start + piece.numel()], scratch, weight, first)
+                n = piece.numel()
+                if piece.dtype != acc.dtype:
+                    # A mixed-dtype add_ would first make an fp32 copy of its input (for one large
+                    # embedding: its full fp32 size); a small reused scratch keeps memory flat.
+                    scratch = self._scratch[:n]
+                    scratch.copy_(piece)
+                    piece = scratch
+                _accumulate(flat_acc[start : start + n], piece, weight, first)
+                if on_piece is not None:
+                    on_piece(i, start + n)
+            if on_piece is not None and flat_t.numel() == 0:
+                on_piece(i, 0)
         self.total_weight += weight
         self.count += 1
 

@@ -13,13 +13,12 @@ recording its staleness. Both work per unit, so streaming fragments advance inde
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,14 @@ from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.core.dylu import recommended_sync_every, smooth_speed
 from diloco.core.staleness import inverse_sqrt_weight
 from diloco.server.async_gate import AsyncCheck
-from diloco.server.barrier import Check, SyncBarrier, Verdict
+from diloco.server.barrier import Admission, Check, SyncBarrier, Verdict
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.params import ParamStore, Snapshot
 from diloco.server.persistence import Checkpoint, save_checkpoint
 from diloco.server.registry import WorkerInfo, WorkerRegistry
 from diloco.server.units import PATTERNS, Unit, plan_pieces
+from diloco.server.upload_slots import SlotPool
 from diloco.wire import Layout, WireError, aread_payload, byte_view, check_against, tensor_views
 from diloco.wire.decode import AsyncStream
 
@@ -101,7 +101,7 @@ class Coordinator:
             self.fragmenting = (config.num_fragments, config.fragment_pattern or "sequential")
         self._restored: Checkpoint | None = None
         self._tensor_lock = asyncio.Lock()
-        self._pool: BufferPool | None = None
+        self._pool: SlotPool | None = None
         self._initializing = False
         self.last_save: dict[str, Any] | None = None
         self.resumed_from: str | None = None
@@ -180,7 +180,7 @@ class Coordinator:
         if ckpt is not None:
             self._load_unit_state(ckpt)
             self._restored = None
-        self._pool = BufferPool(max(u.nbytes for u in self.units), self.config.upload_slots)
+        self._pool = SlotPool(max(u.nbytes for u in self.units), self.config.upload_slots)
         store.header_meta = self._header_meta if num > 1 else None
         store.refresh_header()
         live = self.registry.ids()
@@ -617,39 +617,31 @@ class Coordinator:
         admission.begin_upload(worker_id, submission_id)
         reply: dict[str, Any]
         try:
-            async with self._pool.take() as buf:
-                await aread_payload(stream, byte_view(buf[: layout.payload_size]))
-                views = tensor_views(layout, buf[: layout.payload_size])
+            async with self._pool.take() as lease:
+                payload = lease.slot.buffer[: layout.payload_size]
+                await aread_payload(stream, byte_view(payload), room=lease.slot.room)
+                views = tensor_views(layout, payload)
                 tensors = [views[n] for n in unit.names]
-                bad = await asyncio.to_thread(
-                    _first_non_finite, dict(zip(unit.names, tensors, strict=True))
-                )
-                if bad is not None:
-                    raise ApiError(
-                        422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values"
-                    )
-                if self.registry.get(worker_id) is None:
-                    raise unknown_worker(worker_id)  # evicted while uploading
-                if admission.uploading.get(worker_id) != submission_id:
-                    # The worker left and came back while this body was in flight.
-                    raise conflict(
-                        "superseded",
-                        "this upload was superseded; rebase",
-                        action="rebase",
-                        round=unit.round,
-                        **self._which(unit),
-                    )
-                if unit.barrier is not None:
-                    # From here on the submission counts: record it, then queue the addition on
-                    # the tensor lock before yielding, so a round close queued later sees it.
-                    unit.barrier.record(worker_id, submission_id)
-                    async with self._tensor_lock:
-                        await asyncio.to_thread(unit.sum.add, tensors, weight)
-                    reply = {"status": "accepted", "round": base_round}
-                else:
+                if unit.barrier is None:  # async: the update reads the body under the lease
+                    await self._check_upload(unit, worker_id, submission_id, admission, tensors)
                     reply = await self._apply_async(
                         unit, record, submission_id, base_round, tensors, layout.total_size
                     )
+                else:
+                    # The next upload may start filling this buffer behind the add.
+                    drain = await lease.hand_over()
+                    try:
+                        await self._check_upload(unit, worker_id, submission_id, admission, tensors)
+                        # From here on the submission counts: record it, then queue the addition
+                        # on the tensor lock before yielding, so a round close queued later sees
+                        # it.
+                        unit.barrier.record(worker_id, submission_id)
+                        add = _payload_order_add(unit, layout, tensors, weight, drain.report)
+                        async with self._tensor_lock:
+                            await drain.run(add)
+                    finally:
+                        drain.finish()
+                    reply = {"status": "accepted", "round": base_round}
         except BaseException:
             admission.abort_upload(worker_id, submission_id)
             self._maybe_close()
@@ -664,6 +656,33 @@ class Coordinator:
             submission_id=submission_id, instance=self.require_store().instance, **self._which(unit)
         )
         return reply
+
+    async def _check_upload(
+        self,
+        unit: Unit,
+        worker_id: str,
+        submission_id: str,
+        admission: Admission,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        """What a landed body must pass before it counts: finite values, its worker still
+        registered, and no newer upload of the same worker begun meanwhile."""
+        bad = await asyncio.to_thread(
+            _first_non_finite, dict(zip(unit.names, tensors, strict=True))
+        )
+        if bad is not None:
+            raise ApiError(422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values")
+        if self.registry.get(worker_id) is None:
+            raise unknown_worker(worker_id)  # evicted while uploading
+        if admission.uploading.get(worker_id) != submission_id:
+            # The worker left and came back while this body was in flight.
+            raise conflict(
+                "superseded",
+                "this upload was superseded; rebase",
+                action="rebase",
+                round=unit.round,
+                **self._which(unit),
+            )
 
     async def _apply_async(
         self,
@@ -1100,25 +1119,28 @@ def _split_states(merged: dict[str, Any], shape: list[list[int]] | None) -> list
     return out
 
 
-class BufferPool:
-    """Upload receive buffers, at most ``slots`` of them, allocated on first use."""
+def _payload_order_add(
+    unit: Unit,
+    layout: Layout,
+    tensors: list[torch.Tensor],
+    weight: float,
+    report: Callable[[int], None],
+) -> Callable[[], None]:
+    """The add of one landed body to ``unit``'s sum, in the order of the bytes, reporting after
+    each piece how far the body has been read (so the receive buffer refills behind it)."""
+    where = {
+        spec.name: (begin, spec.itemsize)
+        for spec, (begin, _) in zip(layout.specs, layout.offsets, strict=True)
+    }
+    index = {name: i for i, name in enumerate(unit.names)}
+    order = [index[spec.name] for spec in layout.specs]
+    begins = [where[name] for name in unit.names]
 
-    def __init__(self, nbytes: int, slots: int) -> None:
-        self.nbytes = nbytes
-        self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
-        self._to_create = slots
+    def on_piece(i: int, end: int) -> None:
+        begin, itemsize = begins[i]
+        report(begin + end * itemsize)
 
-    @contextlib.asynccontextmanager
-    async def take(self) -> AsyncIterator[torch.Tensor]:
-        if self._free.empty() and self._to_create > 0:
-            self._to_create -= 1
-            buf = torch.empty(self.nbytes, dtype=torch.uint8)
-        else:
-            buf = await self._free.get()
-        try:
-            yield buf
-        finally:
-            self._free.put_nowait(buf)
+    return lambda: unit.sum.add(tensors, weight, order=order, on_piece=on_piece)
 
 
 def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:

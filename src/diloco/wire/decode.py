@@ -7,7 +7,7 @@ client (a urllib3 response). The caller validates the layout against its own tab
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import torch
@@ -112,8 +112,13 @@ async def aread_layout(stream: AsyncStream, max_header: int = MAX_HEADER_BYTES) 
 
 
 async def aread_payload(
-    stream: AsyncStream, dest: memoryview, chunk_bytes: int = CHUNK_BYTES
+    stream: AsyncStream,
+    dest: memoryview,
+    chunk_bytes: int = CHUNK_BYTES,
+    room: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
+    """Fill ``dest`` exactly, then insist the body ends there. With ``room``, each write of
+    ``dest[:end]`` first awaits ``room(end)`` (the memory may still be being read by others)."""
     pos, size = 0, len(dest)
     # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and copy it.
     readany = getattr(stream, "readany", None)
@@ -127,6 +132,8 @@ async def aread_payload(
             raise WireError("truncated", f"body ended {size - pos} bytes early")
         if len(part) > size - pos:
             raise WireError("trailing_bytes", "body continues past the last tensor")
+        if room is not None:
+            await room(pos + len(part))
         dest[pos : pos + len(part)] = part
         pos += len(part)
     if await stream.read(1):

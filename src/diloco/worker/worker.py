@@ -123,9 +123,10 @@ class DiLoCoWorker:
         self._started = False
         self._last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
         self._syncing = False
-        self._holds_progress = False  # the model holds local - snapshot, not parameters
-        # ... and that progress was counted by the server (its upload was accepted): it must be
-        # dropped, never added back, whatever happens to the download that follows.
+        # The model's values are not parameters until a refresh ends: they are its progress
+        # (local - snapshot), or, when that progress was counted by the server (its upload was
+        # accepted), values that will be replaced whole and must never be added back.
+        self._holds_progress = False
         self._progress_counted = False
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
@@ -295,8 +296,8 @@ class DiLoCoWorker:
         """Register (again), seed the server's parameters if it has none, and fetch them.
 
         On a re-join the model holds its local progress (``to_progress_`` was applied, or is
-        applied here); it is added back unless the server says its last upload is already in
-        the parameters it serves."""
+        applied here if it is to be kept); it is added back unless the server says its last
+        upload is already in the parameters it serves."""
         try:
             reply = self._register(initial)
         except Conflict as exc:
@@ -418,9 +419,13 @@ class DiLoCoWorker:
     def _refresh(self, *, counted: bool, min_round: int, deadline: float | None = None) -> bool:
         """Fetch global parameters of ``min_round`` or later. If ``counted``, the local progress is
         in them and is dropped; otherwise it is kept on top of them (a rebase)."""
-        if not self._holds_progress:
+        if self._holds_progress and self._progress_counted:
+            counted = True  # once counted, progress is never added back
+        if not counted and not self._holds_progress:
             self._each_param(to_progress_)
-            self._holds_progress = True
+        # Counted: the model is overwritten by the adoption, so it need not become progress
+        # first (a pass over the model fewer per round).
+        self._holds_progress = True
         self._progress_counted = counted
         try:
             if not self._download(min_round, deadline):

@@ -1,0 +1,149 @@
+"""Upload receive buffers that the next upload starts filling while the last one is being added.
+
+An upload is received whole before any of it counts (a bad or cut body must change nothing), so
+the server holds it in a buffer as large as the largest unit. Adding it to the running sum then
+reads that buffer front to back, several times faster than a socket fills it. So as soon as a body
+has landed, its buffer goes to the next upload, which may write below the point the adder has
+finished reading (the free mark) and waits only if it catches up. One buffer thus serves
+back-to-back uploads with each add overlapping the next receive, where it used to be receive,
+add, receive, add in series; memory stays one buffer per slot.
+
+Ownership of a slot passes from receive to receive through the pool; the free mark belongs to
+whoever reads the buffer: the adder while it runs, nobody (all free) otherwise. Everything here
+runs on the event loop thread except the adder's progress reports, which come back through
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class UploadSlot:
+    """One receive buffer and the add (if any) still reading the body last received into it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.drain: Drain | None = None
+        self._moved = asyncio.Event()
+
+    @property
+    def free_below(self) -> int:
+        """Bytes ``[0, free_below)`` may be written."""
+        return self.nbytes if self.drain is None else self.drain.read_upto
+
+    async def room(self, end: int) -> None:
+        """Wait until bytes ``[0, end)`` may be written."""
+        while self.free_below < end:
+            await self._wait()
+
+    async def idle(self) -> None:
+        """Wait until no add reads the buffer."""
+        while self.drain is not None:
+            await self._wait()
+
+    async def _wait(self) -> None:
+        self._moved.clear()
+        await self._moved.wait()
+
+    def _moved_on(self) -> None:
+        self._moved.set()
+
+
+class Drain:
+    """The add of one landed body. Until ``finish`` it holds its slot's buffer, of which the
+    bytes below ``read_upto`` are already read and may be overwritten."""
+
+    def __init__(self, slot: UploadSlot, loop: asyncio.AbstractEventLoop) -> None:
+        self._slot = slot
+        self._loop = loop
+        self.read_upto = 0
+
+    def report(self, upto: int) -> None:
+        """From the adder's thread: bytes below ``upto`` will not be read again."""
+        self._loop.call_soon_threadsafe(self._advance, upto)
+
+    def _advance(self, upto: int) -> None:
+        # A report can arrive after finish (it was queued first, but the loop may run finish
+        # from the caller before it): it then changes nothing.
+        if self._slot.drain is self and upto > self.read_upto:
+            self.read_upto = upto
+            self._slot._moved_on()
+
+    def finish(self) -> None:
+        """The body is no longer read (added, or refused): the whole buffer is free."""
+        if self._slot.drain is self:
+            self._slot.drain = None
+            self._slot._moved_on()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (the add, which calls ``report``) in a thread, then ``finish``.
+
+        A cancelled caller still waits for the thread: it reads the buffer, and the caller holds
+        the tensor lock, so neither may be given up while it runs."""
+        future = asyncio.ensure_future(asyncio.to_thread(fn))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+        finally:
+            if future.done():
+                self.finish()
+            else:  # only reached if the wait above was interrupted again
+                future.add_done_callback(lambda _: self.finish())
+
+
+class Lease:
+    """A receive's hold on a slot, from ``SlotPool.take`` until it ends or hands over."""
+
+    def __init__(self, pool: SlotPool, slot: UploadSlot) -> None:
+        self.slot = slot
+        self._pool = pool
+        self.handed_over = False
+
+    async def hand_over(self) -> Drain:
+        """The body has landed: pass the slot to the next receive and return the drain that
+        frees it as the body is read. Call ``finish`` on the drain whatever happens next."""
+        assert not self.handed_over
+        await self.slot.idle()  # the previous add has finished with its body
+        drain = Drain(self.slot, asyncio.get_running_loop())
+        self.slot.drain = drain
+        self.handed_over = True
+        self._pool._put(self.slot)
+        return drain
+
+
+class SlotPool:
+    """At most ``slots`` upload buffers of ``nbytes`` each, allocated on first use."""
+
+    def __init__(self, nbytes: int, slots: int) -> None:
+        self.nbytes = nbytes
+        self._free: asyncio.Queue[UploadSlot] = asyncio.Queue()
+        self._to_create = slots
+
+    @contextlib.asynccontextmanager
+    async def take(self) -> AsyncIterator[Lease]:
+        if self._free.empty() and self._to_create > 0:
+            self._to_create -= 1
+            slot = UploadSlot(self.nbytes)
+        else:
+            slot = await self._free.get()
+        lease = Lease(self, slot)
+        try:
+            yield lease
+        finally:
+            if not lease.handed_over:
+                self._put(slot)
+
+    def _put(self, slot: UploadSlot) -> None:
+        self._free.put_nowait(slot)
