@@ -15,7 +15,13 @@ For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` laye
   downloads still running;
 * the loopback limit: N plain-socket client processes each send the upload size U to one server
   process, which receives every upload into a preallocated buffer and then sends the download
-  size D back to each client. Same bytes, same pattern, no HTTP, no Python-level copies.
+  size D back to each client. Same bytes, same pattern, no HTTP, no Python-level copies;
+* both run side by side: after the warm-ups, each measured DiLoCo round is paired with a raw
+  round right before or after it (the order alternates), so that the two see the same load on
+  a shared machine, whose speed drifts over minutes. Where both sets of processes would not fit
+  in memory at once (or with ``--sequential``), the raw rounds run after all DiLoCo rounds.
+  Efficiency is the median raw round over the median DiLoCo round; with pairs, the median of
+  the per-pair ratios is printed next to it.
 
 Peak memory: ``ru_maxrss`` read inside each process at its end (exact), plus psutil polling of
 RSS from the parent at ~20 Hz (can miss spikes shorter than the period). The parent never imports
@@ -239,6 +245,7 @@ def _worker_body(
                         noise.normal_(0.0, 1e-3, generator=gen)
                         part.add_(noise[: part.numel()])
             before = worker.sync_metrics
+            out.put(("prepared", idx, {"round": r}))  # idle from here until the round starts
             barrier.wait(barrier_timeout)
             stamps.clear()
             t0 = time.monotonic()
@@ -510,244 +517,361 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def run_diloco(
-    ctx: Any, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
-) -> dict[str, Any]:
-    total_rounds = args.warmup + args.rounds
-    procs: list[Any] = []
-    parent_conn, child_conn = ctx.Pipe()
-    server = ctx.Process(
-        target=_server_main,
-        args=(child_conn, n, params_path, args.server_threads),
-        name="diloco-server",
-        daemon=True,
-    )
-    procs.append(server)
-    setup_timeout = args.setup_timeout + 15 * n
-    try:
-        with RssPoller() as poller:
-            with _environ(args.server_env):
-                server.start()
-            if not parent_conn.poll(setup_timeout):
-                raise TimeoutError("server did not report its address")
-            hello = parent_conn.recv()
-            poller.watch(hello["pid"])
-            barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
-            # Workers only: a worker that has adopted the new parameters waits here for the
-            # others before its checksum and the next round's perturbation, so that benchmark
-            # bookkeeping never competes for the cores with a download still in progress.
-            finished = ctx.Barrier(n)
-            out = ctx.Queue()
-            inbox = Inbox(out)
-            workers = [
-                ctx.Process(
-                    target=_worker_main,
-                    args=(
-                        i,
-                        hello["address"],
-                        shape,
-                        not args.no_bf16,
-                        total_rounds,
-                        barrier,
-                        finished,
-                        out,
-                        setup_timeout + args.round_timeout,  # the first wait spans setup
-                    ),
-                    name=f"worker-{i}",
-                    daemon=True,
-                )
-                for i in range(n)
-            ]
-            procs.extend(workers)
-            for w in workers:
-                w.start()
-                poller.watch(w.pid)
-            ready = inbox.collect("ready", n, setup_timeout, f"N={n} worker setup")
+class DiLoCoRun:
+    """A server process and N worker processes, driven one round at a time."""
 
-            def server_status() -> dict[str, Any]:
-                parent_conn.send("status")
-                if not parent_conn.poll(60):
-                    raise TimeoutError("server status timed out")
-                return parent_conn.recv()
+    def __init__(
+        self, ctx: Any, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
+    ) -> None:
+        self.ctx, self.n, self.shape, self.params_path, self.args = ctx, n, shape, params_path, args
+        self.total_rounds = args.warmup + args.rounds
+        self.setup_timeout = args.setup_timeout + 15 * n
+        self.procs: list[Any] = []
+        self.rounds: list[dict[str, Any]] = []
+        self.poller = RssPoller()
+        self._polling = False
+        self._profilers: list[Any] = []
 
-            status = server_status()
-            rounds = []
-            profilers: list[Any] = []
-            for r in range(total_rounds):
-                _check_alive(procs, f"N={n} round {r}")
-                if args.profile and r == args.warmup:
-                    profilers = _start_profilers(
-                        args.profile, n, {"server": hello["pid"], "worker0": workers[0].pid}
-                    )
-                barrier.wait(args.round_timeout)
-                msgs = inbox.collect("round", n, args.round_timeout, f"N={n} round {r}")
-                if r == total_rounds - 1:
-                    _stop_profilers(profilers)
-                new_status = server_status()
-                t0 = min(m["t0"] for m in msgs.values())
-                t1 = max(m["t1"] for m in msgs.values())
-                sub = [m["submitted"] for m in msgs.values()]
-                body = [m["body"] for m in msgs.values()]
-                phases = None
-                if None not in sub and None not in body:
-                    phases = {
-                        "uploads_s": max(sub) - t0,  # until the last upload was answered
-                        "close_s": min(body) - max(sub),  # outer step, until the first download
-                        "downloads_s": t1 - min(body),  # until the last worker adopted
-                    }
-                deltas = [m["delta"] for m in msgs.values()]
-                checksums = {m["checksum"] for m in msgs.values()}
-                server_rounds = {m["server_round"] for m in msgs.values()}
-                rounds.append(
-                    {
-                        "round": r,
-                        "warmup": r < args.warmup,
-                        "wall_s": t1 - t0,
-                        "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
-                        "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
-                        "phases": phases,
-                        "worker_bytes_up": [d["bytes_up"] for d in deltas],
-                        "worker_bytes_down": [d["bytes_down"] for d in deltas],
-                        "worker_rounds": [d["rounds"] for d in deltas],
-                        "failed_syncs": sum(d["failed_syncs"] for d in deltas),
-                        "retries": sum(d["retries"] for d in deltas),
-                        "server_bytes_in": new_status["bytes_in"] - status["bytes_in"],
-                        "server_bytes_out": new_status["bytes_out"] - status["bytes_out"],
-                        "server_round": new_status["round"],
-                        "server_contributions": new_status["last_round_contributions"],
-                        "server_last_round_time_s": new_status["last_round_time_s"],
-                        "consistent": len(checksums) == 1 and len(server_rounds) == 1,
-                    }
-                )
-                status = new_status
-                if args.verbose:
-                    print(f"    N={n} round {r}: {rounds[-1]['wall_s']:.3f} s {phases}", flush=True)
-            done = inbox.collect("done", n, setup_timeout, f"N={n} worker shutdown")
-            parent_conn.send("stop")
-            if not parent_conn.poll(60):
-                raise TimeoutError("server did not answer stop")
-            final = parent_conn.recv()
-            server.join(30)
-            for w in workers:
-                w.join(30)
-            server_polled = poller.peaks.get(hello["pid"], 0)
-            worker_polled = max((poller.peaks.get(w.pid, 0) for w in workers), default=0)
-    finally:
-        _reap(procs)
+    def __enter__(self) -> DiLoCoRun:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
 
-    measured = [r for r in rounds if not r["warmup"]]
-    up = statistics.median(b for r in measured for b in r["worker_bytes_up"])
-    down = statistics.median(b for r in measured for b in r["worker_bytes_down"])
-    return {
-        "workers": n,
-        "rounds": rounds,
-        "round_s": _summary([r["wall_s"] for r in measured]),
-        "phases_median": (
-            {
-                k: statistics.median(r["phases"][k] for r in measured)
-                for k in ("uploads_s", "close_s", "downloads_s")
+    def __exit__(self, *exc: object) -> None:
+        if self._polling:
+            self.poller.__exit__()
+        _stop_profilers(self._profilers)
+        _reap(self.procs)
+
+    def _start(self) -> None:
+        ctx, n, args = self.ctx, self.n, self.args
+        self.parent_conn, child_conn = ctx.Pipe()
+        self.server = ctx.Process(
+            target=_server_main,
+            args=(child_conn, n, self.params_path, args.server_threads),
+            name="diloco-server",
+            daemon=True,
+        )
+        self.procs.append(self.server)
+        self.poller.__enter__()
+        self._polling = True
+        with _environ(args.server_env):
+            self.server.start()
+        if not self.parent_conn.poll(self.setup_timeout):
+            raise TimeoutError("server did not report its address")
+        self.hello = self.parent_conn.recv()
+        self.poller.watch(self.hello["pid"])
+        self.barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
+        # Workers only: a worker that has adopted the new parameters waits here for the
+        # others before its checksum and the next round's perturbation, so that benchmark
+        # bookkeeping never competes for the cores with a download still in progress.
+        # Held here for the run: a multiprocessing barrier the parent drops is torn down.
+        self.finished = finished = ctx.Barrier(n)
+        self.inbox = Inbox(ctx.Queue())
+        self.workers = [
+            ctx.Process(
+                target=_worker_main,
+                args=(
+                    i,
+                    self.hello["address"],
+                    self.shape,
+                    not args.no_bf16,
+                    self.total_rounds,
+                    self.barrier,
+                    finished,
+                    self.inbox.q,
+                    self.setup_timeout + args.round_timeout,  # the first wait spans setup
+                ),
+                name=f"worker-{i}",
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        self.procs.extend(self.workers)
+        for w in self.workers:
+            w.start()
+            self.poller.watch(w.pid)
+        self.ready = self.inbox.collect("ready", n, self.setup_timeout, f"N={n} worker setup")
+        self.status = self._server_status()
+        self._prepared = -1  # the last round for which every worker said it is prepared
+
+    def settle(self) -> None:
+        """Wait until every worker has done its between-round work (checksum, perturbation) and
+        sits idle at the start barrier, so that nothing of it overlaps a raw round."""
+        r = len(self.rounds)
+        if self._prepared < r:
+            self.inbox.collect("prepared", self.n, self.args.round_timeout, f"N={self.n} round {r}")
+            self._prepared = r
+
+    def _server_status(self) -> dict[str, Any]:
+        self.parent_conn.send("status")
+        if not self.parent_conn.poll(60):
+            raise TimeoutError("server status timed out")
+        return self.parent_conn.recv()
+
+    def round(self) -> dict[str, Any]:
+        n, args = self.n, self.args
+        r = len(self.rounds)
+        _check_alive(self.procs, f"N={n} round {r}")
+        self.settle()
+        if args.profile and r == args.warmup:
+            self._profilers = _start_profilers(
+                args.profile, n, {"server": self.hello["pid"], "worker0": self.workers[0].pid}
+            )
+        self.barrier.wait(args.round_timeout)
+        msgs = self.inbox.collect("round", n, args.round_timeout, f"N={n} round {r}")
+        if r == self.total_rounds - 1:
+            _stop_profilers(self._profilers)
+            self._profilers = []
+        new_status = self._server_status()
+        status = self.status
+        t0 = min(m["t0"] for m in msgs.values())
+        t1 = max(m["t1"] for m in msgs.values())
+        sub = [m["submitted"] for m in msgs.values()]
+        body = [m["body"] for m in msgs.values()]
+        phases = None
+        if None not in sub and None not in body:
+            phases = {
+                "uploads_s": max(sub) - t0,  # until the last upload was answered
+                "close_s": max(0.0, min(body) - max(sub)),  # until the first download began
+                "downloads_s": t1 - max(max(sub), min(body)),  # until the last worker adopted
             }
-            if all(r["phases"] for r in measured)
-            else None
-        ),
-        "upload_bytes_per_worker": int(up),
-        "download_bytes_per_worker": int(down),
-        "server_bytes_in_per_round": int(statistics.median(r["server_bytes_in"] for r in measured)),
-        "server_bytes_out_per_round": int(
-            statistics.median(r["server_bytes_out"] for r in measured)
-        ),
-        "all_rounds_ok": all(
-            r["consistent"]
-            and r["failed_syncs"] == 0
-            and all(x == 1 for x in r["worker_rounds"])
-            and r["server_contributions"] == n
-            for r in rounds
-        ),
-        "retries": sum(r["retries"] for r in rounds),
-        "server": {
-            "maxrss": final["maxrss"],
-            "polled_peak_rss": server_polled,
-            "base_rss": hello["base_rss"],
-            "rss_after_load": hello["rss_loaded"],
-            "rss_end": final["rss_end"],
-        },
-        "worker": {
-            "maxrss": max(d["maxrss"] for d in done.values()),
-            "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
-            "polled_peak_rss": worker_polled,
-            "base_rss": max(r["base_rss"] for r in ready.values()),
-            "rss_after_join": max(r["rss_joined"] for r in ready.values()),
-        },
-    }
+        deltas = [m["delta"] for m in msgs.values()]
+        checksums = {m["checksum"] for m in msgs.values()}
+        server_rounds = {m["server_round"] for m in msgs.values()}
+        result = {
+            "round": r,
+            "warmup": r < args.warmup,
+            "t0": t0,
+            "wall_s": t1 - t0,
+            "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
+            "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
+            "phases": phases,
+            "worker_bytes_up": [d["bytes_up"] for d in deltas],
+            "worker_bytes_down": [d["bytes_down"] for d in deltas],
+            "worker_rounds": [d["rounds"] for d in deltas],
+            "failed_syncs": sum(d["failed_syncs"] for d in deltas),
+            "retries": sum(d["retries"] for d in deltas),
+            "server_bytes_in": new_status["bytes_in"] - status["bytes_in"],
+            "server_bytes_out": new_status["bytes_out"] - status["bytes_out"],
+            "server_round": new_status["round"],
+            "server_contributions": new_status["last_round_contributions"],
+            "server_last_round_time_s": new_status["last_round_time_s"],
+            "consistent": len(checksums) == 1 and len(server_rounds) == 1,
+        }
+        self.rounds.append(result)
+        self.status = new_status
+        if args.verbose:
+            print(f"    N={n} round {r}: {result['wall_s']:.3f} s {phases}", flush=True)
+        return result
+
+    def bytes_per_worker(self) -> tuple[int, int]:
+        """Upload and download bytes of one worker's sync (median over the rounds so far)."""
+        up = statistics.median(b for r in self.rounds for b in r["worker_bytes_up"])
+        down = statistics.median(b for r in self.rounds for b in r["worker_bytes_down"])
+        return int(up), int(down)
+
+    def finish(self) -> dict[str, Any]:
+        n = self.n
+        done = self.inbox.collect("done", n, self.setup_timeout, f"N={n} worker shutdown")
+        self.parent_conn.send("stop")
+        if not self.parent_conn.poll(60):
+            raise TimeoutError("server did not answer stop")
+        final = self.parent_conn.recv()
+        self.server.join(30)
+        for w in self.workers:
+            w.join(30)
+        server_polled = self.poller.peaks.get(self.hello["pid"], 0)
+        worker_polled = max((self.poller.peaks.get(w.pid, 0) for w in self.workers), default=0)
+        rounds = self.rounds
+        measured = [r for r in rounds if not r["warmup"]]
+        up, down = self.bytes_per_worker()
+        return {
+            "workers": n,
+            "rounds": rounds,
+            "round_s": _summary([r["wall_s"] for r in measured]),
+            "phases_median": (
+                {
+                    k: statistics.median(r["phases"][k] for r in measured)
+                    for k in ("uploads_s", "close_s", "downloads_s")
+                }
+                if all(r["phases"] for r in measured)
+                else None
+            ),
+            "upload_bytes_per_worker": up,
+            "download_bytes_per_worker": down,
+            "server_bytes_in_per_round": int(
+                statistics.median(r["server_bytes_in"] for r in measured)
+            ),
+            "server_bytes_out_per_round": int(
+                statistics.median(r["server_bytes_out"] for r in measured)
+            ),
+            "all_rounds_ok": all(
+                r["consistent"]
+                and r["failed_syncs"] == 0
+                and all(x == 1 for x in r["worker_rounds"])
+                and r["server_contributions"] == n
+                for r in rounds
+            ),
+            "retries": sum(r["retries"] for r in rounds),
+            "server": {
+                "maxrss": final["maxrss"],
+                "polled_peak_rss": server_polled,
+                "base_rss": self.hello["base_rss"],
+                "rss_after_load": self.hello["rss_loaded"],
+                "rss_end": final["rss_end"],
+            },
+            "worker": {
+                "maxrss": max(d["maxrss"] for d in done.values()),
+                "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
+                "polled_peak_rss": worker_polled,
+                "base_rss": max(r["base_rss"] for r in self.ready.values()),
+                "rss_after_join": max(r["rss_joined"] for r in self.ready.values()),
+            },
+        }
 
 
-def run_loopback(ctx: Any, n: int, up: int, down: int, args: argparse.Namespace) -> dict[str, Any]:
-    total_rounds = args.warmup + args.rounds
-    parent_conn, child_conn = ctx.Pipe()
-    server = ctx.Process(
-        target=_raw_server_main,
-        args=(child_conn, n, up, down, total_rounds),
-        name="raw-server",
-        daemon=True,
-    )
-    procs: list[Any] = [server]
-    try:
-        server.start()
-        if not parent_conn.poll(args.setup_timeout):
+class LoopbackRun:
+    """The raw-socket limit: a plain server process and N client processes, one round at a time."""
+
+    def __init__(self, ctx: Any, n: int, up: int, down: int, args: argparse.Namespace) -> None:
+        self.ctx, self.n, self.up, self.down, self.args = ctx, n, up, down, args
+        self.total_rounds = args.warmup + args.rounds
+        self.procs: list[Any] = []
+        self.rounds: list[dict[str, Any]] = []
+
+    def __enter__(self) -> LoopbackRun:
+        try:
+            self._start()
+        except BaseException:
+            _reap(self.procs)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _reap(self.procs)
+
+    def _start(self) -> None:
+        ctx, n, args = self.ctx, self.n, self.args
+        self.parent_conn, child_conn = ctx.Pipe()
+        self.server = ctx.Process(
+            target=_raw_server_main,
+            args=(child_conn, n, self.up, self.down, self.total_rounds),
+            name="raw-server",
+            daemon=True,
+        )
+        self.procs.append(self.server)
+        self.server.start()
+        if not self.parent_conn.poll(args.setup_timeout):
             raise TimeoutError("raw server did not report its port")
-        port = parent_conn.recv()
-        barrier = ctx.Barrier(n + 1)
-        out = ctx.Queue()
-        inbox = Inbox(out)
-        clients = [
+        port = self.parent_conn.recv()
+        self.barrier = ctx.Barrier(n + 1)
+        self.inbox = Inbox(ctx.Queue())
+        self.clients = [
             ctx.Process(
                 target=_raw_client_main,
-                args=(i, port, up, down, total_rounds, barrier, out),
+                args=(i, port, self.up, self.down, self.total_rounds, self.barrier, self.inbox.q),
                 name=f"raw-client-{i}",
                 daemon=True,
             )
             for i in range(n)
         ]
-        procs.extend(clients)
-        for c in clients:
+        self.procs.extend(self.clients)
+        for c in self.clients:
             c.start()
-        inbox.collect("ready", n, args.setup_timeout, f"loopback N={n} setup")
-        rounds = []
-        for r in range(total_rounds):
-            _check_alive(procs, f"loopback N={n} round {r}")
-            barrier.wait(args.round_timeout)
-            msgs = inbox.collect("round", n, args.round_timeout, f"loopback N={n} round {r}")
-            t0 = min(m["t0"] for m in msgs.values())
-            rounds.append(
-                {
-                    "round": r,
-                    "warmup": r < args.warmup,
-                    "wall_s": max(m["t1"] for m in msgs.values()) - t0,
-                    "uploads_sent_s": max(m["sent"] for m in msgs.values()) - t0,
-                }
-            )
-        inbox.collect("done", n, args.setup_timeout, f"loopback N={n} shutdown")
-        if not parent_conn.poll(60):
+        self.inbox.collect("ready", n, args.setup_timeout, f"loopback N={n} setup")
+
+    def round(self) -> dict[str, Any]:
+        n, args = self.n, self.args
+        r = len(self.rounds)
+        _check_alive(self.procs, f"loopback N={n} round {r}")
+        self.barrier.wait(args.round_timeout)
+        msgs = self.inbox.collect("round", n, args.round_timeout, f"loopback N={n} round {r}")
+        t0 = min(m["t0"] for m in msgs.values())
+        result = {
+            "round": r,
+            "warmup": r < args.warmup,
+            "t0": t0,
+            "wall_s": max(m["t1"] for m in msgs.values()) - t0,
+            "uploads_sent_s": max(m["sent"] for m in msgs.values()) - t0,
+        }
+        self.rounds.append(result)
+        if args.verbose:
+            print(f"    N={n} loopback round {r}: {result['wall_s']:.3f} s", flush=True)
+        return result
+
+    def finish(self) -> dict[str, Any]:
+        n, args = self.n, self.args
+        self.inbox.collect("done", n, args.setup_timeout, f"loopback N={n} shutdown")
+        if not self.parent_conn.poll(60):
             raise TimeoutError("raw server did not finish")
-        final = parent_conn.recv()
+        final = self.parent_conn.recv()
         if final["errors"]:
             raise RuntimeError(f"raw server errors: {final['errors']}")
-        server.join(30)
-        for c in clients:
+        self.server.join(30)
+        for c in self.clients:
             c.join(30)
-    finally:
-        _reap(procs)
-    measured = [r for r in rounds if not r["warmup"]]
-    return {
-        "workers": n,
-        "upload_bytes": up,
-        "download_bytes": down,
-        "rounds": rounds,
-        "round_s": _summary([r["wall_s"] for r in measured]),
-        "throughput_MBps": (n * (up + down))
-        / statistics.median(r["wall_s"] for r in measured)
-        / MB,
-    }
+        measured = [r for r in self.rounds if not r["warmup"]]
+        return {
+            "workers": n,
+            "upload_bytes": self.up,
+            "download_bytes": self.down,
+            "rounds": self.rounds,
+            "round_s": _summary([r["wall_s"] for r in measured]),
+            "throughput_MBps": (n * (self.up + self.down))
+            / statistics.median(r["wall_s"] for r in measured)
+            / MB,
+        }
+
+
+def run_pair(
+    ctx: Any,
+    n: int,
+    shape: ModelShape,
+    params_path: str,
+    args: argparse.Namespace,
+    interleave: bool,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """DiLoCo rounds and, unless skipped, the raw-socket limit for the bytes they moved.
+
+    Interleaved (when memory allows both sets of processes at once): after the warm-ups, each
+    measured DiLoCo round is paired with a raw round right before or after it (alternating), so
+    that both see the same load on a shared machine. Otherwise all DiLoCo rounds, then all raw
+    rounds."""
+    with DiLoCoRun(ctx, n, shape, params_path, args) as d:
+        for _ in range(args.warmup):
+            d.round()
+        if args.skip_loopback or not interleave:
+            for _ in range(args.rounds):
+                d.round()
+            diloco = d.finish()
+            lb_result = None
+        else:
+            up, down = d.bytes_per_worker()  # from the warm-ups (main insists on one)
+            with LoopbackRun(ctx, n, up, down, args) as lb:
+                d.settle()
+                for _ in range(args.warmup):
+                    lb.round()
+                for r in range(args.rounds):
+                    if r % 2 == 0:
+                        lb.round()
+                        d.round()
+                    else:
+                        d.round()
+                        d.settle()  # the workers' next perturbation is not part of the raw round
+                        lb.round()
+                lb_result = lb.finish()
+            diloco = d.finish()
+    if lb_result is None and not args.skip_loopback:
+        up, down = diloco["upload_bytes_per_worker"], diloco["download_bytes_per_worker"]
+        with LoopbackRun(ctx, n, up, down, args) as lb:
+            for _ in range(args.warmup + args.rounds):
+                lb.round()
+            lb_result = lb.finish()
+    return diloco, lb_result
 
 
 def machine_info() -> dict[str, Any]:
@@ -775,6 +899,20 @@ def estimate_bytes(n: int, model_bytes: int) -> int:
     per process) on top."""
     overhead = 300 * 2**20
     return int(4 * model_bytes + overhead + n * (2.2 * model_bytes + overhead))
+
+
+def estimate_loopback_bytes(n: int, model_bytes: int) -> int:
+    """The raw-socket processes: the server's receive and send buffers (half a model and a
+    model), one model-sized buffer per client, and an interpreter (~40 MB) each."""
+    overhead = 40 * 2**20
+    return int(1.5 * model_bytes + overhead + n * (model_bytes + overhead))
+
+
+def paired_efficiency(d: dict[str, Any], lb: dict[str, Any]) -> float:
+    """Median over the measured rounds of (raw round time / DiLoCo round time beside it)."""
+    ours = [r["wall_s"] for r in d["rounds"] if not r["warmup"]]
+    raw = [r["wall_s"] for r in lb["rounds"] if not r["warmup"]]
+    return statistics.median(b / a for a, b in zip(ours, raw, strict=True))
 
 
 def _fmt_mb(b: float) -> str:
@@ -815,7 +953,8 @@ def print_table(results: list[dict[str, Any]], model_bytes: int) -> None:
     )
     print("\nDetails (medians of the measured rounds):")
     head2 = (
-        "| N | uploads s | close s | downloads s | loopback: uploads sent s | server peak RSS "
+        "| N | limit measured | paired efficiency | uploads s | close s | downloads s | "
+        "loopback: uploads sent s | server peak RSS "
         "polled MB | server RSS base / after load MB | server peak above base (x model) | "
         "worker peak polled MB | worker RSS base MB | worker peak above base (x model) | "
         "rounds ok |"
@@ -828,8 +967,11 @@ def print_table(results: list[dict[str, Any]], model_bytes: int) -> None:
         lb_sent = statistics.median(r["uploads_sent_s"] for r in lb["rounds"] if not r["warmup"])
         w = d["worker"]
         s = d["server"]
+        pairs = paired_efficiency(d, lb) if lb.get("interleaved") else None
         print(
-            f"| {d['workers']} | {ph.get('uploads_s', float('nan')):.2f} | "
+            f"| {d['workers']} | {'beside each round' if lb.get('interleaved') else 'after'} | "
+            f"{'-' if pairs is None else f'{pairs:.2f}'} | "
+            f"{ph.get('uploads_s', float('nan')):.2f} | "
             f"{ph.get('close_s', float('nan')):.2f} | {ph.get('downloads_s', float('nan')):.2f} | "
             f"{lb_sent:.2f} | {_fmt_mb(s['polled_peak_rss'])} | "
             f"{_fmt_mb(s['base_rss'])} / {_fmt_mb(s['rss_after_load'])} | "
@@ -854,6 +996,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--force", action="store_true", help="run even if memory looks short")
     ap.add_argument("--skip-loopback", action="store_true", help="do not measure the raw limit")
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="measure the raw limit after all DiLoCo rounds instead of beside each one",
+    )
     ap.add_argument("--verbose", "-v", action="store_true", help="print every round")
     ap.add_argument(
         "--server-env",
@@ -907,20 +1054,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(msg, flush=True)
                 skipped.append({"workers": n, "reason": msg})
                 continue
-            print(f"N={n}: DiLoCo rounds ...", flush=True)
+            # Both sets of processes at once, if they fit: then each measured DiLoCo round has
+            # a raw round beside it, under the same load (see run_pair).
+            interleave = (
+                not args.sequential
+                and args.warmup >= 1
+                and need + estimate_loopback_bytes(n, model_bytes) <= avail - 2**30
+            )
+            what = "DiLoCo rounds" + ("" if args.skip_loopback else " and loopback limit")
+            how = ", interleaved" if interleave and not args.skip_loopback else ""
+            print(f"N={n}: {what}{how} ...", flush=True)
             t = time.monotonic()
-            d = run_diloco(ctx, n, shape, params_path, args)
+            d, lb = run_pair(ctx, n, shape, params_path, args, interleave)
             print(
                 f"N={n}: round median {d['round_s']['median']:.3f} s "
                 f"(phases {d['phases_median']}), took {time.monotonic() - t:.0f} s",
                 flush=True,
             )
-            lb: dict[str, Any] | None = None
-            if not args.skip_loopback:
-                print(f"N={n}: loopback limit ...", flush=True)
-                lb = run_loopback(
-                    ctx, n, d["upload_bytes_per_worker"], d["download_bytes_per_worker"], args
-                )
+            if lb is not None:
+                lb["interleaved"] = interleave
                 print(f"N={n}: loopback median {lb['round_s']['median']:.3f} s", flush=True)
             results.append({"diloco": d, "loopback": lb})
     finally:

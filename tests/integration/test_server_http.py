@@ -1133,3 +1133,63 @@ def _without_instance(reply: dict) -> dict:
     """Submission replies name the server instance (a random id per start)."""
     assert isinstance(reply.pop("instance"), str)
     return reply
+
+
+def test_download_streams_a_round_while_its_outer_step_is_still_running(
+    make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import diloco.server.coordinator as coordinator_mod
+    from diloco.server.app import DOWNLOAD_CHUNK
+
+    n = 300_000  # three tensors of 1.2 MB: the first holds the first write (1 MiB) whole
+    g = torch.Generator().manual_seed(5)
+    params = {name: torch.randn(n, generator=g) for name in ("a", "b", "c")}
+    grads = {name: torch.randn(n, generator=g) for name in ("a", "b", "c")}
+    first_done, release = threading.Event(), threading.Event()
+    real_step = coordinator_mod.apply_outer_step
+
+    def paused_step(*args: Any, on_piece: Any = None, **kwargs: Any) -> None:
+        def report(param: torch.Tensor, elements: int) -> None:
+            on_piece(param, elements)
+            if not first_done.is_set():  # hold the step once the first tensor is final
+                first_done.set()
+                assert release.wait(TIMEOUT)
+
+        real_step(*args, on_piece=report if on_piece is not None else None, **kwargs)
+
+    monkeypatch.setattr(coordinator_mod, "apply_outer_step", paused_step)
+    server = make_server(params=params, **EXACT)
+    try:
+        register(server, "w")
+        accept(server, body("w", 0, "w-0", grads))
+        assert first_done.wait(TIMEOUT)
+        resp = requests.get(
+            url(server, "/global_params?min_round=1&worker_id=w"), stream=True, timeout=TIMEOUT
+        )
+        assert resp.status_code == 200
+
+        def read(count: int) -> bytes:
+            out = b""
+            while len(out) < count:
+                part = resp.raw.read(count - len(out))
+                assert part, "body ended early"
+                out += part
+            return out
+
+        prefix = read(8)
+        header = read(struct.unpack("<Q", prefix)[0])
+        meta = json.loads(header)["__metadata__"]
+        first = read(DOWNLOAD_CHUNK)
+        # Round 1 is not published yet (the step is held), yet the start of its first tensor
+        # has arrived, with its final values.
+        assert meta["round"] == "1" and status(server)["round"] == 0
+        want = expected_exact(params, grads)
+        got = torch.frombuffer(bytearray(first), dtype=torch.float32)
+        assert torch.equal(got, want["a"][: got.numel()])
+        release.set()
+        rest = resp.raw.read()
+        tensors = safetensors.torch.load(prefix + header + first + rest)
+        assert_params_equal(tensors, want)
+        assert wait_round(server, 1)["round"] == 1
+    finally:
+        release.set()

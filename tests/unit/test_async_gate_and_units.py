@@ -96,7 +96,7 @@ def test_unit_params_view_the_bytes_its_downloads_stream() -> None:
         reader = await store.open_snapshot()  # forces the next update to copy on write
         unit = units[1]
 
-        def step() -> None:
+        def step(progress: object) -> None:
             for p in unit.params:
                 p.data.add_(1000.0)
 

@@ -11,6 +11,9 @@ DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 
 
+PieceDone = Callable[[torch.Tensor, int], None]
+"""``(parameter, n)``: the first ``n`` elements of the parameter hold their new values."""
+
 PIECE = 1 << 20
 """Elements updated at a time by OuterSGD: the pieces of parameter, gradient and momentum stay
 in cache across the update's in-place operations, so each tensor crosses memory about once per
@@ -47,18 +50,29 @@ class OuterSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(  # type: ignore[override]
-        self, closure: Callable[[], Any] | None = None, *, divisor: float = 1.0
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        divisor: float = 1.0,
+        on_piece: PieceDone | None = None,
     ) -> None:
+        """One update. ``on_piece(p, n)``, if given, is called each time the first ``n``
+        elements of parameter ``p`` hold their final values (parameters go in group order)."""
         assert closure is None, "OuterSGD takes no closure"
         if not divisor > 0:
             raise ValueError(f"divisor must be positive, got {divisor}")
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(group, p, p.grad, divisor)
+                    self._update(group, p, p.grad, divisor, on_piece)
 
     def _update(
-        self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, divisor: float
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        divisor: float,
+        on_piece: PieceDone | None,
     ) -> None:
         lr, momentum, nesterov = group["lr"], group["momentum"], group["nesterov"]
         state = self.state[p]
@@ -69,20 +83,24 @@ class OuterSGD(torch.optim.Optimizer):
         else:
             first = False
         buf = state.get("momentum_buffer")
+        done = 0
         for p_, g, b in _pieces(p, grad, buf):
             if divisor != 1:
                 g = torch.div(g, divisor, out=self._scratch_for(g))
             if not momentum:
                 p_.add_(g, alpha=-lr)
-                continue
-            assert b is not None
-            if not first:
-                b.mul_(momentum).add_(g)
-            if nesterov:
-                p_.add_(g, alpha=-lr)
-                p_.add_(b, alpha=-lr * momentum)
             else:
-                p_.add_(b, alpha=-lr)
+                assert b is not None
+                if not first:
+                    b.mul_(momentum).add_(g)
+                if nesterov:
+                    p_.add_(g, alpha=-lr)
+                    p_.add_(b, alpha=-lr * momentum)
+                else:
+                    p_.add_(b, alpha=-lr)
+            done += p_.numel()
+            if on_piece is not None:
+                on_piece(p, done)
 
     def _scratch_for(self, piece: torch.Tensor) -> torch.Tensor:
         n = piece.numel()
@@ -135,20 +153,22 @@ def apply_outer_step(
     params: Sequence[torch.nn.Parameter],
     pseudo_gradients: Sequence[torch.Tensor],
     divisor: float = 1.0,
+    on_piece: PieceDone | None = None,
 ) -> None:
     """One outer step with ``pseudo_gradient / divisor`` used as the gradient (a running sum
     and its total weight give the weighted mean).
 
-    OuterSGD divides on the fly; for any other optimizer the pseudo-gradients are divided in
-    place first. Parameters whose gradient is None are skipped by torch optimizers, so passing
-    a subset keeps the others (and their momentum) untouched."""
+    OuterSGD divides on the fly and reports finished pieces to ``on_piece``; for any other
+    optimizer the pseudo-gradients are divided in place first and nothing is reported (its
+    parameters are final only when it returns). Parameters whose gradient is None are skipped
+    by torch optimizers, so passing a subset keeps the others (and their momentum) untouched."""
     if not divisor > 0:
         raise ValueError(f"divisor must be positive, got {divisor}")
     for p, g in zip(params, pseudo_gradients, strict=True):
         p.grad = g
     try:
         if isinstance(optimizer, OuterSGD):
-            optimizer.step(divisor=divisor)
+            optimizer.step(divisor=divisor, on_piece=on_piece)
         else:
             if divisor != 1:
                 for g in pseudo_gradients:

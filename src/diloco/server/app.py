@@ -19,7 +19,7 @@ from diloco.server.errors import ApiError, bad_request, unknown_worker
 from diloco.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.metrics import HttpCounters
 from diloco.server.metrics import render as render_metrics
-from diloco.server.params import ParamStore
+from diloco.server.params import ParamStore, Snapshot
 from diloco.server.security import (
     AuthThrottle,
     Guard,
@@ -33,6 +33,7 @@ from diloco.wire.encode import chunks
 log = logging.getLogger(__name__)
 
 DOWNLOAD_CHUNK = 1024 * 1024
+FLUSH_AT_LEAST = 64 * 1024  # aiohttp drains the transport after a write of more than this
 HEADER_LIMIT = 16 * 1024 * 1024
 COORDINATOR: web.AppKey[Coordinator] = web.AppKey("coordinator", Coordinator)
 COUNTERS: web.AppKey[HttpCounters] = web.AppKey("counters", HttpCounters)
@@ -147,16 +148,52 @@ async def global_params(request: web.Request) -> web.StreamResponse:
         resp.content_length = snap.total_size
         await resp.prepare(request)
         await resp.write(snap.header)
-        # 1 MiB writes: asyncio copies what the socket does not take at once into its buffer and
-        # shifts that buffer as it drains, so smaller writes cost less CPU than 4 MiB ones.
-        for body in snap.body_parts:
-            for part in chunks(body, DOWNLOAD_CHUNK):
-                await resp.write(part)
+        await _write_pinned(request, resp, snap)
         await resp.write_eof()
     finally:
         ParamStore.close_snapshot(snap)
     coord.count_download(worker_id, snap.total_size)
     return resp
+
+
+async def _write_pinned(request: web.Request, resp: web.StreamResponse, snap: Snapshot) -> None:
+    """Send the snapshot's payload from its pinned memory, and return only once no byte of it
+    is still referenced by the transport, so that the pin may go.
+
+    Writes are 1 MiB: Python 3.11's asyncio copies what the socket does not take at once into
+    its buffer and shifts that buffer as it drains, so smaller writes cost less CPU than 4 MiB
+    ones. Newer asyncio keeps references to the written memory instead of copying it, and an
+    outer step may rewrite that memory in place once the pin is gone. So the last bytes go out
+    as a copy, written with the transport's buffer limits at zero: aiohttp then waits until the
+    transport's buffer is empty (all of it in the kernel's hands) before the write returns."""
+    total = sum(len(body) for body in snap.body_parts)
+    cut = total - min(total, FLUSH_AT_LEAST + 1)  # bytes from here on are sent as a copy
+    tails: list[memoryview] = []
+    sent = 0
+    for body in snap.body_parts:
+        for part in chunks(body, DOWNLOAD_CHUNK):
+            keep = max(0, min(len(part), cut - sent))
+            if keep:
+                if snap.ready is not None:
+                    await snap.ready(sent + keep)  # the round is still being written
+                await resp.write(part[:keep])
+            if keep < len(part):
+                tails.append(part[keep:])
+            sent += len(part)
+    if not tails:
+        return
+    if snap.ready is not None:
+        await snap.ready(total)
+    tail = b"".join(tails)  # copied only now that every byte of it is final
+    transport = request.transport
+    limits = transport.get_write_buffer_limits() if transport is not None else None
+    if transport is not None:
+        transport.set_write_buffer_limits(high=0)
+    try:
+        await resp.write(tail)
+    finally:
+        if transport is not None and limits is not None and not transport.is_closing():
+            transport.set_write_buffer_limits(high=limits[1], low=limits[0])
 
 
 def _query_int(request: web.Request, key: str, default: int) -> int:

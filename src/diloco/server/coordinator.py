@@ -32,6 +32,7 @@ from diloco.core import (
 )
 from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.core.dylu import recommended_sync_every, smooth_speed
+from diloco.core.outer import PieceDone
 from diloco.core.staleness import inverse_sqrt_weight
 from diloco.server.async_gate import AsyncCheck
 from diloco.server.barrier import Admission, Check, SyncBarrier, Verdict
@@ -711,9 +712,9 @@ class Coordinator:
                 else 1.0
             )
 
-            def outer_step() -> None:
+            def outer_step(progress: PieceDone | None) -> None:
                 unit.sum.add(tensors, weight)
-                apply_outer_step(unit.optimizer, unit.params, unit.sum.sums)
+                apply_outer_step(unit.optimizer, unit.params, unit.sum.sums, on_piece=progress)
                 unit.sum.reset()
 
             await self._publish_update(unit, applied_to + 1, outer_step, before=gate.advance)
@@ -736,21 +737,26 @@ class Coordinator:
         self,
         unit: Unit,
         unit_round: int,
-        outer_step: Callable[[], None],
+        outer_step: Callable[[PieceDone | None], None],
         before: Callable[[], None] | None = None,
     ) -> None:
         """Run ``outer_step`` on ``unit`` off the event loop (caller holds the tensor lock),
         write a periodic checkpoint if one is due, then publish: the unit's round becomes
         ``unit_round`` and the store's update count moves by one. ``before`` runs on the loop
-        just before the unit's round moves (the async gate advances its version there)."""
+        just before the unit's round moves (the barrier opens its next round there, the async
+        gate advances its version), and so before any download of the new round can end.
+
+        When the unit is the whole model, downloads of the new round start as the step begins
+        and stream each part as soon as it is final: ``outer_step`` gets a progress callback to
+        pass to ``apply_outer_step``."""
         store = self.require_store()
         new_round = store.round + 1
         rounds = [u.published_round for u in self.units]
         rounds[unit.index] = unit_round
         durable = self._durable(new_round)
 
-        def step() -> None:
-            outer_step()
+        def step(progress: PieceDone | None) -> None:
+            outer_step(progress)
             if durable:
                 self._checkpoint_quietly(new_round, rounds)
 
@@ -759,7 +765,9 @@ class Coordinator:
                 before()
             unit.published_round = unit_round
 
-        await store.update(step, new_round=new_round, on_publish=publish)
+        await store.update(
+            step, new_round=new_round, on_publish=publish, stream=len(self.units) == 1
+        )
 
     def _too_stale(self, unit: Unit, base: int, stale: int) -> ApiError:
         return conflict(
@@ -865,15 +873,18 @@ class Coordinator:
             t0 = self.clock()
             count, total = wsum.count, wsum.total_weight
 
-            def outer_step() -> None:
+            def outer_step(progress: PieceDone | None) -> None:
                 # The weighted mean is the sum over the total weight: the step divides as it goes.
-                apply_outer_step(unit.optimizer, unit.params, wsum.sums, divisor=total)
+                apply_outer_step(
+                    unit.optimizer, unit.params, wsum.sums, divisor=total, on_piece=progress
+                )
                 wsum.reset()
 
-            await self._publish_update(unit, round_ + 1, outer_step)
+            await self._publish_update(
+                unit, round_ + 1, outer_step, before=lambda: barrier.advance(self.registry.ids())
+            )
             outer_s = self.clock() - t0
         self.last_round_contributions = count
-        barrier.advance(self.registry.ids())
         self._log_update(unit, round_, outer_s, count, None)
         log.info(
             "round %d%s closed: %d contributions (weight %.3g); round %d open",

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from diloco.core.outer import PieceDone
 from diloco.wire import Layout, TensorSpec, build_layout, byte_view, tensor_views
 
 
@@ -27,16 +28,95 @@ class _Buffer:
         self.readers = 0
 
 
+class Publication:
+    """A round whose bytes are being written by an outer step that reports its progress.
+
+    Downloads of the new round start at once and stream the payload up to ``ready``: the bytes
+    below it are final. The last byte is held back until ``complete``, which the store calls
+    once the round is published, so no client can finish reading a round the server does not
+    serve yet (and then, say, submit against a round the barrier has not opened)."""
+
+    def __init__(
+        self,
+        round: int,
+        header: bytes,
+        buffer: _Buffer,
+        offsets: tuple[tuple[int, int], ...],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.round = round
+        self.header = header
+        self.buffer = buffer
+        self.ready = 0
+        self.failed = False
+        self._total = buffer.payload.numel()
+        self._loop = loop
+        self._base = buffer.payload.data_ptr()
+        self._spans = [(begin, end) for begin, end in offsets if end > begin]
+        self._index = {begin: i for i, (begin, _) in enumerate(self._spans)}
+        self._done = [0] * len(self._spans)  # bytes written of each tensor, in payload order
+        self._next = 0  # the first tensor, in payload order, not written in full
+        self._moved = asyncio.Event()
+
+    def report(self, param: torch.Tensor, elements: int) -> None:
+        """From the writing thread: the first ``elements`` of ``param`` (a view into this
+        payload) hold their new values."""
+        begin = param.data_ptr() - self._base
+        nbytes = elements * param.element_size()
+        self._loop.call_soon_threadsafe(self._advance, begin, nbytes)
+
+    def _advance(self, begin: int, nbytes: int) -> None:
+        i = self._index.get(begin)
+        if i is None or self.failed:
+            return  # not a whole tensor of this payload: it becomes ready at completion
+        self._done[i] = max(self._done[i], nbytes)
+        # Only a prefix of the payload is ready: tensors may be written in any order.
+        while self._next < len(self._spans):
+            start, end = self._spans[self._next]
+            if self._done[self._next] < end - start:
+                break
+            self._next += 1
+        if self._next < len(self._spans):
+            start, _ = self._spans[self._next]
+            upto = start + self._done[self._next]
+        else:
+            upto = self._total
+        upto = min(upto, self._total - 1)
+        if upto > self.ready:
+            self.ready = upto
+            self._moved.set()
+
+    def complete(self) -> None:
+        self.ready = self._total
+        self._moved.set()
+
+    def fail(self) -> None:
+        self.failed = True
+        self._moved.set()
+
+    async def until(self, end: int) -> None:
+        """Wait until payload bytes ``[0, end)`` are final. Raises if the step failed: the
+        bytes sent so far belong to no round, and the download must be cut off."""
+        while self.ready < end:
+            if self.failed:
+                raise RuntimeError(f"the outer step of round {self.round} failed")
+            self._moved.clear()
+            await self._moved.wait()
+
+
 @dataclass
 class Snapshot:
     """What a download streams: the header of its round and the payload it points into.
-    ``parts`` is the whole payload, or the byte ranges of one fragment's pieces."""
+    ``parts`` is the whole payload, or the byte ranges of one fragment's pieces. ``ready``,
+    when set, must be awaited with the end of each payload range before it is sent (the round
+    is still being written, see ``Publication``)."""
 
     round: int
     header: bytes
     payload: memoryview
     _buffer: _Buffer
     parts: list[memoryview] | None = None
+    ready: Callable[[int], Awaitable[None]] | None = None
 
     @property
     def body_parts(self) -> list[memoryview]:
@@ -73,6 +153,7 @@ class ParamStore:
         self._header = self._make_header()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._pending: Publication | None = None  # a round being published as it is written
         self._round_changed = asyncio.Condition()
         self.copies_on_write = 0
 
@@ -99,8 +180,12 @@ class ParamStore:
         views = tensor_views(self.layout, buffer.payload)
         return [views[s.name] for s in self.specs]
 
-    def _make_header(self) -> bytes:
-        meta = {"round": str(self.round), "instance": self.instance, "kind": "global_params"}
+    def _make_header(self, round: int | None = None) -> bytes:
+        meta = {
+            "round": str(self.round if round is None else round),
+            "instance": self.instance,
+            "kind": "global_params",
+        }
         if self.header_meta is not None:
             meta.update(self.header_meta())
         return build_layout(self.specs, meta).header
@@ -125,7 +210,15 @@ class ParamStore:
     # --- readers --------------------------------------------------------------------------
 
     async def open_snapshot(self) -> Snapshot:
-        """Pin the current round's bytes. Waits while an outer step is being applied."""
+        """Pin the current round's bytes. While an outer step is being applied, the round it
+        is writing if that is being published as it goes, else wait for the step to end."""
+        pending = self._pending
+        if pending is not None and not pending.failed:
+            buf = pending.buffer
+            buf.readers += 1
+            return Snapshot(
+                pending.round, pending.header, byte_view(buf.payload), buf, ready=pending.until
+            )
         await self._idle.wait()
         buf = self._buffer
         buf.readers += 1
@@ -146,8 +239,16 @@ class ParamStore:
         return Snapshot(round, header(), payload, buf, [payload[a:b] for a, b in ranges])
 
     async def wait_for_round(self, min_round: int, timeout: float) -> bool:
-        """Wait until the published round reaches ``min_round``. False on timeout."""
-        return await self.wait_until(lambda: self.round >= min_round, timeout)
+        """Wait until the published round reaches ``min_round``, or a round that does is being
+        published as it is written (``open_snapshot`` then streams it). False on timeout."""
+
+        def reached() -> bool:
+            pending = self._pending
+            if pending is not None and not pending.failed and pending.round >= min_round:
+                return True
+            return self.round >= min_round
+
+        return await self.wait_until(reached, timeout)
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``predicate()`` holds after a publication. False on timeout."""
@@ -162,27 +263,50 @@ class ParamStore:
 
     async def update(
         self,
-        fn: Callable[[], None],
+        fn: Callable[[PieceDone | None], None],
         *,
         new_round: int | None = None,
         on_publish: Callable[[], None] | None = None,
+        stream: bool = False,
     ) -> None:
         """Run ``fn`` (which mutates ``self.params`` in place) off the event loop, then publish.
         ``on_publish`` runs on the loop just before waiters are woken (to move round counters
         that their predicates read).
 
-        Readers that arrive meanwhile wait; readers already streaming keep the old bytes."""
+        ``fn`` is handed a progress callback, or None. With ``stream`` (and a ``new_round``) it
+        gets one, ``(param, n)``: the first n elements of that parameter are final; downloads
+        of the new round then start at once and send what is final (``Publication``).
+        Otherwise readers that arrive meanwhile wait. Readers already streaming keep the old
+        bytes either way."""
         self._idle.clear()
+        pending: Publication | None = None
         try:
             if self._buffer.readers:
                 await asyncio.to_thread(self._copy_on_write)
-            await asyncio.to_thread(fn)
+            if stream and new_round is not None and self.header_meta is None:
+                pending = Publication(
+                    new_round,
+                    self._make_header(new_round),
+                    self._buffer,
+                    self.layout.offsets,
+                    asyncio.get_running_loop(),
+                )
+                self._pending = pending
+                async with self._round_changed:
+                    self._round_changed.notify_all()  # long polls for the new round go now
+            await asyncio.to_thread(fn, pending.report if pending is not None else None)
             if new_round is not None:
                 self.round = new_round
             if on_publish is not None:
                 on_publish()
             self._header = self._make_header()
+            if pending is not None:
+                pending.complete()
         finally:
+            if pending is not None:
+                if pending.ready < pending.buffer.payload.numel():
+                    pending.fail()  # the step raised: cut off whoever streams it
+                self._pending = None
             self._idle.set()
         async with self._round_changed:
             self._round_changed.notify_all()
