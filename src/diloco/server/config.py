@@ -84,8 +84,9 @@ class ServerConfig:
     Workers' read timeouts must exceed it."""
 
     upload_slots: int = 1
-    """Uploads received at once. Each holds one upload-sized buffer until it is added to the
-    round's sum; the server's own link is the shared bottleneck, so 1 costs little time."""
+    """Uploads received at once, each into an upload-sized buffer. A buffer goes to the next
+    upload as soon as a body has landed, which refills it behind the add of the previous one;
+    the server's own link is the shared bottleneck, so 1 costs little time."""
 
     max_initial_bytes: int = 64 * 1024**3
     """Largest parameter upload accepted before the model is known."""
