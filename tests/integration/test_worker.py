@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.worker.client import Unreachable
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -238,3 +239,40 @@ def test_barrier_wait_gives_up_without_counting_twice() -> None:
             torch.testing.assert_close(t, g1[name] + 0.5)
         wa.stop(submit=False)
         wb.stop(submit=False)
+
+
+@pytest.mark.parametrize("second", ["counted", "kept"])
+def test_a_refresh_drops_counted_progress_and_rebases_kept_progress(second: str) -> None:
+    """The model is turned into progress only when that progress is to be kept; progress once
+    counted by the server is never added back, whatever the next refresh is asked to do."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    worker = DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), "127.0.0.1:9")
+    new_global = torch.tensor([[10.0, 20.0]])
+    calls: list[int] = []
+
+    def download(min_round: int, deadline: float | None = None) -> bool:
+        calls.append(min_round)
+        if len(calls) == 1:
+            raise Unreachable("cut off inside the payload")  # the snapshot is half-written
+        worker._snapshot["weight"].copy_(new_global)
+        return True
+
+    worker._snapshot = {"weight": torch.tensor([[1.0, 1.0]])}
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 5.0]]))  # progress (2, 4) on top of the snapshot
+    worker._download = download  # type: ignore[method-assign]
+    worker._snapshot_dirty = True
+    with pytest.raises(Unreachable):
+        worker._refresh(counted=True, min_round=1)
+    assert worker._holds_progress and worker._progress_counted
+    # A counted upload's steps are the server's now: asking to keep them must not add them back.
+    worker._refresh(counted=second == "counted", min_round=1)
+    assert torch.equal(model.weight.detach(), new_global)
+    assert not worker._holds_progress
+
+    # Progress that was not counted is kept on top of the new parameters (a rebase).
+    worker._snapshot["weight"].copy_(torch.tensor([[1.0, 1.0]]))
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 5.0]]))
+    worker._refresh(counted=False, min_round=2)
+    assert torch.equal(model.weight.detach(), new_global + torch.tensor([[2.0, 4.0]]))
