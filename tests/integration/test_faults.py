@@ -170,3 +170,34 @@ def test_upload_failing_part_way_leaves_the_model_trainable_and_loses_nothing(se
         torch.testing.assert_close(t, start[name] + 2.0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), start[name] + 2.0)
+
+
+def test_upload_counted_but_every_answer_lost_is_not_counted_twice(setup) -> None:
+    """The server counts the first attempt and every reply is cut: the worker cannot know. Its
+    next sync sends under the same id, learns it was a duplicate, and drops the steps it has
+    taken since (they cannot be told apart from the counted ones) instead of counting the
+    first ones a second time."""
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(4):  # the first try and its 3 retries: each reply cut
+            proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
+        step(model, opt, 0.25)
+        step(model, opt, 0.25)
+        assert len(proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1
+        # Round 0 closed with the first attempt (+0.5); the worker still holds its local values.
+        assert server.status()["round"] == 1
+        step(model, opt, 0.25)
+        step(model, opt, 0.25)
+        m = w.sync_metrics
+        assert m["rounds"] == 1 and m["dropped_steps"] == 2 and m["rebases"] == 0
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), start[name] + 0.5)
+    st = server.status()
+    # Only the first contribution ever counted; nothing was added twice (the exit sends nothing:
+    # no steps since the last sync).
+    assert st["round"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 0.5)

@@ -114,6 +114,9 @@ class DiLoCoWorker:
         self.total_steps = 0
         self._samples = 0.0
         self._last_submission: str | None = None
+        # An upload sent whose answer never came (every retry failed): the server may have
+        # counted it. It is sent again under the same id, so the server can say so.
+        self._unresolved: str | None = None
         self._hook: Any = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -149,6 +152,7 @@ class DiLoCoWorker:
             "peak_sync_bytes_down": 0,
             "fragments_sent": 0,
             "stalls": 0,
+            "dropped_steps": 0,
         }
         self._streaming = FragmentStreamer(self) if self.settings.num_fragments > 1 else None
 
@@ -491,20 +495,39 @@ class DiLoCoWorker:
             self._need_rejoin.clear()
             self._rejoin()
             return
-        submission_id = uuid.uuid4().hex
+        resent = self._unresolved is not None
+        submission_id = self._unresolved or uuid.uuid4().hex
+        # From the first byte sent the server may count this upload: until it answers, a re-join
+        # asks about it, and a failed sync sends the next upload under the same id.
+        self._unresolved = self._last_submission = submission_id
         try:
             reply = self._submit(submission_id)
         except UnknownWorker:
-            self._rejoin()
+            self._rejoin()  # the server says there whether the upload is in its parameters
+            self._unresolved = None
             return
         except Conflict as exc:
+            if exc.code != "upload_in_progress":  # that one may still be counted
+                self._unresolved = self._last_submission = None  # answered: not counted
             self.metrics["refused_submissions"] += 1
             action = exc.body.get("action")
             log.info("worker %s: submission refused (%s): %s", self.worker_id, exc.code, exc.detail)
             if action == "rebase":
                 self._refresh(counted=False, min_round=int(exc.body.get("round", 0)))
             return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
-        self._last_submission = submission_id
+        self._unresolved = None
+        if resent and reply.get("status") == "duplicate":
+            # The lost answer was "accepted": those steps are the server's. The steps taken since
+            # are mixed into the same local values and cannot be told apart, so they are dropped
+            # with them rather than counted a second time.
+            self.metrics["dropped_steps"] += self.local_step
+            log.warning(
+                "worker %s: an upload whose answer was lost had been counted in round %s; "
+                "the %d local steps taken since are dropped",
+                self.worker_id,
+                reply.get("round"),
+                self.local_step,
+            )
         self._samples = 0.0
         counted_round = int(reply["round"])
         deadline = time.monotonic() + self.settings.max_barrier_wait
@@ -529,7 +552,7 @@ class DiLoCoWorker:
     def _final_submit(self) -> None:
         """On exit: hand in the last local steps without waiting for the round to close."""
         try:
-            self._submit(uuid.uuid4().hex)
+            self._submit(self._unresolved or uuid.uuid4().hex)
         except (Conflict, UnknownWorker) as exc:
             log.warning("worker %s: final submission not counted: %s", self.worker_id, exc.detail)
 
