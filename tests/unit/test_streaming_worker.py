@@ -36,6 +36,8 @@ class FakeServer:
         self.refuse: dict[int, dict[str, Any]] = {}  # fragment -> 409 body, used once
         self.fail_submit: set[int] = set()  # fragments whose next upload is unreachable
         self.fail_download: set[int] = set()  # fragments whose next download is unreachable
+        self.lose_reply: set[int] = set()  # fragments whose next upload counts, answer lost
+        self.counted: dict[str, int] = {}  # submission id -> round it counted in
         self.gate: threading.Event | None = None  # uploads wait on it when set
         self.entered = threading.Event()
         self.active = 0
@@ -143,6 +145,12 @@ class FakeClient:
                 raise Unreachable("fake: link down")
             if fragment in s.refuse:
                 raise Conflict(409, s.refuse.pop(fragment))
+            if submission_id in s.counted:
+                return {
+                    "status": "duplicate",
+                    "round": s.counted[submission_id],
+                    "fragment": fragment,
+                }
             got = {spec.name: produce(spec).float().clone() for spec in specs}
             if base_round != s.rounds[fragment]:
                 body = {"error": "stale_round", "detail": "", "action": "rebase"}
@@ -152,7 +160,11 @@ class FakeClient:
             for wire in s.plan[fragment]:
                 s.view(wire).sub_(s.outer_lr * got[wire[0]])
             s.rounds[fragment] += 1
+            s.counted[submission_id] = base_round
             self.bytes_up += build_layout(specs).total_size
+            if fragment in s.lose_reply:
+                s.lose_reply.discard(fragment)
+                raise Unreachable("fake: counted, then the link went down")
             return {"status": "accepted", "round": base_round, "fragment": fragment}
         finally:
             with s._lock:
@@ -380,6 +392,24 @@ def test_counted_upload_whose_result_is_lost_is_removed_from_the_model() -> None
             step(model, opt)  # after step 7 its progress is rebased onto round 1 (start + 2D)
         torch.testing.assert_close(flat(model)[F0], START[F0] + 7 * D)  # each step counted once
         assert worker.sync_metrics["rebases"] == 1
+
+
+def test_upload_counted_but_answer_lost_is_resent_under_its_id_not_counted_twice() -> None:
+    server = FakeServer(outer_lr=1.0)
+    worker, model, opt = make_worker(server, merge_alpha=0.0)
+    with worker:
+        server.lose_reply.add(0)
+        step(model, opt)
+        step(model, opt)  # fragment 0 sent (-2D): counted by the server, the answer lost
+        assert worker.sync_metrics["failed_syncs"] == 1 and server.rounds[0] == 1
+        torch.testing.assert_close(flat(model)[F0], START[F0] + 2 * D)  # nothing known: kept
+        for _ in range(4):  # fragment 0 is due again after step 6: sent under the same id
+            step(model, opt)
+        # The server says duplicate: the first upload counted (round 0 -> START + 2D), and the
+        # merge adopts it; the 2D are in the parameters once, not rebased on top a second time.
+        assert len([s for s in server.submissions if s[0] == 0]) == 1
+        torch.testing.assert_close(flat(model)[F0], START[F0] + 2 * D)
+        assert worker.sync_metrics["rebases"] == 0
 
 
 def test_exit_sends_every_fragments_remaining_steps() -> None:

@@ -155,6 +155,7 @@ class Exchange:
     done: threading.Event = field(default_factory=threading.Event)
     outcome: str = "pending"  # merge | rebase | keep | failed | timeout | rejoin
     counted: bool = False  # the server holds this pseudo-gradient
+    unanswered: bool = False  # the upload got no answer: the server may hold it or not
     new_round: int = 0
     received: dict[str, torch.Tensor] = field(default_factory=dict)
     detail: str = ""
@@ -182,6 +183,9 @@ class FragmentStreamer:
         self._scratch: torch.Tensor | None = None
         self._inflight: Exchange | None = None
         self._uncounted_drop: Exchange | None = None  # counted upload whose result never came
+        # Per fragment, an upload whose every answer was lost: the server may have counted it,
+        # so the fragment's next upload goes under the same id (a duplicate if it had).
+        self._unresolved: dict[int, str] = {}
         self._queue: queue.Queue[Exchange | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self._abandon = threading.Event()
@@ -343,7 +347,7 @@ class FragmentStreamer:
         job = Exchange(
             fragment=k,
             base_round=self.rounds[k],
-            submission_id=uuid.uuid4().hex,
+            submission_id=self._unresolved.pop(k, "") or uuid.uuid4().hex,
             weight=samples if samples > 0 else float(max(steps, 1)),
             apply_at=w.total_steps + self.tau,
         )
@@ -393,6 +397,8 @@ class FragmentStreamer:
                 w.metrics["refused_submissions"] += 1
             elif job.outcome in ("failed", "timeout"):
                 w.metrics["failed_syncs"] += 1
+                if job.unanswered:
+                    self._unresolved[k] = job.submission_id
                 if job.counted:
                     # The server holds this progress and will publish it in a later round.
                     self._drop_sent(k)
@@ -446,7 +452,7 @@ class FragmentStreamer:
             w.client.submit_pseudogradients(
                 w.worker_id,
                 self.rounds[k],
-                uuid.uuid4().hex,
+                self._unresolved.pop(k, "") or uuid.uuid4().hex,
                 specs,
                 lambda spec: views[spec.name],
                 weight=float(w.total_steps - self._sent_step[k]),
@@ -504,6 +510,7 @@ class FragmentStreamer:
             return
         except NETWORK_FAILURES as exc:
             job.outcome, job.detail = "failed", str(exc)
+            job.unanswered = True
             return
         finally:
             job.bytes_up = w.client.bytes_up - before
