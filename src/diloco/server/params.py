@@ -17,91 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from diloco.core.outer import PieceDone
+from diloco.server.publication import PayloadBuffer, Publication
 from diloco.wire import Layout, TensorSpec, build_layout, byte_view, tensor_views
-
-
-class _Buffer:
-    """A payload buffer with a count of the downloads streaming from it."""
-
-    def __init__(self, payload: torch.Tensor) -> None:
-        self.payload = payload
-        self.readers = 0
-
-
-class Publication:
-    """A round whose bytes are being written by an outer step that reports its progress.
-
-    Downloads of the new round start at once and stream the payload up to ``ready``: the bytes
-    below it are final. The last byte is held back until ``complete``, which the store calls
-    once the round is published, so no client can finish reading a round the server does not
-    serve yet (and then, say, submit against a round the barrier has not opened)."""
-
-    def __init__(
-        self,
-        round: int,
-        header: bytes,
-        buffer: _Buffer,
-        offsets: tuple[tuple[int, int], ...],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.round = round
-        self.header = header
-        self.buffer = buffer
-        self.ready = 0
-        self.failed = False
-        self._total = buffer.payload.numel()
-        self._loop = loop
-        self._base = buffer.payload.data_ptr()
-        self._spans = [(begin, end) for begin, end in offsets if end > begin]
-        self._index = {begin: i for i, (begin, _) in enumerate(self._spans)}
-        self._done = [0] * len(self._spans)  # bytes written of each tensor, in payload order
-        self._next = 0  # the first tensor, in payload order, not written in full
-        self._moved = asyncio.Event()
-
-    def report(self, param: torch.Tensor, elements: int) -> None:
-        """From the writing thread: the first ``elements`` of ``param`` (a view into this
-        payload) hold their new values."""
-        begin = param.data_ptr() - self._base
-        nbytes = elements * param.element_size()
-        self._loop.call_soon_threadsafe(self._advance, begin, nbytes)
-
-    def _advance(self, begin: int, nbytes: int) -> None:
-        i = self._index.get(begin)
-        if i is None or self.failed:
-            return  # not a whole tensor of this payload: it becomes ready at completion
-        self._done[i] = max(self._done[i], nbytes)
-        # Only a prefix of the payload is ready: tensors may be written in any order.
-        while self._next < len(self._spans):
-            start, end = self._spans[self._next]
-            if self._done[self._next] < end - start:
-                break
-            self._next += 1
-        if self._next < len(self._spans):
-            start, _ = self._spans[self._next]
-            upto = start + self._done[self._next]
-        else:
-            upto = self._total
-        upto = min(upto, self._total - 1)
-        if upto > self.ready:
-            self.ready = upto
-            self._moved.set()
-
-    def complete(self) -> None:
-        self.ready = self._total
-        self._moved.set()
-
-    def fail(self) -> None:
-        self.failed = True
-        self._moved.set()
-
-    async def until(self, end: int) -> None:
-        """Wait until payload bytes ``[0, end)`` are final. Raises if the step failed: the
-        bytes sent so far belong to no round, and the download must be cut off."""
-        while self.ready < end:
-            if self.failed:
-                raise RuntimeError(f"the outer step of round {self.round} failed")
-            self._moved.clear()
-            await self._moved.wait()
 
 
 @dataclass
@@ -114,7 +31,7 @@ class Snapshot:
     round: int
     header: bytes
     payload: memoryview
-    _buffer: _Buffer
+    _buffer: PayloadBuffer
     parts: list[memoryview] | None = None
     ready: Callable[[int], Awaitable[None]] | None = None
 
@@ -141,7 +58,7 @@ class ParamStore:
         self.specs = list(self.layout.specs)  # payload order
         self.table: dict[str, tuple[int, ...]] = {s.name: s.shape for s in self.specs}
         self.round = round
-        self._buffer = _Buffer(torch.zeros(self.layout.payload_size, dtype=torch.uint8))
+        self._buffer = PayloadBuffer(torch.zeros(self.layout.payload_size, dtype=torch.uint8))
         self.params = [
             torch.nn.Parameter(t, requires_grad=False) for t in self._views(self._buffer)
         ]
@@ -176,7 +93,7 @@ class ParamStore:
                 by_name[name].copy_(t)
         return store
 
-    def _views(self, buffer: _Buffer) -> list[torch.Tensor]:
+    def _views(self, buffer: PayloadBuffer) -> list[torch.Tensor]:
         views = tensor_views(self.layout, buffer.payload)
         return [views[s.name] for s in self.specs]
 
@@ -312,7 +229,7 @@ class ParamStore:
             self._round_changed.notify_all()
 
     def _copy_on_write(self) -> None:
-        fresh = _Buffer(self._buffer.payload.clone())
+        fresh = PayloadBuffer(self._buffer.payload.clone())
         with torch.no_grad():
             for p, view in zip(self.params, self._views(fresh), strict=True):
                 p.data = view
