@@ -219,11 +219,12 @@ class ParamStore:
             self._header = self._make_header()
             if pending is not None:
                 pending.complete()
-        finally:
+        except BaseException:
             if pending is not None:
-                if pending.ready < pending.buffer.payload.numel():
-                    pending.fail()  # the step raised: cut off whoever streams it
-                self._pending = None
+                pending.fail()  # the step raised: cut off whoever streams it
+            raise
+        finally:
+            self._pending = None
             self._idle.set()
         async with self._round_changed:
             self._round_changed.notify_all()
