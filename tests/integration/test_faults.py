@@ -32,8 +32,11 @@ def setup():
     server.stop()
 
 
+RETRIES = 3
+
+
 def _worker(proxy: FaultProxy, model: torch.nn.Module, opt: torch.optim.Optimizer) -> DiLoCoWorker:
-    client = DiLoCoClient(proxy.address, retries=3, backoff=0.01, read_timeout=10)
+    client = DiLoCoClient(proxy.address, retries=RETRIES, backoff=0.01, read_timeout=10)
     return DiLoCoWorker(
         model,
         opt,
@@ -43,6 +46,12 @@ def _worker(proxy: FaultProxy, model: torch.nn.Module, opt: torch.optim.Optimize
         bf16_comm=False,
         client=client,
     )
+
+
+def _on_every_attempt(proxy: FaultProxy, fault: Fault) -> None:
+    """The fault on the first try and on each of the worker's retries of that request."""
+    for _ in range(1 + RETRIES):
+        proxy.add(Fault(fault.direction, fault.after, fault.prefix))
 
 
 @pytest.mark.parametrize("cut_after", [100, 9000])
@@ -129,8 +138,7 @@ def test_counted_upload_is_not_counted_again_after_its_download_failed(
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for _ in range(4):  # the first try and its 3 retries
-            proxy.add(Fault("down", cut_after, prefix=b"GET /global_params?min_round=1"))
+        _on_every_attempt(proxy, Fault("down", cut_after, prefix=b"GET /global_params?min_round=1"))
         step(model, opt, 0.5)
         step(model, opt, 0.5)  # sync: +1 counted, round 1 closes, its download fails
         assert len(proxy.fired) == 4
@@ -154,8 +162,7 @@ def test_upload_failing_part_way_leaves_the_model_trainable_and_loses_nothing(se
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for _ in range(4):  # the first try and its 3 retries
-            proxy.add(Fault("up", 9000, prefix=b"POST /submit_pseudograd"))
+        _on_every_attempt(proxy, Fault("up", 9000, prefix=b"POST /submit_pseudograd"))
         step(model, opt, 0.5)
         step(model, opt, 0.5)
         assert len(proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1
@@ -182,8 +189,7 @@ def test_upload_counted_but_every_answer_lost_is_not_counted_twice(setup) -> Non
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for _ in range(4):  # the first try and its 3 retries: each reply cut
-            proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
+        _on_every_attempt(proxy, Fault("down", 5, prefix=b"POST /submit_pseudograd"))  # replies
         step(model, opt, 0.25)
         step(model, opt, 0.25)
         assert len(proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1

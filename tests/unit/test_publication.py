@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diloco.server.params import ParamStore
+from tests.aio import let_loop_run
 
 WAIT = 5.0
 
@@ -85,8 +86,7 @@ def test_a_download_during_the_step_streams_the_new_round_only_as_it_becomes_fin
             == [1.0] * 4
         )
         rest = asyncio.ensure_future(snap.ready(36))
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await let_loop_run()
         assert not rest.done()  # b and c are not written yet
         release.set()
         await asyncio.wait_for(rest, WAIT)
@@ -143,8 +143,7 @@ def test_without_stream_readers_wait_for_the_whole_step() -> None:
         update = asyncio.ensure_future(store.update(step, new_round=1))
         assert await asyncio.to_thread(started.wait, WAIT)
         opening = asyncio.ensure_future(store.open_snapshot())
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await let_loop_run()
         assert not opening.done()
         release.set()
         snap = await asyncio.wait_for(opening, WAIT)

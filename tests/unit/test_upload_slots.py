@@ -9,6 +9,7 @@ import pytest
 
 from diloco.server.upload_slots import SlotPool
 from diloco.wire import aread_payload
+from tests.aio import let_loop_run
 
 WAIT = 5.0  # seconds; generous bounds on waits that should end at once
 
@@ -41,8 +42,7 @@ def test_next_body_is_written_only_below_what_the_add_has_read() -> None:
 
         writer = asyncio.ensure_future(next_body())
         await asyncio.wait_for(half.wait(), WAIT)
-        for _ in range(20):  # the add holds bytes 4..8 until `go`: the writer cannot pass
-            await asyncio.sleep(0)
+        await let_loop_run()  # the add holds bytes 4..8 until `go`: the writer cannot pass
         assert passed == [4] and slot.drain is drain
         go.set()
         await asyncio.wait_for(writer, WAIT)
@@ -60,8 +60,7 @@ def test_hand_over_waits_until_the_previous_add_is_done() -> None:
         drain.report(8)  # everything read, but the add has not said it is finished
         async with pool.take() as second:
             handing = asyncio.ensure_future(second.hand_over())
-            for _ in range(20):
-                await asyncio.sleep(0)
+            await let_loop_run()
             assert not handing.done()
             drain.finish()
             second_drain = await asyncio.wait_for(handing, WAIT)
@@ -100,8 +99,7 @@ def test_a_cancelled_add_holds_the_buffer_until_its_thread_ends() -> None:
         task = asyncio.ensure_future(drain.run(add))
         assert await asyncio.to_thread(started.wait, WAIT)
         task.cancel()
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await let_loop_run()
         # Still reading: the buffer stays the add's, and the caller is still waiting.
         assert lease.slot.drain is drain and not task.done()
         release.set()
