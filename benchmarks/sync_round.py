@@ -113,6 +113,12 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -248,9 +254,9 @@ def _worker_body(
             out.put(("prepared", idx, {"round": r}))  # idle from here until the round starts
             barrier.wait(barrier_timeout)
             stamps.clear()
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.process_time()
             worker.force_sync()
-            t1 = time.monotonic()
+            t1, c1 = time.monotonic(), time.process_time()
             finished.wait(barrier_timeout)
             after = worker.sync_metrics
             with torch.no_grad():
@@ -267,6 +273,7 @@ def _worker_body(
                         "round": r,
                         "t0": t0,
                         "t1": t1,
+                        "cpu_s": c1 - c0,
                         "submitted": stamps.get("submitted"),
                         "body": stamps.get("body"),
                         "server_round": after["round"],
@@ -344,12 +351,14 @@ def _raw_client_main(
         out.put(("ready", idx, None))
         for r in range(rounds):
             barrier.wait(600)
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.process_time()
             sock.sendall(buf[:up])
             t_sent = time.monotonic()
             _recv_exact(sock, buf[:down])
-            t1 = time.monotonic()
-            out.put(("round", idx, {"round": r, "t0": t0, "sent": t_sent, "t1": t1}))
+            t1, c1 = time.monotonic(), time.process_time()
+            out.put(
+                ("round", idx, {"round": r, "t0": t0, "sent": t_sent, "t1": t1, "cpu_s": c1 - c0})
+            )
         sock.close()
         out.put(("done", idx, {"maxrss": _maxrss()}))
     except BaseException as exc:
@@ -509,6 +518,16 @@ def _check_alive(procs: list[Any], what: str) -> None:
         raise RuntimeError(f"{what}: {', '.join(dead)} died")
 
 
+def _cpu_median(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Median CPU seconds per measured round: the server's, the clients' together, and both."""
+    measured = [r["cpu_s"] for r in rounds if not r["warmup"]]
+    return {
+        "server": statistics.median(c["server"] for c in measured),
+        "workers": statistics.median(c["workers"] for c in measured),
+        "total": statistics.median(c["server"] + c["workers"] for c in measured),
+    }
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {
         "median": statistics.median(values),
@@ -564,6 +583,7 @@ class DiLoCoRun:
             raise TimeoutError("server did not report its address")
         self.hello = self.parent_conn.recv()
         self.poller.watch(self.hello["pid"])
+        self.server_proc = psutil.Process(self.hello["pid"])
         self.barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
         # Workers only: a worker that has adopted the new parameters waits here for the
         # others before its checksum and the next round's perturbation, so that benchmark
@@ -621,8 +641,10 @@ class DiLoCoRun:
             self._profilers = _start_profilers(
                 args.profile, n, {"server": self.hello["pid"], "worker0": self.workers[0].pid}
             )
+        server_cpu0 = _cpu_s(self.server_proc)
         self.barrier.wait(args.round_timeout)
         msgs = self.inbox.collect("round", n, args.round_timeout, f"N={n} round {r}")
+        server_cpu = _cpu_s(self.server_proc) - server_cpu0
         if r == self.total_rounds - 1:
             _stop_profilers(self._profilers)
             self._profilers = []
@@ -649,6 +671,7 @@ class DiLoCoRun:
             "wall_s": t1 - t0,
             "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
             "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
+            "cpu_s": {"server": server_cpu, "workers": sum(m["cpu_s"] for m in msgs.values())},
             "phases": phases,
             "worker_bytes_up": [d["bytes_up"] for d in deltas],
             "worker_bytes_down": [d["bytes_down"] for d in deltas],
@@ -693,6 +716,7 @@ class DiLoCoRun:
             "workers": n,
             "rounds": rounds,
             "round_s": _summary([r["wall_s"] for r in measured]),
+            "cpu_s_median": _cpu_median(rounds),
             "phases_median": (
                 {
                     k: statistics.median(r["phases"][k] for r in measured)
@@ -768,6 +792,7 @@ class LoopbackRun:
         if not self.parent_conn.poll(args.setup_timeout):
             raise TimeoutError("raw server did not report its port")
         port = self.parent_conn.recv()
+        self.server_proc = psutil.Process(self.server.pid)
         self.barrier = ctx.Barrier(n + 1)
         self.inbox = Inbox(ctx.Queue())
         self.clients = [
@@ -788,8 +813,10 @@ class LoopbackRun:
         n, args = self.n, self.args
         r = len(self.rounds)
         _check_alive(self.procs, f"loopback N={n} round {r}")
+        server_cpu0 = _cpu_s(self.server_proc)
         self.barrier.wait(args.round_timeout)
         msgs = self.inbox.collect("round", n, args.round_timeout, f"loopback N={n} round {r}")
+        server_cpu = _cpu_s(self.server_proc) - server_cpu0
         t0 = min(m["t0"] for m in msgs.values())
         result = {
             "round": r,
@@ -797,6 +824,7 @@ class LoopbackRun:
             "t0": t0,
             "wall_s": max(m["t1"] for m in msgs.values()) - t0,
             "uploads_sent_s": max(m["sent"] for m in msgs.values()) - t0,
+            "cpu_s": {"server": server_cpu, "workers": sum(m["cpu_s"] for m in msgs.values())},
         }
         self.rounds.append(result)
         if args.verbose:
@@ -821,6 +849,7 @@ class LoopbackRun:
             "download_bytes": self.down,
             "rounds": self.rounds,
             "round_s": _summary([r["wall_s"] for r in measured]),
+            "cpu_s_median": _cpu_median(self.rounds),
             "throughput_MBps": (n * (self.up + self.down))
             / statistics.median(r["wall_s"] for r in measured)
             / MB,
@@ -980,6 +1009,22 @@ def print_table(results: list[dict[str, Any]], model_bytes: int) -> None:
             f"{(w['maxrss'] - w['base_rss']) / model_bytes:.2f}x | "
             f"{'yes' if d['all_rounds_ok'] else 'NO'} |"
         )
+    print(
+        "\nCPU seconds per round (medians; the server process and the worker or client "
+        f"processes, all threads; {os.cpu_count()} cores give at most {os.cpu_count()} CPU "
+        "seconds per second of wall time):"
+    )
+    head3 = "| N | DiLoCo server | DiLoCo workers | DiLoCo total | loopback server | loopback clients | loopback total | ratio |"
+    print(head3)
+    print("|---" * (head3.count("|") - 1) + "|")
+    for res in results:
+        d, lb = res["diloco"], res["loopback"]
+        dc, lc = d["cpu_s_median"], lb["cpu_s_median"]
+        print(
+            f"| {d['workers']} | {dc['server']:.2f} | {dc['workers']:.2f} | {dc['total']:.2f} | "
+            f"{lc['server']:.2f} | {lc['workers']:.2f} | {lc['total']:.2f} | "
+            f"{dc['total'] / lc['total']:.2f} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1068,12 +1113,17 @@ def main(argv: list[str] | None = None) -> int:
             d, lb = run_pair(ctx, n, shape, params_path, args, interleave)
             print(
                 f"N={n}: round median {d['round_s']['median']:.3f} s "
-                f"(phases {d['phases_median']}), took {time.monotonic() - t:.0f} s",
+                f"(phases {d['phases_median']}; CPU s {d['cpu_s_median']}), "
+                f"took {time.monotonic() - t:.0f} s",
                 flush=True,
             )
             if lb is not None:
                 lb["interleaved"] = interleave
-                print(f"N={n}: loopback median {lb['round_s']['median']:.3f} s", flush=True)
+                print(
+                    f"N={n}: loopback median {lb['round_s']['median']:.3f} s "
+                    f"(CPU s {lb['cpu_s_median']})",
+                    flush=True,
+                )
             results.append({"diloco": d, "loopback": lb})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

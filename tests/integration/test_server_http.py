@@ -1193,3 +1193,28 @@ def test_download_streams_a_round_while_its_outer_step_is_still_running(
         assert wait_round(server, 1)["round"] == 1
     finally:
         release.set()
+
+
+@pytest.mark.parametrize(
+    ("wmem_max", "allowed"), [(None, False), (212992, False), (4 << 20, True), (64 << 20, True)]
+)
+def test_send_buffer_is_set_only_where_the_system_grants_it_in_full(
+    wmem_max: int | None, allowed: bool
+) -> None:
+    from diloco.server.server import send_buffer_allowed
+
+    assert send_buffer_allowed(wmem_max) is allowed
+
+
+def test_connections_inherit_the_send_buffer_where_allowed(make_server: ServerFactory) -> None:
+    from diloco.server import server as server_mod
+
+    if not server_mod.send_buffer_allowed(server_mod._wmem_max()):
+        pytest.skip("net.core.wmem_max is below SEND_BUFFER_BYTES here: autotuning is left on")
+    srv = make_server()
+    (site,) = srv._runner.sites  # type: ignore[union-attr]
+    listener = site._server.sockets[0]  # type: ignore[attr-defined]
+    # Linux doubles the request for its bookkeeping; accepted sockets copy the listener's.
+    assert (
+        listener.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * server_mod.SEND_BUFFER_BYTES
+    )

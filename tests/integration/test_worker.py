@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 
@@ -71,6 +72,35 @@ def test_one_worker_with_plain_averaging_adopts_its_own_params(server: DiLoCoSer
     for name, t in start.items():
         torch.testing.assert_close(got[name], t + 0.5)
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), t + 0.5)
+
+
+def test_a_counted_sync_adopts_the_download_as_it_lands(
+    server: DiLoCoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an accepted upload the model takes the new values during the download (in
+    slices), not in a pass over the model after it; the result is the same."""
+    import diloco.worker.worker as worker_mod
+
+    decode_mod = importlib.import_module("diloco.wire.decode")  # the package exports decode()
+    monkeypatch.setattr(decode_mod, "PROGRESS_BYTES", 8)  # report every two floats
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with DiLoCoWorker(
+        model, opt, server.address, sync_every=2, heartbeat_interval=0, bf16_comm=False
+    ) as w:
+        start = params_of(model)
+        passes: list[str] = []
+        monkeypatch.setattr(worker_mod, "adopt_", lambda *a: passes.append("adopt"))
+        monkeypatch.setattr(worker_mod, "rebase_", lambda *a: passes.append("rebase"))
+        fake_step(model, opt, 0.25)
+        fake_step(model, opt, 0.25)
+        assert w.sync_metrics["rounds"] == 1 and w._adopted
+        assert passes == []  # no pass over the model after the download
+        got = server.global_params()
+        for name, t in start.items():
+            torch.testing.assert_close(got[name], t + 0.5)
+            assert torch.equal(dict(model.named_parameters())[name].detach(), got[name])
 
 
 def test_unreachable_server_never_escapes_optimizer_step(server: DiLoCoServer) -> None:
@@ -250,8 +280,8 @@ def test_a_refresh_drops_counted_progress_and_rebases_kept_progress(second: str)
     new_global = torch.tensor([[10.0, 20.0]])
     calls: list[int] = []
 
-    def download(min_round: int, deadline: float | None = None) -> bool:
-        calls.append(min_round)
+    def download(min_round: int, deadline: float | None = None, *, adopt: bool = False) -> bool:
+        calls.append(min_round)  # fills the snapshot only: the refresh then adopts it whole
         if len(calls) == 1:
             raise Unreachable("cut off inside the payload")  # the snapshot is half-written
         worker._snapshot["weight"].copy_(new_global)

@@ -97,7 +97,13 @@ class FakeClient:
         pass
 
     def download(
-        self, into: Any, *, min_round: int = 0, worker_id: Any = None, fragment: Any = None
+        self,
+        into: Any,
+        *,
+        min_round: int = 0,
+        worker_id: Any = None,
+        fragment: Any = None,
+        on_progress: Any = None,
     ) -> Download:
         s = self.s
         assert s.params is not None
@@ -117,6 +123,8 @@ class FakeClient:
         memory = into(layout)
         for spec, (begin, end) in zip(layout.specs, layout.offsets, strict=True):
             memory[begin:end] = byte_view(tensors[spec.name].contiguous())
+            if on_progress is not None:
+                on_progress(end)  # the real client reports in payload order as bytes land
         self.bytes_down += layout.total_size
         return Download(int(meta["round"]), "fake", layout, layout.total_size)
 

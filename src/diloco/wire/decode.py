@@ -23,6 +23,9 @@ from diloco.wire.layout import (
 )
 
 CHUNK_BYTES = 4 * 1024 * 1024
+PROGRESS_BYTES = 2 * 1024 * 1024
+"""Slice of a download between progress reports: small enough that what a report lets the
+caller copy is still in the CPU's cache, large enough that the reports cost nothing."""
 
 
 def tensor_views(layout: Layout, payload: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,16 +75,27 @@ def read_payload(
 
 
 def readinto_payload(
-    readinto: Callable[[memoryview], int], read: Callable[[int], bytes], dest: memoryview
+    readinto: Callable[[memoryview], int],
+    read: Callable[[int], bytes],
+    dest: memoryview,
+    on_progress: Callable[[int], None] | None = None,
+    progress_bytes: int | None = None,
 ) -> None:
     """As ``read_payload``, with the stream writing straight into ``dest`` (no bytes objects
-    in between); ``read`` serves the final check that the body ends there."""
+    in between); ``read`` serves the final check that the body ends there.
+
+    With ``on_progress``, reads go in slices of ``progress_bytes`` (default ``PROGRESS_BYTES``)
+    and ``on_progress(n)`` is called each time the first ``n`` bytes of ``dest`` hold their
+    final values (also for a short read just before the body breaks off)."""
     pos, size = 0, len(dest)
+    step = size if on_progress is None else (progress_bytes or PROGRESS_BYTES)
     while pos < size:
-        got = readinto(dest[pos:])
+        got = readinto(dest[pos : pos + step])
         if not got:
             raise WireError("truncated", f"body ended {size - pos} bytes early")
         pos += got
+        if on_progress is not None:
+            on_progress(pos)
     if read(1):
         raise WireError("trailing_bytes", "body continues past the last tensor")
 

@@ -352,10 +352,13 @@ class DiLoCoClient:
         min_round: int = 0,
         worker_id: str | None = None,
         fragment: int | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> Download | None:
         """Stream the global parameters (or one fragment's pieces) into the memory
         ``into(layout)`` returns (after the caller checked the layout). None when the server's
-        long poll ended before ``min_round`` (the fragment's round when ``fragment`` is given)."""
+        long poll ended before ``min_round`` (the fragment's round when ``fragment`` is given).
+        ``on_progress(n)``: the first ``n`` bytes of that memory are final (see
+        ``readinto_payload``); a retried download starts again from ``into``."""
         params: dict[str, Any] = {"min_round": min_round}
         if worker_id:
             params["worker_id"] = worker_id
@@ -375,7 +378,7 @@ class DiLoCoClient:
                         return None
                     raise ServerError(resp.status, body)
                 layout = read_layout(resp.read)
-                readinto_payload(resp.readinto, resp.read, into(layout))
+                readinto_payload(resp.readinto, resp.read, into(layout), on_progress)
                 complete = True
             finally:
                 if not complete:  # a body left half read makes the connection unusable

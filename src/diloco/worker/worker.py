@@ -24,6 +24,7 @@ import torch
 
 from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
+from diloco.worker.adoption import StreamedAdoption
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
 from diloco.worker.settings import WorkerSettings, resolve
 from diloco.worker.streaming import FragmentStreamer
@@ -134,6 +135,7 @@ class DiLoCoWorker:
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
+        self._adopted = False  # the last download was adopted into the model as it landed
         self._last_metadata: dict[str, str] = {}  # of the last full download
         self.metrics: dict[str, float] = {
             "rounds": 0,
@@ -267,16 +269,37 @@ class DiLoCoWorker:
         assert self._snapshot_payload is not None
         return byte_view(self._snapshot_payload)
 
-    def _download(self, min_round: int, deadline: float | None = None) -> bool:
+    def _download(
+        self, min_round: int, deadline: float | None = None, *, adopt: bool = False
+    ) -> bool:
         """Long-poll until the global parameters of ``min_round`` or later are in the snapshot.
-        False if ``deadline`` passes first."""
+        False if ``deadline`` passes first. With ``adopt``, the model takes each parameter's new
+        values as its bytes land (``self._adopted`` says whether all of them did)."""
         t0 = time.monotonic()
+        adoption: StreamedAdoption | None = None
+
+        def into(layout: Layout) -> memoryview:
+            nonlocal adoption
+            view = self._into_snapshot(layout)
+            if adopt:  # every body (a retry too) starts a fresh adoption from its first byte
+                adoption = StreamedAdoption(layout, self._snapshot, self._param_data())
+            return view
+
+        def progress(received: int) -> None:
+            if adoption is not None:
+                adoption.upto(received)
+
+        self._adopted = False
         try:
             while True:
                 got = self.client.download(
-                    self._into_snapshot, min_round=min_round, worker_id=self.worker_id
+                    into,
+                    min_round=min_round,
+                    worker_id=self.worker_id,
+                    on_progress=progress if adopt else None,
                 )
                 if got is not None:
+                    self._adopted = adoption is not None and adoption.complete
                     self.base_round = got.round
                     self.instance = got.instance
                     self._last_metadata = dict(got.layout.metadata)
@@ -291,8 +314,14 @@ class DiLoCoWorker:
         with torch.no_grad():
             for name, p in self._params.items():
                 fn(p.data, self._snapshot[name])
+        self._settle_copies()
+
+    def _settle_copies(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+    def _param_data(self) -> dict[str, torch.Tensor]:
+        return {name: p.data for name, p in self._params.items()}
 
     # --- joining --------------------------------------------------------------------------------
 
@@ -432,7 +461,7 @@ class DiLoCoWorker:
         self._holds_progress = True
         self._progress_counted = counted
         try:
-            if not self._download(min_round, deadline):
+            if not self._download(min_round, deadline, adopt=counted):
                 # Gave up waiting; the old snapshot is intact. A counted upload will land in a
                 # later round by itself, so its progress is dropped here (the loop was blocked:
                 # nothing else is in it); otherwise the local parameters come back unchanged.
@@ -446,7 +475,10 @@ class DiLoCoWorker:
                 self._each_param(adopt_ if counted else rebase_)
                 self._holds_progress = False
             raise
-        self._each_param(adopt_ if counted else rebase_)
+        if counted and self._adopted:
+            self._settle_copies()  # adopted as the bytes landed
+        else:
+            self._each_param(adopt_ if counted else rebase_)
         self._holds_progress = False
         if not counted:
             self.metrics["rebases"] += 1
