@@ -32,10 +32,8 @@ def pseudo_gradient_pieces(
     """``global - local`` in consecutive flat pieces, written into reused scratch buffers.
 
     Each piece is valid until the next is requested. Memory is the scratch, whatever the tensor's
-    size. With ``scratch_comm`` (the communication dtype; None for fp32) the subtraction writes
-    there directly: torch computes it in fp32 and rounds once on the store, bit for bit what an
-    fp32 difference then a cast gives, in one pass over memory instead of two (on the upload's
-    critical path: the server receives one upload at a time)."""
+    size; rounding to the communication dtype (``scratch_comm``, None for fp32) happens after the
+    fp32 subtraction."""
     flat_global = global_param.reshape(-1)
     flat_local = local_param.detach().reshape(-1)
     size = scratch32.numel()
@@ -45,9 +43,13 @@ def pseudo_gradient_pieces(
         local = flat_local[start : start + n]
         if local.device != g.device:
             local = local.to(g.device)  # one piece of a GPU model comes to the CPU
-        out = scratch32[:n] if scratch_comm is None else scratch_comm[:n]
+        out = scratch32[:n]
         torch.sub(g, local, out=out)
-        yield out
+        if scratch_comm is None:
+            yield out
+        else:
+            scratch_comm[:n].copy_(out)
+            yield scratch_comm[:n]
 
 
 @torch.no_grad()
