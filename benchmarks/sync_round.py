@@ -23,6 +23,11 @@ For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` laye
   Efficiency is the median raw round over the median DiLoCo round; with pairs, the median of
   the per-pair ratios is printed next to it.
 
+CPU: each worker and raw client reads ``time.process_time()`` around its part of a round; the
+parent reads the server process's user + system time (psutil) before the start barrier and once
+every client has reported. On a machine whose cores are all busy during a round, the ratio of
+the two CPU totals is what the wall-time efficiency follows, and it drifts less with the load.
+
 Peak memory: ``ru_maxrss`` read inside each process at its end (exact), plus psutil polling of
 RSS from the parent at ~20 Hz (can miss spikes shorter than the period). The parent never imports
 torch, so the fork-before-exec copy of it that every spawned child briefly is stays small.
