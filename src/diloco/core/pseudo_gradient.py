@@ -44,6 +44,8 @@ def pseudo_gradient_pieces(
         if local.device != g.device:
             local = local.to(g.device)  # one piece of a GPU model comes to the CPU
         out = scratch32[:n]
+        # Not torch.sub(..., out=bf16): same bits, but torch allocates an fp32 temporary for
+        # every piece inside (no faster, and more resident memory; docs/benchmarks.md).
         torch.sub(g, local, out=out)
         if scratch_comm is None:
             yield out
