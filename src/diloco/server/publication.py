@@ -6,6 +6,8 @@ import asyncio
 
 import torch
 
+from diloco.server.wakeup import Wakeup
+
 
 class PayloadBuffer:
     """A payload buffer with a count of the downloads streaming from it."""
@@ -43,7 +45,7 @@ class Publication:
         self._index = {begin: i for i, (begin, _) in enumerate(self._spans)}
         self._done = [0] * len(self._spans)  # bytes written of each tensor, in payload order
         self._next = 0  # the first tensor, in payload order, not written in full
-        self._moved = asyncio.Event()
+        self._moved = Wakeup()
 
     def report(self, param: torch.Tensor, elements: int) -> None:
         """From the writing thread: the first ``elements`` of ``param`` (a view into this
@@ -71,21 +73,19 @@ class Publication:
         upto = min(upto, self._total - 1)
         if upto > self.ready:
             self.ready = upto
-            self._moved.set()
+            self._moved.notify()
 
     def complete(self) -> None:
         self.ready = self._total
-        self._moved.set()
+        self._moved.notify()
 
     def fail(self) -> None:
         self.failed = True
-        self._moved.set()
+        self._moved.notify()
 
     async def until(self, end: int) -> None:
         """Wait until payload bytes ``[0, end)`` are final. Raises if the step failed: the
         bytes sent so far belong to no round, and the download must be cut off."""
-        while self.ready < end:
-            if self.failed:
-                raise RuntimeError(f"the outer step of round {self.round} failed")
-            self._moved.clear()
-            await self._moved.wait()
+        await self._moved.until(lambda: self.ready >= end or self.failed)
+        if self.ready < end:
+            raise RuntimeError(f"the outer step of round {self.round} failed")

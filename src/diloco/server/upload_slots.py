@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from diloco.server.wakeup import Wakeup
+
 T = TypeVar("T")
 
 
@@ -33,7 +35,7 @@ class UploadSlot:
         self.nbytes = nbytes
         self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.drain: Drain | None = None
-        self._moved = asyncio.Event()
+        self.moved = Wakeup()  # the free mark rose, or the drain ended
 
     @property
     def free_below(self) -> int:
@@ -42,20 +44,11 @@ class UploadSlot:
 
     async def room(self, end: int) -> None:
         """Wait until bytes ``[0, end)`` may be written."""
-        while self.free_below < end:
-            await self._wait()
+        await self.moved.until(lambda: self.free_below >= end)
 
     async def idle(self) -> None:
         """Wait until no add reads the buffer."""
-        while self.drain is not None:
-            await self._wait()
-
-    async def _wait(self) -> None:
-        self._moved.clear()
-        await self._moved.wait()
-
-    def _moved_on(self) -> None:
-        self._moved.set()
+        await self.moved.until(lambda: self.drain is None)
 
 
 class Drain:
@@ -76,13 +69,13 @@ class Drain:
         # from the caller before it): it then changes nothing.
         if self._slot.drain is self and upto > self.read_upto:
             self.read_upto = upto
-            self._slot._moved_on()
+            self._slot.moved.notify()
 
     def finish(self) -> None:
         """The body is no longer read (added, or refused): the whole buffer is free."""
         if self._slot.drain is self:
             self._slot.drain = None
-            self._slot._moved_on()
+            self._slot.moved.notify()
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` (the add, which calls ``report``) in a thread, then ``finish``.
