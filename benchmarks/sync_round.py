@@ -124,6 +124,22 @@ def _cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def _start_and_collect(
+    barrier: Any, inbox: Inbox, server: psutil.Process, n: int, timeout: float, what: str
+) -> tuple[dict[int, Any], dict[str, float]]:
+    """Release the N clients waiting at ``barrier`` and collect their round reports, with the
+    CPU seconds the round cost: the server's, read around it (it is idle before and after), and
+    the clients', each timed around its own part."""
+    server_cpu0 = _cpu_s(server)
+    barrier.wait(timeout)
+    msgs = inbox.collect("round", n, timeout, what)
+    cpu = {
+        "server": _cpu_s(server) - server_cpu0,
+        "workers": sum(m["cpu_s"] for m in msgs.values()),
+    }
+    return msgs, cpu
+
+
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -646,10 +662,9 @@ class DiLoCoRun:
             self._profilers = _start_profilers(
                 args.profile, n, {"server": self.hello["pid"], "worker0": self.workers[0].pid}
             )
-        server_cpu0 = _cpu_s(self.server_proc)
-        self.barrier.wait(args.round_timeout)
-        msgs = self.inbox.collect("round", n, args.round_timeout, f"N={n} round {r}")
-        server_cpu = _cpu_s(self.server_proc) - server_cpu0
+        msgs, cpu = _start_and_collect(
+            self.barrier, self.inbox, self.server_proc, n, args.round_timeout, f"N={n} round {r}"
+        )
         if r == self.total_rounds - 1:
             _stop_profilers(self._profilers)
             self._profilers = []
@@ -676,7 +691,7 @@ class DiLoCoRun:
             "wall_s": t1 - t0,
             "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
             "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
-            "cpu_s": {"server": server_cpu, "workers": sum(m["cpu_s"] for m in msgs.values())},
+            "cpu_s": cpu,
             "phases": phases,
             "worker_bytes_up": [d["bytes_up"] for d in deltas],
             "worker_bytes_down": [d["bytes_down"] for d in deltas],
@@ -818,10 +833,14 @@ class LoopbackRun:
         n, args = self.n, self.args
         r = len(self.rounds)
         _check_alive(self.procs, f"loopback N={n} round {r}")
-        server_cpu0 = _cpu_s(self.server_proc)
-        self.barrier.wait(args.round_timeout)
-        msgs = self.inbox.collect("round", n, args.round_timeout, f"loopback N={n} round {r}")
-        server_cpu = _cpu_s(self.server_proc) - server_cpu0
+        msgs, cpu = _start_and_collect(
+            self.barrier,
+            self.inbox,
+            self.server_proc,
+            n,
+            args.round_timeout,
+            f"loopback N={n} round {r}",
+        )
         t0 = min(m["t0"] for m in msgs.values())
         result = {
             "round": r,
@@ -829,7 +848,7 @@ class LoopbackRun:
             "t0": t0,
             "wall_s": max(m["t1"] for m in msgs.values()) - t0,
             "uploads_sent_s": max(m["sent"] for m in msgs.values()) - t0,
-            "cpu_s": {"server": server_cpu, "workers": sum(m["cpu_s"] for m in msgs.values())},
+            "cpu_s": cpu,
         }
         self.rounds.append(result)
         if args.verbose:
