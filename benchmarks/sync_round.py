@@ -641,9 +641,10 @@ class DiLoCoRun:
 
     def settle(self) -> None:
         """Wait until every worker has done its between-round work (checksum, perturbation) and
-        sits idle at the start barrier, so that nothing of it overlaps a raw round."""
+        sits idle at the start barrier, so that nothing of it overlaps a raw round. After the
+        last round there is no next one to prepare: the workers are shutting down."""
         r = len(self.rounds)
-        if self._prepared < r:
+        if self._prepared < r < self.total_rounds:
             self.inbox.collect("prepared", self.n, self.args.round_timeout, f"N={self.n} round {r}")
             self._prepared = r
 
