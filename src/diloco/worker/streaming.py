@@ -347,7 +347,7 @@ class FragmentStreamer:
         job = Exchange(
             fragment=k,
             base_round=self.rounds[k],
-            submission_id=self._unresolved.pop(k, "") or uuid.uuid4().hex,
+            submission_id=self._submission_id(k),
             weight=samples if samples > 0 else float(max(steps, 1)),
             apply_at=w.total_steps + self.tau,
         )
@@ -442,6 +442,10 @@ class FragmentStreamer:
         finally:
             self._uncounted_drop = None
 
+    def _submission_id(self, k: int) -> str:
+        """The id of fragment ``k``'s next upload: the unanswered one's again, if there is one."""
+        return self._unresolved.pop(k, "") or uuid.uuid4().hex
+
     def _final_submit(self, k: int) -> None:
         w = self.w
         assert w.worker_id is not None
@@ -452,7 +456,7 @@ class FragmentStreamer:
             w.client.submit_pseudogradients(
                 w.worker_id,
                 self.rounds[k],
-                self._unresolved.pop(k, "") or uuid.uuid4().hex,
+                self._submission_id(k),
                 specs,
                 lambda spec: views[spec.name],
                 weight=float(w.total_steps - self._sent_step[k]),
