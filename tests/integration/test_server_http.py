@@ -747,6 +747,45 @@ def test_leave_after_submitting_keeps_the_contribution(make_server: ServerFactor
     )
 
 
+# --- 408 ---------------------------------------------------------------------------------------
+
+
+def test_408_a_sender_quiet_mid_body_gives_up_its_buffer(make_server: ServerFactory) -> None:
+    """A worker that stops sending mid-upload without closing the connection (a dead machine:
+    no FIN) must not hold the one receive buffer: its upload is dropped after ``body_timeout``,
+    the next worker's upload goes through, and the partial body changes nothing."""
+    server = make_server(num_workers=2, body_timeout=0.3, **EXACT)
+    register(server, "a")
+    register(server, "b")
+    data = body("a", 0, "a-0", seed=1)
+    head = (
+        f"POST /submit_pseudograd HTTP/1.1\r\nHost: {server.address}\r\n"
+        "Content-Type: application/octet-stream\r\nX-Diloco-Client: test\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as quiet:
+        quiet.sendall(head.encode() + data[:-10])  # then nothing, and the socket stays open
+        deadline = time.monotonic() + TIMEOUT
+        while status(server)["uploading"] != ["a"]:  # a holds the receive buffer
+            assert time.monotonic() < deadline, "the quiet upload never started"
+            time.sleep(0.005)
+        # b's upload needs that buffer: it is accepted once a's read has given up.
+        accept(server, body("b", 0, "b-0", seed=2))
+        reply = http.client.HTTPResponse(quiet)
+        reply.begin()
+        assert reply.status == 408
+        assert json.loads(reply.read())["error"] == "body_timeout"
+    st = status(server)
+    assert st["round"] == 0 and st["submitted"] == ["b"] and st["uploading"] == []
+    assert_params_equal(server.global_params(), initial_params())
+    # a's retry of the same submission counts once and closes the round.
+    accept(server, data)
+    wait_round(server, 1)
+    assert_params_equal(
+        server.global_params(), expected_exact(initial_params(), pseudo_grad(1), pseudo_grad(2))
+    )
+
+
 # --- 413 ---------------------------------------------------------------------------------------
 
 

@@ -146,3 +146,16 @@ def test_server_makes_up_a_token_beyond_loopback(
     assert (seen[2].token, seen[2].admin_token) == ("given-token-1", "admin-token-1")
     assert (seen[2].tls_cert, seen[2].tls_key, seen[2].auth_failure_limit) == ("c.pem", "k.pem", 9)
     assert "DILOCO_TOKEN=" not in capsys.readouterr().err
+
+
+def test_server_timeouts_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _captured_config(monkeypatch)
+    assert main(["server", "--port", "0"]) == 0
+    assert seen[0].body_timeout == 60.0
+    assert main(["server", "--port", "0", "--body-timeout", "5", "--poll-timeout", "7"]) == 0
+    assert (seen[1].body_timeout, seen[1].poll_timeout) == (5.0, 7.0)
+
+
+def test_server_refuses_a_negative_body_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["server", "--port", "0", "--body-timeout", "-1"]) != 0
+    assert "body_timeout" in capsys.readouterr().err

@@ -89,6 +89,12 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="longest a parameter long-poll waits, seconds",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="drop an upload whose sender goes quiet mid-body this long, s (0: never)",
+    )
     g = p.add_argument_group("async mode (arXiv 2401.09135)")
     g.add_argument(
         "--async",
@@ -186,6 +192,7 @@ def _server(args: argparse.Namespace) -> int:
         auth_failure_limit=args.auth_failure_limit,
         weighting=args.weighting,
         poll_timeout=args.poll_timeout,
+        body_timeout=args.body_timeout,
         heartbeat_timeout=args.heartbeat_timeout,
         stuck_timeout=args.stuck_timeout,
         mode="async" if args.async_mode else "sync",

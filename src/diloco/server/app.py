@@ -27,7 +27,9 @@ from diloco.server.security import (
     expect_handler,
     security_middleware,
 )
+from diloco.server.stall import StallGuard
 from diloco.wire import WireError, aread_layout
+from diloco.wire.decode import AsyncStream
 from diloco.wire.encode import chunks
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ def _max_tensor_body(coord: Coordinator) -> int:
     return HEADER_LIMIT + 8 + (store.nbytes if store else coord.config.max_initial_bytes)
 
 
-async def _read_tensor_header(request: web.Request, coord: Coordinator) -> Any:
+async def _read_tensor_header(request: web.Request, coord: Coordinator, body: AsyncStream) -> Any:
     limit = _max_tensor_body(coord)
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
@@ -82,7 +84,7 @@ async def _read_tensor_header(request: web.Request, coord: Coordinator) -> Any:
             "body_too_large",
             f"body of {request.content_length} bytes exceeds the limit of {limit}",
         )
-    return await aread_layout(request.content, HEADER_LIMIT)
+    return await aread_layout(body, HEADER_LIMIT)
 
 
 async def register(request: web.Request) -> web.Response:
@@ -114,15 +116,21 @@ async def heartbeat(request: web.Request) -> web.Response:
 async def submit_pseudograd(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     coord.require_store()
-    layout = await _read_tensor_header(request, coord)
-    return web.json_response(await coord.submit(layout, request.content))
+    async with StallGuard(coord.config.body_timeout) as guard:
+        body = guard.watch(request.content)
+        layout = await _read_tensor_header(request, coord, body)
+        reply = await coord.submit(layout, body)
+    return web.json_response(reply)
 
 
 async def initial_params(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     worker_id = request.query.get("worker_id", "")
-    layout = await _read_tensor_header(request, coord)
-    return web.json_response(await coord.receive_initial(layout, request.content, worker_id))
+    async with StallGuard(coord.config.body_timeout) as guard:
+        body = guard.watch(request.content)
+        layout = await _read_tensor_header(request, coord, body)
+        reply = await coord.receive_initial(layout, body, worker_id)
+    return web.json_response(reply)
 
 
 async def global_params(request: web.Request) -> web.StreamResponse:

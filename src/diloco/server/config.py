@@ -83,6 +83,11 @@ class ServerConfig:
     """Longest a ``GET /global_params?min_round=`` waits before answering 202 (poll again).
     Workers' read timeouts must exceed it."""
 
+    body_timeout: float = 60.0
+    """A tensor upload whose sender sends nothing for this long mid-body is dropped (408) and
+    its receive buffer goes to the next upload (0 disables). Without it a worker that dies
+    mid-upload, with no FIN reaching the server, blocks every other upload."""
+
     upload_slots: int = 1
     """Uploads received at once, each into an upload-sized buffer. A buffer goes to the next
     upload as soon as a body has landed, which refills it behind the add of the previous one;
@@ -144,6 +149,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not (math.isfinite(self.body_timeout) and self.body_timeout >= 0):
+            raise ValueError(f"body_timeout must be a finite number >= 0, got {self.body_timeout}")
         if not self.poll_timeout > 0:
             raise ValueError("poll_timeout must be positive")
         if self.upload_slots < 1:

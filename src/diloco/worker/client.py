@@ -111,8 +111,9 @@ def _reply_or_raise(status: int, raw: bytes) -> dict[str, Any]:
     return body
 
 
-# Statuses worth retrying: the server is up but cannot answer usefully yet.
-RETRY_STATUSES = frozenset({502, 503, 504})
+# Statuses worth retrying: the server is up but cannot answer usefully yet, or (408) it gave up
+# on a body that stopped arriving.
+RETRY_STATUSES = frozenset({408, 502, 503, 504})
 # Raised by requests, by urllib3 and http.client while a body is read, and by the socket itself
 # (OSError covers a refused or reset connection, a timeout, a failed TLS handshake; requests'
 # own errors derive from it too).
