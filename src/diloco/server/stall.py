@@ -7,9 +7,10 @@ settings, and every other worker's upload would wait as long. So a body read end
 has sent nothing for ``seconds`` while the server was waiting for it; time the server spends on
 its own (waiting for the buffer, adding) does not count.
 
-The check is a timer that fires about once per ``seconds``, not a timeout per read: a 100M
-upload arrives in thousands of reads, and re-arming a timer on each would cost more than the
-read itself.
+The check is a timer that fires once per ``seconds``, not a timeout per read: a 100M upload
+arrives in thousands of reads, and re-arming a timer (or even reading the clock) on each would
+cost more than the read itself. A read still under way at two checks in a row has waited at
+least ``seconds``, so a quiet sender is dropped after between one and two times ``seconds``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ from diloco.wire.decode import AsyncStream
 
 class StallGuard:
     """``async with StallGuard(seconds) as guard:`` around a body read, with the request's
-    stream wrapped by ``guard.watch(stream)``. When the peer sends nothing for ``seconds``
-    during a read, the read is cancelled and the block raises ``WireError('body_timeout')``
-    (status 408). ``seconds = 0`` turns the guard off."""
+    stream wrapped by ``guard.watch(stream)``. When one read of it waits for the peer for
+    ``seconds`` (up to twice that before it is noticed), the read is cancelled and the block
+    raises ``WireError('body_timeout')`` (status 408). ``seconds = 0`` turns the guard off."""
 
     def __init__(self, seconds: float) -> None:
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         self.seconds = seconds
         self.expired = False
-        self._since: float | None = None  # loop time the current read began, None if none
+        self._reads = 0  # reads begun so far
+        self._reading = False  # a read is waiting for the peer now
+        self._seen = -1  # the read under way at the last check (-1: none)
         self._task: asyncio.Task[object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -53,7 +56,7 @@ class StallGuard:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._since = None
+        self._reading = False
         if self.expired and kind is not None and issubclass(kind, asyncio.CancelledError):
             assert self._task is not None
             if self._task.uncancel() == 0:  # our cancel only: anyone else's goes through
@@ -67,23 +70,21 @@ class StallGuard:
         return WatchedStream(stream, self)
 
     def _begin(self) -> None:
-        if self._loop is not None:
-            self._since = self._loop.time()
+        self._reads += 1
+        self._reading = True
 
     def _end(self) -> None:
-        self._since = None
+        self._reading = False
 
     def _check(self) -> None:
         assert self._loop is not None and self._task is not None
-        since, now = self._since, self._loop.time()
-        if since is not None and now - since >= self.seconds:
-            self.expired = True
+        if self._reading and self._seen == self._reads:
+            self.expired = True  # the same read was already waiting at the previous check
             self._timer = None
             self._task.cancel()
             return
-        # Next look: when the read under way (if any) would have waited the full time.
-        delay = self.seconds if since is None else self.seconds - (now - since)
-        self._timer = self._loop.call_later(delay, self._check)
+        self._seen = self._reads if self._reading else -1
+        self._timer = self._loop.call_later(self.seconds, self._check)
 
 
 class WatchedStream:
