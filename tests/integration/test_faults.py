@@ -33,6 +33,9 @@ def setup():
 
 
 RETRIES = 3
+# An upload's first answer is the interim "100 Continue" (the body follows it); its reply's
+# bytes come after.
+CONTINUE = len(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
 def _worker(proxy: FaultProxy, model: torch.nn.Module, opt: torch.optim.Optimizer) -> DiLoCoWorker:
@@ -76,6 +79,25 @@ def test_upload_cut_midway_is_retried_and_counted_once(setup, cut_after: int) ->
         torch.testing.assert_close(t, start[name] + 1.0)
 
 
+def test_connection_cut_before_the_body_went_is_retried(setup) -> None:
+    """Cut inside the interim answer: the server has nothing of the body; the retry counts."""
+    server, proxy = setup
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with _worker(proxy, model, opt) as w:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
+        step(model, opt, 0.25)
+        step(model, opt, 0.25)
+        assert proxy.fired
+        m = w.sync_metrics
+        assert m["rounds"] == 1 and m["retries"] >= 1 and m["failed_syncs"] == 0
+    st = server.status()
+    assert st["round"] == 1 and st["last_round_contributions"] == 1
+    for name, t in server.global_params().items():
+        torch.testing.assert_close(t, start[name] + 0.5)
+
+
 def test_reply_lost_after_upload_counted_is_a_duplicate_not_a_second_contribution(setup) -> None:
     server, proxy = setup
     model = make_model()
@@ -83,7 +105,7 @@ def test_reply_lost_after_upload_counted_is_a_duplicate_not_a_second_contributio
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
         # Cut the reply: the server has the whole upload and counts it; the client retries.
-        proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
+        proxy.add(Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd"))
         step(model, opt, 0.25)
         step(model, opt, 0.25)
         assert proxy.fired
@@ -189,7 +211,8 @@ def test_upload_counted_but_every_answer_lost_is_not_counted_twice(setup) -> Non
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        _on_every_attempt(proxy, Fault("down", 5, prefix=b"POST /submit_pseudograd"))  # replies
+        replies = Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd")
+        _on_every_attempt(proxy, replies)
         step(model, opt, 0.25)
         step(model, opt, 0.25)
         assert len(proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1

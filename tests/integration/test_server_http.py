@@ -1063,15 +1063,18 @@ def test_client_submission_body_opens_with_safetensors(make_server: ServerFactor
     server = make_server(num_workers=1, **EXACT)
     client = DiLoCoClient(server.address, retries=0, read_timeout=TIMEOUT)
     captured: list[bytes] = []
-    session = client._session
-    real_post = session.post
+    bulk = client._bulk
+    real_post = bulk.post
 
-    def capturing_post(*args: Any, data: Any = None, **kwargs: Any) -> requests.Response:
-        raw = b"".join(bytes(part) for part in data)
+    def capturing_post(
+        path: str, params: Any, size: int, chunks: Any, limit: int
+    ) -> tuple[int, bytes]:
+        raw = b"".join(bytes(part) for part in chunks)
         captured.append(raw)
-        return real_post(*args, data=raw, **kwargs)
+        assert size == len(raw)
+        return real_post(path, params, size, [raw], limit)
 
-    session.post = capturing_post  # type: ignore[method-assign]
+    bulk.post = capturing_post  # type: ignore[method-assign]
     try:
         client.register("a")
         grads = {"w": pseudo_grad(1)["w"].to(torch.bfloat16), "b": pseudo_grad(1)["b"]}

@@ -1,5 +1,6 @@
-"""The worker's download connections (http.client, readinto): keep-alive reuse, recovery from a
-connection the server closed while idle, and replies that are not a parameter body.
+"""The worker's bulk connections (http.client): downloads with readinto (keep-alive reuse,
+recovery from a connection the server closed while idle, replies that are not a parameter body)
+and the wait for ``100 Continue`` before an upload's body.
 
 A small HTTP/1.1 server in a thread plays the diloco server; it records the client port of every
 request, so a test sees whether a connection was reused."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from diloco.wire import Layout, WireError, byte_view, encode, tensor_views
-from diloco.worker.bulk import DownloadConnections
+from diloco.worker.bulk import BulkConnections, _may_send_body
 from diloco.worker.client import DiLoCoClient, Download, ServerError, UnknownWorker
 
 
@@ -173,10 +175,68 @@ def test_a_short_body_is_truncated_and_retried(stub: tuple[Script, str]) -> None
 
 def test_addresses_are_checked_up_front() -> None:
     with pytest.raises(ValueError):
-        DownloadConnections(
+        BulkConnections(
             "ftp://example.org",
             headers={},
             connect_timeout=1.0,
             read_timeout=1.0,
             verify=True,
         )
+
+
+# --- uploads: Expect: 100-continue ------------------------------------------------------------
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    client, server = socket.socketpair()
+    client.settimeout(5)
+    server.settimeout(5)
+    return client, server
+
+
+def test_100_continue_is_read_off_and_the_body_may_go() -> None:
+    client, server = _pair()
+    with client, server:
+        server.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200")
+        assert _may_send_body(client, wait=5)
+        assert client.recv(100) == b"HTTP/1.1 200"  # the interim answer alone was consumed
+
+
+def test_a_final_answer_first_keeps_the_body_and_stays_for_getresponse() -> None:
+    client, server = _pair()
+    with client, server:
+        answer = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n"
+        server.sendall(answer)
+        assert not _may_send_body(client, wait=5)
+        assert client.recv(100) == answer
+
+
+def test_an_interim_answer_split_across_segments_is_awaited_whole() -> None:
+    client, server = _pair()
+    with client, server:
+        server.sendall(b"HTTP/1.1 100 Cont")
+
+        def rest() -> None:
+            server.sendall(b"inue\r\n\r\n")
+
+        timer = threading.Timer(0.05, rest)
+        timer.start()
+        try:
+            assert _may_send_body(client, wait=5)
+        finally:
+            timer.join()
+        server.sendall(b"x")
+        assert client.recv(10) == b"x"
+
+
+def test_silence_means_send_anyway() -> None:
+    client, server = _pair()
+    with client, server:
+        assert _may_send_body(client, wait=0.05)  # a server or proxy that ignores Expect
+
+
+def test_a_closed_connection_is_left_to_getresponse() -> None:
+    client, server = _pair()
+    with client:
+        server.close()
+        assert not _may_send_body(client, wait=5)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,7 @@ from diloco.server.security import (
     expect_handler,
     security_middleware,
 )
+from diloco.server.socket_body import DIRECT, SocketBody, defer_continue, direct_possible
 from diloco.server.stall import StallGuard
 from diloco.wire import WireError, aread_layout
 from diloco.wire.decode import AsyncStream
@@ -41,6 +43,8 @@ COORDINATOR: web.AppKey[Coordinator] = web.AppKey("coordinator", Coordinator)
 COUNTERS: web.AppKey[HttpCounters] = web.AppKey("counters", HttpCounters)
 #: The liveness check stays open: it says only that the process answers.
 OPEN_PATHS = frozenset({"/healthz"})
+#: Routes whose body is tensors, taken from the socket where possible (server/socket_body.py).
+TENSOR_UPLOADS = frozenset({"/submit_pseudograd", "/initial_params"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -76,15 +80,32 @@ def _max_tensor_body(coord: Coordinator) -> int:
     return HEADER_LIMIT + 8 + (store.nbytes if store else coord.config.max_initial_bytes)
 
 
-async def _read_tensor_header(request: web.Request, coord: Coordinator, body: AsyncStream) -> Any:
+@contextlib.asynccontextmanager
+async def _tensor_body(request: web.Request, coord: Coordinator) -> AsyncIterator[AsyncStream]:
+    """The body of a tensor upload: from the socket where it can be (``socket_body``), else
+    aiohttp's stream; either way dropped if the sender goes quiet (``StallGuard``)."""
     limit = _max_tensor_body(coord)
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(
+        raise ApiError(  # before 100 Continue: such a body is not even sent
             413,
             "body_too_large",
             f"body of {request.content_length} bytes exceeds the limit of {limit}",
         )
-    return await aread_layout(body, HEADER_LIMIT)
+    direct = await SocketBody.open(request) if direct_possible(request) else None
+    try:
+        async with StallGuard(coord.config.body_timeout) as guard:
+            yield guard.watch(request.content if direct is None else direct)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+async def close_after_socket_body(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: aiohttp's parser never saw a body read from the socket
+    and would take the next request for it, so that connection ends with its reply."""
+    if request.get(DIRECT):
+        response.force_close()
+        response.headers["Connection"] = "close"  # the headers are built before this hook
 
 
 async def register(request: web.Request) -> web.Response:
@@ -116,9 +137,8 @@ async def heartbeat(request: web.Request) -> web.Response:
 async def submit_pseudograd(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     coord.require_store()
-    async with StallGuard(coord.config.body_timeout) as guard:
-        body = guard.watch(request.content)
-        layout = await _read_tensor_header(request, coord, body)
+    async with _tensor_body(request, coord) as body:
+        layout = await aread_layout(body, HEADER_LIMIT)
         reply = await coord.submit(layout, body)
     return web.json_response(reply)
 
@@ -126,9 +146,8 @@ async def submit_pseudograd(request: web.Request) -> web.Response:
 async def initial_params(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     worker_id = request.query.get("worker_id", "")
-    async with StallGuard(coord.config.body_timeout) as guard:
-        body = guard.watch(request.content)
-        layout = await _read_tensor_header(request, coord, body)
+    async with _tensor_body(request, coord) as body:
+        layout = await aread_layout(body, HEADER_LIMIT)
         reply = await coord.receive_initial(layout, body, worker_id)
     return web.json_response(reply)
 
@@ -258,6 +277,7 @@ def build_app(
         client_max_size=JSON_LIMIT,
     )
     app.on_response_prepare.append(add_response_headers)
+    app.on_response_prepare.append(close_after_socket_body)
     app[COORDINATOR] = coordinator
     app[COUNTERS] = counters
     routes = [
@@ -274,9 +294,10 @@ def build_app(
         *dashboard.routes(),
         web.route("*", "/{tail:.*}", not_found),  # last: JSON for every unknown path
     ]
-    for r in routes:  # every route gets the safe Expect handler (GET routes also answer HEAD)
+    for r in routes:  # every route gets a safe Expect handler (GET routes also answer HEAD)
         if r.method == "GET":
             app.router.add_get(r.path, r.handler, expect_handler=expect_handler)
         else:
-            app.router.add_route(r.method, r.path, r.handler, expect_handler=expect_handler)
+            expect = defer_continue if r.path in TENSOR_UPLOADS else expect_handler
+            app.router.add_route(r.method, r.path, r.handler, expect_handler=expect)
     return app

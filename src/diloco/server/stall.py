@@ -93,7 +93,10 @@ class WatchedStream:
     def __init__(self, stream: AsyncStream, guard: StallGuard) -> None:
         self._stream = stream
         self._guard = guard
-        # aread_payload takes aiohttp's readany() when there is one (no slicing copy).
+        # aread_payload takes readinto() (a socket body) or aiohttp's readany() (no slicing
+        # copy) where the stream has them.
+        if hasattr(stream, "readinto"):
+            self.readinto = self._readinto
         if hasattr(stream, "readany"):
             self.readany = self._readany
 
@@ -115,5 +118,12 @@ class WatchedStream:
         self._guard._begin()
         try:
             return await self._stream.readany()  # type: ignore[attr-defined]
+        finally:
+            self._guard._end()
+
+    async def _readinto(self, view: memoryview) -> int:
+        self._guard._begin()
+        try:
+            return await self._stream.readinto(view)  # type: ignore[attr-defined]
         finally:
             self._guard._end()

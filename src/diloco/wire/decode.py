@@ -132,8 +132,23 @@ async def aread_payload(
     room: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
     """Fill ``dest`` exactly, then insist the body ends there. With ``room``, each write of
-    ``dest[:end]`` first awaits ``room(end)`` (the memory may still be being read by others)."""
+    ``dest[:end]`` first awaits ``room(end)`` (the memory may still be being read by others).
+    A stream with ``readinto`` receives into ``dest`` directly, ``chunk_bytes`` at most at a
+    time; otherwise its chunks are copied in."""
     pos, size = 0, len(dest)
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:  # the socket writes into dest itself (server/socket_body.py)
+        while pos < size:
+            want = min(chunk_bytes, size - pos)
+            if room is not None:
+                await room(pos + want)
+            n = await readinto(dest[pos : pos + want])
+            if not n:
+                raise WireError("truncated", f"body ended {size - pos} bytes early")
+            pos += n
+        if await stream.read(1):
+            raise WireError("trailing_bytes", "body continues past the last tensor")
+        return
     # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and copy it.
     readany = getattr(stream, "readany", None)
     while pos < size:

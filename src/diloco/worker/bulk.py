@@ -1,10 +1,15 @@
-"""Parameter downloads over plain keep-alive ``http.client`` connections, one per thread.
+"""Tensor bodies over plain keep-alive ``http.client`` connections, one per thread.
 
-requests (urllib3) hands a streamed body out as fresh ``bytes`` objects that the caller then
-copies into its own memory; ``http.client``'s ``readinto`` lets the socket write the payload
-straight into the destination tensor. For a 400 MB model that is one user-space copy of every
-downloaded byte fewer, on every worker, every round (see docs/benchmarks.md). JSON calls and
-uploads stay on requests, which sends tensor memory without copying it already.
+Downloads: requests (urllib3) hands a streamed body out as fresh ``bytes`` objects that the
+caller then copies into its own memory; ``http.client``'s ``readinto`` lets the socket write the
+payload straight into the destination tensor. For a 400 MB model that is one user-space copy of
+every downloaded byte fewer, on every worker, every round (see docs/benchmarks.md).
+
+Uploads: on plain HTTP they ask ``Expect: 100-continue`` and send the body once the server says
+``100 Continue``, which lets the server receive it straight into its buffer
+(server/socket_body.py); a refusal that comes first (401, 413, 503) costs no body at all.
+urllib3 cannot wait for the interim answer, so uploads go this way too. JSON calls stay on
+requests.
 
 The connection settings mirror the requests session's: the same headers, no proxy, certificate
 checks against the same roots (``verify`` is requests' argument: True, False or a CA path), a
@@ -19,7 +24,8 @@ import select
 import socket
 import ssl
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -60,6 +66,46 @@ class _HTTPS(http.client.HTTPSConnection):
         _tune(self.sock, self.read_timeout)
 
 
+CONTINUE_WAIT = 1.0
+"""Longest an upload waits for ``100 Continue`` before it sends its body anyway (as curl does):
+a proxy or another server may never answer the ``Expect``."""
+
+INTERIM_LIMIT = 8192  # bytes of an interim answer's head looked at, at most
+
+
+def _may_send_body(sock: socket.socket, wait: float) -> bool:
+    """After ``Expect: 100-continue``: True once ``100 Continue`` has come and been read off
+    the socket (or nothing came within ``wait``), False when the server answered for good
+    first (the answer stays in the socket for ``getresponse``)."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return True
+        readable, _, _ = select.select([sock], [], [], left)
+        if not readable:
+            return True
+        head = sock.recv(INTERIM_LIMIT, socket.MSG_PEEK)
+        if not head:
+            return False  # closed: getresponse() reports it
+        if len(head) >= 12 and not (head.startswith(b"HTTP/1.") and head[9:12] == b"100"):
+            return False
+        end = head.find(b"\r\n\r\n")
+        if end >= 0:
+            sock.recv(end + 4)  # the interim answer, whole (it was already in the buffer)
+            return True
+        if len(head) >= INTERIM_LIMIT:
+            raise http.client.HTTPException("an interim answer with an over-long head")
+        time.sleep(0.001)  # the head is split across segments: wait for its rest
+
+
+def _answered(sock: socket.socket) -> bool:
+    """The server has sent something while the body is still going out: its final answer,
+    given before it read the whole body (a refusal). Sending on would be wasted."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
 def _dropped(conn: http.client.HTTPConnection) -> bool:
     """An idle keep-alive connection with something to read has been closed by the server (or
     holds bytes nobody asked for): either way it cannot carry the next request."""
@@ -73,7 +119,7 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     return bool(readable)
 
 
-class DownloadConnections:
+class BulkConnections:
     """One keep-alive connection per calling thread to the server at ``base_url``."""
 
     def __init__(
@@ -139,6 +185,47 @@ class DownloadConnections:
         except BaseException:
             self.discard()
             raise
+
+    def post(
+        self,
+        path: str,
+        params: Mapping[str, Any],
+        size: int,
+        chunks: Iterable[memoryview | bytes],
+        limit: int,
+    ) -> tuple[int, bytes]:
+        """POST a body of ``size`` bytes sent chunk by chunk from the chunks' own memory.
+        Returns the reply's status and at most ``limit`` bytes of its body."""
+        target = self._prefix + path + ("?" + urlencode(params) if params else "")
+        conn = self._connection()
+        keep = False
+        try:
+            conn.putrequest("POST", target, skip_accept_encoding=True)
+            for name, value in self._headers.items():
+                conn.putheader(name, value)
+            conn.putheader("Content-Type", "application/octet-stream")
+            conn.putheader("Content-Length", str(size))
+            expect = not self._https  # the server reads TLS bodies the ordinary way anyway
+            if expect:
+                conn.putheader("Expect", "100-continue")
+            conn.endheaders()
+            sent = not expect or _may_send_body(conn.sock, CONTINUE_WAIT)
+            if sent:
+                for chunk in chunks:
+                    # On TLS a readable socket can be a record with no answer in it (a session
+                    # ticket), so only plain connections look for an early answer.
+                    if expect and _answered(conn.sock):
+                        sent = False
+                        break
+                    conn.send(chunk)
+            resp = conn.getresponse()
+            raw = resp.read(limit)
+            # Unsent (or cut short), the body the request announced is owed on this connection.
+            keep = sent and resp.isclosed()
+            return resp.status, raw
+        finally:
+            if not keep:
+                self.discard()
 
     def discard(self) -> None:
         """Close this thread's connection: its state is unknown after an error."""

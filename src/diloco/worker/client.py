@@ -9,7 +9,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from diloco.wire import (
 )
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
-from diloco.worker.bulk import DownloadConnections
+from diloco.worker.bulk import BulkConnections
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +62,8 @@ class Unreachable(Exception):
     """The server could not be reached after every retry."""
 
 
-#: The most bytes of a JSON reply read on the download connection (errors, "pending").
+#: The most bytes of a JSON reply read on a bulk connection (upload replies, errors, "pending").
 MAX_JSON_REPLY = 1 << 20
-
-
-class _SizedBody:
-    """A body produced piece by piece whose length is known: requests then sends it with a
-    Content-Length, straight from each piece's memory. (A bare generator would go out with
-    chunked transfer encoding, which urllib3 frames by copying every chunk.)"""
-
-    def __init__(self, size: int, make: Callable[[], Iterable[memoryview | bytes]]) -> None:
-        self._size = size
-        self._make = make
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __iter__(self) -> Iterator[memoryview | bytes]:
-        return iter(self._make())
 
 
 @dataclass(frozen=True)
@@ -164,11 +148,11 @@ class DiLoCoClient:
         self.bytes_up = 0
         self.bytes_down = 0
         self._rng = random.Random()
-        # Sent on every request, by the requests sessions and the download connections alike.
+        # Sent on every request, by the requests sessions and the bulk connections alike.
         self._headers = {CLIENT_HEADER: "worker"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._downloads = DownloadConnections(
+        self._bulk = BulkConnections(
             self.base_url,
             headers=self._headers,
             connect_timeout=connect_timeout,
@@ -191,7 +175,7 @@ class DiLoCoClient:
     def close(self) -> None:
         for session in self._sessions:
             session.close()
-        self._downloads.close()
+        self._bulk.close()
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -296,15 +280,10 @@ class DiLoCoClient:
         **params: Any,
     ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
-            body: Any = _SizedBody(layout.total_size, lambda: iter_body(layout, produce))
-            resp = self._session.post(
-                self.base_url + path,
-                data=body,
-                params=params or None,
-                headers={"Content-Type": "application/octet-stream"},
-                timeout=self.timeout,
+            status, raw = self._bulk.post(
+                path, params, layout.total_size, iter_body(layout, produce), MAX_JSON_REPLY
             )
-            reply = self._json_or_raise(resp)
+            reply = _reply_or_raise(status, raw)
             self.bytes_up += layout.total_size
             return reply
 
@@ -367,7 +346,7 @@ class DiLoCoClient:
             params["fragment"] = fragment
 
         def call() -> Download | None:
-            resp = self._downloads.get("/global_params", params)
+            resp = self._bulk.get("/global_params", params)
             complete = False
             try:
                 ctype = resp.getheader("Content-Type") or ""
@@ -383,7 +362,7 @@ class DiLoCoClient:
                 complete = True
             finally:
                 if not complete:  # a body left half read makes the connection unusable
-                    self._downloads.discard()
+                    self._bulk.discard()
             meta = layout.metadata
             self.bytes_down += layout.total_size
             return Download(
