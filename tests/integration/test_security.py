@@ -18,6 +18,7 @@ import torch
 from diloco.server import security
 from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
+from diloco.wire import spec_of
 from diloco.worker import client as client_module
 from diloco.worker.client import DiLoCoClient, Unreachable
 from tests.integration.test_server_http import (
@@ -433,6 +434,14 @@ def test_tls_with_a_private_ca(make_server: ServerFactory, self_signed: Cert) ->
         round_, params = client.get_global_params()
         assert round_ == 0
         assert_params_equal(dict(params), initial_params())
+        # Uploads over TLS take aiohttp's ordinary path (the socket holds ciphertext).
+        grads = {name: torch.full_like(t, 0.5) for name, t in initial_params().items()}
+        reply = client.submit_pseudogradients(
+            "tls-worker", 0, "tls-0", [spec_of(n, t) for n, t in grads.items()],
+            lambda spec: grads[spec.name],
+        )  # fmt: skip
+        assert reply["status"] == "accepted"
+        assert client.get_global_params(min_round=1)[0] == 1
     finally:
         client.close()
     # Without the CA the certificate is not trusted: no silent fallback to unverified TLS.

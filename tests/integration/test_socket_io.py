@@ -1,6 +1,9 @@
-"""Uploads that ask ``Expect: 100-continue`` are received straight from the socket
+"""Tensor bodies on plain connections.
+
+Uploads that ask ``Expect: 100-continue`` are received straight from the socket
 (server/socket_body.py): the same results and the same refusals as the ordinary path, a reply
-the client can always read, and a connection that ends with it."""
+the client can always read, and a connection that ends with it. Downloads, large or small,
+arrive whole on a connection that stays usable."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import socket
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 from diloco.server.config import ServerConfig
@@ -210,3 +214,44 @@ def test_a_retry_after_a_refusal_counts_once(two_workers: DiLoCoServer) -> None:
     assert_params_equal(
         server.global_params(), expected_exact(initial_params(), pseudo_grad(1), pseudo_grad(2))
     )
+
+
+def test_downloads_from_the_socket_keep_the_connection(two_workers: DiLoCoServer) -> None:
+    server = two_workers
+    want = initial_params()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        conn.connect()
+        first = conn.sock
+        conn.auto_open = 0  # fail instead of reconnecting: the same connection must carry all
+        for _ in range(2):
+            conn.request("GET", "/global_params?worker_id=a", headers={"X-Diloco-Client": "t"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.getheader("Connection") != "close"
+            got = safetensors.torch.load(resp.read())
+            assert_params_equal(got, want)
+        conn.request("GET", "/status")
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["round"] == 0
+        assert conn.sock is first
+    finally:
+        conn.close()
+
+
+def test_a_download_larger_than_the_socket_buffers_arrives_whole(
+    make_server: ServerFactory,
+) -> None:
+    """16 MB: the sends fill the socket and wait for the reader, again and again."""
+    big = {"w": torch.randn(4_000_000, generator=torch.Generator().manual_seed(7))}
+    server = make_server(params=big, num_workers=1)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        conn.request("GET", "/global_params", headers={"X-Diloco-Client": "t"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        parts = []
+        while part := resp.read(64 * 1024):  # a slow reader, by the server's standards
+            parts.append(part)
+        assert_params_equal(safetensors.torch.load(b"".join(parts)), big)
+    finally:
+        conn.close()
