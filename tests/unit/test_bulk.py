@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diloco.wire import Layout, WireError, byte_view, encode, tensor_views
-from diloco.worker.bulk import BulkConnections, _may_send_body
+from diloco.worker.bulk import BulkConnections, Continue, _await_continue
 from diloco.worker.client import DiLoCoClient, Download, ServerError, UnknownWorker
 
 
@@ -198,7 +198,7 @@ def test_100_continue_is_read_off_and_the_body_may_go() -> None:
     client, server = _pair()
     with client, server:
         server.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200")
-        assert _may_send_body(client, wait=5)
+        assert _await_continue(client, wait=5) is Continue.GRANTED
         assert client.recv(100) == b"HTTP/1.1 200"  # the interim answer alone was consumed
 
 
@@ -207,7 +207,7 @@ def test_a_final_answer_first_keeps_the_body_and_stays_for_getresponse() -> None
     with client, server:
         answer = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n"
         server.sendall(answer)
-        assert not _may_send_body(client, wait=5)
+        assert _await_continue(client, wait=5) is Continue.ANSWERED
         assert client.recv(100) == answer
 
 
@@ -222,7 +222,7 @@ def test_an_interim_answer_split_across_segments_is_awaited_whole() -> None:
         timer = threading.Timer(0.05, rest)
         timer.start()
         try:
-            assert _may_send_body(client, wait=5)
+            assert _await_continue(client, wait=5) is Continue.GRANTED
         finally:
             timer.join()
         server.sendall(b"x")
@@ -232,11 +232,66 @@ def test_an_interim_answer_split_across_segments_is_awaited_whole() -> None:
 def test_silence_means_send_anyway() -> None:
     client, server = _pair()
     with client, server:
-        assert _may_send_body(client, wait=0.05)  # a server or proxy that ignores Expect
+        assert _await_continue(client, wait=0.05) is Continue.SILENT  # Expect ignored
 
 
 def test_a_closed_connection_is_left_to_getresponse() -> None:
     client, server = _pair()
     with client:
         server.close()
-        assert not _may_send_body(client, wait=5)
+        assert _await_continue(client, wait=5) is Continue.ANSWERED
+
+
+def test_a_late_100_does_not_stop_a_body_already_on_its_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client waited in vain and sends; the 100 then arrives mid-body. That is no early
+    final answer: the body must go on, or both sides wait for each other."""
+    from diloco.worker import bulk
+
+    monkeypatch.setattr(bulk, "CONTINUE_WAIT", 0.01)
+    size = 32 * 1024 * 1024  # more than the socket buffers: the 100 lands mid-body
+    listener = socket.create_server(("127.0.0.1", 0))
+    got = {}
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            received = len(head.split(b"\r\n\r\n", 1)[1])
+            while not received:  # the 100 goes only once the body has started
+                received += len(conn.recv(65536))
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            while received < size:
+                part = conn.recv(1 << 20)
+                if not part:
+                    break
+                received += len(part)
+            got["received"] = received
+            reply = b'{"status": "ok"}'
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(reply)}\r\n\r\n".encode()
+                + reply
+            )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conns = BulkConnections(
+        f"http://127.0.0.1:{listener.getsockname()[1]}",
+        headers={},
+        connect_timeout=5,
+        read_timeout=10,
+        verify=True,
+    )
+    try:
+        piece = memoryview(bytes(1 << 20))
+        status, raw = conns.post("/up", {}, size, [piece] * 32, 1 << 20)
+    finally:
+        conns.close()
+        listener.close()
+    thread.join(10)
+    assert status == 200 and json.loads(raw) == {"status": "ok"}
+    assert got["received"] == size

@@ -18,6 +18,7 @@ connect timeout while connecting and the read timeout on every receive afterward
 
 from __future__ import annotations
 
+import enum
 import http.client
 import os
 import select
@@ -73,27 +74,34 @@ a proxy or another server may never answer the ``Expect``."""
 INTERIM_LIMIT = 8192  # bytes of an interim answer's head looked at, at most
 
 
-def _may_send_body(sock: socket.socket, wait: float) -> bool:
-    """After ``Expect: 100-continue``: True once ``100 Continue`` has come and been read off
-    the socket (or nothing came within ``wait``), False when the server answered for good
-    first (the answer stays in the socket for ``getresponse``)."""
+class Continue(enum.Enum):
+    """What came back after ``Expect: 100-continue``."""
+
+    GRANTED = "100 Continue came and was read off the socket: send the body"
+    SILENT = "nothing came in time: send the body anyway"
+    ANSWERED = "a final answer came first (left in the socket): send no body"
+
+
+def _await_continue(sock: socket.socket, wait: float) -> Continue:
+    """Wait up to ``wait`` seconds for the server's answer to ``Expect: 100-continue``. An
+    interim answer is consumed; a final one stays for http.client's ``getresponse``."""
     deadline = time.monotonic() + wait
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return True
+            return Continue.SILENT
         readable, _, _ = select.select([sock], [], [], left)
         if not readable:
-            return True
+            return Continue.SILENT
         head = sock.recv(INTERIM_LIMIT, socket.MSG_PEEK)
         if not head:
-            return False  # closed: getresponse() reports it
+            return Continue.ANSWERED  # closed: getresponse() reports it
         if len(head) >= 12 and not (head.startswith(b"HTTP/1.") and head[9:12] == b"100"):
-            return False
+            return Continue.ANSWERED
         end = head.find(b"\r\n\r\n")
         if end >= 0:
             sock.recv(end + 4)  # the interim answer, whole (it was already in the buffer)
-            return True
+            return Continue.GRANTED
         if len(head) >= INTERIM_LIMIT:
             raise http.client.HTTPException("an interim answer with an over-long head")
         time.sleep(0.001)  # the head is split across segments: wait for its rest
@@ -209,12 +217,14 @@ class BulkConnections:
             if expect:
                 conn.putheader("Expect", "100-continue")
             conn.endheaders()
-            sent = not expect or _may_send_body(conn.sock, CONTINUE_WAIT)
+            reply = _await_continue(conn.sock, CONTINUE_WAIT) if expect else Continue.SILENT
+            sent = reply is not Continue.ANSWERED
             if sent:
                 for chunk in chunks:
-                    # On TLS a readable socket can be a record with no answer in it (a session
-                    # ticket), so only plain connections look for an early answer.
-                    if expect and _answered(conn.sock):
+                    # Anything readable after the 100 is the final answer, given early. Not
+                    # without the 100 (a late 100 may still come) nor on TLS (a readable socket
+                    # can be a record with no answer in it, such as a session ticket).
+                    if reply is Continue.GRANTED and _answered(conn.sock):
                         sent = False
                         break
                     conn.send(chunk)
