@@ -295,3 +295,25 @@ def test_a_late_100_does_not_stop_a_body_already_on_its_way(
     thread.join(10)
     assert status == 200 and json.loads(raw) == {"status": "ok"}
     assert got["received"] == size
+
+
+def test_descriptors_above_1023_are_watched_too() -> None:
+    """select() refuses them; a training process with many open files can hand them out."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = 2000
+    if hard != resource.RLIM_INFINITY and hard <= high:
+        pytest.skip(f"the hard limit on open files ({hard}) is too low for this test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, high + 1), hard))
+    client, server = _pair()
+    try:
+        os.dup2(client.fileno(), high)
+        far = socket.socket(fileno=high)
+        with far, server:
+            server.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            assert _await_continue(far, wait=5) is Continue.GRANTED
+    finally:
+        client.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -67,6 +67,18 @@ class _HTTPS(http.client.HTTPSConnection):
         _tune(self.sock, self.read_timeout)
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has something to read (or was closed) within ``timeout`` seconds.
+    poll, not select: select refuses descriptors above 1023, which a training process with many
+    open files can hand out."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    readable, _, _ = select.select([sock], [], [], timeout)
+    return bool(readable)
+
+
 CONTINUE_WAIT = 1.0
 """Longest an upload waits for ``100 Continue`` before it sends its body anyway (as curl does):
 a proxy or another server may never answer the ``Expect``."""
@@ -90,8 +102,7 @@ def _await_continue(sock: socket.socket, wait: float) -> Continue:
         left = deadline - time.monotonic()
         if left <= 0:
             return Continue.SILENT
-        readable, _, _ = select.select([sock], [], [], left)
-        if not readable:
+        if not _readable(sock, left):
             return Continue.SILENT
         head = sock.recv(INTERIM_LIMIT, socket.MSG_PEEK)
         if not head:
@@ -110,8 +121,7 @@ def _await_continue(sock: socket.socket, wait: float) -> Continue:
 def _answered(sock: socket.socket) -> bool:
     """The server has sent something while the body is still going out: its final answer,
     given before it read the whole body (a refusal). Sending on would be wasted."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
+    return _readable(sock, 0)
 
 
 def _dropped(conn: http.client.HTTPConnection) -> bool:
@@ -121,10 +131,9 @@ def _dropped(conn: http.client.HTTPConnection) -> bool:
     if sock is None:
         return False
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        return _readable(sock, 0)
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class BulkConnections:
