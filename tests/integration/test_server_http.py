@@ -750,7 +750,9 @@ def test_leave_after_submitting_keeps_the_contribution(make_server: ServerFactor
 # --- 408 ---------------------------------------------------------------------------------------
 
 
-def test_408_a_sender_quiet_mid_body_gives_up_its_buffer(make_server: ServerFactory) -> None:
+def test_408_a_sender_quiet_mid_body_gives_up_its_buffer(
+    make_server: ServerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     """A worker that stops sending mid-upload without closing the connection (a dead machine:
     no FIN) must not hold the one receive buffer: its upload is dropped after ``body_timeout``,
     the next worker's upload goes through, and the partial body changes nothing."""
@@ -775,6 +777,7 @@ def test_408_a_sender_quiet_mid_body_gives_up_its_buffer(make_server: ServerFact
         reply.begin()
         assert reply.status == 408
         assert json.loads(reply.read())["error"] == "body_timeout"
+    assert any("/submit_pseudograd from 127.0.0.1 dropped" in r.message for r in caplog.records)
     st = status(server)
     assert st["round"] == 0 and st["submitted"] == ["b"] and st["uploading"] == []
     assert_params_equal(server.global_params(), initial_params())

@@ -95,6 +95,10 @@ async def _tensor_body(request: web.Request, coord: Coordinator) -> AsyncIterato
     try:
         async with StallGuard(coord.config.body_timeout) as guard:
             yield guard.watch(request.content if direct is None else direct)
+    except WireError as exc:
+        if exc.code == "body_timeout":  # a worker died mid-upload, most likely: say so
+            log.warning("%s from %s dropped: %s", request.path, request.remote, exc.detail)
+        raise
     finally:
         if direct is not None:
             direct.close()
