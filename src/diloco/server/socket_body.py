@@ -23,7 +23,7 @@ How it stays correct with aiohttp in charge of the connection:
   instead, before the socket closes, so the client can read its reply.
 
 TLS connections, HTTP/1.0, chunked bodies and clients that do not ask for ``100-continue`` take
-the ordinary path (``ordinary_path`` in app.py), with the same checks and results.
+aiohttp's stream instead (``_tensor_body`` in app.py), with the same checks and results.
 """
 
 from __future__ import annotations
