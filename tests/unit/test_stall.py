@@ -21,9 +21,6 @@ class Feed:
     async def read(self, n: int = -1) -> bytes:
         return await self.chunks.get()
 
-    async def readexactly(self, n: int) -> bytes:
-        return await self.chunks.get()
-
     async def readany(self) -> bytes:
         return await self.chunks.get()
 

@@ -122,9 +122,6 @@ class _Parts:
     async def read(self, n: int = -1) -> bytes:
         return await self.readany()
 
-    async def readexactly(self, n: int) -> bytes:
-        raise NotImplementedError
-
 
 def test_aread_payload_asks_for_room_before_each_write() -> None:
     async def scenario() -> None:

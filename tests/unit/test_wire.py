@@ -114,15 +114,6 @@ class PiecewiseStream:
         await asyncio.sleep(0)  # let the loop run between pieces, as a socket would
         return self._read(n)
 
-    async def readexactly(self, n: int) -> bytes:
-        parts = b""
-        while len(parts) < n:
-            part = await self.read(n - len(parts))
-            if not part:
-                raise asyncio.IncompleteReadError(parts, n)
-            parts += part
-        return parts
-
 
 def read_into_blocking(body: bytes, seed: int) -> tuple[Layout, bytes]:
     """The worker's download path: the payload written straight into its destination by a

@@ -71,7 +71,7 @@ def direct_possible(request: web.Request) -> bool:
 
 class SocketBody:
     """The body of one request, read from a duplicate of its socket while aiohttp's transport
-    is paused. Offers ``read``/``readexactly`` (the header) and ``readinto`` (the payload).
+    is paused. Offers ``read`` (the header) and ``readinto`` (the payload).
     Use ``await SocketBody.open(request)`` when ``direct_possible(request)``; ``close`` it."""
 
     def __init__(self, request: web.Request, sock: socket.socket, length: int) -> None:
@@ -140,17 +140,6 @@ class SocketBody:
         data = await self._loop.sock_recv(self._sock, want)
         self.remaining = self.remaining - len(data) if data else 0
         return data
-
-    async def readexactly(self, n: int) -> bytes:
-        parts: list[bytes] = []
-        got = 0
-        while got < n:
-            part = await self.read(n - got)
-            if not part:
-                raise asyncio.IncompleteReadError(b"".join(parts), n)
-            parts.append(part)
-            got += len(part)
-        return b"".join(parts)
 
 
 async def defer_continue(request: web.Request) -> web.StreamResponse | None:

@@ -107,13 +107,6 @@ class WatchedStream:
         finally:
             self._guard._end()
 
-    async def readexactly(self, n: int) -> bytes:
-        self._guard._begin()
-        try:
-            return await self._stream.readexactly(n)
-        finally:
-            self._guard._end()
-
     async def _readany(self) -> bytes:
         self._guard._begin()
         try:

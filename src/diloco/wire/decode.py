@@ -105,7 +105,6 @@ def readinto_payload(
 
 class AsyncStream(Protocol):
     async def read(self, n: int = -1) -> bytes: ...
-    async def readexactly(self, n: int) -> bytes: ...
 
 
 async def aread_exact(stream: AsyncStream, n: int) -> bytes:
