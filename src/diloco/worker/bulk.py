@@ -181,10 +181,13 @@ class BulkConnections:
                 self._all.append(conn)
         return conn
 
+    def _target(self, path: str, params: Mapping[str, Any]) -> str:
+        return self._prefix + path + ("?" + urlencode(params) if params else "")
+
     def get(self, path: str, params: Mapping[str, Any]) -> http.client.HTTPResponse:
         """Send ``GET path?params`` and return the response with its body unread. Whoever
         reads it calls ``discard()`` if it stops before the end of the body."""
-        target = self._prefix + path + ("?" + urlencode(params) if params else "")
+        target = self._target(path, params)
         conn = self._connection()
         reused = conn.sock is not None
         try:
@@ -213,7 +216,7 @@ class BulkConnections:
     ) -> tuple[int, bytes]:
         """POST a body of ``size`` bytes sent chunk by chunk from the chunks' own memory.
         Returns the reply's status and at most ``limit`` bytes of its body."""
-        target = self._prefix + path + ("?" + urlencode(params) if params else "")
+        target = self._target(path, params)
         conn = self._connection()
         keep = False
         try:
