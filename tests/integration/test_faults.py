@@ -79,33 +79,18 @@ def test_upload_cut_midway_is_retried_and_counted_once(setup, cut_after: int) ->
         torch.testing.assert_close(t, start[name] + 1.0)
 
 
-def test_connection_cut_before_the_body_went_is_retried(setup) -> None:
-    """Cut inside the interim answer: the server has nothing of the body; the retry counts."""
+@pytest.mark.parametrize(
+    "cut_down_after",
+    [5, CONTINUE + 5],
+    ids=["inside the 100: no body went", "the reply: the whole body went and counted"],
+)
+def test_upload_cut_on_the_way_down_is_retried_and_counted_once(setup, cut_down_after: int) -> None:
     server, proxy = setup
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with _worker(proxy, model, opt) as w:
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        proxy.add(Fault("down", 5, prefix=b"POST /submit_pseudograd"))
-        step(model, opt, 0.25)
-        step(model, opt, 0.25)
-        assert proxy.fired
-        m = w.sync_metrics
-        assert m["rounds"] == 1 and m["retries"] >= 1 and m["failed_syncs"] == 0
-    st = server.status()
-    assert st["round"] == 1 and st["last_round_contributions"] == 1
-    for name, t in server.global_params().items():
-        torch.testing.assert_close(t, start[name] + 0.5)
-
-
-def test_reply_lost_after_upload_counted_is_a_duplicate_not_a_second_contribution(setup) -> None:
-    server, proxy = setup
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    with _worker(proxy, model, opt) as w:
-        start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        # Cut the reply: the server has the whole upload and counts it; the client retries.
-        proxy.add(Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd"))
+        proxy.add(Fault("down", cut_down_after, prefix=b"POST /submit_pseudograd"))
         step(model, opt, 0.25)
         step(model, opt, 0.25)
         assert proxy.fired
@@ -113,6 +98,7 @@ def test_reply_lost_after_upload_counted_is_a_duplicate_not_a_second_contributio
         assert (
             m["rounds"] == 1
             and m["retries"] >= 1
+            and m["failed_syncs"] == 0
             and m["rebases"] == 0
             and m["refused_submissions"] == 0
         )
