@@ -145,12 +145,10 @@ class ServerConfig:
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
-        for name in ("heartbeat_timeout", "stuck_timeout"):
+        for name in ("heartbeat_timeout", "stuck_timeout", "body_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if not (math.isfinite(self.body_timeout) and self.body_timeout >= 0):
-            raise ValueError(f"body_timeout must be a finite number >= 0, got {self.body_timeout}")
         if not self.poll_timeout > 0:
             raise ValueError("poll_timeout must be positive")
         if self.upload_slots < 1:
