@@ -156,6 +156,18 @@ def test_server_timeouts_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> No
     assert (seen[1].body_timeout, seen[1].poll_timeout) == (5.0, 7.0)
 
 
+def test_server_upload_slots_reach_the_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = _captured_config(monkeypatch)
+    assert main(["server", "--port", "0"]) == 0
+    assert main(["server", "--port", "0", "--upload-slots", "3"]) == 0
+    assert (seen[0].upload_slots, seen[1].upload_slots) == (1, 3)
+    assert main(["server", "--port", "0", "--upload-slots", "0"]) != 0
+    assert "upload_slots" in capsys.readouterr().err
+    assert len(seen) == 2  # the refused one never reached a server
+
+
 def test_server_refuses_a_negative_body_timeout(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["server", "--port", "0", "--body-timeout", "-1"]) != 0
     assert "body_timeout" in capsys.readouterr().err

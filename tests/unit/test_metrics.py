@@ -32,6 +32,9 @@ FULL: dict[str, Any] = {
     "rejected_submissions": 2,
     "last_round_contributions": 2,
     "last_round_time_s": 1.25,
+    "upload_slots": 2,
+    "uploads_waiting": 1,
+    "last_round_upload_wait_max_s": 0.75,
     "registrations": 5,
     "worker_deaths": 1,
     "staleness": {"last": 1, "mean": 0.5, "max": 3, "count": 8},
@@ -95,6 +98,9 @@ def test_full_status() -> None:
     assert value(s, "diloco_auth_failures_total") == 2
     assert value(s, "diloco_auth_throttled_total") == 1
     assert value(s, "diloco_info", 'mode="async",instance="abc123"') == 1
+    assert value(s, "diloco_upload_slots") == 2
+    assert value(s, "diloco_uploads_waiting") == 1
+    assert value(s, "diloco_last_round_upload_wait_max_seconds") == 0.75
 
 
 def test_nearly_empty_status_is_still_valid() -> None:
@@ -112,6 +118,7 @@ def test_non_finite_and_odd_values_are_dropped() -> None:
 def test_status_table_shows_the_same_figures() -> None:
     text = render_status(FULL)
     for expected in ("mode async", "round 7", "deaths 1", "registrations 5", "lr 0.7",
-                     "staleness last 1", "max 3", "1.250 s", "2.5000"):  # fmt: skip
+                     "staleness last 1", "max 3", "1.250 s", "2.5000",
+                     "uploads: 2 slot(s), 1 waiting", "longest wait 0.750 s"):  # fmt: skip
         assert expected in text, expected
     assert "(no workers)" in render_status({})

@@ -95,6 +95,14 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         default=60.0,
         help="drop an upload whose sender goes quiet mid-body this long, s (0: never)",
     )
+    p.add_argument(
+        "--upload-slots",
+        type=int,
+        default=1,
+        help="uploads received at once, each into a buffer of up to the model's fp32 size (half "
+        "with bf16 uploads); raise it when workers reach the server over links slower than its "
+        "own (default 1: memory flat in the number of workers, uploads queue)",
+    )
     g = p.add_argument_group("async mode (arXiv 2401.09135)")
     g.add_argument(
         "--async",
@@ -193,6 +201,7 @@ def _server(args: argparse.Namespace) -> int:
         weighting=args.weighting,
         poll_timeout=args.poll_timeout,
         body_timeout=args.body_timeout,
+        upload_slots=args.upload_slots,
         heartbeat_timeout=args.heartbeat_timeout,
         stuck_timeout=args.stuck_timeout,
         mode="async" if args.async_mode else "sync",
@@ -261,6 +270,8 @@ def render_status(st: dict[str, Any]) -> str:
         f"  contributions {st.get('last_round_contributions', '-')}",
         f"bytes in {_fmt_bytes(st.get('bytes_in') or 0)}  out {_fmt_bytes(st.get('bytes_out') or 0)}"
         f"  rejected submissions {st.get('rejected_submissions', 0)}",
+        f"uploads: {st.get('upload_slots', '-')} slot(s), {st.get('uploads_waiting', 0)} waiting"
+        f"  last round's longest wait {_num(st.get('last_round_upload_wait_max_s'), '.3f', ' s')}",
     ]
     if st.get("mode") == "async" or stale.get("count"):
         lines.append(

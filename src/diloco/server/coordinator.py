@@ -52,6 +52,10 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 UPLOAD_DTYPES = ("F32", "BF16")
 UPDATE_LOG = 2048  # outer updates remembered for status and metrics
 STATUS_LOG = 200  # of which /status shows the newest
+# A round whose longest upload wait for a receive buffer passes both of these gets a hint in the
+# log (once per run): the uploads then queue enough to matter.
+HINT_WAIT_S = 1.0
+HINT_WAIT_SHARE = 0.25
 
 
 def _meta_int(meta: dict[str, str], key: str) -> int:
@@ -119,6 +123,9 @@ class Coordinator:
         self.staleness_total = 0
         self.staleness_count = 0
         self._closing_tasks: set[asyncio.Task[None]] = set()
+        #: Per unit: seconds each upload toward its open round waited for a receive buffer.
+        self._upload_waits: dict[int, list[float]] = {}
+        self._slots_hinted = False
         if store is not None:
             self._adopt_store(store)
 
@@ -181,7 +188,9 @@ class Coordinator:
         if ckpt is not None:
             self._load_unit_state(ckpt)
             self._restored = None
-        self._pool = SlotPool(max(u.nbytes for u in self.units), self.config.upload_slots)
+        self._pool = SlotPool(
+            max(u.nbytes for u in self.units), self.config.upload_slots, clock=self.clock
+        )
         store.header_meta = self._header_meta if num > 1 else None
         store.refresh_header()
         live = self.registry.ids()
@@ -619,6 +628,7 @@ class Coordinator:
         reply: dict[str, Any]
         try:
             async with self._pool.take() as lease:
+                self._upload_waits.setdefault(unit.index, []).append(lease.waited_s)
                 payload = lease.slot.buffer[: layout.payload_size]
                 await aread_payload(stream, byte_view(payload), room=lease.slot.room)
                 views = tensor_views(layout, payload)
@@ -885,7 +895,8 @@ class Coordinator:
             )
             outer_s = self.clock() - t0
         self.last_round_contributions = count
-        self._log_update(unit, round_, outer_s, count, None)
+        entry = self._log_update(unit, round_, outer_s, count, None)
+        self._hint_upload_slots(entry)
         log.info(
             "round %d%s closed: %d contributions (weight %.3g); round %d open",
             round_,
@@ -904,7 +915,7 @@ class Coordinator:
         contributions: int,
         nbytes: int | None,
         **extra: Any,
-    ) -> None:
+    ) -> dict[str, Any]:
         now = self.clock()
         previous = self.update_log[-1]["t"] if self.update_log else None
         since = now - (previous if previous is not None else self.started_at)
@@ -918,7 +929,31 @@ class Coordinator:
             "bytes_in": self.bytes_in + (nbytes or 0),
             **extra,
         }
+        waits = self._upload_waits.pop(unit.index, [])
+        entry["upload_wait_s"] = round(sum(waits), 4)
+        entry["upload_wait_max_s"] = round(max(waits, default=0.0), 4)
         self.update_log.append(entry)
+        return entry
+
+    def _hint_upload_slots(self, entry: dict[str, Any]) -> None:
+        """Say once, when it first matters, that uploads queued for the receive buffers: with
+        workers behind links slower than the server's, more slots let them arrive together."""
+        longest, round_s = entry["upload_wait_max_s"], entry["round_time_s"]
+        if self._slots_hinted or longest < HINT_WAIT_S or longest < HINT_WAIT_SHARE * round_s:
+            return
+        self._slots_hinted = True
+        assert self._pool is not None
+        log.warning(
+            "round %d: an upload waited %.1f s of the round's %.1f s for one of the %d upload "
+            "buffer(s) (upload_slots); if workers reach this server over links slower than its "
+            "own, more slots let their uploads arrive together, at up to %.0f MB of memory each "
+            "(half that with bf16 uploads): diloco server --upload-slots N",
+            entry["round"],
+            longest,
+            round_s,
+            self._pool.slots,
+            self._pool.nbytes / 1e6,
+        )
 
     # --- downloads ------------------------------------------------------------------------------
 
@@ -1070,6 +1105,11 @@ class Coordinator:
             "kicks": self.kicks,
             "last_round_contributions": self.last_round_contributions,
             "last_round_time_s": self.update_log[-1]["round_time_s"] if self.update_log else None,
+            "upload_slots": self.config.upload_slots,
+            "uploads_waiting": self._pool.waiting if self._pool else 0,
+            "last_round_upload_wait_max_s": (
+                self.update_log[-1]["upload_wait_max_s"] if self.update_log else None
+            ),
             "update_log": [
                 {**e, "t": round(e["t"] - self.started_at, 4)}
                 for e in list(self.update_log)[-STATUS_LOG:]

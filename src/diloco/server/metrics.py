@@ -113,6 +113,24 @@ def render(status: dict[str, Any], counters: HttpCounters | None = None) -> str:
         status.get("last_round_time_s"),
     )
     out.one(
+        "diloco_upload_slots",
+        "gauge",
+        "Uploads the server receives at once.",
+        status.get("upload_slots"),
+    )
+    out.one(
+        "diloco_uploads_waiting",
+        "gauge",
+        "Uploads queued for a free upload slot now.",
+        status.get("uploads_waiting"),
+    )
+    out.one(
+        "diloco_last_round_upload_wait_max_seconds",
+        "gauge",
+        "Longest wait of one upload for a free upload slot in the last closed round.",
+        status.get("last_round_upload_wait_max_s"),
+    )
+    out.one(
         "diloco_last_round_contributions",
         "gauge",
         "Pseudo-gradients averaged in the last closed round.",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -99,10 +100,12 @@ class Drain:
 class Lease:
     """A receive's hold on a slot, from ``SlotPool.take`` until it ends or hands over."""
 
-    def __init__(self, pool: SlotPool, slot: UploadSlot) -> None:
+    def __init__(self, pool: SlotPool, slot: UploadSlot, waited_s: float) -> None:
         self.slot = slot
         self._pool = pool
         self.handed_over = False
+        #: Seconds this receive waited for a free slot (0 if one was free).
+        self.waited_s = waited_s
 
     async def hand_over(self) -> Drain:
         """The body has landed: pass the slot to the next receive and return the drain that
@@ -117,21 +120,39 @@ class Lease:
 
 
 class SlotPool:
-    """At most ``slots`` upload buffers of ``nbytes`` each, allocated on first use."""
+    """At most ``slots`` upload buffers of ``nbytes`` each, allocated on first use.
 
-    def __init__(self, nbytes: int, slots: int) -> None:
+    ``waiting`` counts the receives queued for a slot right now, and each lease says how long
+    it waited: where workers reach the server over links slower than the server's own, one slot
+    lets their uploads in one at a time, and these are the figures that show it."""
+
+    def __init__(
+        self, nbytes: int, slots: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.nbytes = nbytes
+        self.slots = slots
+        self.waiting = 0
         self._free: asyncio.Queue[UploadSlot] = asyncio.Queue()
         self._to_create = slots
+        self._clock = clock
 
     @contextlib.asynccontextmanager
     async def take(self) -> AsyncIterator[Lease]:
+        waited = 0.0
         if self._free.empty() and self._to_create > 0:
             self._to_create -= 1
             slot = UploadSlot(self.nbytes)
+        elif not self._free.empty():
+            slot = self._free.get_nowait()
         else:
-            slot = await self._free.get()
-        lease = Lease(self, slot)
+            t0 = self._clock()
+            self.waiting += 1
+            try:
+                slot = await self._free.get()
+            finally:
+                self.waiting -= 1
+            waited = self._clock() - t0
+        lease = Lease(self, slot, waited)
         try:
             yield lease
         finally:

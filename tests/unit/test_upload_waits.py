@@ -1,0 +1,149 @@
+"""How long uploads queue for a receive buffer: counted per round, shown in status, and said once
+in the log when it takes a real share of a round. Driven through the coordinator with a fake
+clock and in-memory bodies (the HTTP path to it is covered in tests/integration)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from diloco.server.config import ServerConfig
+from diloco.server.coordinator import SyncCoordinator
+from diloco.server.params import ParamStore
+from diloco.server.upload_slots import SlotPool
+from diloco.wire import aread_layout, encode
+from tests.aio import let_loop_run
+from tests.unit.test_health import FakeClock
+
+WAIT = 5.0
+
+
+class HeldBody:
+    """An upload body whose last ``held`` bytes arrive only once ``release`` is set."""
+
+    def __init__(self, data: bytes, held: int = 0) -> None:
+        self._data = data
+        self._pos = 0
+        self._stop = len(data) - held
+        self.release = asyncio.Event()
+        if not held:
+            self.release.set()
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._pos >= self._stop:
+            await self.release.wait()
+            self._stop = len(self._data)
+        end = self._stop if n < 0 else min(self._stop, self._pos + n)
+        part = self._data[self._pos : end]
+        self._pos = end
+        return part
+
+
+def upload(worker: str, round_: int, value: float) -> bytes:
+    meta = {"worker_id": worker, "base_round": str(round_), "submission_id": f"{worker}-{round_}"}
+    return encode({"w": torch.full((4,), value)}, meta)
+
+
+async def submit(coord: SyncCoordinator, body: HeldBody) -> dict[str, object]:
+    layout = await aread_layout(body)
+    return await coord.submit(layout, body)
+
+
+def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=0, stuck_timeout=0)
+        coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
+        coord.register("a", "h", {})
+        coord.register("b", "h", {})
+        st = coord.status()
+        assert (st["upload_slots"], st["uploads_waiting"]) == (1, 0)
+        assert st["last_round_upload_wait_max_s"] is None
+
+        first = HeldBody(upload("a", 0, 1.0), held=4)  # holds the one buffer, 4 bytes short
+        a = asyncio.ensure_future(submit(coord, first))
+        await let_loop_run()
+        b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 3.0))))
+        await let_loop_run()
+        assert coord.status()["uploads_waiting"] == 1 and not b.done()
+        clock.now += 3.0
+        first.release.set()
+        await asyncio.wait_for(asyncio.gather(a, b), WAIT)
+        await coord.settle()
+
+        st = coord.status()
+        entry = st["update_log"][-1]
+        assert entry["round"] == 0 and entry["round_time_s"] == 3.0
+        assert (entry["upload_wait_s"], entry["upload_wait_max_s"]) == (3.0, 3.0)
+        assert st["last_round_upload_wait_max_s"] == 3.0 and st["uploads_waiting"] == 0
+        torch.testing.assert_close(
+            coord.store.params[0], torch.full((4,), -0.7 * (2.0 + 0.9 * 2.0))
+        )
+        hints = [r for r in caplog.records if "upload_slots" in r.getMessage()]
+        assert len(hints) == 1 and hints[0].levelno == logging.WARNING
+        assert "waited 3.0 s of the round's 3.0 s" in hints[0].getMessage()
+
+        # Round 1: the uploads do not overlap, so nobody waits; the hint is not repeated.
+        clock.now += 10.0
+        for worker in ("a", "b"):
+            await asyncio.wait_for(submit(coord, HeldBody(upload(worker, 1, 0.0))), WAIT)
+        await coord.settle()
+        entry = coord.status()["update_log"][-1]
+        assert (entry["round"], entry["upload_wait_s"], entry["upload_wait_max_s"]) == (1, 0, 0)
+        assert len([r for r in caplog.records if "upload_slots" in r.getMessage()]) == 1
+
+    with caplog.at_level(logging.WARNING, logger="diloco"):
+        asyncio.run(scenario())
+
+
+def test_short_waits_get_no_hint(caplog: pytest.LogCaptureFixture) -> None:
+    """A wait under a second, or under a quarter of the round, is not worth a word."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=0, stuck_timeout=0)
+        coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
+        coord.register("a", "h", {})
+        coord.register("b", "h", {})
+        clock.now += 20.0  # the round has been open 20 s when the uploads come
+        first = HeldBody(upload("a", 0, 1.0), held=4)
+        a = asyncio.ensure_future(submit(coord, first))
+        await let_loop_run()
+        b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 1.0))))
+        await let_loop_run()
+        clock.now += 2.0  # > 1 s, but a tenth of the 22 s round
+        first.release.set()
+        await asyncio.wait_for(asyncio.gather(a, b), WAIT)
+        await coord.settle()
+        assert coord.status()["update_log"][-1]["upload_wait_max_s"] == 2.0
+        assert not [r for r in caplog.records if "upload_slots" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="diloco"):
+        asyncio.run(scenario())
+
+
+def test_the_pool_counts_waiters_and_times_each_wait() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        pool = SlotPool(8, slots=1, clock=clock)
+        got: list[float] = []
+
+        async def second() -> None:
+            async with pool.take() as lease:
+                got.append(lease.waited_s)
+
+        async with pool.take() as first:
+            assert first.waited_s == 0.0  # the slot was free (created on first use)
+            task = asyncio.ensure_future(second())
+            await let_loop_run()
+            assert pool.waiting == 1 and not got
+            clock.now += 0.75
+        await asyncio.wait_for(task, WAIT)
+        assert got == [0.75] and pool.waiting == 0
+        async with pool.take() as third:  # free again: no wait
+            assert third.waited_s == 0.0
+
+    asyncio.run(scenario())
