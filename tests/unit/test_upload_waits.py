@@ -1,6 +1,9 @@
 """How long uploads queue for a receive buffer: counted per round, shown in status, and said once
 in the log when it takes a real share of a round. Driven through the coordinator with a fake
-clock and in-memory bodies (the HTTP path to it is covered in tests/integration)."""
+clock and in-memory bodies (the HTTP path to it is covered in tests/integration).
+
+A round's first upload is written straight into the sum and takes no slot
+(server/first_write.py), so with one slot it is the third upload that queues."""
 
 from __future__ import annotations
 
@@ -42,9 +45,18 @@ class HeldBody:
         return part
 
 
-def upload(worker: str, round_: int, value: float) -> bytes:
+def upload(worker: str, round_: int, value: float | torch.Tensor) -> bytes:
     meta = {"worker_id": worker, "base_round": str(round_), "submission_id": f"{worker}-{round_}"}
-    return encode({"w": torch.full((4,), value)}, meta)
+    t = value if isinstance(value, torch.Tensor) else torch.full((4,), value)
+    return encode({"w": t}, meta)
+
+
+def coordinator(clock: FakeClock, workers: int) -> SyncCoordinator:
+    config = ServerConfig(port=0, num_workers=workers, heartbeat_timeout=0, stuck_timeout=0)
+    coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
+    for i in range(workers):
+        coord.register("abc"[i], "h", {})
+    return coord
 
 
 async def submit(coord: SyncCoordinator, body: HeldBody) -> dict[str, object]:
@@ -55,23 +67,24 @@ async def submit(coord: SyncCoordinator, body: HeldBody) -> dict[str, object]:
 def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
         clock = FakeClock()
-        config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=0, stuck_timeout=0)
-        coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
-        coord.register("a", "h", {})
-        coord.register("b", "h", {})
+        coord = coordinator(clock, 3)
         st = coord.status()
         assert (st["upload_slots"], st["uploads_waiting"]) == (1, 0)
         assert st["last_round_upload_wait_max_s"] is None
 
-        first = HeldBody(upload("a", 0, 1.0), held=4)  # holds the one buffer, 4 bytes short
+        first = HeldBody(upload("a", 0, 1.0), held=4)  # into the sum, 4 bytes short
         a = asyncio.ensure_future(submit(coord, first))
         await let_loop_run()
-        b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 3.0))))
+        second = HeldBody(upload("b", 0, 3.0), held=4)  # holds the one slot, 4 bytes short
+        b = asyncio.ensure_future(submit(coord, second))
         await let_loop_run()
-        assert coord.status()["uploads_waiting"] == 1 and not b.done()
+        c = asyncio.ensure_future(submit(coord, HeldBody(upload("c", 0, 5.0))))
+        await let_loop_run()
+        assert coord.status()["uploads_waiting"] == 1 and not c.done()
         clock.now += 3.0
+        second.release.set()
         first.release.set()
-        await asyncio.wait_for(asyncio.gather(a, b), WAIT)
+        await asyncio.wait_for(asyncio.gather(a, b, c), WAIT)
         await coord.settle()
 
         st = coord.status()
@@ -79,16 +92,16 @@ def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptur
         assert entry["round"] == 0 and entry["round_time_s"] == 3.0
         assert (entry["upload_wait_s"], entry["upload_wait_max_s"]) == (3.0, 3.0)
         assert st["last_round_upload_wait_max_s"] == 3.0 and st["uploads_waiting"] == 0
-        torch.testing.assert_close(
-            coord.store.params[0], torch.full((4,), -0.7 * (2.0 + 0.9 * 2.0))
-        )
+        mean = (1.0 + 3.0 + 5.0) / 3
+        expected = torch.full((4,), -0.7 * (mean + 0.9 * mean))
+        torch.testing.assert_close(coord.store.params[0], expected)
         hints = [r for r in caplog.records if "upload_slots" in r.getMessage()]
         assert len(hints) == 1 and hints[0].levelno == logging.WARNING
         assert "waited 3.0 s of the round's 3.0 s" in hints[0].getMessage()
 
         # Round 1: the uploads do not overlap, so nobody waits; the hint is not repeated.
         clock.now += 10.0
-        for worker in ("a", "b"):
+        for worker in ("a", "b", "c"):
             await asyncio.wait_for(submit(coord, HeldBody(upload(worker, 1, 0.0))), WAIT)
         await coord.settle()
         entry = coord.status()["update_log"][-1]
@@ -104,19 +117,19 @@ def test_short_waits_get_no_hint(caplog: pytest.LogCaptureFixture) -> None:
 
     async def scenario() -> None:
         clock = FakeClock()
-        config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=0, stuck_timeout=0)
-        coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
-        coord.register("a", "h", {})
-        coord.register("b", "h", {})
+        coord = coordinator(clock, 3)
         clock.now += 20.0  # the round has been open 20 s when the uploads come
-        first = HeldBody(upload("a", 0, 1.0), held=4)
-        a = asyncio.ensure_future(submit(coord, first))
-        await let_loop_run()
-        b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 1.0))))
+        held = [HeldBody(upload(w, 0, 1.0), held=4) for w in ("a", "b")]
+        tasks = []
+        for body in held:
+            tasks.append(asyncio.ensure_future(submit(coord, body)))
+            await let_loop_run()
+        tasks.append(asyncio.ensure_future(submit(coord, HeldBody(upload("c", 0, 1.0)))))
         await let_loop_run()
         clock.now += 2.0  # > 1 s, but a tenth of the 22 s round
-        first.release.set()
-        await asyncio.wait_for(asyncio.gather(a, b), WAIT)
+        for body in held:
+            body.release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
         await coord.settle()
         assert coord.status()["update_log"][-1]["upload_wait_max_s"] == 2.0
         assert not [r for r in caplog.records if "upload_slots" in r.getMessage()]

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from diloco.wire import (
     DTYPE_CODES,
     Layout,
+    PayloadReader,
     TensorSpec,
     WireError,
     aread_layout,
@@ -827,3 +828,70 @@ def test_byte_view_edge_cases() -> None:
     assert bytes(byte_view(torch.tensor(1.0))) == struct.pack("<f", 1.0)
     with pytest.raises(ValueError):
         byte_view(torch.zeros(3, 4).t())
+
+
+class ChunkStream:
+    """aiohttp's ``readany``: chunks as they came off the socket, whatever size was wanted."""
+
+    def __init__(self, data: bytes, cuts: list[int]) -> None:
+        bounds = sorted({c for c in cuts if 0 < c < len(data)})
+        edges = [0, *bounds, len(data)]
+        self._chunks = [data[a:b] for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+    async def readany(self) -> bytes:
+        await asyncio.sleep(0)
+        return self._chunks.pop(0) if self._chunks else b""
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self.readany()
+
+
+@given(
+    data=st.binary(min_size=1, max_size=200),
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+    stretches=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    extra=st.binary(max_size=5),
+)
+@settings(max_examples=150, deadline=None)
+def test_payload_reader_fills_stretches_across_chunk_edges(
+    data: bytes, cuts: list[int], stretches: list[int], extra: bytes
+) -> None:
+    """Chunks that straddle two stretches are split between them, the bytes arrive in order, and
+    a body longer than its payload is refused at the end."""
+    sizes: list[int] = []
+    left = len(data)
+    for s in stretches:
+        if left == 0:
+            break
+        sizes.append(min(s, left))
+        left -= sizes[-1]
+    if left:
+        sizes.append(left)
+
+    async def scenario() -> bytes:
+        reader = PayloadReader(ChunkStream(data + extra, cuts))
+        got = b""
+        for size in sizes:
+            dest = bytearray(size)
+            await reader.fill(memoryview(dest))
+            got += bytes(dest)
+        if extra:
+            with pytest.raises(WireError) as err:
+                await reader.end()
+            assert err.value.code == "trailing_bytes"
+        else:
+            await reader.end()
+        return got
+
+    assert asyncio.run(scenario()) == data
+
+
+def test_payload_reader_says_how_much_was_missing() -> None:
+    async def scenario() -> None:
+        reader = PayloadReader(ChunkStream(b"abcdef", [2]))
+        await reader.fill(memoryview(bytearray(4)))
+        with pytest.raises(WireError) as err:
+            await reader.fill(memoryview(bytearray(5)))
+        assert err.value.code == "truncated" and "3 bytes early" in str(err.value)
+
+    asyncio.run(scenario())

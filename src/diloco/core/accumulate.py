@@ -71,6 +71,43 @@ class WeightedSum:
         self.count += 1
 
     @torch.no_grad()
+    def write_first(self, i: int, start: int, piece: torch.Tensor, weight: float) -> None:
+        """Write ``weight * piece`` over the flat elements ``[start, start + n)`` of ``sums[i]``:
+        part of a first contribution that arrives in pieces, the same bits ``add`` would give.
+
+        Only while no contribution counts: the sums then hold nothing meaningful, so one given
+        up midway changes nothing. It counts once ``commit_first`` is called, after every
+        element of every tensor has been written."""
+        if self.count:
+            raise ValueError("write_first is for the first contribution of a round")
+        if not weight > 0:
+            raise ValueError(f"contribution weight must be positive, got {weight}")
+        flat_acc = self.sums[i].view(-1)
+        flat = piece.reshape(-1)
+        if start < 0 or start + flat.numel() > flat_acc.numel():
+            raise ValueError(
+                f"elements [{start}, {start + flat.numel()}) are outside tensor {i} "
+                f"({flat_acc.numel()} elements)"
+            )
+        for at in range(0, flat.numel(), CHUNK):
+            part = flat[at : at + CHUNK]
+            n = part.numel()
+            if part.dtype != flat_acc.dtype:
+                scratch = self._scratch[:n]
+                scratch.copy_(part)
+                part = scratch
+            _accumulate(flat_acc[start + at : start + at + n], part, weight, True)
+
+    def commit_first(self, weight: float) -> None:
+        """The contribution written by ``write_first`` counts, with ``weight``."""
+        if self.count:
+            raise ValueError("a first contribution already counts")
+        if not weight > 0:
+            raise ValueError(f"contribution weight must be positive, got {weight}")
+        self.total_weight = weight
+        self.count = 1
+
+    @torch.no_grad()
     def mean_(self) -> list[torch.Tensor]:
         """Divide the sums by the total weight in place and return them."""
         if self.count == 0:

@@ -3,7 +3,9 @@ asynchronous updates, outer steps, checkpoints.
 
 Everything here runs on the server's event loop thread, so barrier and registry state need no
 locks. Tensor work (adding an upload to a sum, an outer step) runs in worker threads; the
-``_tensor_lock`` orders it. No lock is held while bytes travel on a socket.
+``_tensor_lock`` orders it. No lock is held while bytes travel on a socket, with one exception:
+the round's first upload owns its unit's sum while it arrives (server/first_write.py), and an add
+queued on the lock behind it waits for it.
 
 Modes (``ServerConfig.mode``): ``sync`` closes a round per unit when its expected workers have
 submitted (docs/design.md, "Sync barrier"); ``async`` applies every submission as it arrives,
@@ -38,12 +40,21 @@ from diloco.server.async_gate import AsyncCheck
 from diloco.server.barrier import Admission, Check, SyncBarrier, Verdict
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
+from diloco.server.first_write import FirstWrite, Stages
 from diloco.server.params import ParamStore, Snapshot
 from diloco.server.persistence import Checkpoint, save_checkpoint
 from diloco.server.registry import WorkerInfo, WorkerRegistry
 from diloco.server.units import PATTERNS, Unit, plan_pieces
 from diloco.server.upload_slots import SlotPool
-from diloco.wire import Layout, WireError, aread_payload, byte_view, check_against, tensor_views
+from diloco.wire import (
+    Layout,
+    PayloadReader,
+    WireError,
+    aread_payload,
+    byte_view,
+    check_against,
+    tensor_views,
+)
 from diloco.wire.decode import AsyncStream
 
 log = logging.getLogger(__name__)
@@ -126,6 +137,10 @@ class Coordinator:
         #: Per unit: seconds each upload toward its open round waited for a receive buffer.
         self._upload_waits: dict[int, list[float]] = {}
         self._slots_hinted = False
+        self._stages = Stages()
+        #: Per unit: the first write in progress, and adds recorded but not yet finished.
+        self._first_writes: dict[int, FirstWrite] = {}
+        self._adds_pending: dict[int, int] = {}
         if store is not None:
             self._adopt_store(store)
 
@@ -627,32 +642,22 @@ class Coordinator:
         admission.begin_upload(worker_id, submission_id)
         reply: dict[str, Any]
         try:
-            async with self._pool.take() as lease:
-                self._upload_waits.setdefault(unit.index, []).append(lease.waited_s)
-                payload = lease.slot.buffer[: layout.payload_size]
-                await aread_payload(stream, byte_view(payload), room=lease.slot.room)
-                views = tensor_views(layout, payload)
-                tensors = [views[n] for n in unit.names]
-                if unit.barrier is None:  # async: the update reads the body under the lease
-                    await self._check_upload(unit, worker_id, submission_id, admission, tensors)
-                    reply = await self._apply_async(
-                        unit, record, submission_id, base_round, tensors, layout.total_size
-                    )
-                else:
-                    # The next upload may start filling this buffer behind the add.
-                    drain = await lease.hand_over()
-                    try:
-                        await self._check_upload(unit, worker_id, submission_id, admission, tensors)
-                        # From here on the submission counts: record it, then queue the addition
-                        # on the tensor lock before yielding, so a round close queued later sees
-                        # it.
-                        unit.barrier.record(worker_id, submission_id)
-                        add = _payload_order_add(unit, layout, tensors, weight, drain.report)
-                        async with self._tensor_lock:
-                            await drain.run(add)
-                    finally:
-                        drain.finish()
-                    reply = {"status": "accepted", "round": base_round}
+            first = self._begin_first_write(unit, layout, weight, worker_id)
+            if first is not None:
+                self._upload_waits.setdefault(unit.index, []).append(0.0)
+                try:
+                    await first.run(PayloadReader(stream))
+                    await self._check_current(unit, worker_id, submission_id, admission)
+                    assert unit.barrier is not None
+                    unit.barrier.record(worker_id, submission_id)
+                    unit.sum.commit_first(weight)
+                finally:
+                    first.finish(lambda: self._first_writes.pop(unit.index, None))
+                reply = {"status": "accepted", "round": base_round}
+            else:
+                reply = await self._receive_into_slot(
+                    unit, record, layout, stream, admission, submission_id, base_round, weight
+                )
         except BaseException:
             admission.abort_upload(worker_id, submission_id)
             self._maybe_close()
@@ -667,6 +672,74 @@ class Coordinator:
             submission_id=submission_id, instance=self.require_store().instance, **self._which(unit)
         )
         return reply
+
+    def _begin_first_write(
+        self, unit: Unit, layout: Layout, weight: float, worker_id: str
+    ) -> FirstWrite | None:
+        """A first write for this upload if it may have the sum (sync, one unit, nothing counted
+        or pending, no first write under way), else None (it goes through a slot)."""
+        if (
+            unit.barrier is None
+            or len(self.units) != 1
+            or unit.sum.count
+            or self._adds_pending.get(unit.index, 0)
+            or unit.index in self._first_writes
+        ):
+            return None
+        first = FirstWrite(unit.sum, unit.names, layout, weight, self._stages, worker_id)
+        self._first_writes[unit.index] = first
+        return first
+
+    async def _sum_free(self, unit: Unit) -> None:
+        """Wait until no first write owns ``unit``'s sum."""
+        while (first := self._first_writes.get(unit.index)) is not None:
+            await first.done.wait()
+
+    async def _receive_into_slot(
+        self,
+        unit: Unit,
+        record: WorkerInfo,
+        layout: Layout,
+        stream: AsyncStream,
+        admission: Admission,
+        submission_id: str,
+        base_round: int,
+        weight: float,
+    ) -> dict[str, Any]:
+        """The ordinary path: the whole body into an upload slot, checked, then added to the
+        sum (sync) or applied (async)."""
+        assert self._pool is not None
+        worker_id = record.worker_id
+        async with self._pool.take() as lease:
+            self._upload_waits.setdefault(unit.index, []).append(lease.waited_s)
+            payload = lease.slot.buffer[: layout.payload_size]
+            await aread_payload(stream, byte_view(payload), room=lease.slot.room)
+            views = tensor_views(layout, payload)
+            tensors = [views[n] for n in unit.names]
+            if unit.barrier is None:  # async: the update reads the body under the lease
+                await self._check_upload(unit, worker_id, submission_id, admission, tensors)
+                return await self._apply_async(
+                    unit, record, submission_id, base_round, tensors, layout.total_size
+                )
+            # The next upload may start filling this buffer behind the add.
+            drain = await lease.hand_over()
+            try:
+                await self._check_upload(unit, worker_id, submission_id, admission, tensors)
+                # From here on the submission counts: record it, then queue the addition on the
+                # tensor lock before yielding, so a round close queued later sees it.
+                unit.barrier.record(worker_id, submission_id)
+                add = _payload_order_add(unit, layout, tensors, weight, drain.report)
+                pending = self._adds_pending
+                pending[unit.index] = pending.get(unit.index, 0) + 1
+                try:
+                    async with self._tensor_lock:
+                        await self._sum_free(unit)
+                        await drain.run(add)
+                finally:
+                    pending[unit.index] -= 1
+            finally:
+                drain.finish()
+        return {"status": "accepted", "round": base_round}
 
     async def _check_upload(
         self,
@@ -683,6 +756,12 @@ class Coordinator:
         )
         if bad is not None:
             raise ApiError(422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values")
+        await self._check_current(unit, worker_id, submission_id, admission)
+
+    async def _check_current(
+        self, unit: Unit, worker_id: str, submission_id: str, admission: Admission
+    ) -> None:
+        """The worker of a landed body is still registered and began no newer upload."""
         if self.registry.get(worker_id) is None:
             raise unknown_worker(worker_id)  # evicted while uploading
         if admission.uploading.get(worker_id) != submission_id:
@@ -880,6 +959,7 @@ class Coordinator:
         wsum, barrier = unit.sum, unit.barrier
         assert barrier is not None
         async with self._tensor_lock:
+            await self._sum_free(unit)  # a first write whose worker left mid-upload
             t0 = self.clock()
             count, total = wsum.count, wsum.total_weight
 

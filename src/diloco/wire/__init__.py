@@ -1,6 +1,7 @@
 """Safetensors-layout tensor messages, streamed in both directions."""
 
 from diloco.wire.decode import (
+    PayloadReader,
     aread_layout,
     aread_payload,
     decode,
@@ -29,6 +30,7 @@ __all__ = [
     "TensorSpec",
     "WireError",
     "aread_layout",
+    "PayloadReader",
     "aread_payload",
     "build_layout",
     "byte_view",

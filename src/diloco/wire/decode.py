@@ -124,48 +124,72 @@ async def aread_layout(stream: AsyncStream, max_header: int = MAX_HEADER_BYTES) 
     return parse_header(await aread_exact(stream, n))
 
 
+class PayloadReader:
+    """Reads a body's payload stretch by stretch into memory the caller gives each time.
+
+    A stream with ``readinto`` (server/socket_body.py) receives straight into that memory,
+    ``chunk_bytes`` at most at a time; otherwise its chunks are copied in, and the part of a
+    chunk past the stretch waits for the next one."""
+
+    def __init__(self, stream: AsyncStream, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self._stream = stream
+        self._chunk = chunk_bytes
+        self._readinto = getattr(stream, "readinto", None)
+        # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and
+        # copy it.
+        self._readany = getattr(stream, "readany", None)
+        self._left = memoryview(b"")
+
+    async def fill(
+        self, dest: memoryview, room: Callable[[int], Awaitable[None]] | None = None
+    ) -> None:
+        """Fill ``dest`` exactly. With ``room``, each write of ``dest[:end]`` first awaits
+        ``room(end)`` (the memory may still be being read by others)."""
+        pos, size = 0, len(dest)
+        while pos < size:
+            if self._left:
+                part = self._left
+            elif self._readinto is not None:  # the socket writes into dest itself
+                want = min(self._chunk, size - pos)
+                if room is not None:
+                    await room(pos + want)
+                n = await self._readinto(dest[pos : pos + want])
+                if not n:
+                    raise WireError("truncated", f"body ended {size - pos} bytes early")
+                pos += n
+                continue
+            else:
+                got = (
+                    await self._readany()
+                    if self._readany is not None
+                    else await self._stream.read(min(self._chunk, size - pos))
+                )
+                if not got:
+                    raise WireError("truncated", f"body ended {size - pos} bytes early")
+                part = memoryview(got)
+            take = min(len(part), size - pos)
+            if room is not None:
+                await room(pos + take)
+            dest[pos : pos + take] = part[:take]
+            self._left = part[take:]
+            pos += take
+
+    async def end(self) -> None:
+        """Insist the body ends where the payload does."""
+        if self._left or await self._stream.read(1):
+            raise WireError("trailing_bytes", "body continues past the last tensor")
+
+
 async def aread_payload(
     stream: AsyncStream,
     dest: memoryview,
     chunk_bytes: int = CHUNK_BYTES,
     room: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
-    """Fill ``dest`` exactly, then insist the body ends there. With ``room``, each write of
-    ``dest[:end]`` first awaits ``room(end)`` (the memory may still be being read by others).
-    A stream with ``readinto`` receives into ``dest`` directly, ``chunk_bytes`` at most at a
-    time; otherwise its chunks are copied in."""
-    pos, size = 0, len(dest)
-    readinto = getattr(stream, "readinto", None)
-    if readinto is not None:  # the socket writes into dest itself (server/socket_body.py)
-        while pos < size:
-            want = min(chunk_bytes, size - pos)
-            if room is not None:
-                await room(pos + want)
-            n = await readinto(dest[pos : pos + want])
-            if not n:
-                raise WireError("truncated", f"body ended {size - pos} bytes early")
-            pos += n
-        if await stream.read(1):
-            raise WireError("trailing_bytes", "body continues past the last tensor")
-        return
-    # aiohttp's readany() hands over a received chunk as it is; read(n) would slice and copy it.
-    readany = getattr(stream, "readany", None)
-    while pos < size:
-        part = (
-            await readany()
-            if readany is not None
-            else await stream.read(min(chunk_bytes, size - pos))
-        )
-        if not part:
-            raise WireError("truncated", f"body ended {size - pos} bytes early")
-        if len(part) > size - pos:
-            raise WireError("trailing_bytes", "body continues past the last tensor")
-        if room is not None:
-            await room(pos + len(part))
-        dest[pos : pos + len(part)] = part
-        pos += len(part)
-    if await stream.read(1):
-        raise WireError("trailing_bytes", "body continues past the last tensor")
+    """Fill ``dest`` exactly, then insist the body ends there (``PayloadReader``)."""
+    reader = PayloadReader(stream, chunk_bytes)
+    await reader.fill(dest, room)
+    await reader.end()
 
 
 def decode(
