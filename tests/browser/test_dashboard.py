@@ -190,6 +190,7 @@ def test_live_workers_with_no_network(tab: Page, run: DiLoCoServer) -> None:
     assert int(page.text_content("#s-round").split()[0]) >= 2
     assert "params" in page.text_content("#s-model")
     assert "steps/s" in page.text_content("#s-throughput")
+    assert page.text_content("#s-uploads").startswith("1 slot, 0 queued, ")
     assert page.text_content(f"{row(WORKERS[0])} td:nth-child(2)") == "host-a"
     assert page.locator(f"{row(WORKERS[0])} .health.ok").count() == 1
     ARTIFACTS.mkdir(exist_ok=True)

@@ -210,6 +210,13 @@
     setText("s-throughput", fmtNum(steps, 1) + " steps/s" + rate);
     setText("s-workers", `${workers.length} live / ${st.num_workers ?? "-"} expected`);
     setText("s-outer", `${opt.lr ?? "-"} / ${opt.momentum ?? "-"}`);
+    // Uploads queue for the server's receive buffers; a long wait means more slots would help
+    // workers on links slower than the server's (README, Network tuning).
+    const slots = st.upload_slots ?? "-";
+    setText(
+      "s-uploads",
+      `${slots} slot${slots === 1 ? "" : "s"}, ${st.uploads_waiting ?? 0} queued, ` +
+        `${fmtNum(st.last_round_upload_wait_max_s, 2)} s wait`);
     fillIfIdle("lr-input", opt.lr);
     fillIfIdle("momentum-input", opt.momentum);
     fillIfIdle("num-workers-input", st.num_workers);
