@@ -271,9 +271,17 @@ def test_shutdown_after_confirmation(tab: Page, run: DiLoCoServer) -> None:
         dialog.dismiss() if len(dialogs) == 1 else dialog.accept()
 
     page.on("dialog", answer)
+    # Waits go through Playwright, not to the server alone: every request of the page passes
+    # the route handler above, which runs only while this thread is inside a Playwright call, so
+    # a plain wait holds back the very request it waits for (it did, once, in a clean-clone run),
+    # or hides one that should not have been sent.
     page.click("#shutdown")  # dismissed: nothing happens
-    assert len(dialogs) == 1 and not run.wait_stopped(0.2)
+    page.wait_for_timeout(200)
+    assert len(dialogs) == 1 and not run.wait_stopped(0)
     page.click("#shutdown")
-    assert run.wait_stopped(WAIT_MS / 1000)
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not run.wait_stopped(0):
+        assert time.monotonic() < deadline, "the server did not stop"
+        page.wait_for_timeout(20)
     assert "Shut the server down" in dialogs[1]
     expect(page.locator("#connection")).to_contain_text("shut down", timeout=WAIT_MS)
