@@ -93,8 +93,10 @@ def test_server_kill9_and_restart_from_save_dir(tmp_path: Path) -> None:
         try:
             model = models[i]
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            # Retries outlast a slow restart (a loaded machine took longer than 12 retries'
+            # ~4 s to start the new server, and a third sync failed outright).
             client = DiLoCoClient(
-                server.address, retries=12, backoff=0.05, max_backoff=0.5, read_timeout=30
+                server.address, retries=40, backoff=0.05, max_backoff=0.5, read_timeout=30
             )
             w = RecordingWorker(
                 model,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import torch
 
 from diloco.server.config import ServerConfig
 from diloco.server.coordinator import SyncCoordinator
 from diloco.server.params import ParamStore
+from diloco.server.persistence import latest_checkpoint
+from tests.aio import let_loop_run
 
 
 class FakeClock:
@@ -99,5 +102,66 @@ def test_num_workers_grows_with_late_joiners() -> None:
             coord.register(w, "h", {})
         assert coord.barrier.num_workers == 3
         assert coord.barrier.expected == {"a", "b"}  # c joined after round 0 opened
+
+    asyncio.run(scenario())
+
+
+async def _resumed(tmp_path: Path, clock: FakeClock) -> SyncCoordinator:
+    """A run of two workers that closed round 0 and saved, then restarted with nobody back."""
+    from tests.unit.test_upload_waits import HeldBody, submit, upload  # it imports this module
+
+    config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=60.0, save_dir=str(tmp_path))
+    coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
+    for w in ("a", "b"):
+        coord.register(w, "h", {})
+        await submit(coord, HeldBody(upload(w, 0, 1.0)))
+    await coord.settle()
+    assert await coord.save() is not None
+    again = SyncCoordinator(config, None, clock=clock)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.round == 1
+    again.restore(ckpt)
+    return again
+
+
+def test_a_resumed_round_opens_with_the_workers_that_came_back(tmp_path: Path) -> None:
+    """b finished (or died) while the server was down. The resumed round waits for both workers
+    as long as a worker may stay silent, then opens with a alone and closes with its upload."""
+
+    from tests.unit.test_upload_waits import HeldBody, submit, upload
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = await _resumed(tmp_path, clock)
+        coord.register("a", "h", {})
+        await submit(coord, HeldBody(upload("a", 1, 1.0)))  # accepted and held, as in round 0
+        clock.now += 59
+        coord.heartbeat("a", {})
+        coord.check_health()
+        await let_loop_run()
+        st = coord.status()
+        assert (st["round"], st["opened"], st["submitted"]) == (1, False, ["a"])
+        clock.now += 2  # the heartbeat timeout has passed since the restart
+        assert coord.check_health() == []
+        await coord.settle()
+        st = coord.status()
+        assert st["round"] == 2 and st["last_round_contributions"] == 1
+        assert st["opened"] and st["expected"] == ["a"]
+
+    asyncio.run(scenario())
+
+
+def test_a_fresh_server_still_waits_for_num_workers(tmp_path: Path) -> None:
+    """Round 0 of a new run waits for every worker asked for, however long it takes."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        coord = make(clock, heartbeat_timeout=60.0)
+        coord.register("a", "h", {})
+        for _ in range(3):
+            clock.now += 50
+            coord.heartbeat("a", {})
+            coord.check_health()
+        assert coord.status()["opened"] is False
 
     asyncio.run(scenario())

@@ -109,6 +109,14 @@ class SyncBarrier(Admission):
         if worker_id not in self.submitted:
             self.expected.discard(worker_id)
 
+    def open_with(self, live: set[str]) -> bool:
+        """Open the round now with the workers here, though fewer than ``num_workers`` (a
+        resumed server whose other workers did not come back). Needs ``min_workers`` of them."""
+        if self.opened or len(live) < self.min_workers:
+            return False
+        self._open(live)
+        return True
+
     def _open(self, live: set[str]) -> None:
         self.opened = True
         self.expected = set(live)

@@ -121,6 +121,9 @@ class Coordinator:
         self._initializing = False
         self.last_save: dict[str, Any] | None = None
         self.resumed_from: str | None = None
+        #: When a run that had closed rounds was resumed, until its round opens (see
+        #: _open_resumed_rounds).
+        self._resumed_at: float | None = None
         self.last_round_contributions = 0
         self.last_save_error: str | None = None
         self.started_at = clock()
@@ -266,6 +269,8 @@ class Coordinator:
         self._adopt_store(store)
         self.registry.deaths = int(ckpt.extra.get("worker_deaths", 0))
         self.resumed_from = str(ckpt.path)
+        if ckpt.round > 0:
+            self._resumed_at = self.clock()
         log.info("resumed from %s at round %d", ckpt.path, ckpt.round)
 
     def _load_unit_state(self, ckpt: Checkpoint) -> None:
@@ -575,7 +580,33 @@ class Coordinator:
             log.warning("evicting worker %s: %s (round %d)", worker_id, why, self._round())
             self.deregister(worker_id, died=True)
             evicted.append(worker_id)
+        self._open_resumed_rounds()
         return evicted
+
+    def _open_resumed_rounds(self) -> None:
+        """A resumed run's round waits for ``num_workers`` registrations, as round 0 does, but
+        only for ``heartbeat_timeout``: a worker that has not re-registered by then is as gone
+        as one that fell silent (it finished its loop, or died while the server was down), and
+        waiting for it would hold the workers that did come back until their barrier wait ends.
+        The round then opens with the workers here, if they are at least ``min_workers``."""
+        resumed, grace = self._resumed_at, self.config.heartbeat_timeout
+        if resumed is None or grace <= 0 or self.clock() - resumed < grace:
+            return
+        live = self.registry.ids()
+        waiting = [u.barrier for u in self.units if u.barrier is not None and not u.barrier.opened]
+        opened = [b for b in waiting if b.open_with(live)]
+        if opened:
+            log.warning(
+                "round %d opened with %d of %d workers: the others did not re-register within "
+                "%g s (heartbeat_timeout) of the restart",
+                opened[0].round,
+                len(live),
+                opened[0].num_workers,
+                grace,
+            )
+            self._maybe_close()
+        if len(opened) == len(waiting):
+            self._resumed_at = None
 
     async def health_loop(self) -> None:
         timeouts = [t for t in (self.config.heartbeat_timeout, self.config.stuck_timeout) if t > 0]
