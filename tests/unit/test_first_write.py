@@ -74,33 +74,35 @@ def test_the_first_upload_takes_no_slot_and_the_next_add_waits_for_it() -> None:
     asyncio.run(scenario())
 
 
-def test_a_first_upload_cut_midway_counts_nothing() -> None:
-    """The cut body's first stretch (huge values) reached the sum; the next upload overwrites it
-    as the first contribution, and the cut one counts only when it is sent again whole."""
+def cut_body() -> HeldBody:
+    """Its first stretch (huge values) reaches the sum, then the sender goes away."""
+    data = upload("a", 0, torch.tensor([1000.0, 1000.0, 1.0, 1.0]))
+    return CutBody(data, len(data) - 8)
+
+
+def non_finite_body() -> HeldBody:
+    """Its first stretch reaches the sum; the second holds a NaN."""
+    return HeldBody(upload("a", 0, torch.tensor([5.0, 5.0, float("nan"), 1.0])))
+
+
+@pytest.mark.parametrize(
+    ("body", "error", "status", "code"),
+    [(cut_body, WireError, None, "truncated"), (non_finite_body, ApiError, 422, "non_finite")],
+    ids=["cut", "non_finite"],
+)
+def test_a_first_upload_that_fails_midway_counts_nothing(
+    body: Callable[[], HeldBody], error: type[Exception], status: int | None, code: str
+) -> None:
+    """Part of the failed body reached the sum; the next upload overwrites it as the first
+    contribution, and the failed one counts only when it is sent again whole."""
 
     async def scenario() -> None:
         coord = coordinator(FakeClock(), 2)
-        data = upload("a", 0, torch.tensor([1000.0, 1000.0, 1.0, 1.0]))
-        with pytest.raises(WireError) as cut:
-            await submit(coord, CutBody(data, len(data) - 8))
-        assert cut.value.code == "truncated"
-        st = coord.status()
-        assert (st["submitted"], st["uploading"], coord.units[0].sum.count) == ([], [], 0)
-        await asyncio.wait_for(submit(coord, HeldBody(upload("b", 0, 3.0))), WAIT)
-        await asyncio.wait_for(submit(coord, HeldBody(upload("a", 0, 1.0))), WAIT)
-        await coord.settle()
-        torch.testing.assert_close(coord.store.params[0], first_step(torch.full((4,), 2.0)))
-
-    asyncio.run(scenario())
-
-
-def test_a_non_finite_first_upload_is_refused_midway_and_counts_nothing() -> None:
-    async def scenario() -> None:
-        coord = coordinator(FakeClock(), 2)
-        bad = upload("a", 0, torch.tensor([5.0, 5.0, float("nan"), 1.0]))
-        with pytest.raises(ApiError) as refused:
-            await submit(coord, HeldBody(bad))
-        assert (refused.value.status, refused.value.code) == (422, "non_finite")
+        with pytest.raises(error) as refused:
+            await submit(coord, body())
+        assert refused.value.code == code  # type: ignore[attr-defined]
+        if status is not None:
+            assert refused.value.status == status  # type: ignore[attr-defined]
         st = coord.status()
         assert (st["submitted"], st["uploading"], coord.units[0].sum.count) == ([], [], 0)
         await asyncio.wait_for(submit(coord, HeldBody(upload("b", 0, 3.0))), WAIT)

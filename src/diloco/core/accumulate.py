@@ -51,20 +51,9 @@ class WeightedSum:
                 )
         first = self.count == 0
         for i in indices:
-            acc, t = self.sums[i], tensors[i]
-            flat_acc, flat_t = acc.view(-1), t.reshape(-1)
-            for start in range(0, flat_t.numel(), CHUNK):
-                piece = flat_t[start : start + CHUNK]
-                n = piece.numel()
-                if piece.dtype != acc.dtype:
-                    # A mixed-dtype add_ would first make an fp32 copy of its input (for one large
-                    # embedding: its full fp32 size); a small reused scratch keeps memory flat.
-                    scratch = self._scratch[:n]
-                    scratch.copy_(piece)
-                    piece = scratch
-                _accumulate(flat_acc[start : start + n], piece, weight, first)
-                if on_piece is not None:
-                    on_piece(i, start + n)
+            flat_t = tensors[i].reshape(-1)
+            done = None if on_piece is None else lambda end, i=i: on_piece(i, end)
+            self._write(i, 0, flat_t, weight, first, done)
             if on_piece is not None and flat_t.numel() == 0:
                 on_piece(i, 0)
         self.total_weight += weight
@@ -89,14 +78,33 @@ class WeightedSum:
                 f"elements [{start}, {start + flat.numel()}) are outside tensor {i} "
                 f"({flat_acc.numel()} elements)"
             )
+        self._write(i, start, flat, weight, True, None)
+
+    def _write(
+        self,
+        i: int,
+        start: int,
+        flat: torch.Tensor,
+        weight: float,
+        first: bool,
+        done: Callable[[int], None] | None,
+    ) -> None:
+        """Add (or, for the first contribution, write) ``weight * flat`` into the flat elements
+        of ``sums[i]`` from ``start`` on, ``CHUNK`` elements at a time; ``done(end)`` after each
+        piece says that ``flat[:end]`` is no longer read."""
+        flat_acc = self.sums[i].view(-1)
         for at in range(0, flat.numel(), CHUNK):
-            part = flat[at : at + CHUNK]
-            n = part.numel()
-            if part.dtype != flat_acc.dtype:
+            piece = flat[at : at + CHUNK]
+            n = piece.numel()
+            if piece.dtype != flat_acc.dtype:
+                # A mixed-dtype add_ would first make an fp32 copy of its input (for one large
+                # embedding: its full fp32 size); a small reused scratch keeps memory flat.
                 scratch = self._scratch[:n]
-                scratch.copy_(part)
-                part = scratch
-            _accumulate(flat_acc[start + at : start + at + n], part, weight, True)
+                scratch.copy_(piece)
+                piece = scratch
+            _accumulate(flat_acc[start + at : start + at + n], piece, weight, first)
+            if done is not None:
+                done(at + n)
 
     def commit_first(self, weight: float) -> None:
         """The contribution written by ``write_first`` counts, with ``weight``."""
