@@ -156,12 +156,23 @@ def _write_params_main(path: str, shape: ModelShape) -> None:
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, path)
 
 
-def _server_main(conn: Any, num_workers: int, params_path: str, threads: int) -> None:
+def _server_main(
+    conn: Any,
+    num_workers: int,
+    params_path: str,
+    threads: int,
+    save_every: int = 0,
+    server_src: str | None = None,
+) -> None:
     import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
+    if server_src:  # another checkout's server (an A/B in one run); the workers stay this one's
+        sys.path.insert(0, server_src)
     from diloco.server import DiLoCoServer, ServerConfig
+
+    save_dir = tempfile.mkdtemp(prefix="sync-round-ckpt-") if save_every else None
 
     base_rss = _base_rss()
     config = ServerConfig(
@@ -172,7 +183,15 @@ def _server_main(conn: Any, num_workers: int, params_path: str, threads: int) ->
         # The benchmark's workers send no heartbeats; setup of 16 workers can take minutes.
         heartbeat_timeout=0,
         stuck_timeout=0,
+        # Durable rounds: each checkpoint written before its round is sent (keep 1: one on disk).
+        save_dir=save_dir,
+        save_every=save_every,
+        keep_checkpoints=1,
     )
+    if save_dir is not None:
+        import diloco.server as where
+
+        print(f"server: {where.__file__}, checkpoints every {save_every} round(s)", flush=True)
     server = DiLoCoServer(config).start()
     conn.send(
         {"address": server.address, "base_rss": base_rss, "rss_loaded": _rss(), "pid": os.getpid()}
@@ -191,6 +210,8 @@ def _server_main(conn: Any, num_workers: int, params_path: str, threads: int) ->
                 return
     finally:
         server.stop(timeout=10)
+        if save_dir is not None:
+            shutil.rmtree(save_dir, ignore_errors=True)
 
 
 def _worker_main(
@@ -591,7 +612,14 @@ class DiLoCoRun:
         self.parent_conn, child_conn = ctx.Pipe()
         self.server = ctx.Process(
             target=_server_main,
-            args=(child_conn, n, self.params_path, args.server_threads),
+            args=(
+                child_conn,
+                n,
+                self.params_path,
+                args.server_threads,
+                args.save_every,
+                args.server_src,
+            ),
             name="diloco-server",
             daemon=True,
         )
@@ -1072,6 +1100,17 @@ def main(argv: list[str] | None = None) -> int:
         help="measure the raw limit after all DiLoCo rounds instead of beside each one",
     )
     ap.add_argument("--verbose", "-v", action="store_true", help="print every round")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="the server writes a checkpoint every N rounds into a temporary dir (0: none)",
+    )
+    ap.add_argument(
+        "--server-src",
+        metavar="DIR",
+        help="run the server from this src/ dir (another checkout's code, for an A/B)",
+    )
     ap.add_argument(
         "--server-env",
         metavar="KEY=VALUE",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -15,6 +16,7 @@ class Fault:
     direction: str
     after: int
     prefix: bytes = b""
+    then: Callable[[], None] | None = None  # run as the cut happens (kill the server, say)
 
 
 class FaultProxy:
@@ -68,6 +70,7 @@ class FaultProxy:
             client.close()
             return
         budget: dict[str, int | None] = {"up": None, "down": None}
+        fired_box: list[Fault] = []
         state_lock = threading.Lock()
         done = threading.Event()
 
@@ -82,12 +85,16 @@ class FaultProxy:
                             hit = self._take(data)
                             if hit is not None:
                                 fault, at = hit
+                                fired_box.append(fault)
                                 budget[fault.direction] = fault.after + (
                                     at if fault.direction == "up" else 0
                                 )
                         left = budget[direction]
+                        fired = fired_box[-1] if fired_box else Fault(direction, 0)
                         if left is not None and len(data) >= left:
                             dst.sendall(data[:left])
+                            if fired.then is not None:
+                                fired.then()
                             break  # cut the connection here
                         if left is not None:
                             budget[direction] = left - len(data)

@@ -10,17 +10,28 @@ import threading
 from pathlib import Path
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        timeout: float = 60.0,
+        *,
+        crash_at: str | None = None,
+    ) -> None:
+        """``crash_at``: a moment at which the server kills itself (``tests/crashpoint.py``)."""
         self.log_path = log_path
         self._log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
+        launcher = ["diloco"] if crash_at is None else ["tests.crashpoint", crash_at, "--"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco", "server", "--host", "127.0.0.1", *args],
+            [sys.executable, "-m", *launcher, "server", "--host", "127.0.0.1", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=ROOT,
         )
         ports: queue.Queue[int] = queue.Queue()
 
@@ -45,6 +56,10 @@ class ServerProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for the process to end (killed by a test, or by itself at a crash point)."""
+        return self.proc.wait(timeout=timeout)
 
     def kill9(self) -> None:
         self.proc.kill()  # SIGKILL: no shutdown handler runs, no final save

@@ -126,21 +126,23 @@ def test_download_cut_midway_is_retried(setup, cut_after: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cut_after", "refused", "final_round"),
+    ("cut_after", "dropped", "final_round"),
     [
-        # Cut before the payload: the old snapshot is intact, training goes on from it, and the
-        # next upload (base round 0) is refused as stale and rebased onto round 1.
-        (10, 1, 1),
-        # Cut inside the payload: the snapshot is half written, so the worker first fetches
-        # round 1 in full; its next upload is then on time and closes round 2.
+        # Cut before the payload: the old snapshot is intact and the counted steps stay in the
+        # model (the server holds them only in memory until round 1 is durable). The next sync
+        # sends them again under the same id: "duplicate", so the steps mixed in since are
+        # dropped (and counted), and round 1 is adopted.
+        (10, 2, 1),
+        # Cut inside the payload: round 1 was published, so the worker first fetches it in full;
+        # its next upload is then on time and closes round 2.
         (12000, 0, 2),
     ],
 )
 def test_counted_upload_is_not_counted_again_after_its_download_failed(
-    setup, cut_after: int, refused: int, final_round: int
+    setup, cut_after: int, dropped: int, final_round: int
 ) -> None:
     """The upload is counted, then every download attempt breaks. Training goes on, but the
-    counted steps must not travel a second time: they are in the server's parameters already."""
+    counted steps must not count a second time."""
     server, proxy = setup
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -154,11 +156,12 @@ def test_counted_upload_is_not_counted_again_after_its_download_failed(
         for name, t in server.global_params().items():
             torch.testing.assert_close(t, start[name] + 1.0)
         step(model, opt, 0.25)
-        step(model, opt, 0.25)  # stale base round 0: refused, rebased onto round 1 with +0.5
+        step(model, opt, 0.25)
         m = w.sync_metrics
-        assert m["failed_syncs"] == 1 and m["refused_submissions"] == refused
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.detach(), start[name] + 1.5)
+        assert m["failed_syncs"] == 1 and m["refused_submissions"] == 0
+        assert m["dropped_steps"] == dropped
+        for name, p in model.named_parameters():  # every step in the parameters exactly once
+            torch.testing.assert_close(p.detach(), start[name] + 1.5 - 0.25 * dropped)
     assert server.status()["round"] == final_round
 
 

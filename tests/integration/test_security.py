@@ -249,18 +249,28 @@ def test_the_client_sends_the_cross_site_header() -> None:
 # --- slowdown ------------------------------------------------------------------------------------
 
 
-def test_repeated_failures_are_refused_for_a_while(make_server: ServerFactory) -> None:
-    server = make_server(token=TOKEN, auth_failure_limit=3)
+def test_repeated_failures_slow_the_guesser_not_the_token_holder(
+    make_server: ServerFactory,
+) -> None:
+    """Finding 7: after 5 failures from an address, the right token from it still passes."""
+    server = make_server(token=TOKEN)  # the default limit: 5 failures a minute
     bad = {"Authorization": "Bearer guess-guess"}
-    for _ in range(3):
+    for _ in range(5):
         assert_error(
             requests.get(url(server, "/status"), headers=bad, timeout=TIMEOUT), 401, "unauthorized"
         )
-    # Now even the right token is refused: a guesser cannot tell a hit from a miss.
     resp = requests.get(url(server, "/status"), headers=AUTH, timeout=TIMEOUT)
-    assert_error(resp, 429, "too_many_auth_failures")
-    assert 1 <= int(resp.headers["Retry-After"]) <= 60
+    assert resp.status_code == 200, resp.text
+    for headers in (bad, {}):  # a wrong token, or none: refused, and the connection closed
+        resp = requests.get(url(server, "/status"), headers=headers, timeout=TIMEOUT)
+        assert_error(resp, 429, "too_many_auth_failures")
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
+        assert resp.headers["Connection"] == "close"
+    assert register(server, "a", AUTH)["worker_id"] == "a"  # a state change too
     assert requests.get(url(server, "/healthz"), timeout=TIMEOUT).status_code == 200
+    metrics = requests.get(url(server, "/metrics"), headers=AUTH, timeout=TIMEOUT).text
+    assert "diloco_auth_failures_total 5" in metrics
+    assert "diloco_auth_throttled_total 2" in metrics
 
 
 def test_throttle_window_and_bounded_table() -> None:

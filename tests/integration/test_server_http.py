@@ -1183,7 +1183,7 @@ def _without_instance(reply: dict) -> dict:
 def test_download_streams_a_round_while_its_outer_step_is_still_running(
     make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import diloco.server.coordinator as coordinator_mod
+    import diloco.core.finite as finite_mod  # the server steps through its FiniteGuard
     from diloco.server.app import DOWNLOAD_CHUNK
 
     n = 300_000  # three tensors of 1.2 MB: the first holds the first write (1 MiB) whole
@@ -1191,7 +1191,7 @@ def test_download_streams_a_round_while_its_outer_step_is_still_running(
     params = {name: torch.randn(n, generator=g) for name in ("a", "b", "c")}
     grads = {name: torch.randn(n, generator=g) for name in ("a", "b", "c")}
     first_done, release = threading.Event(), threading.Event()
-    real_step = coordinator_mod.apply_outer_step
+    real_step = finite_mod.apply_outer_step
 
     def paused_step(*args: Any, on_piece: Any = None, **kwargs: Any) -> None:
         def report(param: torch.Tensor, elements: int) -> None:
@@ -1202,7 +1202,7 @@ def test_download_streams_a_round_while_its_outer_step_is_still_running(
 
         real_step(*args, on_piece=report if on_piece is not None else None, **kwargs)
 
-    monkeypatch.setattr(coordinator_mod, "apply_outer_step", paused_step)
+    monkeypatch.setattr(finite_mod, "apply_outer_step", paused_step)
     server = make_server(params=params, **EXACT)
     try:
         register(server, "w")

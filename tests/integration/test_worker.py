@@ -247,7 +247,10 @@ def test_env_variables_are_defaults_and_unknown_ones_are_errors(
         DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_barrier_wait_gives_up_without_counting_twice() -> None:
+def test_barrier_wait_gives_up_keeping_its_progress_and_never_counts_twice() -> None:
+    """A worker that gives up waiting keeps its counted progress (the server holds it only in
+    memory until the round closes) and hands it in again under the same id; the server says
+    "duplicate", and the steps mixed in since are dropped and counted as such."""
     cfg = ServerConfig(port=0, num_workers=2, outer_lr=1.0, outer_momentum=0.0, poll_timeout=0.1)
     init = params_of(make_model())
     with DiLoCoServer(cfg, initial_params=init) as srv:
@@ -258,15 +261,17 @@ def test_barrier_wait_gives_up_without_counting_twice() -> None:
         wb = DiLoCoWorker(mb, ob, srv.address, worker_id="b", **kw).start()
         fake_step(ma, oa, 1.0)  # a submits +1 and gives up waiting for b
         assert wa.sync_metrics["rounds"] == 0 and srv.status()["submitted"] == ["a"]
-        for name, t in params_of(ma).items():  # its counted progress is not kept locally
-            torch.testing.assert_close(t, init[name])
+        for name, t in params_of(ma).items():  # its counted progress stays until round 1 comes
+            torch.testing.assert_close(t, init[name] + 1.0)
         fake_step(mb, ob, 3.0)  # b closes round 0: global = init + mean(+1, +3) = init + 2
         g1 = srv.global_params()
         for name in init:
             torch.testing.assert_close(g1[name], init[name] + 2.0)
-        fake_step(ma, oa, 0.5)  # a: stale base 0 -> rebase onto round 1 with only its new +0.5
+        fake_step(ma, oa, 0.5)  # a resends its upload's id: a duplicate; its +0.5 is dropped
         for name, t in params_of(ma).items():
-            torch.testing.assert_close(t, g1[name] + 0.5)
+            torch.testing.assert_close(t, g1[name])
+        assert wa.sync_metrics["dropped_steps"] == 1 and wa.sync_metrics["rounds"] == 1
+        assert srv.status()["round"] == 1  # the resent body was not counted a second time
         wa.stop(submit=False)
         wb.stop(submit=False)
 

@@ -148,6 +148,13 @@ def test_server_makes_up_a_token_beyond_loopback(
     assert "DILOCO_TOKEN=" not in capsys.readouterr().err
 
 
+def test_server_fresh_start_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _captured_config(monkeypatch)
+    assert main(["server", "--port", "0", "--save-dir", "ckpt"]) == 0
+    assert main(["server", "--port", "0", "--save-dir", "ckpt", "--fresh-start"]) == 0
+    assert (seen[0].fresh_start, seen[1].fresh_start) == (False, True)
+
+
 def test_server_timeouts_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _captured_config(monkeypatch)
     assert main(["server", "--port", "0"]) == 0
@@ -171,3 +178,25 @@ def test_server_upload_slots_reach_the_config(
 def test_server_refuses_a_negative_body_timeout(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["server", "--port", "0", "--body-timeout", "-1"]) != 0
     assert "body_timeout" in capsys.readouterr().err
+
+
+def test_server_connection_and_rate_bounds_reach_the_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diloco.server.config import ServerConfig
+
+    seen = _captured_config(monkeypatch)
+    assert main(["server", "--port", "0"]) == 0
+    names = (
+        "min_upload_rate",
+        "upload_rate_window",
+        "header_timeout",
+        "max_connections",
+        "max_connections_per_ip",
+    )
+    defaults = ServerConfig()
+    assert [getattr(seen[0], n) for n in names] == [getattr(defaults, n) for n in names]
+    flags = ["--min-upload-rate", "0", "--upload-rate-window", "5", "--header-timeout", "3"]
+    flags += ["--max-connections", "100", "--max-connections-per-ip", "8"]
+    assert main(["server", "--port", "0", *flags]) == 0
+    assert [getattr(seen[1], n) for n in names] == [0.0, 5.0, 3.0, 100, 8]

@@ -23,6 +23,7 @@ class FakeClock:
 
 
 def make(clock: FakeClock, **cfg: object) -> SyncCoordinator:
+    cfg.setdefault("join_timeout", 0.0)  # workers here never download: see test_join_deadline
     config = ServerConfig(port=0, num_workers=2, **cfg)  # type: ignore[arg-type]
     store = ParamStore.from_tensors({"w": torch.zeros(2)})
     return SyncCoordinator(config, store, clock=clock)

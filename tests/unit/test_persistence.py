@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco import DiLoCoServer, ServerConfig
+from diloco import DiLoCoClient, DiLoCoServer, ServerConfig
 from diloco.core import apply_outer_step, default_outer_optimizer
 from diloco.server.persistence import (
+    inspect_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    remove_stale_temporaries,
+    resume_checkpoint,
     save_checkpoint,
 )
 
@@ -136,3 +143,217 @@ def test_server_resumes_round_params_and_momentum(tmp_path: Path) -> None:
         buf = again.coordinator.optimizer.state_dict()["state"][0]["momentum_buffer"]
         assert torch.equal(buf, opt_before["state"][0]["momentum_buffer"])
         assert again.coordinator.barrier.history.get("s1") == 1  # receipts survive the restart
+
+
+# --- checkpoints are transactions (issue 15, findings 2 and 3) ---------------------------------
+
+
+def _save(root: Path, r: int, keep: int = 3, tag: str = "") -> Path:
+    """A small checkpoint of round ``r`` whose parameters say which round (and save) wrote it."""
+    return save_checkpoint(
+        root,
+        r,
+        {"w": torch.full((3,), float(r))},
+        {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        {"tag": tag},
+        keep=keep,
+    )
+
+
+class Killed(BaseException):
+    """The process died at this step: neither it nor any later change to the disk happens."""
+
+
+def _die_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """From the ``step``-th rename or folder removal on, the process is dead."""
+    calls = 0
+
+    def gate(real: Callable[..., object]) -> Callable[..., object]:
+        def dying(*args: object, **kwargs: object) -> object:
+            nonlocal calls
+            calls += 1
+            if calls >= step:
+                raise Killed
+            return real(*args, **kwargs)
+
+        return dying
+
+    monkeypatch.setattr(os, "rename", gate(os.rename))
+    monkeypatch.setattr(os, "replace", gate(os.replace))
+    monkeypatch.setattr(shutil, "rmtree", gate(shutil.rmtree))
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
+def test_a_kill_at_any_step_of_a_resave_keeps_the_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: int, keep: int
+) -> None:
+    """A graceful stop right after a periodic save writes round 5 again. Killed at any step of
+    that, the save dir still holds a complete round 5 (the first or the second copy), never
+    only round 4 or nothing."""
+    _save(tmp_path, 4, keep)
+    _save(tmp_path, 5, keep, tag="first")
+    with monkeypatch.context() as m:
+        _die_at(m, step)
+        with contextlib.suppress(Killed):
+            _save(tmp_path, 5, keep, tag="second")
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.round == 5
+    assert found.extra["tag"] in ("first", "second")
+    # The next start clears what the kill left and resumes the same round; saving goes on.
+    remove_stale_temporaries(tmp_path)
+    resumed = resume_checkpoint(tmp_path)
+    assert resumed is not None and resumed.round == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    _save(tmp_path, 6, keep)
+    assert [load_checkpoint(p).round for p in list_checkpoints(tmp_path)] == [4, 5, 6][-keep:]
+
+
+def test_a_resave_supersedes_the_same_round(tmp_path: Path) -> None:
+    """The second save of a round takes a new folder; the first goes only after it is written,
+    and does not take one of the ``keep`` places."""
+    _save(tmp_path, 4)
+    _save(tmp_path, 5, tag="first")
+    second = _save(tmp_path, 5, tag="second")
+    assert second.name == "round-000000005.1"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-000000004", second.name]
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.path == second and found.extra["tag"] == "second"
+
+
+def test_a_torn_folder_never_costs_a_new_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torn ``round-000000057`` with keep 1 used to make every new checkpoint be deleted
+    right after it was written."""
+    torn = tmp_path / "round-000000057"
+    torn.mkdir()
+    (torn / "params.safetensors").write_bytes(b"\0" * 16)
+    for r in range(3):
+        _save(tmp_path, r, keep=1)
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.round == 2
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["round-000000002"]
+    assert torn.is_dir()  # reported and left alone: it is the operator's to look at
+    assert "round-000000057" in caplog.text and "state.json" in caplog.text
+    # Saving the torn folder's own round writes beside it, never over it.
+    at57 = _save(tmp_path, 57, keep=1)
+    assert at57 != torn and torn.is_dir() and load_checkpoint(at57).round == 57
+
+
+def test_pruning_goes_by_content_not_name(tmp_path: Path) -> None:
+    """A complete checkpoint of round 1 under the name of round 99 is older than round 5."""
+    staged = _save(tmp_path / "staging", 1)
+    shutil.copytree(staged, tmp_path / "round-000000099")
+    new = _save(tmp_path, 5, keep=1)
+    assert list_checkpoints(tmp_path) == [new]
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.round == 5
+
+
+def test_a_truncated_tensor_file_is_not_counted(tmp_path: Path) -> None:
+    good = _save(tmp_path, 1)
+    torn = _save(tmp_path, 2)
+    data = (torn / "optimizer.safetensors").read_bytes()
+    (torn / "optimizer.safetensors").write_bytes(data[:-1])
+    assert list_checkpoints(tmp_path) == [good]
+    with pytest.raises(ValueError, match="optimizer.safetensors"):
+        inspect_checkpoint(torn)
+
+
+def _server_checkpoint(where: Path) -> Path:
+    """A real round-0 checkpoint of a one-tensor server."""
+    cfg = ServerConfig(port=0, num_workers=1, save_dir=str(where))
+    with DiLoCoServer(cfg, initial_params={"w": torch.arange(4, dtype=torch.float32)}) as srv:
+        DiLoCoClient(srv.address).register("w0")  # the outer optimizer exists from here
+    # stop() saved it on shutdown.
+    (path,) = list_checkpoints(where)
+    return path
+
+
+def _copy_as(src: Path, dst: Path, round: int) -> Path:
+    shutil.copytree(src, dst)
+    state = json.loads((dst / "state.json").read_text())
+    state["round"] = round
+    (dst / "state.json").write_text(json.dumps(state))
+    return dst
+
+
+def _resumed_round(save_dir: Path, **kw: object) -> int | None:
+    srv = DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(save_dir), **kw))  # type: ignore[arg-type]
+    store = srv.coordinator.store
+    return None if store is None else store.round
+
+
+def test_stale_temporaries_are_removed_at_start(tmp_path: Path) -> None:
+    real = _server_checkpoint(tmp_path / "staging")
+    save_dir = tmp_path / "ckpt"
+    _copy_as(real, save_dir / "round-000000002", 2)
+    torn_tmp = save_dir / ".tmp-round-000000003-x1"  # a save killed before state.json
+    torn_tmp.mkdir()
+    shutil.copy(real / "params.safetensors", torn_tmp)
+    _copy_as(real, save_dir / ".old-round-000000001-x2" / "round-000000001", 1)  # a prune
+    assert _resumed_round(save_dir) == 2
+    assert sorted(p.name for p in save_dir.iterdir()) == ["round-000000002"]
+
+
+def test_a_complete_temporary_newer_than_every_checkpoint_is_kept(tmp_path: Path) -> None:
+    """What a kill during a re-save left with the code before: the only complete round 5 in a
+    temporary. It is renamed into place, not thrown away."""
+    real = _server_checkpoint(tmp_path / "staging")
+    save_dir = tmp_path / "ckpt"
+    _copy_as(real, save_dir / "round-000000004", 4)
+    _copy_as(real, save_dir / ".tmp-round-000000005-x1", 5)
+    assert _resumed_round(save_dir) == 5
+    assert sorted(p.name for p in save_dir.iterdir()) == ["round-000000004", "round-000000005"]
+
+
+def _unloadable_save_dir(tmp_path: Path) -> Path:
+    save_dir = tmp_path / "ckpt"
+    (save_dir / "round-000000003").mkdir(parents=True)  # no state.json
+    bad = save_dir / "round-000000004"
+    bad.mkdir()
+    (bad / "state.json").write_text("{not json")
+    (save_dir / "round-4-backup").mkdir()  # foreign
+    return save_dir
+
+
+def test_server_refuses_to_start_when_no_checkpoint_loads(tmp_path: Path) -> None:
+    save_dir = _unloadable_save_dir(tmp_path)
+    with pytest.raises(ValueError, match="none can be loaded") as info:
+        DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(save_dir)))
+    message = str(info.value)
+    for name, why in [
+        ("round-000000003", "state.json"),
+        ("round-000000004", "not valid JSON"),
+        ("round-4-backup", "foreign"),
+    ]:
+        line = next(line for line in message.splitlines() if name + ":" in line)
+        assert why in line
+    assert "--fresh-start" in message
+
+
+def test_cli_refuses_to_start_naming_each_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diloco.cli.main import main
+
+    save_dir = _unloadable_save_dir(tmp_path)
+    monkeypatch.setattr(DiLoCoServer, "run", lambda self: None)  # never serve, whatever happens
+    assert main(["server", "--port", "0", "--save-dir", str(save_dir)]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in ("round-000000003", "round-000000004", "round-4-backup"))
+    assert main(["server", "--port", "0", "--save-dir", str(save_dir), "--fresh-start"]) == 0
+
+
+def test_fresh_start_begins_anew_beside_unloadable_folders(tmp_path: Path) -> None:
+    save_dir = _unloadable_save_dir(tmp_path)
+    cfg = ServerConfig(port=0, num_workers=1, save_dir=str(save_dir), fresh_start=True)
+    with DiLoCoServer(cfg, initial_params={"w": torch.ones(2)}) as srv:
+        assert srv.status()["round"] == 0
+        DiLoCoClient(srv.address).register("w0")
+        path = srv.save_state()
+    assert path is not None and Path(path).parent == save_dir
+    assert (save_dir / "round-000000003").is_dir() and (save_dir / "round-4-backup").is_dir()
+    # Now one loads: the next start resumes from it, fresh start or not.
+    assert _resumed_round(save_dir) == 0

@@ -104,3 +104,68 @@ def test_zero_turns_the_guard_off() -> None:
 def test_negative_seconds_are_refused() -> None:
     with pytest.raises(ValueError, match="seconds"):
         StallGuard(-1)
+
+
+def test_a_trickling_sender_gets_408_too_slow() -> None:
+    """It is never quiet for ``seconds``, but brings far less than ``min_rate`` per window."""
+
+    async def scenario() -> None:
+        feed = Feed()
+
+        async def trickle() -> None:
+            while True:
+                await asyncio.sleep(QUIET / 5)
+                feed.chunks.put_nowait(b"x")
+
+        dripping = asyncio.ensure_future(trickle())
+        dest = memoryview(bytearray(1000))
+        with pytest.raises(WireError) as err:
+            async with StallGuard(60.0, min_rate=1000, rate_window=QUIET * 2) as guard:
+                await aread_payload(guard.watch(feed), dest)
+        dripping.cancel()
+        assert err.value.code == "too_slow" and err.value.status == 408
+
+    asyncio.run(scenario())
+
+
+def test_the_rate_counts_only_time_spent_waiting_for_the_sender() -> None:
+    """Bytes that are there when read arrive at once, however long the server takes between
+    reads: the server being busy must not make the sender look slow."""
+
+    async def scenario() -> None:
+        feed = Feed()
+        for _ in range(4):
+            feed.chunks.put_nowait(b"ab")
+        async with StallGuard(60.0, min_rate=1e9, rate_window=QUIET) as guard:
+            stream = guard.watch(feed)
+            for _ in range(4):
+                assert await stream.read() == b"ab"
+                await asyncio.sleep(QUIET * 2)  # the server's own work
+        assert not guard.expired
+
+    asyncio.run(scenario())
+
+
+def test_a_sender_fast_enough_passes_window_after_window() -> None:
+    async def scenario() -> None:
+        feed = Feed()
+
+        async def send() -> None:
+            for _ in range(8):
+                await asyncio.sleep(QUIET / 2)
+                feed.chunks.put_nowait(b"y" * 100)  # 2000 bytes/s
+            feed.chunks.put_nowait(b"")  # the end of the body
+
+        sender = asyncio.ensure_future(send())
+        dest = memoryview(bytearray(800))
+        async with StallGuard(60.0, min_rate=200, rate_window=QUIET) as guard:
+            await aread_payload(guard.watch(feed), dest)
+        await sender
+        assert not guard.expired and bytes(dest) == b"y" * 800
+
+    asyncio.run(scenario())
+
+
+def test_a_minimum_rate_needs_a_window() -> None:
+    with pytest.raises(ValueError, match="rate_window"):
+        StallGuard(1.0, min_rate=10.0)

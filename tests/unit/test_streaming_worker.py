@@ -384,22 +384,28 @@ def test_unreachable_server_keeps_progress_and_training_goes_on() -> None:
         assert worker.sync_metrics["failed_syncs"] == 1
 
 
-def test_counted_upload_whose_result_is_lost_is_removed_from_the_model() -> None:
+def test_counted_upload_whose_result_never_came_stays_and_goes_again_under_its_id() -> None:
+    """The server holds a counted upload in memory only until its round closes; if that round's
+    result never arrives, the progress stays in the model and the fragment's next upload goes
+    under the same id. The server answers "duplicate": the steps mixed in since are dropped and
+    counted."""
     server = FakeServer(outer_lr=1.0)
-    worker, model, opt = make_worker(server, overlap_steps=1)
+    worker, model, opt = make_worker(server, overlap_steps=1, merge_alpha=0.0)
     with worker:
         server.fail_download.add(0)
         step(model, opt)
         step(model, opt)  # fragment 0 sent (-2D) and counted; its download fails
-        step(model, opt)  # the outcome is applied: the 2 counted steps leave, step 3 stays
-        torch.testing.assert_close(flat(model)[F0], START[F0] + D)
+        step(model, opt)  # the outcome is applied: the 2 counted steps stay, with step 3
+        torch.testing.assert_close(flat(model)[F0], START[F0] + 3 * D)
         torch.testing.assert_close(flat(model)[4:], START[4:] + 3 * D)
         assert worker.sync_metrics["failed_syncs"] == 1
         assert server.rounds[0] == 1  # the server holds them: they come back with round 1
-        for _ in range(4):  # fragment 0 is sent again after step 6 and refused as stale;
-            step(model, opt)  # after step 7 its progress is rebased onto round 1 (start + 2D)
-        torch.testing.assert_close(flat(model)[F0], START[F0] + 7 * D)  # each step counted once
-        assert worker.sync_metrics["rebases"] == 1
+        for _ in range(4):  # fragment 0 is sent again after step 6 under the same id: a
+            step(model, opt)  # duplicate; after step 7 round 1 (start + 2D) is merged
+        torch.testing.assert_close(flat(model)[F0], START[F0] + 2 * D)  # counted once
+        assert len([s for s in server.submissions if s[0] == 0]) == 1
+        m = worker.sync_metrics
+        assert (m["dropped_steps"], m["rebases"]) == (4, 0)  # steps 3 to 6 of fragment 0
 
 
 def test_upload_counted_but_answer_lost_is_resent_under_its_id_not_counted_twice() -> None:

@@ -47,10 +47,32 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--from-checkpoint", help="resume from this checkpoint directory")
     p.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="start from scratch when --save-dir holds checkpoints of which none loads "
+        "(default: refuse to start)",
+    )
+    p.add_argument(
         "--weighting",
         choices=("equal", "samples"),
         default="equal",
         help="average contributions equally or by the samples each worker reports",
+    )
+    p.add_argument(
+        "--clip-norm-factor",
+        type=float,
+        default=None,
+        metavar="C",
+        help="sync: clip each upload to C x the median of the round's upload norms (robust "
+        "aggregation; keeps the round's uploads: one model of memory per worker)",
+    )
+    p.add_argument(
+        "--trim-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="sync: coordinate-wise trimmed mean dropping floor(F x n) of n values at each end "
+        "(0 <= F < 0.5; 0: the weighted mean; keeps the round's uploads)",
     )
     p.add_argument(
         "--token",
@@ -84,6 +106,13 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         help="evict a worker whose loop took no step this long, s (0: never)",
     )
     p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=15.0,
+        help="drop a registered worker that fetches nothing and sends no heartbeat this long, "
+        "s (0: never)",
+    )
+    p.add_argument(
         "--poll-timeout",
         type=float,
         default=30.0,
@@ -94,6 +123,39 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=60.0,
         help="drop an upload whose sender goes quiet mid-body this long, s (0: never)",
+    )
+    p.add_argument(
+        "--min-upload-rate",
+        type=float,
+        default=64 * 1024,
+        help="drop an upload averaging fewer bytes/s than this over --upload-rate-window "
+        "seconds of waiting for it (default 65536; 0: never)",
+    )
+    p.add_argument(
+        "--upload-rate-window",
+        type=float,
+        default=10.0,
+        help="seconds over which --min-upload-rate is averaged",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="close a connection that has not sent a complete request head this long after it "
+        "opened or its last reply, s",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections served at once (default: the open-file limit, ulimit -n, less 256)",
+    )
+    p.add_argument(
+        "--max-connections-per-ip",
+        type=int,
+        default=64,
+        help="connections from one address that have not shown the token; a new one closes "
+        "the oldest",
     )
     p.add_argument(
         "--upload-slots",
@@ -193,17 +255,26 @@ def _server(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         keep_checkpoints=args.keep,
         from_checkpoint=args.from_checkpoint,
+        fresh_start=args.fresh_start,
         token=token or None,
         admin_token=args.admin_token or None,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_failure_limit=args.auth_failure_limit,
         weighting=args.weighting,
+        clip_norm_factor=args.clip_norm_factor,
+        trim_fraction=args.trim_fraction,
         poll_timeout=args.poll_timeout,
         body_timeout=args.body_timeout,
+        min_upload_rate=args.min_upload_rate,
+        upload_rate_window=args.upload_rate_window,
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_ip=args.max_connections_per_ip,
         upload_slots=args.upload_slots,
         heartbeat_timeout=args.heartbeat_timeout,
         stuck_timeout=args.stuck_timeout,
+        join_timeout=args.join_timeout,
         mode="async" if args.async_mode else "sync",
         max_staleness=args.max_staleness,
         staleness_weighting=args.staleness_weighting,

@@ -83,7 +83,7 @@ def _max_tensor_body(coord: Coordinator) -> int:
 @contextlib.asynccontextmanager
 async def _tensor_body(request: web.Request, coord: Coordinator) -> AsyncIterator[AsyncStream]:
     """The body of a tensor upload: from the socket where it can be (``socket_body``), else
-    aiohttp's stream; either way dropped if the sender goes quiet (``StallGuard``)."""
+    aiohttp's stream; either way dropped if the sender goes quiet or crawls (``StallGuard``)."""
     limit = _max_tensor_body(coord)
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(  # before 100 Continue: such a body is not even sent
@@ -93,10 +93,14 @@ async def _tensor_body(request: web.Request, coord: Coordinator) -> AsyncIterato
         )
     direct = await SocketBody.open(request) if direct_possible(request) else None
     try:
-        async with StallGuard(coord.config.body_timeout) as guard:
+        config = coord.config
+        async with StallGuard(
+            config.body_timeout, config.min_upload_rate, config.upload_rate_window
+        ) as guard:
             yield guard.watch(request.content if direct is None else direct)
     except WireError as exc:
-        if exc.code == "body_timeout":  # a worker died mid-upload, most likely: say so
+        # A worker died mid-upload, or its link crawls (or it is hostile): say so.
+        if exc.code in ("body_timeout", "too_slow"):
             log.warning("%s from %s dropped: %s", request.path, request.remote, exc.detail)
         raise
     finally:
@@ -161,8 +165,10 @@ async def global_params(request: web.Request) -> web.StreamResponse:
     ``min_round`` is published. No lock is held while the bytes stream: the snapshot pins them
     and an outer step meanwhile writes to a copy."""
     coord = request.app[COORDINATOR]
-    coord.require_store()
     worker_id = request.query.get("worker_id")
+    # A worker waiting (503) for another's initial upload has joined as well as one served.
+    coord.registry.fetching(worker_id)
+    coord.require_store()
     if worker_id and worker_id not in coord.registry:
         raise unknown_worker(worker_id)
     raw_fragment = request.query.get("fragment")

@@ -44,7 +44,11 @@ class ServerConfig:
     """Save every N rounds (0: only on shutdown and on request)."""
 
     keep_checkpoints: int = 3
-    """How many checkpoints to keep in ``save_dir``."""
+    """How many checkpoints to keep in ``save_dir`` (complete ones, newest by content)."""
+
+    fresh_start: bool = False
+    """Start from scratch when ``save_dir`` holds checkpoint folders of which none loads (they
+    are left in place). Without it the server refuses to start, naming each folder and why."""
 
     token: str | None = None
     """Shared secret required as ``Authorization: Bearer`` on every endpoint except /healthz
@@ -62,14 +66,45 @@ class ServerConfig:
 
     auth_failure_limit: int = 5
     """Failed authentications from one address within ``auth_failure_window`` after which
-    further requests from it get 429 until the window passes (0 disables the slowdown)."""
+    further requests from it without the right token get 429, and lose their connection, until
+    the window passes (0 disables the slowdown). A request with the right token always passes:
+    a local process must not be able to lock the workers out by guessing."""
 
     auth_failure_window: float = 60.0
     """Seconds over which failed authentications are counted."""
 
+    header_timeout: float = 10.0
+    """Seconds a connection has to deliver a complete request head (request line and headers),
+    counted from when it opens or its previous reply was sent; then it is closed. Also bounds the
+    TLS handshake. It ends idle keep-alive connections too: clients reconnect on their next
+    request, which costs one round trip."""
+
+    max_connections: int | None = None
+    """Open connections served at once; past it the oldest connection that has not yet shown a
+    valid token is closed to make room, or, when every one has, the new one gets 503
+    ``too_many_connections``. None: the process's open-file limit (``ulimit -n``, soft) less
+    256 for files and checkpoints, so ``accept()`` never runs out of descriptors."""
+
+    max_connections_per_ip: int = 64
+    """Connections from one address (an IPv6 /64) that have not yet shown a valid token; a new
+    one past it closes that address's oldest such connection. One address cannot take every
+    connection, and a process on a worker's machine cannot shut the worker out: once a
+    connection carries the token it no longer counts here. Loopback is not exempt."""
+
     weighting: str = "equal"
     """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
     worker reports with its submission)."""
+
+    clip_norm_factor: float | None = None
+    """Sync: clip each upload of a round to this many times the median of the round's upload
+    norms (robust aggregation; 2 to 5 is typical). None: no clipping. The server then keeps the
+    round's uploads until it closes: memory grows by one model (fragment) per worker."""
+
+    trim_fraction: float = 0.0
+    """Sync: coordinate-wise trimmed mean, dropping ``floor(trim_fraction * n)`` of the round's n
+    values at each end of every coordinate (in [0, 0.5); 0: the weighted mean). Unweighted, and
+    no trimming with fewer than ``1 / trim_fraction`` contributions. Keeps the round's uploads,
+    as clipping does."""
 
     heartbeat_timeout: float = 120.0
     """A worker silent for this long is evicted and every barrier re-evaluated (0 disables)."""
@@ -79,6 +114,12 @@ class ServerConfig:
     (while not syncing) is evicted although its heartbeat thread still runs (0 disables). Raise
     it if your loop runs long evaluations between steps."""
 
+    join_timeout: float = 15.0
+    """A registered worker that neither asks for the parameters nor heartbeats nor uploads
+    within this many seconds (an initial upload under way counts) is taken for a ghost, a worker
+    that failed while joining, and leaves the expected set, so it does not hold a round for
+    ``heartbeat_timeout`` (0 disables)."""
+
     poll_timeout: float = 30.0
     """Longest a ``GET /global_params?min_round=`` waits before answering 202 (poll again).
     Workers' read timeouts must exceed it."""
@@ -87,6 +128,17 @@ class ServerConfig:
     """A tensor upload whose sender sends nothing for this long mid-body is dropped (408) and
     its receive buffer goes to the next upload (0 disables). Without it a worker that dies
     mid-upload, with no FIN reaching the server, blocks every other upload."""
+
+    min_upload_rate: float = 64 * 1024
+    """Bytes per second a tensor upload must average over each ``upload_rate_window`` of
+    waiting for its sender, else it is dropped (408 ``too_slow``) and its receive buffer goes to
+    the next upload (0 disables). Catches a sender that trickles rather than stops, which
+    ``body_timeout`` never sees. 64 KiB/s is half a megabit: no link that slow ships a model."""
+
+    upload_rate_window: float = 10.0
+    """Seconds of waiting for the sender over which ``min_upload_rate`` is averaged: long enough
+    to ride out a TCP retransmission backoff, short enough that each crawling upload ahead of a
+    good one delays it by about this much."""
 
     upload_slots: int = 1
     """Uploads received at once, each into an upload-sized buffer. A buffer goes to the next
@@ -130,6 +182,12 @@ class ServerConfig:
     fragment_pattern: str | None = None
     """``sequential`` or ``strided`` (None: as the first worker asks)."""
 
+    @property
+    def robust(self) -> bool:
+        """Robust aggregation is on: sync rounds keep their uploads (``clip_norm_factor``,
+        ``trim_fraction``)."""
+        return self.clip_norm_factor is not None or self.trim_fraction > 0
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -145,7 +203,7 @@ class ServerConfig:
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
-        for name in ("heartbeat_timeout", "stuck_timeout", "body_timeout"):
+        for name in ("heartbeat_timeout", "stuck_timeout", "join_timeout", "body_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -173,6 +231,17 @@ class ServerConfig:
         if self.mode == "async" and self.weighting != "equal":
             raise ValueError(
                 "weighting='samples' averages one round's contributions; async mode has no rounds"
+            )
+        if self.clip_norm_factor is not None and not (
+            math.isfinite(self.clip_norm_factor) and self.clip_norm_factor > 0
+        ):
+            raise ValueError(f"clip_norm_factor must be positive, got {self.clip_norm_factor}")
+        if not (math.isfinite(self.trim_fraction) and 0 <= self.trim_fraction < 0.5):
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if self.mode == "async" and self.robust:
+            raise ValueError(
+                "clip_norm_factor and trim_fraction aggregate one round's uploads; "
+                "async mode has no rounds"
             )
         buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
         if buffer < 1:
@@ -202,4 +271,18 @@ class ServerConfig:
         if not (math.isfinite(self.auth_failure_window) and self.auth_failure_window > 0):
             raise ValueError(
                 f"auth_failure_window must be a finite positive number, got {self.auth_failure_window}"
+            )
+        for name in ("header_timeout", "upload_rate_window"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value}")
+        if not (math.isfinite(self.min_upload_rate) and self.min_upload_rate >= 0):
+            raise ValueError(
+                f"min_upload_rate must be a finite number >= 0, got {self.min_upload_rate}"
+            )
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_connections_per_ip < 1:
+            raise ValueError(
+                f"max_connections_per_ip must be >= 1, got {self.max_connections_per_ip}"
             )

@@ -27,14 +27,15 @@ from typing import Any
 import torch
 
 from diloco.core import (
-    apply_outer_step,
     default_outer_optimizer,
     optimizer_hparams,
     set_optimizer_hparams,
 )
 from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.core.dylu import recommended_sync_every, smooth_speed
+from diloco.core.finite import FiniteGuard
 from diloco.core.outer import PieceDone
+from diloco.core.robust import robust_mean
 from diloco.core.staleness import inverse_sqrt_weight
 from diloco.server.async_gate import AsyncCheck
 from diloco.server.barrier import Admission, Check, SyncBarrier, Verdict
@@ -67,6 +68,13 @@ STATUS_LOG = 200  # of which /status shows the newest
 # log (once per run): the uploads then queue enough to matter.
 HINT_WAIT_S = 1.0
 HINT_WAIT_SHARE = 0.25
+# Bounds of a reported weight (weighting='samples'). A weight multiplies an fp32 upload and the
+# sum of weights divides the sum: 1e39 is a finite Python float but infinite in fp32, and
+# denormal weights make the total ~0. Within these bounds every weight and any total of them is
+# a normal fp32 number, which covers any count of samples or tokens one round can see
+# (1e12 tokens per worker per round is far past any real run), fractions included.
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e12
 
 
 def _meta_int(meta: dict[str, str], key: str) -> int:
@@ -86,9 +94,11 @@ def _meta_weight(meta: dict[str, str]) -> float:
         raise bad_request(
             "bad_metadata", f"__metadata__['weight'] must be a number, got {raw!r}"
         ) from None
-    if not (math.isfinite(weight) and weight > 0):
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # also NaN
         raise bad_request(
-            "bad_metadata", f"__metadata__['weight'] must be finite and positive, got {raw!r}"
+            "bad_metadata",
+            f"__metadata__['weight'] must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] "
+            f"(a count of samples or tokens), got {raw!r}",
         )
     return weight
 
@@ -131,6 +141,13 @@ class Coordinator:
         self.bytes_out = 0
         self.rejected = 0
         self.kicks = 0
+        #: Rounds (sync) or updates (async) refused because their result would not be finite.
+        self.refused_updates = 0
+        self.last_refusal: dict[str, Any] | None = None
+        #: Per unit: the guard of its outer steps (core/finite.py), made at its first step.
+        self._guards: dict[int, FiniteGuard] = {}
+        #: Per unit, with robust aggregation: the open round's uploads (weight, fp32 tensors).
+        self._kept: dict[int, list[tuple[float, list[torch.Tensor]]]] = {}
         #: Recent outer updates (sync: rounds; async: applied submissions), newest last.
         self.update_log: deque[dict[str, Any]] = deque(maxlen=UPDATE_LOG)
         self.staleness_log: deque[int] = deque(maxlen=UPDATE_LOG)
@@ -378,6 +395,7 @@ class Coordinator:
                 "already_initialized", "another worker is uploading the initial parameters"
             )
         self._initializing = True  # claimed before the first await: one upload wins the race
+        uploader = self.registry.begin_transfer(worker_id)
         try:
             payload = torch.empty(layout.payload_size, dtype=torch.uint8)
             await aread_payload(stream, byte_view(payload))
@@ -394,6 +412,7 @@ class Coordinator:
             raise bad_request("bad_fragments", str(exc)) from None
         finally:
             self._initializing = False
+            self.registry.end_transfer(uploader)
         self._adopt_store(store)
         self.bytes_in += layout.total_size
         log.info(
@@ -566,10 +585,18 @@ class Coordinator:
         return record.recommended_sync_every
 
     def check_health(self) -> list[str]:
-        """Evict silent and stuck workers; returns their ids. Called periodically, and directly
-        by tests with a fake clock."""
+        """Evict silent and stuck workers, and ghosts (registered, never joined); returns their
+        ids. Called periodically, and directly by tests with a fake clock."""
         evicted = []
         reasons = {}
+        if self.config.join_timeout > 0:
+            reasons.update(
+                {
+                    w: f"no download, heartbeat or upload within {self.config.join_timeout:g} s "
+                    "of registering (join_timeout): it failed while joining"
+                    for w in self.registry.unjoined(self.config.join_timeout)
+                }
+            )
         if self.config.heartbeat_timeout > 0:
             reasons.update(
                 {w: "silent" for w in self.registry.silent(self.config.heartbeat_timeout)}
@@ -609,7 +636,9 @@ class Coordinator:
             self._resumed_at = None
 
     async def health_loop(self) -> None:
-        timeouts = [t for t in (self.config.heartbeat_timeout, self.config.stuck_timeout) if t > 0]
+        config = self.config
+        deadlines = (config.heartbeat_timeout, config.stuck_timeout, config.join_timeout)
+        timeouts = [t for t in deadlines if t > 0]
         if not timeouts:
             return
         interval = max(0.05, min(timeouts) / 4)
@@ -715,6 +744,7 @@ class Coordinator:
             or unit.sum.count
             or self._adds_pending.get(unit.index, 0)
             or unit.index in self._first_writes
+            or self.config.robust  # the round keeps each upload whole, not a running sum
         ):
             return None
         first = FirstWrite(unit.sum, unit.names, layout, weight, self._stages, worker_id)
@@ -725,6 +755,17 @@ class Coordinator:
         """Wait until no first write owns ``unit``'s sum."""
         while (first := self._first_writes.get(unit.index)) is not None:
             await first.done.wait()
+
+    def _keep(self, unit: Unit, tensors: list[torch.Tensor], weight: float) -> Callable[[], None]:
+        """Robust aggregation: the add of one landed body is an fp32 copy kept for the round's
+        close (the median of the norms and the trimmed mean need every upload at once). It runs
+        under the tensor lock, as adds do, so a close queued after it sees it."""
+
+        def keep() -> None:
+            copies = [t.to(torch.float32, copy=True) for t in tensors]
+            self._kept.setdefault(unit.index, []).append((weight, copies))
+
+        return keep
 
     async def _receive_into_slot(
         self,
@@ -759,7 +800,11 @@ class Coordinator:
                 # From here on the submission counts: record it, then queue the addition on the
                 # tensor lock before yielding, so a round close queued later sees it.
                 unit.barrier.record(worker_id, submission_id)
-                add = _payload_order_add(unit, layout, tensors, weight, drain.report)
+                add = (
+                    self._keep(unit, tensors, weight)
+                    if self.config.robust
+                    else _payload_order_add(unit, layout, tensors, weight, drain.report)
+                )
                 pending = self._adds_pending
                 pending[unit.index] = pending.get(unit.index, 0) + 1
                 try:
@@ -832,11 +877,18 @@ class Coordinator:
                 else 1.0
             )
 
+            guard = self._guard(unit)
+            refused: list[str] = []
+
             def outer_step(progress: PieceDone | None) -> None:
                 unit.sum.add(tensors, weight)
-                apply_outer_step(unit.optimizer, unit.params, unit.sum.sums, on_piece=progress)
+                why = guard.step(unit.sum.sums, on_piece=progress)
+                if why is not None:
+                    refused.append(why)
                 unit.sum.reset()
 
+            # A refused update still makes its version (the parameters unchanged), as a refused
+            # sync round does: the gate has recorded the submission, and its worker waits for it.
             await self._publish_update(unit, applied_to + 1, outer_step, before=gate.advance)
             outer_s = self.clock() - t0
         record.staleness = stale
@@ -844,14 +896,28 @@ class Coordinator:
         self.staleness_total += stale
         self.staleness_count += 1
         self.last_round_contributions = 1
-        self._log_update(unit, applied_to, outer_s, 1, nbytes, staleness=stale, weight=weight)
-        return {
+        if refused:
+            self._refuse(unit, applied_to, 1, refused[0])
+        self._log_update(
+            unit,
+            applied_to,
+            outer_s,
+            1,
+            nbytes,
+            staleness=stale,
+            weight=weight,
+            refused=bool(refused),
+        )
+        reply: dict[str, Any] = {
             "status": "accepted",
             "round": applied_to,
             "version": applied_to + 1,
             "staleness": stale,
             "weight": weight,
         }
+        if refused:
+            reply["refused"] = refused[0]
+        return reply
 
     async def _publish_update(
         self,
@@ -885,8 +951,14 @@ class Coordinator:
                 before()
             unit.published_round = unit_round
 
+        # A round that is to be durable is not streamed while it is written: its first byte
+        # leaves only once its checkpoint is on disk, so no worker drops progress for a result
+        # a crash could take back (a worker adopts a streamed round as its bytes land).
         await store.update(
-            step, new_round=new_round, on_publish=publish, stream=len(self.units) == 1
+            step,
+            new_round=new_round,
+            on_publish=publish,
+            stream=len(self.units) == 1 and not durable,
         )
 
     def _too_stale(self, unit: Unit, base: int, stale: int) -> ApiError:
@@ -993,20 +1065,34 @@ class Coordinator:
             await self._sum_free(unit)  # a first write whose worker left mid-upload
             t0 = self.clock()
             count, total = wsum.count, wsum.total_weight
+            kept = self._kept.pop(unit.index, []) if self.config.robust else []
+            if kept:
+                count, total = len(kept), sum(w for w, _ in kept)
+            guard = self._guard(unit)
+            refused: list[str] = []
 
             def outer_step(progress: PieceDone | None) -> None:
+                divisor = total
+                if kept:
+                    self._robust_mean(unit, round_, kept)
+                    divisor = 1.0
                 # The weighted mean is the sum over the total weight: the step divides as it goes.
-                apply_outer_step(
-                    unit.optimizer, unit.params, wsum.sums, divisor=total, on_piece=progress
-                )
+                # A step whose result would not be finite changes nothing (core/finite.py).
+                why = guard.step(wsum.sums, divisor=divisor, on_piece=progress)
+                if why is not None:
+                    refused.append(why)
                 wsum.reset()
 
+            # A refused round still ends: it is published with the parameters unchanged, so the
+            # workers waiting for round + 1 go on (docs/design.md, "Non-finite results").
             await self._publish_update(
                 unit, round_ + 1, outer_step, before=lambda: barrier.advance(self.registry.ids())
             )
             outer_s = self.clock() - t0
         self.last_round_contributions = count
-        entry = self._log_update(unit, round_, outer_s, count, None)
+        if refused:
+            self._refuse(unit, round_, count, refused[0])
+        entry = self._log_update(unit, round_, outer_s, count, None, refused=bool(refused))
         self._hint_upload_slots(entry)
         log.info(
             "round %d%s closed: %d contributions (weight %.3g); round %d open",
@@ -1017,6 +1103,47 @@ class Coordinator:
             round_ + 1,
         )
         self._maybe_close()
+
+    def _guard(self, unit: Unit) -> FiniteGuard:
+        guard = self._guards.get(unit.index)
+        if guard is None:
+            guard = self._guards[unit.index] = FiniteGuard(unit.optimizer, unit.params)
+        return guard
+
+    def _robust_mean(
+        self, unit: Unit, round_: int, kept: list[tuple[float, list[torch.Tensor]]]
+    ) -> None:
+        """Blocking: write the robust mean of the round's kept uploads into the unit's sum."""
+        result = robust_mean(
+            [t for _, t in kept],
+            [w for w, _ in kept],
+            unit.sum.sums,
+            clip_factor=self.config.clip_norm_factor,
+            trim_fraction=self.config.trim_fraction,
+        )
+        clipped = sum(s < 1 for s in result.scales)
+        if clipped or result.trimmed:
+            log.info(
+                "round %d: %d of %d uploads clipped (norms %s), %d trimmed at each end",
+                round_,
+                clipped,
+                len(kept),
+                "/".join(f"{n:.3g}" for n in result.norms),
+                result.trimmed,
+            )
+
+    def _refuse(self, unit: Unit, round_: int, contributions: int, why: str) -> None:
+        self.refused_updates += 1
+        self.last_refusal = {"round": round_, "fragment": unit.index, "reason": why}
+        log.error(
+            "%s %d%s refused: %s; its %d contribution(s) are discarded and the parameters and "
+            "outer optimizer state stay as they were",
+            "round" if unit.barrier is not None else "update",
+            round_,
+            f" of fragment {unit.index}" if len(self.units) > 1 else "",
+            why,
+            contributions,
+        )
 
     def _log_update(
         self,
@@ -1214,6 +1341,16 @@ class Coordinator:
             "bytes_out": self.bytes_out,
             "rejected_submissions": self.rejected,
             "kicks": self.kicks,
+            "refused_updates": self.refused_updates,
+            "last_refusal": self.last_refusal,
+            "robust_aggregation": (
+                {
+                    "clip_norm_factor": self.config.clip_norm_factor,
+                    "trim_fraction": self.config.trim_fraction,
+                }
+                if self.config.robust
+                else None
+            ),
             "last_round_contributions": self.last_round_contributions,
             "last_round_time_s": self.update_log[-1]["round_time_s"] if self.update_log else None,
             "upload_slots": self.config.upload_slots,
@@ -1229,6 +1366,7 @@ class Coordinator:
             "worker_deaths": self.registry.deaths,
             "heartbeat_timeout": self.config.heartbeat_timeout,
             "stuck_timeout": self.config.stuck_timeout,
+            "join_timeout": self.config.join_timeout,
             "save_dir": self.config.save_dir,
             "last_save": self.last_save,
             "last_save_error": self.last_save_error,

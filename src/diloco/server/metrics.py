@@ -181,6 +181,13 @@ def render(status: dict[str, Any], counters: HttpCounters | None = None) -> str:
         "Submissions refused with 409.",
         status.get("rejected_submissions"),
     )
+    out.one(
+        "diloco_refused_updates_total",
+        "counter",
+        "Rounds (sync) or updates (async) refused because their result would not be finite; "
+        "the parameters stayed as they were.",
+        status.get("refused_updates"),
+    )
     out.one("diloco_outer_lr", "gauge", "Outer learning rate.", opt.get("lr"))
     out.one("diloco_outer_momentum", "gauge", "Outer momentum.", opt.get("momentum"))
     out.family(

@@ -1,14 +1,38 @@
 """Checkpoints of the server state: safetensors for tensors, JSON for everything else. No pickle.
 
-Layout of one checkpoint, ``<save_dir>/round-000012/``:
+Layout of one checkpoint, ``<save_dir>/round-000000012/`` (``round-000000012.N/`` when round 12
+was saved again, N = 1, 2, ...):
 - ``params.safetensors``: the global parameters by name (loads into a model with
   ``safetensors.torch.load_file`` and ``load_state_dict``);
 - ``optimizer.safetensors``: the outer optimizer's tensor state, keyed ``<param index>/<key>``;
-- ``state.json``: round, optimizer param groups and scalars, counters. Written last.
+- ``state.json``: round, generation, optimizer param groups and scalars, counters. Written last.
 
-A checkpoint is written into a temporary directory, fsynced, and renamed into place, so a crash
-leaves either the previous checkpoints or a complete new one. A directory without a readable
-``state.json`` is torn and skipped.
+Checkpoints are transactions. A folder under a checkpoint name is complete and never written
+again: it is built in a fresh ``.tmp-round-*`` folder, whose tensor files are fsynced before
+``state.json`` is created (so a ``state.json`` that parses implies tensors on disk), the folder is
+fsynced, then renamed to a name that does not exist yet, and the save dir is fsynced. Saving a
+round again (a graceful stop right after a periodic save, ``/control/save_state``) takes the next
+generation's name; the copy it supersedes is removed only once the new one is durable. So at every
+instant a complete copy of the newest saved state sits under a checkpoint name. The alternatives
+were weaker: ``rename(2)`` cannot replace a non-empty folder, ``renameat2(RENAME_EXCHANGE)`` is
+Linux-only, reached only through ctypes and not offered by every file system; moving the old
+folder aside before renaming the new one in leaves an instant with neither under its name; a
+pointer file is one more file that can be torn or disagree with the folders. A rename to a fresh
+name is atomic on every POSIX file system and needs nothing else.
+
+Order and pruning go by content, never by folder name: (round, generation) from ``state.json``. A
+folder named like a checkpoint counts only when complete (``state.json`` of this format, each
+tensor file as long as its header says); a torn or foreign one is reported, skipped, never counted
+toward ``keep`` and never deleted (it is the operator's to look at). Pruning keeps the checkpoint
+just written and the newest ``keep - 1`` other rounds; a folder being removed is first renamed to
+``.old-round-*``, so a kill mid-removal leaves no half-deleted folder under a checkpoint name.
+
+When the server opens its save dir, leftover temporaries go: ``.old-round-*`` always, a
+``.tmp-round-*`` unless it is complete and newer than every checkpoint, in which case it is
+renamed into place. This module never leaves the only copy of a saved state in a temporary: a
+temporary not yet renamed belongs to a save that had not returned (nothing was published from it,
+and the previous checkpoint is still in place). Versions before this scheme removed ``round-R``
+before renaming its re-save into place; the promotion keeps what such a kill left behind.
 """
 
 from __future__ import annotations
@@ -20,6 +44,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +55,17 @@ from safetensors.torch import load_file, save_file
 log = logging.getLogger(__name__)
 
 FORMAT = "diloco-server-state/1"
-NAME = re.compile(r"^round-(\d{9})$")
+NAME = re.compile(r"^round-(\d{9})(?:\.([1-9]\d*))?$")
+PREFIX = "round-"
+TMP_PREFIX = ".tmp-round-"
+TRASH_PREFIX = ".old-round-"
+TENSOR_FILES = ("params.safetensors", "optimizer.safetensors")
+
+# Saves come from the event loop's worker threads; picking a fresh name and pruning must not
+# interleave between two of them.
+_SAVE_LOCK = threading.Lock()
+# Torn folders are reported once per process, not at every save.
+_REPORTED: set[tuple[str, str]] = set()
 
 
 @dataclass
@@ -40,6 +75,37 @@ class Checkpoint:
     params: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
     extra: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A complete checkpoint folder, placed by its content."""
+
+    path: Path
+    round: int
+    generation: int
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        return (self.round, self.generation, self.path.name)
+
+
+class NoLoadableCheckpoint(ValueError):
+    """The save dir holds checkpoint folders and none of them can be loaded."""
+
+    def __init__(self, root: Path, problems: list[tuple[Path, str]]) -> None:
+        self.problems = problems
+        lines = "".join(f"\n  {p.name}: {why}" for p, why in problems)
+        super().__init__(
+            f"{root} holds checkpoint folders but none can be loaded:{lines}\n"
+            "refusing to start from scratch beside them; fix or move them, resume with "
+            "--from-checkpoint, or pass --fresh-start (ServerConfig.fresh_start) to begin anew "
+            "(the folders are left as they are)"
+        )
+
+
+class _Torn(ValueError):
+    """Why a folder is not a complete checkpoint (without its path)."""
 
 
 def _jsonable(value: Any, where: str) -> Any:
@@ -101,6 +167,187 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+# --- reading --------------------------------------------------------------------------------
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except OSError as exc:
+        raise _Torn(f"state.json: {exc.strerror or exc}") from None
+    except ValueError:
+        raise _Torn("state.json is not valid JSON (torn write?)") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise _Torn(f"state.json: unknown format {found!r}, expected {FORMAT!r}")
+    for key in ("round", "generation"):
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _Torn(f"state.json: {key} is {value!r}, not a count")
+    if not isinstance(state.get("optimizer"), dict):
+        raise _Torn("state.json: no optimizer section")
+    return state
+
+
+def _check_tensor_file(path: Path) -> None:
+    """Cheap completeness check: the file is exactly as long as its header says (a torn or
+    truncated write is not), without reading the tensors."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else size
+            if n > size - 8:
+                raise _Torn(f"{path.name}: truncated ({size} bytes)")
+            header = json.loads(fh.read(n))
+            end = max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+    except _Torn:
+        raise
+    except OSError as exc:
+        raise _Torn(f"{path.name}: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise _Torn(f"{path.name}: unreadable safetensors header") from None
+    if 8 + n + end != size:
+        raise _Torn(f"{path.name}: {size} bytes, its header describes {8 + n + end} (truncated?)")
+
+
+def inspect_checkpoint(path: str | Path) -> Entry:
+    """Place a checkpoint folder by its content; ``ValueError`` (saying why) when it is not a
+    complete one. Reads ``state.json`` and the tensor files' headers only."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _Torn("not a folder")
+    state = _read_state(path)
+    for name in TENSOR_FILES:
+        _check_tensor_file(path / name)
+    return Entry(path, state["round"], state.get("generation", 0))
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    try:
+        state = _read_state(path)
+    except _Torn as exc:
+        raise ValueError(f"{path} is not a complete checkpoint: {exc}") from None
+    try:
+        params = load_file(str(path / "params.safetensors"))
+        opt_tensors = load_file(str(path / "optimizer.safetensors"))
+    except Exception as exc:  # safetensors raises its own error types for torn files
+        raise ValueError(f"{path}: unreadable tensors: {exc}") from None
+    try:
+        optimizer_state = _join_optimizer_state(opt_tensors, state["optimizer"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: malformed optimizer state in state.json: {exc!r}") from None
+    return Checkpoint(path, state["round"], params, optimizer_state, state.get("extra", {}))
+
+
+def _report(path: Path, why: str) -> None:
+    if (str(path), why) not in _REPORTED:
+        _REPORTED.add((str(path), why))
+        log.warning("skipping %s: %s (left in place, not counted as a checkpoint)", path, why)
+
+
+def scan(save_dir: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
+    """Complete checkpoints in ``save_dir``, newest first by content, and the folders named like
+    checkpoints that are not (torn, or foreign: a name this module never writes), each with why.
+    Each of the latter is reported once (a warning)."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return [], []
+    complete: list[Entry] = []
+    problems: list[tuple[Path, str]] = []
+    for path in sorted(root.iterdir()):
+        if not path.name.startswith(PREFIX):
+            continue
+        try:
+            if not NAME.match(path.name):
+                raise _Torn("foreign: not a round-NNNNNNNNN[.N] name this server writes")
+            complete.append(inspect_checkpoint(path))
+        except _Torn as exc:
+            problems.append((path, str(exc)))
+            _report(path, str(exc))
+    complete.sort(key=lambda e: e.key, reverse=True)
+    return complete, problems
+
+
+def list_checkpoints(save_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first by content (torn ones are left out)."""
+    return [e.path for e in reversed(scan(save_dir)[0])]
+
+
+def _load_newest(save_dir: str | Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    complete, problems = scan(save_dir)
+    for entry in complete:
+        try:
+            return load_checkpoint(entry.path), problems
+        except ValueError as exc:
+            problems.append((entry.path, str(exc)))
+            _report(entry.path, str(exc))
+    return None, problems
+
+
+def latest_checkpoint(save_dir: str | Path) -> Checkpoint | None:
+    """The newest checkpoint that loads; torn ones are skipped with a warning."""
+    return _load_newest(save_dir)[0]
+
+
+def resume_checkpoint(save_dir: str | Path) -> Checkpoint | None:
+    """What a server starting on ``save_dir`` resumes from: the newest checkpoint that loads, or
+    None when the folder holds no checkpoint folder at all. Raises ``NoLoadableCheckpoint``
+    (naming each folder and why) when it holds some and none loads: starting from scratch would
+    silently throw a run away."""
+    found, problems = _load_newest(save_dir)
+    if found is None and problems:
+        raise NoLoadableCheckpoint(Path(save_dir), problems)
+    return found
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+def _fresh_name(root: Path, round: int) -> tuple[Path, int]:
+    """The next generation's folder for ``round``: a name no entry has, torn ones included,
+    since renaming onto an existing empty folder would silently replace it."""
+    used = [
+        int(m.group(2) or 0)
+        for m in (NAME.match(p.name) for p in root.iterdir())
+        if m and int(m.group(1)) == round
+    ]
+    generation = max(used) + 1 if used else 0
+    suffix = f".{generation}" if generation else ""
+    return root / f"round-{round:09d}{suffix}", generation
+
+
+def _discard(path: Path) -> None:
+    """Remove a checkpoint folder; renamed aside first, so a kill mid-way leaves a temporary
+    (removed at the next start), never a torn folder under a checkpoint name."""
+    trash = Path(tempfile.mkdtemp(prefix=f"{TRASH_PREFIX}{path.name}-", dir=path.parent))
+    try:
+        os.rename(path, trash / path.name)
+    except OSError as exc:
+        log.warning("could not remove old checkpoint %s: %s", path, exc)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _prune(root: Path, newest: Path, keep: int) -> None:
+    """Keep ``newest`` (just written) and the newest ``keep - 1`` other rounds among complete
+    checkpoints; a round's superseded generations go. Torn folders are never touched."""
+    complete, _ = scan(root)
+    if not any(e.path == newest for e in complete):
+        log.error("checkpoint %s just written does not read back; pruning nothing", newest)
+        return
+    ordered = [e for e in complete if e.path == newest] + [e for e in complete if e.path != newest]
+    rounds: set[int] = set()
+    for entry in ordered:
+        if entry.round not in rounds and len(rounds) < keep:
+            rounds.add(entry.round)
+        else:
+            _discard(entry.path)
+
+
 def save_checkpoint(
     save_dir: str | Path,
     round: int,
@@ -109,71 +356,73 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write one checkpoint atomically and delete all but the newest ``keep``."""
+    """Write one checkpoint as a transaction (see the module docstring) and prune to ``keep``."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"round-{round:09d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-round-{round:09d}-", dir=root))
-    try:
-        opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
-        save_file({k: v.contiguous() for k, v in params.items()}, str(tmp / "params.safetensors"))
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        state = {"format": FORMAT, "round": round, "optimizer": opt_meta, "extra": extra}
-        (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
-        for name in ("params.safetensors", "optimizer.safetensors", "state.json"):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
-        if final.exists():  # saved twice at the same round (shutdown right after a periodic save)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
+    with _SAVE_LOCK:
+        final, generation = _fresh_name(root, round)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{round:09d}-", dir=root))
+        try:
+            save_file(
+                {k: v.contiguous() for k, v in params.items()}, str(tmp / "params.safetensors")
+            )
+            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+            for name in TENSOR_FILES:
+                _fsync_file(tmp / name)
+            state = {
+                "format": FORMAT,
+                "round": round,
+                "generation": generation,
+                "optimizer": opt_meta,
+                "extra": extra,
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+            _fsync_file(tmp / "state.json")
+            _fsync_dir(tmp)
+            os.rename(tmp, final)  # the commit: a fresh name, so nothing is replaced
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _prune(root, final, keep)
     return final
 
 
-def list_checkpoints(save_dir: str | Path) -> list[Path]:
-    """Checkpoint directories, oldest first (complete or not)."""
+def remove_stale_temporaries(save_dir: str | Path) -> None:
+    """Clear what interrupted saves and prunes left (the server calls this as it opens its save
+    dir). A complete temporary newer than every checkpoint is renamed into place instead: only
+    an older version of this module could leave it as the sole copy of a state."""
     root = Path(save_dir)
     if not root.is_dir():
-        return []
-    return sorted(
-        (p for p in root.iterdir() if p.is_dir() and NAME.match(p.name)), key=lambda p: p.name
-    )
-
-
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    path = Path(path)
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a complete checkpoint: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(
-            f"{path}: unknown checkpoint format {state.get('format') if isinstance(state, dict) else state!r}"
-        )
-    try:
-        params = load_file(str(path / "params.safetensors"))
-        opt_tensors = load_file(str(path / "optimizer.safetensors"))
-    except Exception as exc:  # safetensors raises its own error types for torn files
-        raise ValueError(f"{path}: unreadable tensors: {exc}") from None
-    return Checkpoint(
-        path,
-        int(state["round"]),
-        params,
-        _join_optimizer_state(opt_tensors, state["optimizer"]),
-        state.get("extra", {}),
-    )
-
-
-def latest_checkpoint(save_dir: str | Path) -> Checkpoint | None:
-    """The newest complete checkpoint; torn ones are skipped with a warning."""
-    for path in reversed(list_checkpoints(save_dir)):
-        try:
-            return load_checkpoint(path)
-        except ValueError as exc:
-            log.warning("skipping torn checkpoint: %s", exc)
-    return None
+        return
+    with _SAVE_LOCK:
+        temps = [p for p in root.iterdir() if p.name.startswith((TMP_PREFIX, TRASH_PREFIX))]
+        complete, _ = scan(root)
+        newest = complete[0].key[:2] if complete else None
+        candidates: list[Entry] = []
+        for path in temps:
+            if path.name.startswith(TMP_PREFIX):
+                try:
+                    candidates.append(inspect_checkpoint(path))
+                except ValueError:
+                    pass
+        candidates.sort(key=lambda e: e.key, reverse=True)
+        if candidates and (newest is None or candidates[0].key[:2] > newest):
+            best = candidates[0]
+            final, _ = _fresh_name(root, best.round)
+            os.rename(best.path, final)
+            _fsync_dir(root)
+            temps.remove(best.path)
+            log.warning(
+                "%s held a complete checkpoint of round %d newer than any other; kept as %s",
+                best.path.name,
+                best.round,
+                final,
+            )
+        for path in temps:
+            log.info("removing stale temporary %s", path)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -26,6 +26,10 @@ class WorkerInfo:
     smoothed_speed: float | None = None  # steps/s, smoothed over heartbeats (DyLU)
     recommended_sync_every: int | None = None  # DyLU's last recommendation
     staleness: int | None = None  # async: staleness of the last applied submission
+    # Whether it fetched parameters, heartbeated or uploaded since registering: until then it
+    # may be a ghost (a worker that failed while joining, a registration whose reply was lost).
+    joined: bool = False
+    transfers: int = 0  # tensor bodies it is sending now (the initial parameters)
 
     def public(self, now: float) -> dict[str, Any]:
         return {
@@ -89,7 +93,38 @@ class WorkerRegistry:
         record = self._workers.get(worker_id)
         if record is not None:
             record.last_seen = self._clock()
+            record.joined = True
         return record
+
+    def fetching(self, worker_id: str | None) -> None:
+        """A download was asked for: proof enough that the worker got past its join's checks
+        (its first heartbeat may come long after: the interval is 30 s by default)."""
+        record = self._workers.get(worker_id) if worker_id else None
+        if record is not None:
+            record.joined = True
+
+    def begin_transfer(self, worker_id: str) -> WorkerInfo | None:
+        """A tensor body from this worker is under way: however long it takes, the worker is
+        no ghost. ``end_transfer`` with the record returned."""
+        record = self._workers.get(worker_id)
+        if record is not None:
+            record.transfers += 1
+        return record
+
+    def end_transfer(self, record: WorkerInfo | None) -> None:
+        if record is not None:
+            record.transfers -= 1
+            record.last_seen = self._clock()  # the join deadline starts again from here
+
+    def unjoined(self, timeout: float) -> list[str]:
+        """Workers that registered more than ``timeout`` seconds ago and never showed they got
+        further (see ``WorkerInfo.joined``), unless a transfer of theirs is under way."""
+        now = self._clock()
+        return [
+            w.worker_id
+            for w in self._workers.values()
+            if not w.joined and w.transfers == 0 and now - w.last_seen > timeout
+        ]
 
     def remove(self, worker_id: str, *, died: bool) -> WorkerInfo | None:
         record = self._workers.pop(worker_id, None)

@@ -22,11 +22,14 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from aiohttp import HttpVersion11, web
 from aiohttp.typedefs import Middleware
+
+from diloco.server.connections import address_key, vouch
+from diloco.server.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,16 @@ def _error(
 
 
 class AuthThrottle:
-    """Counts failed authentications per remote address in a sliding window.
+    """Counts failed authentications per remote address (an IPv6 /64) in a sliding window.
 
-    After ``limit`` failures within ``window`` seconds an address is refused (429) until its
-    oldest counted failure leaves the window, whatever token it sends: a guesser learns nothing
-    more while it waits. The table is bounded so that many addresses cannot exhaust memory.
+    After ``limit`` failures within ``window`` seconds, requests from the address without the
+    right token are refused (429, and their connection closed) until its oldest counted
+    failure leaves the window. A request with the right token is served all the same (the
+    middleware checks it first): an address is shared by every process on a machine, and one
+    that guesses must not shut out a worker beside it. What keeps a guesser from ever finding
+    the token is its length (``secrets.token_urlsafe``); the throttle makes it pay a connection
+    per guess and shows it in the log and ``/metrics``. The table is bounded so that many
+    addresses cannot exhaust memory.
     """
 
     def __init__(
@@ -71,7 +79,9 @@ class AuthThrottle:
         window: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         max_addresses: int = 4096,
+        limiter: LogLimiter | None = None,
     ) -> None:
+        self.limiter = limiter or LogLimiter()
         self.limit = limit
         self.window = window
         self.clock = clock
@@ -115,8 +125,12 @@ class AuthThrottle:
             self._failures.move_to_end(address)
         times.append(now)
         if len(times) == self.limit:
-            log.warning(
-                "%d failed authentications from %s within %.0f s: refusing it for a while",
+            self.limiter.log(
+                log,
+                logging.WARNING,
+                "throttled",
+                "%d failed authentications from %s within %.0f s: refusing its requests without "
+                "the token for a while",
                 self.limit,
                 address,
                 self.window,
@@ -131,6 +145,8 @@ class Guard:
     admin_token: str | None
     open_paths: frozenset[str]
     throttle: AuthThrottle
+    limiter: LogLimiter = field(default_factory=LogLimiter)
+    """Limits the lines that requests without the token add to the log."""
 
     @property
     def is_open(self) -> bool:
@@ -214,29 +230,42 @@ def security_middleware(
             return refusal
         if request.path in guard.open_paths:
             return await handler(request)
-        address = request.remote or "?"
+        if guard.authorized(request):
+            # Checked before the throttle: failures from an address, a guesser's perhaps, never
+            # shut out the holder of the token who shares it (a worker on the same machine).
+            vouch(request)
+            return await handler(request)
+        address = address_key(request.remote)
         wait = guard.throttle.retry_after(address)
         if wait is not None:
             guard.throttle.total_refused += 1
-            return _error(
+            refusal = _error(
                 429,
                 "too_many_auth_failures",
                 f"too many failed authentications from {address}; retry in {wait:.0f} s",
                 headers={"Retry-After": str(max(1, round(wait)))},
             )
-        if not guard.authorized(request):
-            guard.throttle.failed(address)
-            control = request.path.startswith(CONTROL_PREFIX) and guard.admin_token is not None
-            log.warning("refused %s %s from %s: bad token", request.method, request.path, address)
-            return _error(
-                401,
-                "unauthorized",
-                "missing or wrong admin token (Authorization: Bearer ...); control endpoints "
-                "need the admin token"
-                if control
-                else "missing or wrong token (Authorization: Bearer ...)",
-            )
-        return await handler(request)
+            refusal.force_close()  # each further guess costs the guesser a new connection
+            return refusal
+        guard.throttle.failed(address)
+        control = request.path.startswith(CONTROL_PREFIX) and guard.admin_token is not None
+        guard.limiter.log(
+            log,
+            logging.WARNING,
+            "bad_token",
+            "refused %s %s from %s: bad token",
+            request.method,
+            request.path[:200],
+            address,
+        )
+        return _error(
+            401,
+            "unauthorized",
+            "missing or wrong admin token (Authorization: Bearer ...); control endpoints "
+            "need the admin token"
+            if control
+            else "missing or wrong token (Authorization: Bearer ...)",
+        )
 
     return middleware
 

@@ -17,10 +17,18 @@ from aiohttp import web
 
 from diloco.server.app import build_app
 from diloco.server.config import ServerConfig
+from diloco.server.connections import ConnectionTable, LimitedSite, default_max_connections
 from diloco.server.coordinator import Coordinator, OptimizerFactory
 from diloco.server.initial import load_initial_params
+from diloco.server.log_limit import LogLimiter, limit_loop_errors
 from diloco.server.params import ParamStore
-from diloco.server.persistence import Checkpoint, latest_checkpoint, load_checkpoint
+from diloco.server.persistence import (
+    Checkpoint,
+    NoLoadableCheckpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+    resume_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,22 +98,33 @@ class DiLoCoServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self.connections: ConnectionTable | None = None
         self._stopped: asyncio.Event | None = None
         self._port: int | None = None
         self._save_on_stop = True
         self._done = threading.Event()
 
     def _find_checkpoint(self) -> Checkpoint | None:
+        if self.config.save_dir:
+            remove_stale_temporaries(self.config.save_dir)
         if self.config.from_checkpoint:
             return load_checkpoint(self.config.from_checkpoint)
         if self.config.save_dir:
-            return latest_checkpoint(self.config.save_dir)
+            try:
+                return resume_checkpoint(self.config.save_dir)
+            except NoLoadableCheckpoint as exc:
+                # Starting from scratch beside a run that only failed to load would throw that
+                # run away unnoticed: only an explicit request does it.
+                if not self.config.fresh_start:
+                    raise
+                log.warning("%s; starting fresh as asked", exc)
         return None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def _serve(self, ready: threading.Event | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        limit_loop_errors(self._loop, LogLimiter())  # accept() failures, say, once per interval
         if self._stopped is None:
             self._stopped = asyncio.Event()
         app = build_app(self.coordinator, self.config, shutdown=self._request_shutdown)
@@ -123,14 +142,22 @@ class DiLoCoServer:
             max_field_size=MAX_FIELD_SIZE,
             max_headers=MAX_HEADERS,
             auto_decompress=False,
+            # aiohttp closes a connection still waiting for a complete request head this long
+            # after it opened or its last reply: the header deadline (server/connections.py).
+            keepalive_timeout=self.config.header_timeout,
         )
         await self._runner.setup()
-        site = web.TCPSite(
+        self.connections = ConnectionTable(
+            self.config.max_connections or default_max_connections(),
+            self.config.max_connections_per_ip,
+        )
+        site = LimitedSite(
             self._runner,
             self.config.host,
             self.config.port,
-            reuse_address=True,
+            self.connections,
             ssl_context=self._ssl_context(),
+            handshake_timeout=self.config.header_timeout,
         )
         await site.start()
         sockets = getattr(site._server, "sockets", None)

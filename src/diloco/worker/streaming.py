@@ -156,6 +156,9 @@ class Exchange:
     outcome: str = "pending"  # merge | rebase | keep | failed | timeout | rejoin
     counted: bool = False  # the server holds this pseudo-gradient
     unanswered: bool = False  # the upload got no answer: the server may hold it or not
+    resent: bool = False  # sent under the id of an earlier upload the server may hold
+    duplicate: bool = False  # ... and the server answered that it holds it
+    steps: int = 0  # local steps of the fragment since it was last sent
     new_round: int = 0
     received: dict[str, torch.Tensor] = field(default_factory=dict)
     detail: str = ""
@@ -344,12 +347,15 @@ class FragmentStreamer:
         samples = w._samples - self._sent_samples[k]
         self._sent_step[k] = w.total_steps
         self._sent_samples[k] = w._samples
+        resent = k in self._unresolved
         job = Exchange(
             fragment=k,
             base_round=self.rounds[k],
             submission_id=self._submission_id(k),
             weight=samples if samples > 0 else float(max(steps, 1)),
             apply_at=w.total_steps + self.tau,
+            resent=resent,
+            steps=steps,
         )
         if self._thread is None:
             self._thread = threading.Thread(
@@ -397,11 +403,11 @@ class FragmentStreamer:
                 w.metrics["refused_submissions"] += 1
             elif job.outcome in ("failed", "timeout"):
                 w.metrics["failed_syncs"] += 1
-                if job.unanswered:
+                if job.unanswered or job.counted:
+                    # Counted or maybe counted, but its round never came: the server may have
+                    # lost it with a crash, so the progress stays in the model and the
+                    # fragment's next upload goes under the same id ("duplicate" if it holds it).
                     self._unresolved[k] = job.submission_id
-                if job.counted:
-                    # The server holds this progress and will publish it in a later round.
-                    self._drop_sent(k)
             elif job.outcome == "rejoin":
                 w._need_rejoin.set()
                 if job.counted:
@@ -409,6 +415,17 @@ class FragmentStreamer:
                     w._last_submission = job.submission_id
             if w._device.type == "cuda":
                 torch.cuda.synchronize(w._device)
+        if job.outcome == "merge" and job.duplicate:
+            # The server already held an earlier upload under this id: the fragment's steps
+            # since then are mixed into the same values and are dropped with the merge.
+            w.metrics["dropped_steps"] += job.steps
+            log.warning(
+                "worker %s: fragment %d's earlier upload had been counted; its %d local steps "
+                "since are dropped",
+                w.worker_id,
+                k,
+                job.steps,
+            )
         if job.outcome != "merge":
             log.info("worker %s: fragment %d %s %s", w.worker_id, k, job.outcome, job.detail)
 
@@ -424,6 +441,14 @@ class FragmentStreamer:
         """Re-join: the server says the upload whose result never came is in its parameters."""
         if self._uncounted_drop is not None:
             self._drop_sent(self._uncounted_drop.fragment)
+            self._uncounted_drop = None
+
+    def resend_counted_upload(self) -> None:
+        """Re-join: the server holds the upload whose result never came in a round still open
+        (in memory only). Its progress stays; the fragment's next upload goes under its id."""
+        if self._uncounted_drop is not None:
+            job = self._uncounted_drop
+            self._unresolved[job.fragment] = job.submission_id
             self._uncounted_drop = None
 
     def _rejoin(self) -> None:
@@ -519,6 +544,7 @@ class FragmentStreamer:
         finally:
             job.bytes_up = w.client.bytes_up - before
         job.counted = True
+        job.duplicate = job.resent and reply.get("status") == "duplicate"
         counted_round = int(reply["round"])
         # Sync: wait for the fragment's round to close. Async: the reply names the new version.
         min_round = (

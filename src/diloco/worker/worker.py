@@ -4,9 +4,13 @@ Memory: besides the model, the worker keeps one fp32 snapshot of the global para
 out exactly like the server's download body so new parameters are read straight into it.
 Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists.
 
-Failure handling follows one rule: local progress ``local - snapshot`` is never thrown away.
-Before new parameters are downloaded into the snapshot, the model holds its progress; once they
-arrive, the progress is either dropped (the server counted it) or added back (it did not).
+Failure handling follows one rule: local progress ``local - snapshot`` is never thrown away
+while the server may not hold it. An accepted upload is held by the server only in memory until
+its round closes, so its progress stays in the model until a round that holds it has arrived;
+if that round does not come, the upload is handed in again under the same submission id (the
+server answers "duplicate" if it still holds it) or, after a re-join that says the server lost
+it, kept on top of the new parameters (a rebase). Steps dropped because the server already
+holds the progress they are mixed with are counted (``dropped_steps``) and logged.
 """
 
 from __future__ import annotations
@@ -104,6 +108,11 @@ class DiLoCoWorker:
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         if not self._params:
             raise ValueError("the model has no parameters to synchronise")
+        if not callable(getattr(optimizer, "register_step_post_hook", None)):
+            raise ValueError(
+                f"{type(optimizer).__name__} has no register_step_post_hook: the worker needs a "
+                "torch.optim.Optimizer (or one that forwards that method) to see each step"
+            )
         self._comm_dtype = "BF16" if self.settings.bf16_comm else "F32"
         self._device = next(iter(self._params.values())).device
         self._snapshot_payload: torch.Tensor | None = None
@@ -119,6 +128,7 @@ class DiLoCoWorker:
         # counted it. It is sent again under the same id, so the server can say so.
         self._unresolved: str | None = None
         self._hook: Any = None
+        self._registered = False  # this worker's own registration succeeded at least once
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._need_rejoin = threading.Event()
@@ -132,6 +142,8 @@ class DiLoCoWorker:
         # accepted), values that will be replaced whole and must never be added back.
         self._holds_progress = False
         self._progress_counted = False
+        self._as_progress = False  # the model holds local - snapshot (to_progress_ was applied)
+        self._upload_steps = 0  # local steps in the last upload (counted if it is ever lost)
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
@@ -161,17 +173,46 @@ class DiLoCoWorker:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> DiLoCoWorker:
+        """Hook the optimizer, register, and load the global parameters into the model. If any
+        of it fails (Ctrl-C too), the worker leaves the run before the error is raised: a worker
+        registered but never joined would hold every round until the server dropped it."""
         if self._started:
             raise RuntimeError("worker already started")
-        self._join(initial=True)
-        self._hook = self.optimizer.register_step_post_hook(self._post_step)
+        self._syncing = True  # the heartbeats start once registered: the loop is not hung
+        try:
+            # Hooked first: an optimizer that refuses the hook fails before registering.
+            self._hook = self.optimizer.register_step_post_hook(self._post_step)
+            self._join(initial=True)
+        except BaseException:
+            self._abandon_start()
+            raise
+        finally:
+            self._syncing = False
         self._started = True
-        if self.settings.heartbeat_interval > 0:
+        self._last_step_at = time.monotonic()
+        return self
+
+    def _start_heartbeats(self) -> None:
+        if self.settings.heartbeat_interval > 0 and self._hb_thread is None:
             self._hb_thread = threading.Thread(
                 target=self._heartbeat_loop, name="diloco-heartbeat", daemon=True
             )
             self._hb_thread.start()
-        return self
+
+    def _abandon_start(self) -> None:
+        """Undo a failed start: unhook, stop the heartbeats, leave the run (best effort, within
+        the client's timeouts), close the client."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        try:
+            if self._registered:
+                self._leave_quietly()
+        finally:
+            self.client.close()
 
     def stop(self, *, submit: bool = True) -> None:
         """Send the remaining local steps (when ``submit``), then leave the run."""
@@ -341,6 +382,11 @@ class DiLoCoWorker:
                 ) from exc
             raise
         self.worker_id = reply["worker_id"]
+        self._registered = True
+        if initial:
+            # From here the server counts on this worker: heartbeats say it is alive however
+            # long the first download of a big model takes.
+            self._start_heartbeats()
         self._adopt_recommendation(reply)
         if reply.get("params") is not None:
             self._check_server_table(reply["params"])
@@ -361,36 +407,56 @@ class DiLoCoWorker:
         if initial:
             self._download(0)
             if self._streaming is not None:
-                try:
-                    self._streaming.after_download(self._last_metadata)
-                except ValueError:
-                    self._leave_quietly()
-                    raise
+                self._streaming.after_download(self._last_metadata)
             self._each_param(adopt_)
             log.info("worker %s joined at round %d", self.worker_id, self.base_round)
             return
         # Only an upload whose result we never adopted can be inside the model's progress.
         # A server restarted with no state may have taken our own parameters as its initial ones:
         # then the progress is in them already.
-        in_params = bool((reply.get("last_submission") or {}).get("in_params"))
-        if self._streaming is not None and in_params:
-            self._streaming.drop_counted_upload()  # only that fragment's progress is in them
-            in_params = False
+        last = reply.get("last_submission") or {}
+        in_params = bool(last.get("in_params"))
+        # Counted in a round still open: the server holds it in memory only. The progress stays
+        # here and the upload goes again under the same id: "duplicate" while the server holds
+        # it, counted afresh if a crash took it.
+        held_open = last.get("counted_in") is not None and not in_params
+        resend = self._last_submission if held_open and not seeded else None
+        if self._holds_progress and self._progress_counted and not (seeded or in_params or resend):
+            # A download broke off inside the model, then the server lost the round: the
+            # progress it overwrote is gone. Only a server without --save-every 1 does that.
+            self.metrics["dropped_steps"] += self._upload_steps
+            log.error(
+                "worker %s: the server lost an upload (%d local steps) whose result this worker "
+                "had begun to adopt; those steps are dropped",
+                self.worker_id,
+                self._upload_steps,
+            )
+        if self._streaming is not None:
+            if in_params:
+                self._streaming.drop_counted_upload()  # only that fragment's progress is in them
+            elif resend is not None:
+                self._streaming.resend_counted_upload()
+            in_params, resend = False, None
         counted = seeded or in_params
         self._refresh(counted=counted, min_round=0)
         if self._streaming is not None:
             self._streaming.after_download(self._last_metadata)
-        self._last_submission = None
+        self._last_submission = self._unresolved = resend
         self.metrics["reconnections"] += 1
         log.info(
             "worker %s re-joined at round %d (last upload %s)",
             self.worker_id,
             self.base_round,
-            "counted" if counted else "kept locally",
+            "counted"
+            if counted
+            else "held by the server, sent again at the next sync"
+            if resend
+            else "kept locally",
         )
 
     def _leave_quietly(self) -> None:
-        """Deregister after a failed start, so the server does not wait for this worker."""
+        """Deregister after a failed start, so the server does not wait for this worker.
+        Best effort: the error that made it leave is the one to raise."""
         assert self.worker_id is not None
         try:
             self.client.deregister(self.worker_id)
@@ -439,6 +505,7 @@ class DiLoCoWorker:
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         assert self.worker_id is not None
+        self._upload_steps = self.local_step
         weight = self._samples if self._samples > 0 else float(self.local_step)
         return self.client.submit_pseudogradients(
             self.worker_id,
@@ -451,38 +518,46 @@ class DiLoCoWorker:
 
     def _refresh(self, *, counted: bool, min_round: int, deadline: float | None = None) -> bool:
         """Fetch global parameters of ``min_round`` or later. If ``counted``, the local progress is
-        in them and is dropped; otherwise it is kept on top of them (a rebase)."""
+        in them and is dropped; otherwise it is kept on top of them (a rebase).
+
+        False (or a network error) with the snapshot intact leaves the model with its local
+        values, counted progress included: the round that holds it never arrived, and the server
+        may have lost it with a crash. The caller hands that upload in again."""
         if self._holds_progress and self._progress_counted:
-            counted = True  # once counted, progress is never added back
-        if not counted and not self._holds_progress:
+            counted = True  # a download broke off inside the model: only adoption is left
+        if not counted and not self._as_progress:
             self._each_param(to_progress_)
+            self._as_progress = True
         # Counted: the model is overwritten by the adoption, so it need not become progress
-        # first (a pass over the model fewer per round).
+        # first (a pass over the model fewer per round). The server sends no byte of a round
+        # before it is durable (with --save-every 1), so a download that breaks off inside the
+        # model leaves progress the server holds.
         self._holds_progress = True
         self._progress_counted = counted
         try:
             if not self._download(min_round, deadline, adopt=counted):
-                # Gave up waiting; the old snapshot is intact. A counted upload will land in a
-                # later round by itself, so its progress is dropped here (the loop was blocked:
-                # nothing else is in it); otherwise the local parameters come back unchanged.
-                self._each_param(adopt_ if counted else rebase_)
-                self._holds_progress = False
+                self._back_to_local()  # gave up waiting; the old snapshot is intact
                 return False
         except (Unreachable, ServerError, WireError):
             if not self._snapshot_dirty:
-                # Back to the old snapshot. Counted progress is the server's now: adding it back
-                # would send it a second time with the next upload.
-                self._each_param(adopt_ if counted else rebase_)
-                self._holds_progress = False
+                self._back_to_local()
             raise
         if counted and self._adopted:
             self._settle_copies()  # adopted as the bytes landed
         else:
             self._each_param(adopt_ if counted else rebase_)
-        self._holds_progress = False
+        self._holds_progress = self._as_progress = False
         if not counted:
             self.metrics["rebases"] += 1
         return True
+
+    def _back_to_local(self) -> None:
+        """The snapshot is intact: the model takes back its local values, progress on top of
+        the snapshot, counted or not (only a round that holds it may replace counted progress)."""
+        if self._as_progress:
+            self._each_param(rebase_)
+            self._as_progress = False
+        self._holds_progress = False
 
     def _sync(self) -> None:
         """Submit, wait for the round, adopt its result. Never raises a network error: failures
@@ -515,6 +590,12 @@ class DiLoCoWorker:
             try:
                 self._refresh(counted=self._progress_counted, min_round=0)
                 return
+            except UnknownWorker:
+                try:  # the server restarted or evicted us: register again, then download
+                    self._join(initial=False)
+                    return
+                except (Unreachable, ServerError, WireError) as exc:
+                    log.error("worker %s: re-join failed: %s", self.worker_id, exc)
             except (Unreachable, ServerError, WireError) as exc:
                 log.error(
                     "worker %s: waiting for the server to rebuild the snapshot: %s",
@@ -535,8 +616,7 @@ class DiLoCoWorker:
         try:
             reply = self._submit(submission_id)
         except UnknownWorker:
-            self._rejoin()  # the server says there whether the upload is in its parameters
-            self._unresolved = None
+            self._rejoin()  # the server says there whether it holds the upload
             return
         except Conflict as exc:
             if exc.code != "upload_in_progress":  # that one may still be counted
@@ -565,18 +645,25 @@ class DiLoCoWorker:
         deadline = time.monotonic() + self.settings.max_barrier_wait
         try:
             adopted = self._refresh(counted=True, min_round=counted_round + 1, deadline=deadline)
-            self._last_submission = None  # either way the model no longer holds that progress
-            if adopted:
-                self.metrics["rounds"] += 1
-            else:
-                log.warning(
-                    "worker %s: round %d did not close within %.0f s",
-                    self.worker_id,
-                    counted_round,
-                    self.settings.max_barrier_wait,
-                )
         except UnknownWorker:
-            self._rejoin()
+            self._rejoin()  # it asks whether the server still holds the upload
+            return
+        except (Unreachable, ServerError, WireError):
+            if not self._holds_progress:  # the progress is still here: hand it in again
+                self._unresolved = submission_id
+            raise
+        if adopted:
+            self._last_submission = None
+            self.metrics["rounds"] += 1
+        else:
+            self._unresolved = submission_id
+            log.warning(
+                "worker %s: round %d did not close within %.0f s; its upload stays in the model "
+                "and goes again under the same id at the next sync",
+                self.worker_id,
+                counted_round,
+                self.settings.max_barrier_wait,
+            )
 
     def _rejoin(self) -> None:
         self._join(initial=False)
