@@ -57,8 +57,9 @@ def crashpoint(moment: str, kill_round: int) -> str | None:
 
 def initial() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    # 8 KiB of payload: cuts at 2000 or 4000 bytes fall inside the tensors.
-    return {"weight": torch.randn(32, 64, generator=g), "bias": torch.randn(32, generator=g)}
+    # 129 KiB of payload: cuts of a few KB fall inside the tensors, and a download's first bytes
+    # leave before its last 64 KiB, which the server sends only once the round is final.
+    return {"weight": torch.randn(256, 128, generator=g), "bias": torch.randn(256, generator=g)}
 
 
 class HookedWorker(DiLoCoWorker):
@@ -134,7 +135,7 @@ def run(
     def kill() -> None:
         box["server"].kill9()
 
-    model = torch.nn.Linear(64, 32)
+    model = torch.nn.Linear(128, 256)
     model.load_state_dict(init)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     client = DiLoCoClient(address, retries=40, backoff=0.05, max_backoff=0.5, read_timeout=30)
