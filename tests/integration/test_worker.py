@@ -311,3 +311,43 @@ def test_a_refresh_drops_counted_progress_and_rebases_kept_progress(second: str)
         model.weight.copy_(torch.tensor([[3.0, 5.0]]))
     worker._refresh(counted=False, min_round=2)
     assert torch.equal(model.weight.detach(), new_global + torch.tensor([[2.0, 4.0]]))
+
+
+def test_steps_in_a_round_the_server_refused_are_counted_dropped() -> None:
+    """Two finite uploads whose sum overflows fp32: the server refuses the round (parameters
+    unchanged) and says so in later upload replies; each worker counts its steps in it as
+    dropped, and steps in rounds that went through are not."""
+    cfg = ServerConfig(port=0, num_workers=2, outer_lr=1.0, outer_momentum=0.0)
+    init = params_of(make_model())
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        models = [make_model(), make_model()]
+        opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in models]
+        kw = {"sync_every": 1, "heartbeat_interval": 0, "bf16_comm": False}
+        workers = [
+            DiLoCoWorker(m, o, srv.address, worker_id=f"w{i}", **kw).start()
+            for i, (m, o) in enumerate(zip(models, opts, strict=True))
+        ]
+
+        def both(delta: float) -> None:
+            threads = [
+                threading.Thread(target=fake_step, args=(m, o, delta))
+                for m, o in zip(models, opts, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+
+        both(3e38)  # round 0: -3e38 twice overflows fp32; refused, parameters unchanged
+        assert srv.status()["refused_updates"] == 1
+        for name, t in srv.global_params().items():
+            torch.testing.assert_close(t, init[name])
+        assert [w.sync_metrics["dropped_steps"] for w in workers] == [0, 0]
+        both(0.5)  # round 1 goes through; its replies name round 0 as refused
+        assert [w.sync_metrics["dropped_steps"] for w in workers] == [1, 1]
+        both(0.5)  # named again: not counted twice, and round 1's steps were not dropped
+        assert [w.sync_metrics["dropped_steps"] for w in workers] == [1, 1]
+        for name, t in srv.global_params().items():
+            torch.testing.assert_close(t, init[name] + 1.0)
+        for w in workers:
+            w.stop(submit=False)

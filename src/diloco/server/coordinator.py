@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 UPLOAD_DTYPES = ("F32", "BF16")
+REFUSED_TOLD = 8  # refused rounds named in upload replies (a worker syncs at least once between)
 UPDATE_LOG = 2048  # outer updates remembered for status and metrics
 STATUS_LOG = 200  # of which /status shows the newest
 # A round whose longest upload wait for a receive buffer passes both of these gets a hint in the
@@ -144,6 +145,9 @@ class Coordinator:
         #: Rounds (sync) or updates (async) refused because their result would not be finite.
         self.refused_updates = 0
         self.last_refusal: dict[str, Any] | None = None
+        #: Per unit, the latest refused rounds: told in upload replies, so a worker whose upload
+        #: one of them discarded counts those steps as dropped.
+        self._refused_rounds: dict[int, deque[int]] = {}
         #: Per unit: the guard of its outer steps (core/finite.py), made at its first step.
         self._guards: dict[int, FiniteGuard] = {}
         #: Per unit, with robust aggregation: the open round's uploads (weight, fp32 tensors).
@@ -731,6 +735,9 @@ class Coordinator:
         reply.update(
             submission_id=submission_id, instance=self.require_store().instance, **self._which(unit)
         )
+        refused = self._refused_rounds.get(unit.index)
+        if refused:
+            reply["refused_rounds"] = list(refused)
         return reply
 
     def _begin_first_write(
@@ -1134,6 +1141,7 @@ class Coordinator:
 
     def _refuse(self, unit: Unit, round_: int, contributions: int, why: str) -> None:
         self.refused_updates += 1
+        self._refused_rounds.setdefault(unit.index, deque(maxlen=REFUSED_TOLD)).append(round_)
         self.last_refusal = {"round": round_, "fragment": unit.index, "reason": why}
         log.error(
             "%s %d%s refused: %s; its %d contribution(s) are discarded and the parameters and "

@@ -144,6 +144,10 @@ class DiLoCoWorker:
         self._progress_counted = False
         self._as_progress = False  # the model holds local - snapshot (to_progress_ was applied)
         self._upload_steps = 0  # local steps in the last upload (counted if it is ever lost)
+        # Rounds whose result this worker adopted after its upload counted in them, with that
+        # upload's local steps: if the server later says it refused one (its result would not
+        # have been finite, so it discarded every upload in it), those steps are counted dropped.
+        self._adopted_uploads: dict[int, int] = {}
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
         self._snapshot_dirty = False  # a download broke off inside the snapshot's payload
@@ -628,6 +632,7 @@ class DiLoCoWorker:
                 self._refresh(counted=False, min_round=int(exc.body.get("round", 0)))
             return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
         self._unresolved = None
+        self._count_refused(reply.get("refused_rounds"))
         if resent and reply.get("status") == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
@@ -655,6 +660,9 @@ class DiLoCoWorker:
         if adopted:
             self._last_submission = None
             self.metrics["rounds"] += 1
+            self._adopted_uploads[counted_round] = self._upload_steps
+            if len(self._adopted_uploads) > 16:  # the server names its last few refusals only
+                del self._adopted_uploads[min(self._adopted_uploads)]
         else:
             self._unresolved = submission_id
             log.warning(
@@ -667,6 +675,24 @@ class DiLoCoWorker:
 
     def _rejoin(self) -> None:
         self._join(initial=False)
+
+    def _count_refused(self, rounds: object) -> None:
+        """The server refused these rounds (a result that would not be finite) and discarded
+        every upload in them, ours too where we took part: those steps are dropped."""
+        if not isinstance(rounds, list):
+            return
+        for r in rounds:
+            steps = self._adopted_uploads.pop(r, None) if isinstance(r, int) else None
+            if steps is not None:
+                self.metrics["dropped_steps"] += steps
+                log.warning(
+                    "worker %s: the server refused round %d (its result would not have been "
+                    "finite) and discarded its uploads; this worker's %d local steps in it are "
+                    "dropped",
+                    self.worker_id,
+                    r,
+                    steps,
+                )
 
     def _final_submit(self) -> None:
         """On exit: hand in the last local steps without waiting for the round to close."""
