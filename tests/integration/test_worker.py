@@ -351,3 +351,23 @@ def test_steps_in_a_round_the_server_refused_are_counted_dropped() -> None:
             torch.testing.assert_close(t, init[name] + 1.0)
         for w in workers:
             w.stop(submit=False)
+
+
+def test_steps_of_a_refused_async_update_are_counted_dropped() -> None:
+    cfg = ServerConfig(port=0, num_workers=2, mode="async", outer_lr=1.0, outer_momentum=0.0)
+    init = params_of(make_model())
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        ma, mb = make_model(), make_model()
+        oa, ob = torch.optim.SGD(ma.parameters(), lr=1.0), torch.optim.SGD(mb.parameters(), lr=1.0)
+        kw = {"sync_every": 1, "heartbeat_interval": 0, "bf16_comm": False}
+        wa = DiLoCoWorker(ma, oa, srv.address, worker_id="a", **kw).start()
+        wb = DiLoCoWorker(mb, ob, srv.address, worker_id="b", **kw).start()
+        fake_step(ma, oa, 3e38)  # applied: the parameters move by 3e38
+        fake_step(mb, ob, 3e38)  # from the old version: another 3e38 would overflow; refused
+        assert srv.status()["refused_updates"] == 1
+        assert (wa.sync_metrics["dropped_steps"], wb.sync_metrics["dropped_steps"]) == (0, 1)
+        for name, t in params_of(mb).items():  # b holds the served values, a's update in them
+            torch.testing.assert_close(t, srv.global_params()[name])
+            torch.testing.assert_close(t, init[name] + 3e38)
+        wa.stop(submit=False)
+        wb.stop(submit=False)

@@ -203,15 +203,19 @@ class DiLoCoWorker:
             )
             self._hb_thread.start()
 
-    def _abandon_start(self) -> None:
-        """Undo a failed start: unhook, stop the heartbeats, leave the run (best effort, within
-        the client's timeouts), close the client."""
+    def _unhook(self) -> None:
+        """Stop seeing the optimizer's steps and stop the heartbeats."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
+
+    def _abandon_start(self) -> None:
+        """Undo a failed start: unhook, stop the heartbeats, leave the run (best effort, within
+        the client's timeouts), close the client."""
+        self._unhook()
         try:
             if self._registered:
                 self._leave_quietly()
@@ -223,12 +227,7 @@ class DiLoCoWorker:
         if not self._started:
             return
         self._started = False
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        self._unhook()
         assert self.worker_id is not None
         try:
             if self._streaming is not None:
@@ -633,6 +632,15 @@ class DiLoCoWorker:
             return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
         self._unresolved = None
         self._count_refused(reply.get("refused_rounds"))
+        if reply.get("refused"):  # async: this very update was refused (not finite)
+            self.metrics["dropped_steps"] += self._upload_steps
+            log.warning(
+                "worker %s: the server refused the update of this upload (%s); its %d local "
+                "steps are dropped",
+                self.worker_id,
+                reply["refused"],
+                self._upload_steps,
+            )
         if resent and reply.get("status") == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
