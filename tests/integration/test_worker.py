@@ -371,3 +371,24 @@ def test_steps_of_a_refused_async_update_are_counted_dropped() -> None:
             torch.testing.assert_close(t, init[name] + 3e38)
         wa.stop(submit=False)
         wb.stop(submit=False)
+
+
+def test_exit_after_a_wait_gave_up_resends_the_held_upload_and_counts_what_it_drops() -> None:
+    cfg = ServerConfig(port=0, num_workers=2, outer_lr=1.0, outer_momentum=0.0, poll_timeout=0.1)
+    init = params_of(make_model())
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        ma, mb = make_model(), make_model()
+        oa = torch.optim.SGD(ma.parameters(), lr=1.0)
+        kw = {"heartbeat_interval": 0, "bf16_comm": False, "max_barrier_wait": 0.3}
+        wa = DiLoCoWorker(ma, oa, srv.address, worker_id="a", sync_every=2, **kw).start()
+        wb = DiLoCoWorker(mb, torch.optim.SGD(mb.parameters(), lr=1.0), srv.address, **kw)
+        wb.start()
+        fake_step(ma, oa, 1.0)
+        fake_step(ma, oa, 1.0)  # a's upload (+2) is accepted; b never sends: a gives up
+        fake_step(ma, oa, 0.5)
+        wa.stop()  # the final upload goes under the held id: a duplicate, its +0.5 dropped
+        assert wa.sync_metrics["dropped_steps"] == 1
+        assert srv.status()["submitted"] == ["a"]  # counted once
+        wb.stop(submit=False)  # round 0 closes with a's +2 only
+        for name, t in srv.global_params().items():
+            torch.testing.assert_close(t, init[name] + 2.0)

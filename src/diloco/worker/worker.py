@@ -704,10 +704,20 @@ class DiLoCoWorker:
 
     def _final_submit(self) -> None:
         """On exit: hand in the last local steps without waiting for the round to close."""
+        resent = self._unresolved is not None
         try:
-            self._submit(self._unresolved or uuid.uuid4().hex)
+            reply = self._submit(self._unresolved or uuid.uuid4().hex)
         except (Conflict, UnknownWorker) as exc:
             log.warning("worker %s: final submission not counted: %s", self.worker_id, exc.detail)
+            return
+        if resent and reply.get("status") == "duplicate":  # the earlier upload was held
+            self.metrics["dropped_steps"] += self.local_step
+            log.warning(
+                "worker %s: its last upload had been counted; the %d local steps since are "
+                "dropped",
+                self.worker_id,
+                self.local_step,
+            )
 
     # --- heartbeats -------------------------------------------------------------------------------
 
