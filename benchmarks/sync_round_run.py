@@ -1,0 +1,258 @@
+"""The parent's side of the sync-round benchmark's DiLoCo rounds: ``DiLoCoRun``.
+
+It starts the server process and N worker processes (``sync_round_children``), then drives them
+one round at a time, so that ``sync_round.run_pair`` can put a raw-socket round beside each one.
+It asks the server for its status between rounds: the byte counters then bracket one round. A
+round's wall time runs from the earliest worker start after the barrier to the last adoption
+(``time.monotonic`` is one system-wide clock on Linux, so stamps from different processes compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import psutil
+
+from harness.processes import (
+    Environ,
+    Inbox,
+    check_alive,
+    reap,
+    start_and_collect,
+    start_profilers,
+    stop_profilers,
+)
+from harness.report import cpu_median, summary
+from harness.rss import RssPoller
+from sync_round_children import ModelShape, server_main, worker_main
+
+
+class DiLoCoRun:
+    """A server process and N worker processes, driven one round at a time."""
+
+    def __init__(
+        self, ctx: Any, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
+    ) -> None:
+        self.ctx, self.n, self.shape, self.params_path, self.args = ctx, n, shape, params_path, args
+        self.total_rounds = args.warmup + args.rounds
+        self.setup_timeout = args.setup_timeout + 15 * n
+        self.procs: list[Any] = []
+        self.rounds: list[dict[str, Any]] = []
+        self.poller = RssPoller()
+        self._polling = False
+        self._profilers: list[Any] = []
+
+    def __enter__(self) -> DiLoCoRun:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._polling:
+            self.poller.__exit__()
+        stop_profilers(self._profilers)
+        reap(self.procs)
+
+    def _start(self) -> None:
+        ctx, n, args = self.ctx, self.n, self.args
+        self.parent_conn, child_conn = ctx.Pipe()
+        self.server = ctx.Process(
+            target=server_main,
+            args=(
+                child_conn,
+                n,
+                self.params_path,
+                args.server_threads,
+                args.save_every,
+                args.server_src,
+            ),
+            name="diloco-server",
+            daemon=True,
+        )
+        self.procs.append(self.server)
+        self.poller.__enter__()
+        self._polling = True
+        with Environ(args.server_env):
+            self.server.start()
+        if not self.parent_conn.poll(self.setup_timeout):
+            raise TimeoutError("server did not report its address")
+        self.hello = self.parent_conn.recv()
+        self.poller.watch(self.hello["pid"])
+        self.server_proc = psutil.Process(self.hello["pid"])
+        self.barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
+        # Workers only: a worker that has adopted the new parameters waits here for the
+        # others before its checksum and the next round's perturbation, so that benchmark
+        # bookkeeping never competes for the cores with a download still in progress.
+        # Held here for the run: a multiprocessing barrier the parent drops is torn down.
+        self.finished = finished = ctx.Barrier(n)
+        self.inbox = Inbox(ctx.Queue())
+        self.workers = [
+            ctx.Process(
+                target=worker_main,
+                args=(
+                    i,
+                    self.inbox.q,
+                    self.hello["address"],
+                    self.shape,
+                    not args.no_bf16,
+                    self.total_rounds,
+                    self.barrier,
+                    finished,
+                    self.setup_timeout + args.round_timeout,  # the first wait spans setup
+                ),
+                name=f"worker-{i}",
+                daemon=True,
+            )
+            for i in range(n)
+        ]
+        self.procs.extend(self.workers)
+        for w in self.workers:
+            w.start()
+            self.poller.watch(w.pid)
+        self.ready = self.inbox.collect("ready", n, self.setup_timeout, f"N={n} worker setup")
+        self.status = self._server_status()
+        self._prepared = -1  # the last round for which every worker said it is prepared
+
+    def settle(self) -> None:
+        """Wait until every worker has done its between-round work (checksum, perturbation) and
+        sits idle at the start barrier, so that nothing of it overlaps a raw round. After the
+        last round there is no next one to prepare: the workers are shutting down."""
+        r = len(self.rounds)
+        if self._prepared < r < self.total_rounds:
+            self.inbox.collect("prepared", self.n, self.args.round_timeout, f"N={self.n} round {r}")
+            self._prepared = r
+
+    def _server_status(self) -> dict[str, Any]:
+        self.parent_conn.send("status")
+        if not self.parent_conn.poll(60):
+            raise TimeoutError("server status timed out")
+        return self.parent_conn.recv()
+
+    def round(self) -> dict[str, Any]:
+        n, args = self.n, self.args
+        r = len(self.rounds)
+        check_alive(self.procs, f"N={n} round {r}")
+        self.settle()
+        if args.profile and r == args.warmup:
+            self._profilers = start_profilers(
+                args.profile, n, {"server": self.hello["pid"], "worker0": self.workers[0].pid}
+            )
+        msgs, cpu = start_and_collect(
+            self.barrier, self.inbox, self.server_proc, n, args.round_timeout, f"N={n} round {r}"
+        )
+        if r == self.total_rounds - 1:
+            stop_profilers(self._profilers)
+            self._profilers = []
+        new_status = self._server_status()
+        status = self.status
+        t0 = min(m["t0"] for m in msgs.values())
+        t1 = max(m["t1"] for m in msgs.values())
+        sub = [m["submitted"] for m in msgs.values()]
+        body = [m["body"] for m in msgs.values()]
+        phases = None
+        if None not in sub and None not in body:
+            phases = {
+                "uploads_s": max(sub) - t0,  # until the last upload was answered
+                "close_s": max(0.0, min(body) - max(sub)),  # until the first download began
+                "downloads_s": t1 - max(max(sub), min(body)),  # until the last worker adopted
+            }
+        deltas = [m["delta"] for m in msgs.values()]
+        checksums = {m["checksum"] for m in msgs.values()}
+        server_rounds = {m["server_round"] for m in msgs.values()}
+        result = {
+            "round": r,
+            "warmup": r < args.warmup,
+            "t0": t0,
+            "wall_s": t1 - t0,
+            "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
+            "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
+            "cpu_s": cpu,
+            "phases": phases,
+            "worker_bytes_up": [d["bytes_up"] for d in deltas],
+            "worker_bytes_down": [d["bytes_down"] for d in deltas],
+            "worker_rounds": [d["rounds"] for d in deltas],
+            "failed_syncs": sum(d["failed_syncs"] for d in deltas),
+            "retries": sum(d["retries"] for d in deltas),
+            "server_bytes_in": new_status["bytes_in"] - status["bytes_in"],
+            "server_bytes_out": new_status["bytes_out"] - status["bytes_out"],
+            "server_round": new_status["round"],
+            "server_contributions": new_status["last_round_contributions"],
+            "server_last_round_time_s": new_status["last_round_time_s"],
+            "consistent": len(checksums) == 1 and len(server_rounds) == 1,
+        }
+        self.rounds.append(result)
+        self.status = new_status
+        if args.verbose:
+            print(f"    N={n} round {r}: {result['wall_s']:.3f} s {phases}", flush=True)
+        return result
+
+    def bytes_per_worker(self) -> tuple[int, int]:
+        """Upload and download bytes of one worker's sync (median over the rounds so far)."""
+        up = statistics.median(b for r in self.rounds for b in r["worker_bytes_up"])
+        down = statistics.median(b for r in self.rounds for b in r["worker_bytes_down"])
+        return int(up), int(down)
+
+    def finish(self) -> dict[str, Any]:
+        n = self.n
+        done = self.inbox.collect("done", n, self.setup_timeout, f"N={n} worker shutdown")
+        self.parent_conn.send("stop")
+        if not self.parent_conn.poll(60):
+            raise TimeoutError("server did not answer stop")
+        final = self.parent_conn.recv()
+        self.server.join(30)
+        for w in self.workers:
+            w.join(30)
+        server_polled = self.poller.peaks.get(self.hello["pid"], 0)
+        worker_polled = max((self.poller.peaks.get(w.pid, 0) for w in self.workers), default=0)
+        rounds = self.rounds
+        measured = [r for r in rounds if not r["warmup"]]
+        up, down = self.bytes_per_worker()
+        return {
+            "workers": n,
+            "rounds": rounds,
+            "round_s": summary([r["wall_s"] for r in measured]),
+            "cpu_s_median": cpu_median(rounds),
+            "phases_median": (
+                {
+                    k: statistics.median(r["phases"][k] for r in measured)
+                    for k in ("uploads_s", "close_s", "downloads_s")
+                }
+                if all(r["phases"] for r in measured)
+                else None
+            ),
+            "upload_bytes_per_worker": up,
+            "download_bytes_per_worker": down,
+            "server_bytes_in_per_round": int(
+                statistics.median(r["server_bytes_in"] for r in measured)
+            ),
+            "server_bytes_out_per_round": int(
+                statistics.median(r["server_bytes_out"] for r in measured)
+            ),
+            "all_rounds_ok": all(
+                r["consistent"]
+                and r["failed_syncs"] == 0
+                and all(x == 1 for x in r["worker_rounds"])
+                and r["server_contributions"] == n
+                for r in rounds
+            ),
+            "retries": sum(r["retries"] for r in rounds),
+            "server": {
+                "maxrss": final["maxrss"],
+                "polled_peak_rss": server_polled,
+                "base_rss": self.hello["base_rss"],
+                "rss_after_load": self.hello["rss_loaded"],
+                "rss_end": final["rss_end"],
+            },
+            "worker": {
+                "maxrss": max(d["maxrss"] for d in done.values()),
+                "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
+                "polled_peak_rss": worker_polled,
+                "base_rss": max(r["base_rss"] for r in self.ready.values()),
+                "rss_after_join": max(r["rss_joined"] for r in self.ready.values()),
+            },
+        }
