@@ -176,7 +176,7 @@ def _worker_body(
         # Benchmark-side instrumentation (instance attributes; the library is untouched):
         # when the upload was answered, and when the download body of the new round began.
         submit = worker.client.submit_pseudogradients
-        into = worker._into_snapshot
+        into = worker._local._into_snapshot
 
         def timed_submit(*a: Any, **k: Any) -> Any:
             reply = submit(*a, **k)
@@ -188,7 +188,7 @@ def _worker_body(
             return into(layout)
 
         worker.client.submit_pseudogradients = timed_submit  # type: ignore[method-assign]
-        worker._into_snapshot = timed_into  # type: ignore[method-assign]
+        worker._local._into_snapshot = timed_into  # type: ignore[method-assign]
         out.put(("ready", idx, {"base_rss": base, "rss_joined": rss()}))
 
         for r in range(total_rounds):

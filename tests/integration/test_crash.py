@@ -38,7 +38,7 @@ class RecordingWorker(DiLoCoWorker):
         self.accepted: list[dict[str, Any]] = []
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
-        pg = {n: self._snapshot[n] - p.detach() for n, p in self._params.items()}
+        pg = {n: self._local.snapshot[n] - p.detach() for n, p in self._local.params.items()}
         reply = super()._submit(submission_id)
         self.accepted.append(
             {"sid": submission_id, "round": reply["round"], "instance": reply["instance"], "pg": pg}

@@ -79,7 +79,7 @@ def test_a_counted_sync_adopts_the_download_as_it_lands(
 ) -> None:
     """After an accepted upload the model takes the new values during the download (in
     slices), not in a pass over the model after it; the result is the same."""
-    import diloco.worker.worker as worker_mod
+    import diloco.worker.local_model as worker_mod
 
     decode_mod = importlib.import_module("diloco.wire.decode")  # the package exports decode()
     monkeypatch.setattr(decode_mod, "PROGRESS_BYTES", 8)  # report every two floats
@@ -95,7 +95,7 @@ def test_a_counted_sync_adopts_the_download_as_it_lands(
         monkeypatch.setattr(worker_mod, "rebase_", lambda *a: passes.append("rebase"))
         fake_step(model, opt, 0.25)
         fake_step(model, opt, 0.25)
-        assert w.sync_metrics["rounds"] == 1 and w._adopted
+        assert w.sync_metrics["rounds"] == 1 and w._local.adopted
         assert passes == []  # no pass over the model after the download
         got = server.global_params()
         for name, t in start.items():
@@ -289,27 +289,27 @@ def test_a_refresh_drops_counted_progress_and_rebases_kept_progress(second: str)
         calls.append(min_round)  # fills the snapshot only: the refresh then adopts it whole
         if len(calls) == 1:
             raise Unreachable("cut off inside the payload")  # the snapshot is half-written
-        worker._snapshot["weight"].copy_(new_global)
+        worker._local.snapshot["weight"].copy_(new_global)
         return True
 
-    worker._snapshot = {"weight": torch.tensor([[1.0, 1.0]])}
+    worker._local.snapshot = {"weight": torch.tensor([[1.0, 1.0]])}
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[3.0, 5.0]]))  # progress (2, 4) on top of the snapshot
-    worker._download = download  # type: ignore[method-assign]
-    worker._snapshot_dirty = True
+    worker._session.fetch = download  # type: ignore[method-assign]
+    worker._local.snapshot_dirty = True
     with pytest.raises(Unreachable):
-        worker._refresh(counted=True, min_round=1)
-    assert worker._holds_progress and worker._progress_counted
+        worker._session.refresh(counted=True, min_round=1)
+    assert worker._local.holds_progress and worker._local.progress_counted
     # A counted upload's steps are the server's now: asking to keep them must not add them back.
-    worker._refresh(counted=second == "counted", min_round=1)
+    worker._session.refresh(counted=second == "counted", min_round=1)
     assert torch.equal(model.weight.detach(), new_global)
-    assert not worker._holds_progress
+    assert not worker._local.holds_progress
 
     # Progress that was not counted is kept on top of the new parameters (a rebase).
-    worker._snapshot["weight"].copy_(torch.tensor([[1.0, 1.0]]))
+    worker._local.snapshot["weight"].copy_(torch.tensor([[1.0, 1.0]]))
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[3.0, 5.0]]))
-    worker._refresh(counted=False, min_round=2)
+    worker._session.refresh(counted=False, min_round=2)
     assert torch.equal(model.weight.detach(), new_global + torch.tensor([[2.0, 4.0]]))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "diloco"
 
 ALLOWED = {
@@ -72,3 +74,80 @@ def test_no_pickle_anywhere() -> None:
     for file in SRC.rglob("*.py"):
         text = file.read_text()
         assert "import pickle" not in text and "torch.load(" not in text, file
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, *, type_checking: bool) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif type_checking or not _is_type_checking(node):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _import_graph(*, type_checking: bool) -> dict[str, set[str]]:
+    """Module -> the diloco modules it imports (``from pkg import module`` names the module).
+    An edge into a package's ``__init__`` from inside that package is left out: the package
+    runs first, so it never closes a loop."""
+    files = {_module_name(f): f for f in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, file in files.items():
+        edges: set[str] = set()
+        for node in _imports(ast.parse(file.read_text()), type_checking=type_checking):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in files)
+            elif node.module and node.level == 0:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    edges.add(sub if sub in files else node.module)
+        graph[name] = {
+            e for e in edges if e in files and e != name and not name.startswith(e + ".")
+        }
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No module of diloco imports itself through others when the program runs."""
+    assert not _cycles(_import_graph(type_checking=False))
+
+
+@pytest.mark.parametrize("package", ["diloco.core", "diloco.wire", "diloco.worker"])
+def test_no_import_cycles_even_for_types(package: str) -> None:
+    """Nor for the type checker (``if TYPE_CHECKING`` imports), in the packages held to it:
+    a loop that only types close still means two modules that cannot be read apart."""
+    cycles = _cycles(_import_graph(type_checking=True))
+    assert not [c for c in cycles if any(m.startswith(package) for m in c)]

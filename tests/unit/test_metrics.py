@@ -1,20 +1,32 @@
-"""The Prometheus text of /metrics: well formed for any status, full or nearly empty."""
+"""The Prometheus text of /metrics: well formed for any status, full or a fresh server's."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from typing import Any
 
-from diloco.cli.main import render_status
+from diloco.cli.status import render_status
 from diloco.server.metrics import HttpCounters, render
+from diloco.server.status import Status
+from tests.unit.test_status import fresh
 
 SAMPLE = re.compile(
     r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*"'
     r'(,[a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*")*)\})? (?P<value>-?[0-9.e+-]+|NaN|[+-]Inf)$'
 )
 
+
+def worker(fields: dict[str, Any]) -> dict[str, Any]:
+    """A worker's status: ``fields`` over a worker that reported nothing."""
+    rest = {"registered_s_ago": 5.0, "submissions": 0, "step_age_s": None, "syncing": False,
+            "smoothed_speed": None, "recommended_sync_every": None, "staleness": None}  # fmt: skip
+    return {**rest, **fields}
+
+
 FULL: dict[str, Any] = {
+    **fresh(),
     "mode": "async",
     "instance": "abc123",
     "uptime_s": 12.5,
@@ -39,10 +51,11 @@ FULL: dict[str, Any] = {
     "worker_deaths": 1,
     "staleness": {"last": 1, "mean": 0.5, "max": 3, "count": 8},
     "workers": [
-        {"worker_id": "a", "hostname": "h1", "loss": 2.5, "steps_per_second": 10.0,
-         "last_seen_s_ago": 0.5, "bytes_in": 100, "bytes_out": 200, "last_round": 6},
-        {"worker_id": 'we"ird\\id\n', "hostname": "h2", "loss": None, "steps_per_second": None,
-         "last_seen_s_ago": 3.0, "bytes_in": 0, "bytes_out": 0, "last_round": None},
+        worker({"worker_id": "a", "hostname": "h1", "loss": 2.5, "steps_per_second": 10.0,
+                "last_seen_s_ago": 0.5, "bytes_in": 100, "bytes_out": 200, "last_round": 6}),
+        worker({"worker_id": 'we"ird\\id\n', "hostname": "h2", "loss": None,
+                "steps_per_second": None, "last_seen_s_ago": 3.0, "bytes_in": 0, "bytes_out": 0,
+                "last_round": None}),
     ],
 }  # fmt: skip
 
@@ -79,7 +92,7 @@ def value(samples: dict[str, list[tuple[str, float]]], name: str, labels: str = 
 
 def test_full_status() -> None:
     counters = HttpCounters(Counter({200: 5, 401: 2}), lambda: 2, lambda: 1)
-    s = parse(render(FULL, counters))
+    s = parse(render(Status.from_json(FULL), counters))
     assert value(s, "diloco_round") == 7
     assert value(s, "diloco_round_duration_seconds") == 1.25
     assert value(s, "diloco_bytes_in_total") == 123456
@@ -103,22 +116,25 @@ def test_full_status() -> None:
     assert value(s, "diloco_last_round_upload_wait_max_seconds") == 0.75
 
 
-def test_nearly_empty_status_is_still_valid() -> None:
-    s = parse(render({}))
+def test_a_fresh_servers_status_is_still_valid() -> None:
+    s = parse(render(Status.from_json(fresh())))
     assert value(s, "diloco_workers_live") == 0
-    assert "diloco_round" not in s and "diloco_staleness" not in s
+    assert value(s, "diloco_round") == 0  # a typed status always has a round
+    assert "diloco_staleness" not in s and "diloco_outer_lr" not in s
 
 
 def test_non_finite_and_odd_values_are_dropped() -> None:
-    s = parse(render({"round": 3, "last_round_time_s": float("nan"), "uptime_s": "soon"}))
+    st = Status.from_json(fresh())
+    s = parse(render(dataclasses.replace(st, round=3, last_round_time_s=float("nan"),
+                                         uptime_s=float("inf"))))  # fmt: skip
     assert value(s, "diloco_round") == 3
     assert "diloco_round_duration_seconds" not in s and "diloco_uptime_seconds" not in s
 
 
 def test_status_table_shows_the_same_figures() -> None:
-    text = render_status(FULL)
+    text = render_status(Status.from_json(FULL))
     for expected in ("mode async", "round 7", "deaths 1", "registrations 5", "lr 0.7",
                      "staleness last 1", "max 3", "1.250 s", "2.5000",
                      "uploads: 2 slot(s), 1 waiting", "longest wait 0.750 s"):  # fmt: skip
         assert expected in text, expected
-    assert "(no workers)" in render_status({})
+    assert "(no workers)" in render_status(Status.from_json(fresh()))

@@ -15,10 +15,10 @@ import torch
 
 from diloco import DiLoCoWorker
 from diloco.core import merge_
-from diloco.core.fragments import split_sequential
+from diloco.core.fragments import Piece, split_sequential
 from diloco.wire import TensorSpec, build_layout, byte_view
 from diloco.worker.client import Conflict, Download, Unreachable
-from diloco.worker.streaming import Piece, Schedule, plan_from_server
+from diloco.worker.fragment_plan import Schedule, plan_from_server
 
 D = 0.25  # every element moves by D per inner step (SGD lr 1 on a constant gradient -D)
 
@@ -254,7 +254,7 @@ def test_schedule_seven_steps_three_fragments_by_hand() -> None:
 def test_plan_from_server_checks_coverage() -> None:
     table = {"w": (2, 3), "b": (2,)}
     good = [[["w[0:4]", "w", 0, 4]], [["w[4:6]", "w", 4, 6], ["b[0:2]", "b", 0, 2]]]
-    assert plan_from_server(good, table)[1][1] == Piece("b[0:2]", "b", 0, 2)
+    assert plan_from_server(good, table)[1][1] == Piece("b[0:2]", "b", 1, 0, 2, (2,))
     with pytest.raises(ValueError, match="gap or an overlap"):
         plan_from_server(
             [[["w[0:4]", "w", 0, 4]], [["w[3:6]", "w", 3, 6], ["b", "b", 0, 2]]], table
@@ -281,7 +281,7 @@ def test_tau0_merge_by_hand(alpha: float) -> None:
         mixed = alpha * (START + 2 * D) + (1 - alpha) * (START + D)
         torch.testing.assert_close(got[F0], mixed[F0])
         torch.testing.assert_close(got[4:], START[4:] + 2 * D)  # fragment 1 untouched
-        assert worker._snapshot["weight"].view(-1)[:4].tolist() == (START[F0] + D).tolist()
+        assert worker._local.snapshot["weight"].view(-1)[:4].tolist() == (START[F0] + D).tolist()
         fragment, base_round, sent = server.submissions[0]
         assert (fragment, base_round) == (0, 0)
         torch.testing.assert_close(sent["weight[0:4]"], torch.full((4,), -2 * D))
@@ -307,7 +307,7 @@ def test_tau1_merges_one_step_later_keeping_alpha_of_the_steps_in_flight() -> No
         torch.testing.assert_close(flat(model)[F0], START[F0] + 2 * D)  # not merged yet
         step(model, opt)  # merged after this step: 0.5 * (start+3D) + 0.5 * (start+D)
         torch.testing.assert_close(flat(model)[F0], START[F0] + 2 * D)
-        torch.testing.assert_close(worker._snapshot["weight"].view(-1)[:4], START[F0] + D)
+        torch.testing.assert_close(worker._local.snapshot["weight"].view(-1)[:4], START[F0] + D)
         step(model, opt)  # fragment 1 sent; pending until step 5
         step(model, opt)
         torch.testing.assert_close(
@@ -349,7 +349,7 @@ def test_rebase_keeps_local_progress_on_top_of_the_new_values() -> None:
         step(model, opt)
         step(model, opt)  # refused: download fragment 0, keep local - snapshot (2D) on top
         torch.testing.assert_close(flat(model)[F0], START[F0] + 100.0 + 2 * D)
-        torch.testing.assert_close(worker._snapshot["weight"].view(-1)[:4], START[F0] + 100.0)
+        torch.testing.assert_close(worker._local.snapshot["weight"].view(-1)[:4], START[F0] + 100.0)
         m = worker.sync_metrics
         assert (m["rebases"], m["refused_submissions"], m["rounds"]) == (1, 1, 0)
         step(model, opt)
@@ -380,7 +380,7 @@ def test_unreachable_server_keeps_progress_and_training_goes_on() -> None:
         step(model, opt)
         step(model, opt)
         torch.testing.assert_close(flat(model), START + 2 * D)
-        torch.testing.assert_close(worker._snapshot["weight"].view(-1)[:4], START[F0])
+        torch.testing.assert_close(worker._local.snapshot["weight"].view(-1)[:4], START[F0])
         assert worker.sync_metrics["failed_syncs"] == 1
 
 

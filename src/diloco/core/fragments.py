@@ -3,13 +3,20 @@
 Fragments are balanced by size, not by tensor count: a fragment is a list of flat element
 ranges ("spans") of parameters, so one large tensor (an embedding, an output layer) can be shared
 between fragments and every fragment holds the same number of elements to within one.
+
+The planner here is the one the server and the worker share: both must cut the model into the
+same pieces with the same names, or an upload would not match its unit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+SEQUENTIAL = "sequential"
+STRIDED = "strided"
+PATTERNS = (SEQUENTIAL, STRIDED)  # how a model is cut into fragments (see the split functions)
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,58 @@ class Span:
     @property
     def numel(self) -> int:
         return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor of a unit's messages: a whole parameter, or elements ``[start, stop)`` of it."""
+
+    wire_name: str
+    param: str
+    index: int  # position of the parameter in the parameter order the plan was made from
+    start: int
+    stop: int
+    shape: tuple[int, ...]  # the shape on the wire: the parameter's, or (stop - start,)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def plan(
+    table: Mapping[str, tuple[int, ...]], num_fragments: int, pattern: str
+) -> list[list[Piece]]:
+    """The pieces of each unit, from the parameters' names and shapes in their order. One
+    fragment: the parameters with their own names and shapes (the messages of plain DiLoCo).
+    More: flat spans named ``param[start:stop]``, balanced by size."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"fragment pattern must be one of {PATTERNS}, got {pattern!r}")
+    if num_fragments == 1:
+        return [
+            [
+                Piece(name, name, i, 0, numel(shape), tuple(shape))
+                for i, (name, shape) in enumerate(table.items())
+            ]
+        ]
+    index = {name: i for i, name in enumerate(table)}
+    split = split_sequential if pattern == SEQUENTIAL else split_strided
+    spans = split([(name, numel(shape)) for name, shape in table.items()], num_fragments)
+    return [
+        [
+            Piece(
+                f"{s.name}[{s.start}:{s.stop}]", s.name, index[s.name], s.start, s.stop, (s.numel,)
+            )
+            for s in fragment
+        ]
+        for fragment in spans
+    ]
 
 
 def split_sequential(sizes: Sequence[tuple[str, int]], num_fragments: int) -> list[list[Span]]:

@@ -7,19 +7,14 @@ from typing import Any
 
 import torch
 
+from diloco.core.pseudo_gradient import PIECE
+
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 
 
 PieceDone = Callable[[torch.Tensor, int], None]
 """``(parameter, n)``: the first ``n`` elements of the parameter hold their new values."""
-
-PIECE = 1 << 20
-"""Elements updated at a time by OuterSGD: the pieces of parameter, gradient and momentum stay
-in cache across the update's in-place operations, so each tensor crosses memory about once per
-step instead of once per operation. For a 100M model on two cores, run in an executor thread as
-the server runs it: about 0.12 s -> 0.10 s (docs/design.md). Smaller pieces were slower there:
-each operation's thread-pool hand-off then costs more than the cache saves."""
 
 
 class OuterSGD(torch.optim.Optimizer):

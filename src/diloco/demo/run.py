@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diloco.server.config import ServerConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -28,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
-    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=ServerConfig.outer_lr,  # the server's own default, declared once there
+        help="outer SGD learning rate (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-bf16", action="store_true", help="send fp32 pseudo-gradients")
     p.add_argument("--out", default="demo_out", help="where report.json and loss.png go")

@@ -30,6 +30,7 @@ from diloco.server.security import (
 )
 from diloco.server.socket_body import DIRECT, SocketBody, defer_continue, direct_possible
 from diloco.server.stall import StallGuard
+from diloco.server.status import build_status
 from diloco.wire import WireError, aread_layout
 from diloco.wire.decode import AsyncStream
 from diloco.wire.encode import chunks
@@ -251,7 +252,7 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = render_metrics(request.app[COORDINATOR].status(), request.app[COUNTERS])
+    text = render_metrics(build_status(request.app[COORDINATOR]), request.app[COUNTERS])
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

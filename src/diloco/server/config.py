@@ -3,68 +3,102 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.core.fragments import PATTERNS
+
+
+def _flag(default: Any, help: str, **cli: Any) -> Any:
+    """A field with a command-line flag: ``help`` and the keys that ``diloco.cli.flags``
+    documents go in its metadata, so the flag is declared here, beside the setting."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+# Sections of ``diloco server --help``.
+_ASYNC = "async mode (arXiv 2401.09135)"
+_DYNAMIC = "dynamic local updates and streaming fragments"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: str = _flag("127.0.0.1", "interface to bind")
     """Interface to bind. Loopback by default: binding wider is a deliberate choice."""
 
-    port: int = 8512
+    port: int = _flag(8512, "TCP port (0: any free port)")
     """TCP port; 0 picks a free one (read it back from ``DiLoCoServer.address``)."""
 
-    num_workers: int = 1
+    num_workers: int = _flag(1, "workers that must register before round 0 opens", short="-n")
     """Workers that must register before round 0 opens."""
 
-    min_workers: int = 1
+    min_workers: int = _flag(1, "never close a round with fewer contributions")
     """A round never closes with fewer contributions than this."""
 
-    outer_lr: float = 0.7
+    outer_lr: float = _flag(0.7, "outer SGD learning rate")
     """Learning rate of the default outer optimizer (SGD with Nesterov momentum)."""
 
-    outer_momentum: float = 0.9
+    outer_momentum: float = _flag(0.9, "outer SGD momentum")
     """Momentum of the default outer optimizer."""
 
-    nesterov: bool = True
+    nesterov: bool = _flag(True, "plain momentum instead of Nesterov")
     """Use Nesterov momentum in the default outer optimizer."""
 
-    initial_params: str | None = None
+    initial_params: str | None = _flag(
+        None,
+        "initial parameters: a .safetensors file or a folder of them (default: the first worker's)",
+        flag="--init",
+        metavar="PATH",
+    )
     """A safetensors file or a directory of them (a Hugging Face model folder, say). When None,
     the first worker to register uploads its own parameters."""
 
-    save_dir: str | None = None
+    save_dir: str | None = _flag(
+        None, "checkpoint directory; the server resumes from its newest checkpoint"
+    )
     """Where checkpoints go; None disables saving. On start the server resumes from the newest
     complete checkpoint found here."""
 
-    from_checkpoint: str | None = None
+    from_checkpoint: str | None = _flag(None, "resume from this checkpoint directory")
     """Resume from this checkpoint directory instead (overrides the newest in save_dir)."""
 
-    save_every: int = 0
+    save_every: int = _flag(0, "save every N rounds (0: on shutdown only)")
     """Save every N rounds (0: only on shutdown and on request)."""
 
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = _flag(3, "checkpoints to keep", flag="--keep")
     """How many checkpoints to keep in ``save_dir`` (complete ones, newest by content)."""
 
-    fresh_start: bool = False
+    fresh_start: bool = _flag(
+        False,
+        "start from scratch when --save-dir holds checkpoints of which none loads"
+        " (default: refuse to start)",
+    )
     """Start from scratch when ``save_dir`` holds checkpoint folders of which none loads (they
     are left in place). Without it the server refuses to start, naming each folder and why."""
 
-    token: str | None = None
+    token: str | None = _flag(
+        None,
+        "shared bearer token; made up and printed when the server binds beyond "
+        "loopback and none is given",
+        env="DILOCO_TOKEN",
+    )
     """Shared secret required as ``Authorization: Bearer`` on every endpoint except /healthz
     and the dashboard's static files. None leaves the API open (fine on loopback only)."""
 
-    admin_token: str | None = None
+    admin_token: str | None = _flag(
+        None, "separate token for /control/* (none: --token)", env="DILOCO_ADMIN_TOKEN"
+    )
     """When set, ``/control/*`` needs this token instead of ``token`` (which is then not enough).
     It is also accepted wherever ``token`` is, so one dashboard login can watch and steer."""
 
-    tls_cert: str | None = None
+    tls_cert: str | None = _flag(None, "PEM certificate chain: serve HTTPS")
     """PEM certificate chain: serve HTTPS instead of HTTP (needs ``tls_key``)."""
 
-    tls_key: str | None = None
+    tls_key: str | None = _flag(None, "PEM private key of --tls-cert")
     """PEM private key of ``tls_cert``."""
 
-    auth_failure_limit: int = 5
+    auth_failure_limit: int = _flag(
+        5, "failed authentications per address per minute before it gets 429 (0: no limit)"
+    )
     """Failed authentications from one address within ``auth_failure_window`` after which
     further requests from it without the right token get 429, and lose their connection, until
     the window passes (0 disables the slowdown). A request with the right token always passes:
@@ -73,74 +107,116 @@ class ServerConfig:
     auth_failure_window: float = 60.0
     """Seconds over which failed authentications are counted."""
 
-    header_timeout: float = 10.0
+    header_timeout: float = _flag(
+        10.0,
+        "close a connection that has not sent a complete request head this long "
+        "after it opened or its last reply, s",
+    )
     """Seconds a connection has to deliver a complete request head (request line and headers),
     counted from when it opens or its previous reply was sent; then it is closed. Also bounds the
     TLS handshake. It ends idle keep-alive connections too: clients reconnect on their next
     request, which costs one round trip."""
 
-    max_connections: int | None = None
+    max_connections: int | None = _flag(
+        None, "connections served at once (default: the open-file limit, ulimit -n, less 256)"
+    )
     """Open connections served at once; past it the oldest connection that has not yet shown a
     valid token is closed to make room, or, when every one has, the new one gets 503
     ``too_many_connections``. None: the process's open-file limit (``ulimit -n``, soft) less
     256 for files and checkpoints, so ``accept()`` never runs out of descriptors."""
 
-    max_connections_per_ip: int = 64
+    max_connections_per_ip: int = _flag(
+        64,
+        "connections from one address that have not shown the token; a new one closes the oldest",
+    )
     """Connections from one address (an IPv6 /64) that have not yet shown a valid token; a new
     one past it closes that address's oldest such connection. One address cannot take every
     connection, and a process on a worker's machine cannot shut the worker out: once a
     connection carries the token it no longer counts here. Loopback is not exempt."""
 
-    weighting: str = "equal"
+    weighting: str = _flag(
+        "equal",
+        "average contributions equally or by the samples each worker reports",
+        choices=("equal", "samples"),
+    )
     """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
     worker reports with its submission)."""
 
-    clip_norm_factor: float | None = None
+    clip_norm_factor: float | None = _flag(
+        None,
+        "sync: clip each upload to C x the median of the round's upload norms "
+        "(robust aggregation; keeps the round's uploads: one model of memory per "
+        "worker)",
+        metavar="C",
+    )
     """Sync: clip each upload of a round to this many times the median of the round's upload
     norms (robust aggregation; 2 to 5 is typical). None: no clipping. The server then keeps the
     round's uploads until it closes: memory grows by one model (fragment) per worker."""
 
-    trim_fraction: float = 0.0
+    trim_fraction: float = _flag(
+        0.0,
+        "sync: coordinate-wise trimmed mean dropping floor(F x n) of n values at "
+        "each end (0 <= F < 0.5; 0: the weighted mean; keeps the round's uploads)",
+        metavar="F",
+    )
     """Sync: coordinate-wise trimmed mean, dropping ``floor(trim_fraction * n)`` of the round's n
     values at each end of every coordinate (in [0, 0.5); 0: the weighted mean). Unweighted, and
     no trimming with fewer than ``1 / trim_fraction`` contributions. Keeps the round's uploads,
     as clipping does."""
 
-    heartbeat_timeout: float = 120.0
+    heartbeat_timeout: float = _flag(120.0, "evict a worker silent this long, s (0: never)")
     """A worker silent for this long is evicted and every barrier re-evaluated (0 disables)."""
 
-    stuck_timeout: float = 1800.0
+    stuck_timeout: float = _flag(
+        1800.0, "evict a worker whose loop took no step this long, s (0: never)"
+    )
     """A worker whose heartbeats say its training loop took no optimizer step for this long
     (while not syncing) is evicted although its heartbeat thread still runs (0 disables). Raise
     it if your loop runs long evaluations between steps."""
 
-    join_timeout: float = 15.0
+    join_timeout: float = _flag(
+        15.0,
+        "drop a registered worker that fetches nothing and sends no heartbeat "
+        "this long, s (0: never)",
+    )
     """A registered worker that neither asks for the parameters nor heartbeats nor uploads
     within this many seconds (an initial upload under way counts) is taken for a ghost, a worker
     that failed while joining, and leaves the expected set, so it does not hold a round for
     ``heartbeat_timeout`` (0 disables)."""
 
-    poll_timeout: float = 30.0
+    poll_timeout: float = _flag(30.0, "longest a parameter long-poll waits, seconds")
     """Longest a ``GET /global_params?min_round=`` waits before answering 202 (poll again).
     Workers' read timeouts must exceed it."""
 
-    body_timeout: float = 60.0
+    body_timeout: float = _flag(
+        60.0, "drop an upload whose sender goes quiet mid-body this long, s (0: never)"
+    )
     """A tensor upload whose sender sends nothing for this long mid-body is dropped (408) and
     its receive buffer goes to the next upload (0 disables). Without it a worker that dies
     mid-upload, with no FIN reaching the server, blocks every other upload."""
 
-    min_upload_rate: float = 64 * 1024
+    min_upload_rate: float = _flag(
+        64 * 1024,
+        "drop an upload averaging fewer bytes/s than this over --upload-rate-"
+        "window seconds of waiting for it (0: never)",
+    )
     """Bytes per second a tensor upload must average over each ``upload_rate_window`` of
     waiting for its sender, else it is dropped (408 ``too_slow``) and its receive buffer goes to
     the next upload (0 disables). Catches a sender that trickles rather than stops, which
     ``body_timeout`` never sees. 64 KiB/s is half a megabit: no link that slow ships a model."""
 
-    upload_rate_window: float = 10.0
+    upload_rate_window: float = _flag(10.0, "seconds over which --min-upload-rate is averaged")
     """Seconds of waiting for the sender over which ``min_upload_rate`` is averaged: long enough
     to ride out a TCP retransmission backoff, short enough that each crawling upload ahead of a
     good one delays it by about this much."""
 
-    upload_slots: int = 1
+    upload_slots: int = _flag(
+        1,
+        "uploads received at once, each into a buffer of up to the model's fp32 "
+        "size (half with bf16 uploads); raise it when workers reach the server "
+        "over links slower than its own (1: memory flat in the number of workers,"
+        " uploads queue)",
+    )
     """Uploads received at once, each into an upload-sized buffer. A buffer goes to the next
     upload as soon as a body has landed, which refills it behind the add of the previous one;
     the server's own link is the shared bottleneck, so 1 costs little time."""
@@ -148,38 +224,74 @@ class ServerConfig:
     max_initial_bytes: int = 64 * 1024**3
     """Largest parameter upload accepted before the model is known."""
 
-    mode: str = "sync"
+    mode: str = _flag(
+        "sync",
+        "apply each submission when it arrives, with no barrier",
+        flag="--async",
+        switch="async",
+        group=_ASYNC,
+    )
     """``sync``: rounds behind a barrier. ``async``: each submission is applied as it arrives."""
 
-    max_staleness: int | None = None
+    max_staleness: int | None = _flag(
+        None,
+        "refuse (409, rebase) submissions more than this many updates old",
+        group=_ASYNC,
+    )
     """Async: refuse (409, rebase) a submission computed against parameters more than this many
     updates old. None accepts any."""
 
-    staleness_weighting: str = "none"
+    staleness_weighting: str = _flag(
+        "none",
+        "scale a pseudo-gradient by 1/sqrt(1 + staleness)",
+        choices=("none", "inverse_sqrt"),
+        group=_ASYNC,
+    )
     """Async: ``none``, or ``inverse_sqrt`` to scale a pseudo-gradient by 1/sqrt(1 + staleness)."""
 
-    delayed_nesterov: bool = False
+    delayed_nesterov: bool = _flag(
+        False,
+        "Delayed Nesterov outer optimizer: g/N per arrival, momentum once per N arrivals",
+        group=_ASYNC,
+    )
     """Async: use Delayed Nesterov (Liu et al. 2024, Algorithm 3) as the outer optimizer: every
     arrival applies g/N, momentum moves once per N arrivals."""
 
-    dn_buffer_size: int | None = None
+    dn_buffer_size: int | None = _flag(None, "Delayed Nesterov's N (default: -n)", group=_ASYNC)
     """Delayed Nesterov's N (arrivals per momentum step); None: ``num_workers``."""
 
-    dn_activation: float = 0.0
+    dn_activation: float = _flag(0.0, "Delayed Nesterov's c in [0, 1/N]", group=_ASYNC)
     """Delayed Nesterov's c in [0, 1/N]: share of the momentum applied at every arrival."""
 
-    dylu: bool = False
+    dylu: bool = _flag(
+        False,
+        "recommend sync_every per worker from its speed (workers opt in with --dylu)",
+        group=_DYNAMIC,
+    )
     """Dynamic local updates: recommend ``sync_every`` per worker from its smoothed speed,
     H_w = max(floor(v_w / v_max * H_w_base), dylu_min_sync_every), in heartbeat replies."""
 
-    dylu_min_sync_every: int = 1
+    dylu_min_sync_every: int = _flag(
+        1,
+        "smallest sync_every DyLU recommends",
+        group=_DYNAMIC,
+    )
     """Smallest ``sync_every`` DyLU recommends."""
 
-    num_fragments: int | None = None
+    num_fragments: int | None = _flag(
+        None,
+        "streaming DiLoCo fragments (default: as the first worker asks)",
+        group=_DYNAMIC,
+    )
     """Streaming DiLoCo: synchronise the model in this many fragments, each with its own rounds
     and outer optimizer state. None: as the first worker to register asks (1 for plain workers)."""
 
-    fragment_pattern: str | None = None
+    fragment_pattern: str | None = _flag(
+        None,
+        "how fragments cut the model (default: as the first worker asks)",
+        choices=PATTERNS,
+        group=_DYNAMIC,
+    )
     """``sequential`` or ``strided`` (None: as the first worker asks)."""
 
     @property
@@ -254,7 +366,7 @@ class ServerConfig:
             raise ValueError("dylu_min_sync_every must be >= 1")
         if self.num_fragments is not None and self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
-        if self.fragment_pattern not in (None, "sequential", "strided"):
+        if self.fragment_pattern not in (None, *PATTERNS):
             raise ValueError(
                 f"fragment_pattern must be 'sequential' or 'strided', got {self.fragment_pattern!r}"
             )

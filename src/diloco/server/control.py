@@ -16,6 +16,7 @@ from aiohttp import web
 from diloco.server.bodies import number_field, only_fields, read_json, str_field
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import ApiError, bad_request
+from diloco.server.status import build_status
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def routes(coordinator: Coordinator, shutdown: Shutdown | None) -> list[web.Rout
                 "nothing_to_save",
                 "the server has no parameters yet (or no worker has set up the run): nothing to save",
             )
-        round_ = coord.status().get("round")
+        round_ = build_status(coord).round
         log.info("control: state saved to %s (round %s)", path, round_)
         return web.json_response({"status": "ok", "path": str(path), "round": round_})
 
@@ -79,7 +80,7 @@ def routes(coordinator: Coordinator, shutdown: Shutdown | None) -> list[web.Rout
             raise bad_request("bad_field", "'save' must be a boolean")
         if shutdown is None:
             raise ApiError(501, "not_supported", "this server cannot be shut down remotely")
-        round_ = coord.status().get("round")
+        round_ = build_status(coord).round
         log.warning("control: shutdown requested (round %s, save=%s)", round_, save)
         reply: dict[str, Any] = {"status": "shutting_down", "save": save, "round": round_}
         response = web.json_response(reply)

@@ -34,6 +34,7 @@ from diloco.core import (
 from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.core.dylu import recommended_sync_every, smooth_speed
 from diloco.core.finite import FiniteGuard
+from diloco.core.fragments import PATTERNS, SEQUENTIAL
 from diloco.core.outer import PieceDone
 from diloco.core.robust import robust_mean
 from diloco.core.staleness import inverse_sqrt_weight
@@ -45,7 +46,8 @@ from diloco.server.first_write import FirstWrite, Stages
 from diloco.server.params import ParamStore, Snapshot
 from diloco.server.persistence import Checkpoint, save_checkpoint
 from diloco.server.registry import WorkerInfo, WorkerRegistry
-from diloco.server.units import PATTERNS, Unit, plan_pieces
+from diloco.server.status import Refusal, SaveRecord, UpdateEntry, build_status
+from diloco.server.units import Unit, plan_pieces
 from diloco.server.upload_slots import SlotPool
 from diloco.wire import (
     Layout,
@@ -64,7 +66,6 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 UPLOAD_DTYPES = ("F32", "BF16")
 REFUSED_TOLD = 8  # refused rounds named in upload replies (a worker syncs at least once between)
 UPDATE_LOG = 2048  # outer updates remembered for status and metrics
-STATUS_LOG = 200  # of which /status shows the newest
 # A round whose longest upload wait for a receive buffer passes both of these gets a hint in the
 # log (once per run): the uploads then queue enough to matter.
 HINT_WAIT_S = 1.0
@@ -125,12 +126,12 @@ class Coordinator:
         #: (number of fragments, pattern): from the config, a checkpoint, or the first worker.
         self.fragmenting: tuple[int, str] | None = None
         if config.num_fragments is not None:
-            self.fragmenting = (config.num_fragments, config.fragment_pattern or "sequential")
+            self.fragmenting = (config.num_fragments, config.fragment_pattern or SEQUENTIAL)
         self._restored: Checkpoint | None = None
         self._tensor_lock = asyncio.Lock()
         self._pool: SlotPool | None = None
         self._initializing = False
-        self.last_save: dict[str, Any] | None = None
+        self.last_save: SaveRecord | None = None
         self.resumed_from: str | None = None
         #: When a run that had closed rounds was resumed, until its round opens (see
         #: _open_resumed_rounds).
@@ -144,7 +145,7 @@ class Coordinator:
         self.kicks = 0
         #: Rounds (sync) or updates (async) refused because their result would not be finite.
         self.refused_updates = 0
-        self.last_refusal: dict[str, Any] | None = None
+        self.last_refusal: Refusal | None = None
         #: Per unit, the latest refused rounds: told in upload replies, so a worker whose upload
         #: one of them discarded counts those steps as dropped.
         self._refused_rounds: dict[int, deque[int]] = {}
@@ -153,7 +154,7 @@ class Coordinator:
         #: Per unit, with robust aggregation: the open round's uploads (weight, fp32 tensors).
         self._kept: dict[int, list[tuple[float, list[torch.Tensor]]]] = {}
         #: Recent outer updates (sync: rounds; async: applied submissions), newest last.
-        self.update_log: deque[dict[str, Any]] = deque(maxlen=UPDATE_LOG)
+        self.update_log: deque[UpdateEntry] = deque(maxlen=UPDATE_LOG)
         self.staleness_log: deque[int] = deque(maxlen=UPDATE_LOG)
         self.staleness_total = 0
         self.staleness_count = 0
@@ -277,7 +278,7 @@ class Coordinator:
                 f"{ckpt.path} was saved in {mode} mode; start the server in {mode} mode, "
                 "or without this save dir"
             )
-        num, pattern = ckpt.extra.get("fragments", [1, "sequential"])
+        num, pattern = ckpt.extra.get("fragments", [1, SEQUENTIAL])
         saved = (int(num), str(pattern))
         if self.fragmenting is not None and self.fragmenting[0] != saved[0]:
             raise ValueError(
@@ -347,7 +348,7 @@ class Coordinator:
             extra,
             self.config.keep_checkpoints,
         )
-        self.last_save = {"round": store_round, "path": str(path)}
+        self.last_save = SaveRecord(store_round, str(path))
         log.info("saved round %d to %s", store_round, path)
         return path
 
@@ -444,7 +445,7 @@ class Coordinator:
 
     def _asked_fragmenting(self, info: dict[str, Any]) -> tuple[int, str]:
         num = info.get("num_fragments", 1)
-        pattern = info.get("fragment_pattern", "sequential")
+        pattern = info.get("fragment_pattern", SEQUENTIAL)
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
             raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
         if pattern not in PATTERNS:
@@ -1142,7 +1143,7 @@ class Coordinator:
     def _refuse(self, unit: Unit, round_: int, contributions: int, why: str) -> None:
         self.refused_updates += 1
         self._refused_rounds.setdefault(unit.index, deque(maxlen=REFUSED_TOLD)).append(round_)
-        self.last_refusal = {"round": round_, "fragment": unit.index, "reason": why}
+        self.last_refusal = Refusal(round_, unit.index, why)
         log.error(
             "%s %d%s refused: %s; its %d contribution(s) are discarded and the parameters and "
             "outer optimizer state stay as they were",
@@ -1160,31 +1161,35 @@ class Coordinator:
         outer_s: float,
         contributions: int,
         nbytes: int | None,
-        **extra: Any,
-    ) -> dict[str, Any]:
+        *,
+        refused: bool,
+        staleness: int | None = None,
+        weight: float | None = None,
+    ) -> UpdateEntry:
         now = self.clock()
-        previous = self.update_log[-1]["t"] if self.update_log else None
-        since = now - (previous if previous is not None else self.started_at)
-        entry = {
-            "round": round_,
-            "fragment": unit.index,
-            "t": now,  # shown relative to the start in status()
-            "round_time_s": round(since, 4),
-            "outer_step_s": round(outer_s, 4),
-            "contributions": contributions,
-            "bytes_in": self.bytes_in + (nbytes or 0),
-            **extra,
-        }
+        since = now - (self.update_log[-1].t if self.update_log else self.started_at)
         waits = self._upload_waits.pop(unit.index, [])
-        entry["upload_wait_s"] = round(sum(waits), 4)
-        entry["upload_wait_max_s"] = round(max(waits, default=0.0), 4)
+        entry = UpdateEntry(
+            round=round_,
+            fragment=unit.index,
+            t=now,  # shown relative to the start in a status
+            round_time_s=round(since, 4),
+            outer_step_s=round(outer_s, 4),
+            contributions=contributions,
+            bytes_in=self.bytes_in + (nbytes or 0),
+            staleness=staleness,
+            weight=weight,
+            refused=refused,
+            upload_wait_s=round(sum(waits), 4),
+            upload_wait_max_s=round(max(waits, default=0.0), 4),
+        )
         self.update_log.append(entry)
         return entry
 
-    def _hint_upload_slots(self, entry: dict[str, Any]) -> None:
+    def _hint_upload_slots(self, entry: UpdateEntry) -> None:
         """Say once, when it first matters, that uploads queued for the receive buffers: with
         workers behind links slower than the server's, more slots let them arrive together."""
-        longest, round_s = entry["upload_wait_max_s"], entry["round_time_s"]
+        longest, round_s = entry.upload_wait_max_s, entry.round_time_s
         if self._slots_hinted or longest < HINT_WAIT_S or longest < HINT_WAIT_SHARE * round_s:
             return
         self._slots_hinted = True
@@ -1194,7 +1199,7 @@ class Coordinator:
             "buffer(s) (upload_slots); if workers reach this server over links slower than its "
             "own, more slots let their uploads arrive together, at up to %.0f MB of memory each "
             "(half that with bf16 uploads): diloco server --upload-slots N",
-            entry["round"],
+            entry.round,
             longest,
             round_s,
             self._pool.slots,
@@ -1289,98 +1294,9 @@ class Coordinator:
 
     # --- status ---------------------------------------------------------------------------------
 
-    def _barrier_public(self) -> dict[str, Any]:
-        barrier = next((u.barrier for u in self.units if u.barrier is not None), None)
-        if barrier is not None:
-            out = barrier.public()
-            out["round"] = self._round()
-            return out
-        return {
-            "round": self._round(),
-            "opened": self.config.mode == "async" and bool(self.units),
-            "num_workers": self.num_workers,
-            "min_workers": self.config.min_workers,
-            "expected": [],
-            "submitted": [],
-            "uploading": sorted({w for u in self.units if u.gate for w in u.gate.uploading}),
-            "closing": False,
-        }
-
     def status(self) -> dict[str, Any]:
-        store = self.store
-        optimizers = self.outer_optimizers()
-        recent = list(self.staleness_log)
-        return {
-            "mode": self.config.mode,
-            "instance": store.instance if store else None,
-            "uptime_s": round(self.clock() - self.started_at, 3),
-            **self._barrier_public(),
-            "updates": store.round if store else 0,
-            "fragments": [u.public() for u in self.units] if len(self.units) > 1 else None,
-            "fragment_pattern": self.fragmenting[1] if self.fragmenting else None,
-            "has_params": store is not None,
-            "num_params": store.numel if store else 0,
-            "model_bytes": store.nbytes if store else 0,
-            # Outer steps that had to copy the parameters because a download still held them.
-            "copies_on_write": store.copies_on_write if store else 0,
-            "outer_optimizer": optimizer_hparams(optimizers[0]) if optimizers else None,
-            "outer_optimizer_class": type(optimizers[0]).__name__ if optimizers else None,
-            "delayed_nesterov": (
-                {
-                    "buffer_size": self.config.dn_buffer_size or self.config.num_workers,
-                    "activation": self.config.dn_activation,
-                }
-                if self.config.delayed_nesterov
-                else None
-            ),
-            "weighting": self.config.weighting,
-            "staleness_weighting": self.config.staleness_weighting,
-            "max_staleness": self.config.max_staleness,
-            "staleness": {
-                "last": recent[-1] if recent else None,
-                "mean": round(self.staleness_total / self.staleness_count, 4)
-                if self.staleness_count
-                else None,
-                "max": max(recent) if recent else None,
-                "count": self.staleness_count,
-            },
-            "dylu": self.config.dylu,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "rejected_submissions": self.rejected,
-            "kicks": self.kicks,
-            "refused_updates": self.refused_updates,
-            "last_refusal": self.last_refusal,
-            "robust_aggregation": (
-                {
-                    "clip_norm_factor": self.config.clip_norm_factor,
-                    "trim_fraction": self.config.trim_fraction,
-                }
-                if self.config.robust
-                else None
-            ),
-            "last_round_contributions": self.last_round_contributions,
-            "last_round_time_s": self.update_log[-1]["round_time_s"] if self.update_log else None,
-            "upload_slots": self.config.upload_slots,
-            "uploads_waiting": self._pool.waiting if self._pool else 0,
-            "last_round_upload_wait_max_s": (
-                self.update_log[-1]["upload_wait_max_s"] if self.update_log else None
-            ),
-            "update_log": [
-                {**e, "t": round(e["t"] - self.started_at, 4)}
-                for e in list(self.update_log)[-STATUS_LOG:]
-            ],
-            "registrations": self.registry.registrations,
-            "worker_deaths": self.registry.deaths,
-            "heartbeat_timeout": self.config.heartbeat_timeout,
-            "stuck_timeout": self.config.stuck_timeout,
-            "join_timeout": self.config.join_timeout,
-            "save_dir": self.config.save_dir,
-            "last_save": self.last_save,
-            "last_save_error": self.last_save_error,
-            "resumed_from": self.resumed_from,
-            "workers": self.registry.public(),
-        }
+        """The JSON of ``GET /status`` (``server/status.py`` builds and types it)."""
+        return build_status(self).to_json()
 
 
 SyncCoordinator = Coordinator  # the name before async mode; kept for callers

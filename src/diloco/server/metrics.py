@@ -1,8 +1,8 @@
 """``GET /metrics``: the server's state in the Prometheus text format (version 0.0.4).
 
-Built from ``coordinator.status()`` plus the few counters only the HTTP layer sees (requests by
-status, refused authentications). Keys of the status are read with ``.get``: the coordinator
-grows new fields (async mode, fragments) and a missing one must drop a line, not the endpoint.
+Built from the typed ``Status`` (``server/status.py``) plus the few counters only the HTTP
+layer sees (requests by status, refused authentications). Fields are read as attributes, so a
+renamed one fails mypy and the tests; a value that is ``None`` or not finite drops its line.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+
+from diloco.server.status import Status, WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -85,137 +87,143 @@ class _Writer:
         self.family(name, kind, help_, [({}, value)])
 
 
-def render(status: dict[str, Any], counters: HttpCounters | None = None) -> str:
-    """The exposition text for one ``status()`` snapshot."""
+def render(status: Status, counters: HttpCounters | None = None) -> str:
+    """The exposition text for one status snapshot."""
     out = _Writer()
-    workers = status.get("workers") or []
-    opt = status.get("outer_optimizer") or {}
-    staleness = status.get("staleness") or {}
+    workers = status.workers
+    opt = status.outer_optimizer
+    staleness = status.staleness
     out.family(
         "diloco_info",
         "gauge",
         "Constant 1, labelled with the server's mode and instance.",
-        [({"mode": str(status.get("mode", "sync")), "instance": str(status.get("instance"))}, 1)],
+        [({"mode": status.mode, "instance": str(status.instance)}, 1)],
     )
     out.one(
         "diloco_uptime_seconds",
         "gauge",
         "Seconds since the server started.",
-        status.get("uptime_s"),
+        status.uptime_s,
     )
-    out.one(
-        "diloco_round", "gauge", "Current round (outer steps applied so far).", status.get("round")
-    )
+    out.one("diloco_round", "gauge", "Current round (outer steps applied so far).", status.round)
     out.one(
         "diloco_round_duration_seconds",
         "gauge",
         "Wall time of the last closed round.",
-        status.get("last_round_time_s"),
+        status.last_round_time_s,
     )
     out.one(
         "diloco_upload_slots",
         "gauge",
         "Uploads the server receives at once.",
-        status.get("upload_slots"),
+        status.upload_slots,
     )
     out.one(
         "diloco_uploads_waiting",
         "gauge",
         "Uploads queued for a free upload slot now.",
-        status.get("uploads_waiting"),
+        status.uploads_waiting,
     )
     out.one(
         "diloco_last_round_upload_wait_max_seconds",
         "gauge",
         "Longest wait of one upload for a free upload slot in the last closed round.",
-        status.get("last_round_upload_wait_max_s"),
+        status.last_round_upload_wait_max_s,
     )
     out.one(
         "diloco_last_round_contributions",
         "gauge",
         "Pseudo-gradients averaged in the last closed round.",
-        status.get("last_round_contributions"),
+        status.last_round_contributions,
     )
     out.one(
         "diloco_model_parameters",
         "gauge",
         "Parameters in the global model.",
-        status.get("num_params"),
+        status.num_params,
     )
-    out.one(
-        "diloco_model_bytes", "gauge", "Bytes of the fp32 global model.", status.get("model_bytes")
-    )
-    out.one("diloco_bytes_in_total", "counter", "Tensor bytes received.", status.get("bytes_in"))
-    out.one("diloco_bytes_out_total", "counter", "Tensor bytes sent.", status.get("bytes_out"))
+    out.one("diloco_model_bytes", "gauge", "Bytes of the fp32 global model.", status.model_bytes)
+    out.one("diloco_bytes_in_total", "counter", "Tensor bytes received.", status.bytes_in)
+    out.one("diloco_bytes_out_total", "counter", "Tensor bytes sent.", status.bytes_out)
     out.one("diloco_workers_live", "gauge", "Registered workers.", len(workers))
-    out.one(
-        "diloco_workers_expected", "gauge", "Workers the run expects.", status.get("num_workers")
-    )
+    out.one("diloco_workers_expected", "gauge", "Workers the run expects.", status.num_workers)
     out.one(
         "diloco_workers_min",
         "gauge",
         "Fewest contributions a round closes with.",
-        status.get("min_workers"),
+        status.min_workers,
     )
     out.one(
         "diloco_worker_deaths_total",
         "counter",
         "Workers evicted as silent or stuck.",
-        status.get("worker_deaths"),
+        status.worker_deaths,
     )
     out.one(
         "diloco_registrations_total",
         "counter",
         "Registrations of new workers, re-joins after eviction or restart included.",
-        status.get("registrations"),
+        status.registrations,
     )
     out.one(
         "diloco_kicks_total",
         "counter",
         "Workers evicted by an operator (/control/kick_worker).",
-        status.get("kicks"),
+        status.kicks,
     )
     out.one(
         "diloco_rejected_submissions_total",
         "counter",
         "Submissions refused with 409.",
-        status.get("rejected_submissions"),
+        status.rejected_submissions,
     )
     out.one(
         "diloco_refused_updates_total",
         "counter",
         "Rounds (sync) or updates (async) refused because their result would not be finite; "
         "the parameters stayed as they were.",
-        status.get("refused_updates"),
+        status.refused_updates,
     )
-    out.one("diloco_outer_lr", "gauge", "Outer learning rate.", opt.get("lr"))
-    out.one("diloco_outer_momentum", "gauge", "Outer momentum.", opt.get("momentum"))
+    out.one("diloco_outer_lr", "gauge", "Outer learning rate.", opt.lr if opt else None)
+    out.one("diloco_outer_momentum", "gauge", "Outer momentum.", opt.momentum if opt else None)
     out.family(
         "diloco_staleness",
         "gauge",
         "Staleness of accepted submissions (updates between a worker's base and the current "
         "parameters): last, mean and max.",
-        [({"stat": k}, staleness.get(k)) for k in ("last", "mean", "max")],
+        [
+            ({"stat": "last"}, staleness.last),
+            ({"stat": "mean"}, staleness.mean),
+            ({"stat": "max"}, staleness.max),
+        ],
     )
     out.one(
         "diloco_staleness_samples_total",
         "counter",
         "Submissions counted in the staleness statistics.",
-        staleness.get("count"),
+        staleness.count,
     )
-    for key, help_ in (
-        ("loss", "Last loss the worker reported."),
-        ("steps_per_second", "Inner optimizer steps per second the worker reported."),
-        ("last_seen_s_ago", "Seconds since the worker was last heard from."),
-        ("bytes_in", "Tensor bytes received from the worker."),
-        ("bytes_out", "Tensor bytes sent to the worker."),
-    ):
-        name = "diloco_worker_" + key.replace("_s_ago", "_seconds")
+    per_worker: list[tuple[str, str, Callable[[WorkerStatus], Any]]] = [
+        ("loss", "Last loss the worker reported.", lambda w: w.loss),
+        (
+            "steps_per_second",
+            "Inner optimizer steps per second the worker reported.",
+            lambda w: w.steps_per_second,
+        ),
+        (
+            "last_seen_seconds",
+            "Seconds since the worker was last heard from.",
+            lambda w: w.last_seen_s_ago,
+        ),
+        ("bytes_in", "Tensor bytes received from the worker.", lambda w: w.bytes_in),
+        ("bytes_out", "Tensor bytes sent to the worker.", lambda w: w.bytes_out),
+    ]
+    for key, help_, read in per_worker:
         out.family(
-            name,
+            "diloco_worker_" + key,
             "gauge",
             help_,
-            [({"worker": str(w.get("worker_id"))}, w.get(key)) for w in workers],
+            [({"worker": w.worker_id}, read(w)) for w in workers],
         )
     if counters is not None:
         out.family(

@@ -31,25 +31,6 @@ class WorkerInfo:
     joined: bool = False
     transfers: int = 0  # tensor bodies it is sending now (the initial parameters)
 
-    def public(self, now: float) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id,
-            "hostname": self.hostname,
-            "registered_s_ago": round(now - self.registered_at, 3),
-            "last_seen_s_ago": round(now - self.last_seen, 3),
-            "steps_per_second": self.steps_per_second,
-            "loss": self.loss,
-            "submissions": self.submissions,
-            "last_round": self.last_round,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "step_age_s": self.step_age_s,
-            "syncing": self.syncing,
-            "smoothed_speed": self.smoothed_speed,
-            "recommended_sync_every": self.recommended_sync_every,
-            "staleness": self.staleness,
-        }
-
 
 class WorkerRegistry:
     """Live workers by id. Mutated only from the server's event loop thread."""
@@ -145,7 +126,3 @@ class WorkerRegistry:
             for w in self._workers.values()
             if w.step_age_s is not None and not w.syncing and w.step_age_s > timeout
         ]
-
-    def public(self) -> list[dict[str, Any]]:
-        now = self._clock()
-        return [w.public(now) for w in self._workers.values()]

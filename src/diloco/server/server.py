@@ -45,7 +45,7 @@ Downloads are written in 1 MiB pieces; a send buffer that takes each piece whole
 copying the part the socket refused into its own buffer and coming back for it, and lets a
 1 Gbit link with tens of milliseconds of round trip stay full. It is a ceiling, not memory held:
 the kernel only uses it for bytes queued. On the 100M benchmark, N=4, the server's CPU per round
-went from about 1.27 to 1.10 s (docs/benchmarks.md). Set only where the system lets a socket
+went from about 1.27 to 1.10 s (docs/benchmarks-log.md). Set only where the system lets a socket
 have that much (``net.core.wmem_max``): a smaller grant would be fixed below what autotuning
 reaches by itself. A stock kernel allows 208 KiB, so there nothing is set unless an operator
 raises the limit (``sysctl net.core.wmem_max=4194304``)."""

@@ -11,68 +11,24 @@ downloads stream.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from diloco.core import WeightedSum
-from diloco.core.fragments import Span, split_sequential, split_strided
+from diloco.core.fragments import Piece, plan
 from diloco.server.async_gate import AsyncGate
 from diloco.server.barrier import SyncBarrier
 from diloco.server.params import ParamStore
 from diloco.wire import TensorSpec, build_layout
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-PATTERNS = ("sequential", "strided")
 F32_BYTES = 4
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One tensor of a unit's messages: a whole parameter, or elements [start, stop) of it."""
-
-    wire_name: str
-    param: str
-    index: int  # position of the parameter in the store's payload order
-    start: int
-    stop: int
-    shape: tuple[int, ...]  # the shape on the wire: the parameter's, or (stop - start,)
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
 def plan_pieces(store: ParamStore, num_fragments: int, pattern: str) -> list[list[Piece]]:
-    """Pieces of each unit. One fragment: the parameters with their own names and shapes (the
-    messages of plain DiLoCo). More: flat spans named ``param[start:stop]``, balanced by size."""
-    if pattern not in PATTERNS:
-        raise ValueError(f"fragment pattern must be one of {PATTERNS}, got {pattern!r}")
-    index = {s.name: i for i, s in enumerate(store.specs)}
-    if num_fragments == 1:
-        return [
-            [
-                Piece(s.name, s.name, i, 0, s.numel, tuple(s.shape))
-                for i, s in enumerate(store.specs)
-            ]
-        ]
-    sizes = [(s.name, s.numel) for s in store.specs]
-    split = split_sequential if pattern == "sequential" else split_strided
-    spans: list[list[Span]] = split(sizes, num_fragments)
-    return [
-        [
-            Piece(
-                f"{sp.name}[{sp.start}:{sp.stop}]",
-                sp.name,
-                index[sp.name],
-                sp.start,
-                sp.stop,
-                (sp.numel,),
-            )
-            for sp in fragment
-        ]
-        for fragment in spans
-    ]
+    """Pieces of each unit of ``store``'s parameters (``core.fragments.plan``, the planner the
+    workers use too)."""
+    return plan(store.table, num_fragments, pattern)
 
 
 class Unit:
@@ -151,23 +107,3 @@ class Unit:
             "kind": "global_params",
         }
         return build_layout(specs, meta).header
-
-    def public(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "fragment": self.index,
-            "round": self.round,
-            "published_round": self.published_round,
-            "num_params": self.nbytes // F32_BYTES,
-        }
-        if self.barrier is not None:
-            out.update(
-                {
-                    k: v
-                    for k, v in self.barrier.public().items()
-                    if k in ("submitted", "uploading", "closing")
-                }
-            )
-        else:
-            assert self.gate is not None
-            out["uploading"] = sorted(self.gate.uploading)
-        return out

@@ -3,7 +3,7 @@
 Downloads: requests (urllib3) hands a streamed body out as fresh ``bytes`` objects that the
 caller then copies into its own memory; ``http.client``'s ``readinto`` lets the socket write the
 payload straight into the destination tensor. For a 400 MB model that is one user-space copy of
-every downloaded byte fewer, on every worker, every round (see docs/benchmarks.md).
+every downloaded byte fewer, on every worker, every round (see docs/benchmarks-log.md).
 
 Uploads: on plain HTTP they ask ``Expect: 100-continue`` and send the body once the server says
 ``100 Continue``, which lets the server receive it straight into its buffer

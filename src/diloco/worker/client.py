@@ -62,6 +62,10 @@ class Unreachable(Exception):
     """The server could not be reached after every retry."""
 
 
+#: What a sync survives: it is logged, counted and tried again later; training goes on.
+SYNC_FAILURES = (Unreachable, ServerError, WireError)
+
+
 #: The most bytes of a JSON reply read on a bulk connection (upload replies, errors, "pending").
 MAX_JSON_REPLY = 1 << 20
 

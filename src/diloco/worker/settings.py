@@ -9,30 +9,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.core.fragments import PATTERNS, SEQUENTIAL
+
+
+def _flag(default: Any, help: str, **cli: Any) -> Any:
+    """A field with a ``diloco worker`` flag: ``help`` and the keys that ``diloco.cli.flags``
+    documents go in its metadata, so the flag is declared here, beside the setting."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    server_addr: str = "127.0.0.1:8512"
+    server_addr: str = _flag("127.0.0.1:8512", "host:port of the server", flag="--server")
     """``host:port`` (or a full http:// or https:// URL) of the server."""
 
-    sync_every: int = 500
+    sync_every: int = _flag(500, "inner steps between syncs")
     """Inner optimizer steps between syncs (H in the paper)."""
 
-    bf16_comm: bool = True
+    bf16_comm: bool = _flag(True, "send fp32 pseudo-gradients", flag="--no-bf16")
     """Send pseudo-gradients as bfloat16 (half the bytes; the sum stays fp32 on the server)."""
 
-    worker_id: str | None = None
+    worker_id: str | None = _flag(None, "stable id (default: the server makes one up)")
     """Stable id; the server makes one up when None."""
 
-    token: str | None = None
+    token: str | None = _flag(None, "bearer token the server requires")
     """Bearer token the server requires, if any."""
 
-    tls_ca: str | None = None
+    tls_ca: str | None = _flag(None, "PEM file of the server certificate's CA")
     """PEM file of the certificate authority (or the self-signed certificate) that signed an
     ``https://`` server's certificate; None trusts the system's authorities. Certificates are
     always verified."""
 
-    heartbeat_interval: float = 30.0
+    heartbeat_interval: float = _flag(30.0, "seconds between heartbeats (0: none)")
     """Seconds between heartbeats (0 disables them)."""
 
     connect_timeout: float = 10.0
@@ -48,22 +56,24 @@ class WorkerSettings:
     max_barrier_wait: float = 3600.0
     """Longest a worker waits for a round to close before it rebases and trains on."""
 
-    num_fragments: int = 1
+    num_fragments: int = _flag(1, "streaming DiLoCo: fragments (P)")
     """Streaming DiLoCo: sync the model in this many fragments, one every
     ``sync_every / num_fragments`` steps, each once per ``sync_every`` steps (1: plain DiLoCo)."""
 
-    fragment_pattern: str = "sequential"
+    fragment_pattern: str = _flag(
+        SEQUENTIAL, "streaming: how fragments cut the model", choices=PATTERNS
+    )
     """How fragments are cut: ``sequential`` (contiguous runs of layers) or ``strided``
     (interleaved across the depth of the network)."""
 
-    overlap_steps: int = 0
+    overlap_steps: int = _flag(0, "streaming: overlap tau, inner steps")
     """Streaming: inner steps a fragment's exchange may overlap with training (tau) before its
     result is merged; 0 waits for it at once."""
 
-    merge_alpha: float = 0.5
+    merge_alpha: float = _flag(0.5, "streaming: local share alpha in merges")
     """Streaming: a returned fragment becomes ``alpha * local + (1 - alpha) * global``."""
 
-    dylu: bool = False
+    dylu: bool = _flag(False, "follow the server's recommended sync_every (DyLU)")
     """Dynamic local updates: adopt the ``sync_every`` the server recommends for this worker's
     speed (the server must run with DyLU on)."""
 
@@ -83,7 +93,7 @@ class WorkerSettings:
                 f"num_fragments must be in [1, sync_every={self.sync_every}], "
                 f"got {self.num_fragments}"
             )
-        if self.fragment_pattern not in ("sequential", "strided"):
+        if self.fragment_pattern not in PATTERNS:
             raise ValueError(
                 f"fragment_pattern must be 'sequential' or 'strided', got {self.fragment_pattern!r}"
             )

@@ -1,0 +1,362 @@
+"""The server's state as typed, frozen dataclasses: ``GET /status`` is ``build_status(coord)
+.to_json()``, ``/metrics`` and ``diloco status`` read the same fields as attributes, and the
+dashboard's keys are checked against them by a test. A renamed field breaks mypy or a test, not
+a display that quietly shows ``-``.
+
+JSON mapping: a field is a key, in field order; a tuple is a list; a field marked
+``_omitted_when_none()`` is left out of the JSON while it is ``None`` (keys one mode has and the
+other lacks: ``submitted`` of an async fragment, ``staleness`` of a sync update, ``momentum`` of
+an optimizer without one).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from diloco.core.outer import optimizer_hparams
+from diloco.server.units import F32_BYTES, Unit
+
+if TYPE_CHECKING:
+    from diloco.server.coordinator import Coordinator
+
+STATUS_LOG = 200  # updates of the coordinator's log that /status shows (the newest)
+
+_OMIT = "omit_when_none"
+T = TypeVar("T")
+
+
+class StatusFormatError(ValueError):
+    """A /status document lacks a field this version reads (a renamed key, an older server)."""
+
+
+def _omitted_when_none() -> Any:
+    return field(metadata={_OMIT: True})
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    lr: float
+    momentum: float | None = field(default=None, metadata={_OMIT: True})  # none in e.g. Adam
+
+
+@dataclass(frozen=True)
+class DelayedNesterov:
+    buffer_size: int
+    activation: float
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """Of accepted submissions: updates between a worker's base and the parameters it hit."""
+
+    last: int | None
+    mean: float | None
+    max: int | None
+    count: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The last round (sync) or update (async) refused for a non-finite result."""
+
+    round: int
+    fragment: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RobustAggregation:
+    clip_norm_factor: float | None
+    trim_fraction: float
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    round: int
+    path: str
+
+
+@dataclass(frozen=True)
+class UpdateEntry:
+    """One applied (or refused) outer update. ``t`` is the coordinator's clock in its log and
+    seconds since the server started in a status."""
+
+    round: int
+    fragment: int
+    t: float
+    round_time_s: float
+    outer_step_s: float
+    contributions: int
+    bytes_in: int
+    staleness: int | None = field(metadata={_OMIT: True})  # async only
+    weight: float | None = field(metadata={_OMIT: True})  # async only
+    refused: bool
+    upload_wait_s: float
+    upload_wait_max_s: float
+
+
+@dataclass(frozen=True)
+class FragmentStatus:
+    """One fragment of a streaming run (its own round, barrier or gate)."""
+
+    fragment: int
+    round: int
+    published_round: int
+    num_params: int
+    submitted: tuple[str, ...] | None = field(metadata={_OMIT: True})  # sync only
+    uploading: tuple[str, ...]
+    closing: bool | None = field(metadata={_OMIT: True})  # sync only
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    worker_id: str
+    hostname: str
+    registered_s_ago: float
+    last_seen_s_ago: float
+    steps_per_second: float | None
+    loss: float | None
+    submissions: int
+    last_round: int | None
+    bytes_in: int
+    bytes_out: int
+    step_age_s: float | None
+    syncing: bool
+    smoothed_speed: float | None
+    recommended_sync_every: int | None
+    staleness: int | None
+
+
+@dataclass(frozen=True)
+class Status:
+    """What ``GET /status`` answers, key for key."""
+
+    mode: str
+    instance: str | None
+    uptime_s: float
+    # The round and its barrier (sync, one unit shown) or what stands for them (async).
+    round: int
+    opened: bool
+    num_workers: int
+    min_workers: int
+    expected: tuple[str, ...]
+    submitted: tuple[str, ...]
+    uploading: tuple[str, ...]
+    closing: bool
+    updates: int
+    fragments: tuple[FragmentStatus, ...] | None  # only with more than one fragment
+    fragment_pattern: str | None
+    has_params: bool
+    num_params: int
+    model_bytes: int
+    # Outer steps that had to copy the parameters because a download still held them.
+    copies_on_write: int
+    outer_optimizer: OuterOptimizer | None
+    outer_optimizer_class: str | None
+    delayed_nesterov: DelayedNesterov | None
+    weighting: str
+    staleness_weighting: str
+    max_staleness: int | None
+    staleness: Staleness
+    dylu: bool
+    bytes_in: int
+    bytes_out: int
+    rejected_submissions: int
+    kicks: int
+    refused_updates: int
+    last_refusal: Refusal | None
+    robust_aggregation: RobustAggregation | None
+    last_round_contributions: int
+    last_round_time_s: float | None
+    upload_slots: int
+    uploads_waiting: int
+    last_round_upload_wait_max_s: float | None
+    update_log: tuple[UpdateEntry, ...]
+    registrations: int
+    worker_deaths: int
+    heartbeat_timeout: float
+    stuck_timeout: float
+    join_timeout: float
+    save_dir: str | None
+    last_save: SaveRecord | None
+    last_save_error: str | None
+    resumed_from: str | None
+    workers: tuple[WorkerStatus, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-able dict of ``GET /status``."""
+        out = _to_json(self)
+        assert isinstance(out, dict)
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> Status:
+        """Parse a /status document. Raises ``StatusFormatError`` when a field is missing (or
+        renamed); unknown extra keys are ignored, so a newer server that adds fields still
+        parses. Values are taken as they come (their types are not checked)."""
+        return _from_json(cls, data, "status")
+
+
+def build_status(coord: Coordinator) -> Status:
+    """The one place that reads the coordinator's state for display."""
+    config, store, units = coord.config, coord.store, coord.units
+    uptime_s = round(coord.clock() - coord.started_at, 3)  # before the workers' clock reading
+    optimizers = coord.outer_optimizers()
+    barrier = next((u.barrier for u in units if u.barrier is not None), None)
+    recent = list(coord.staleness_log)
+    log = list(coord.update_log)
+    last = log[-1] if log else None
+    return Status(
+        mode=config.mode,
+        instance=store.instance if store else None,
+        uptime_s=uptime_s,
+        round=coord._round(),
+        opened=barrier.opened if barrier else config.mode == "async" and bool(units),
+        num_workers=barrier.num_workers if barrier else coord.num_workers,
+        min_workers=barrier.min_workers if barrier else config.min_workers,
+        expected=tuple(sorted(barrier.expected)) if barrier else (),
+        submitted=tuple(sorted(barrier.submitted)) if barrier else (),
+        uploading=tuple(
+            sorted(barrier.uploading)
+            if barrier
+            else sorted({w for u in units if u.gate for w in u.gate.uploading})
+        ),
+        closing=barrier.closing if barrier else False,
+        updates=store.round if store else 0,
+        fragments=tuple(_fragment(u) for u in units) if len(units) > 1 else None,
+        fragment_pattern=coord.fragmenting[1] if coord.fragmenting else None,
+        has_params=store is not None,
+        num_params=store.numel if store else 0,
+        model_bytes=store.nbytes if store else 0,
+        copies_on_write=store.copies_on_write if store else 0,
+        outer_optimizer=OuterOptimizer(**optimizer_hparams(optimizers[0])) if optimizers else None,
+        outer_optimizer_class=type(optimizers[0]).__name__ if optimizers else None,
+        delayed_nesterov=(
+            DelayedNesterov(config.dn_buffer_size or config.num_workers, config.dn_activation)
+            if config.delayed_nesterov
+            else None
+        ),
+        weighting=config.weighting,
+        staleness_weighting=config.staleness_weighting,
+        max_staleness=config.max_staleness,
+        staleness=Staleness(
+            last=recent[-1] if recent else None,
+            mean=round(coord.staleness_total / coord.staleness_count, 4)
+            if coord.staleness_count
+            else None,
+            max=max(recent) if recent else None,
+            count=coord.staleness_count,
+        ),
+        dylu=config.dylu,
+        bytes_in=coord.bytes_in,
+        bytes_out=coord.bytes_out,
+        rejected_submissions=coord.rejected,
+        kicks=coord.kicks,
+        refused_updates=coord.refused_updates,
+        last_refusal=coord.last_refusal,
+        robust_aggregation=(
+            RobustAggregation(config.clip_norm_factor, config.trim_fraction)
+            if config.robust
+            else None
+        ),
+        last_round_contributions=coord.last_round_contributions,
+        last_round_time_s=last.round_time_s if last else None,
+        upload_slots=config.upload_slots,
+        uploads_waiting=coord._pool.waiting if coord._pool else 0,
+        last_round_upload_wait_max_s=last.upload_wait_max_s if last else None,
+        update_log=tuple(replace(e, t=round(e.t - coord.started_at, 4)) for e in log[-STATUS_LOG:]),
+        registrations=coord.registry.registrations,
+        worker_deaths=coord.registry.deaths,
+        heartbeat_timeout=config.heartbeat_timeout,
+        stuck_timeout=config.stuck_timeout,
+        join_timeout=config.join_timeout,
+        save_dir=config.save_dir,
+        last_save=coord.last_save,
+        last_save_error=coord.last_save_error,
+        resumed_from=coord.resumed_from,
+        workers=_workers(coord),
+    )
+
+
+def _fragment(unit: Unit) -> FragmentStatus:
+    barrier, gate = unit.barrier, unit.gate
+    return FragmentStatus(
+        fragment=unit.index,
+        round=unit.round,
+        published_round=unit.published_round,
+        num_params=unit.nbytes // F32_BYTES,
+        submitted=tuple(sorted(barrier.submitted)) if barrier else None,
+        uploading=tuple(sorted(barrier.uploading if barrier else gate.uploading if gate else ())),
+        closing=barrier.closing if barrier else None,
+    )
+
+
+def _workers(coord: Coordinator) -> tuple[WorkerStatus, ...]:
+    now = coord.clock()
+    return tuple(
+        WorkerStatus(
+            worker_id=w.worker_id,
+            hostname=w.hostname,
+            registered_s_ago=round(now - w.registered_at, 3),
+            last_seen_s_ago=round(now - w.last_seen, 3),
+            steps_per_second=w.steps_per_second,
+            loss=w.loss,
+            submissions=w.submissions,
+            last_round=w.last_round,
+            bytes_in=w.bytes_in,
+            bytes_out=w.bytes_out,
+            step_age_s=w.step_age_s,
+            syncing=w.syncing,
+            smoothed_speed=w.smoothed_speed,
+            recommended_sync_every=w.recommended_sync_every,
+            staleness=w.staleness,
+        )
+        for w in coord.registry
+    )
+
+
+# --- JSON ---------------------------------------------------------------------------------------
+
+
+def _to_json(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _to_json(getattr(value, f.name))
+            for f in fields(value)
+            if not (f.metadata.get(_OMIT) and getattr(value, f.name) is None)
+        }
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(cls: type[T], data: object, where: str) -> T:
+    if not isinstance(data, dict):
+        raise StatusFormatError(f"{where}: expected an object, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in data:
+            values[f.name] = _value(hints[f.name], data[f.name], f"{where}.{f.name}")
+        elif f.metadata.get(_OMIT):
+            values[f.name] = None
+        elif f.default is MISSING:
+            raise StatusFormatError(f"{where}: no field {f.name!r} (a server of another version?)")
+    return cls(**values)
+
+
+def _value(hint: Any, value: object, where: str) -> Any:
+    if get_origin(hint) in (Union, types.UnionType):
+        if value is None:
+            return None
+        (hint,) = [a for a in get_args(hint) if a is not type(None)]
+    if is_dataclass(hint):
+        return _from_json(hint, value, where)  # type: ignore[arg-type]
+    if get_origin(hint) is tuple:
+        if not isinstance(value, list):
+            raise StatusFormatError(f"{where}: expected a list, got {type(value).__name__}")
+        (item, _) = get_args(hint)
+        return tuple(_value(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    return value

@@ -1,0 +1,168 @@
+"""The typed status (server/status.py): its JSON keys, its parsing, and the keys the dashboard
+reads. A renamed field must break one of these tests, not show ``-`` on a page."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco.server.config import ServerConfig
+from diloco.server.coordinator import Coordinator
+from diloco.server.params import ParamStore
+from diloco.server.status import (
+    OuterOptimizer,
+    Status,
+    StatusFormatError,
+    UpdateEntry,
+    WorkerStatus,
+    build_status,
+)
+from tests.unit.test_health import FakeClock
+
+APP_JS = Path(__file__).parents[2] / "src" / "diloco" / "server" / "dashboard" / "app.js"
+
+
+def assert_keys(cls: type, value: Any, where: str = "status") -> None:
+    """``value`` (JSON) has exactly the fields of dataclass ``cls``, in order, at every level;
+    a field omitted while ``None`` may be absent."""
+    assert isinstance(value, dict), where
+    names = [f.name for f in dataclasses.fields(cls)]
+    optional = {f.name for f in dataclasses.fields(cls) if f.metadata.get("omit_when_none")}
+    assert list(value) == [n for n in names if n in value], f"{where}: keys out of field order"
+    assert set(value) <= set(names), f"{where}: keys without a field: {set(value) - set(names)}"
+    assert set(names) - set(value) <= optional, f"{where}: missing {set(names) - set(value)}"
+    hints = typing.get_type_hints(cls)
+    for name, item in value.items():
+        target = hints[name]
+        if isinstance(target, types.UnionType):  # X | None
+            (target,) = [a for a in typing.get_args(target) if a is not type(None)]
+        if typing.get_origin(target) is tuple and isinstance(item, list):
+            (element, _) = typing.get_args(target)
+            if dataclasses.is_dataclass(element):
+                for i, e in enumerate(item):
+                    assert_keys(element, e, f"{where}.{name}[{i}]")  # type: ignore[arg-type]
+        elif dataclasses.is_dataclass(target) and item is not None:
+            assert_keys(target, item, f"{where}.{name}")  # type: ignore[arg-type]
+
+
+def fresh() -> dict[str, Any]:
+    """The status of a server that has no parameters and no workers yet."""
+    return Coordinator(ServerConfig(port=0), None, clock=FakeClock()).status()
+
+
+def test_a_fresh_status_has_every_field_and_round_trips() -> None:
+    st = fresh()
+    assert_keys(Status, st)
+    assert Status.from_json(st).to_json() == st
+
+
+def test_from_json_raises_on_a_missing_or_renamed_field() -> None:
+    st = fresh()
+    st["rounds"] = st.pop("round")  # a rename on the server's side
+    with pytest.raises(StatusFormatError, match="'round'"):
+        Status.from_json(st)
+    st = fresh()
+    st["workers"] = [{"worker_id": "a"}]
+    with pytest.raises(StatusFormatError, match=r"status\.workers\[0\]: no field 'hostname'"):
+        Status.from_json(st)
+    with pytest.raises(StatusFormatError, match="expected an object"):
+        Status.from_json([])
+
+
+def test_from_json_ignores_unknown_fields_of_a_newer_server() -> None:
+    st = {**fresh(), "a_field_of_tomorrow": 1}
+    assert Status.from_json(st).to_json() == fresh()
+
+
+def test_fields_omitted_while_none_are_optional_in_json() -> None:
+    assert Status.from_json({**fresh(), "outer_optimizer": {"lr": 0.5}}).outer_optimizer == (
+        OuterOptimizer(lr=0.5, momentum=None)
+    )
+    with pytest.raises(StatusFormatError, match="'lr'"):
+        Status.from_json({**fresh(), "outer_optimizer": {"momentum": 0.9}})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fragment_statuses_have_their_fields(mode: str) -> None:
+    config = ServerConfig(port=0, num_workers=1, mode=mode, num_fragments=2)
+    store = ParamStore.from_tensors({"w": torch.zeros(4), "b": torch.zeros(6)})
+    coord = Coordinator(config, store, clock=FakeClock())
+    coord.register("a", "h", {"num_fragments": 2})
+    st = coord.status()
+    assert_keys(Status, st)
+    assert len(st["fragments"]) == 2
+    sync_only = {"submitted", "closing"}
+    assert (sync_only <= set(st["fragments"][0])) == (mode == "sync")
+    assert Status.from_json(st) == build_status(coord)
+
+
+def test_update_entries_keep_their_json_keys() -> None:
+    names = [f.name for f in dataclasses.fields(UpdateEntry)]
+    assert names[:7] == [
+        "round", "fragment", "t", "round_time_s", "outer_step_s", "contributions", "bytes_in"
+    ]  # fmt: skip
+
+
+# --- the dashboard ---------------------------------------------------------------------------
+
+# How app.js names the parts of a /status document it reads (see its renderSummary, record,
+# renderWorkers): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker, ``u`` and
+# ``log[i]`` an update_log entry.
+DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
+    "st": (Status, r"\bst"),
+    "opt": (OuterOptimizer, r"\bopt"),
+    "w": (WorkerStatus, r"\bw"),
+    "u": (UpdateEntry, r"\bu"),
+    "log[i]": (UpdateEntry, r"\blog\[[^\]]+\]"),
+}
+
+
+def dashboard_keys(source: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for name, (_, pattern) in DASHBOARD_NAMES.items():
+        dotted = re.findall(pattern + r"\.([A-Za-z_]\w*)", source)
+        indexed = re.findall(pattern + r"\[\s*[\"']([A-Za-z_]\w*)[\"']\s*\]", source)
+        found[name] = set(dotted) | set(indexed)
+    return found
+
+
+def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
+    source = APP_JS.read_text()
+    assert 'const st = await api("GET", "/status");' in source  # the status is named ``st``
+    assert "const opt = st.outer_optimizer || {};" in source
+    keys = dashboard_keys(source)
+    for name, (cls, _) in DASHBOARD_NAMES.items():
+        assert keys[name], f"app.js no longer reads {name}.*: update DASHBOARD_NAMES"
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = keys[name] - fields
+        assert not unknown, f"app.js reads {name}.{sorted(unknown)}: no such {cls.__name__} field"
+    # What it shows today: a rename of any of these fields fails here.
+    assert {"round", "workers", "update_log", "num_workers", "upload_slots"} <= keys["st"]
+    assert {"worker_id", "loss", "last_seen_s_ago", "staleness"} <= keys["w"]
+
+
+def test_the_dashboard_key_check_catches_a_rename() -> None:
+    source = APP_JS.read_text().replace("st.uploads_waiting", "st.uploads_queued")
+    assert "uploads_queued" in dashboard_keys(source)["st"]
+    assert "uploads_queued" not in {f.name for f in dataclasses.fields(Status)}
+
+
+def test_the_cli_table_refuses_a_status_it_cannot_read(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diloco.cli.main import main
+    from diloco.worker import DiLoCoClient
+
+    st = fresh()
+    del st["num_workers"]
+    monkeypatch.setattr(DiLoCoClient, "status", lambda self: st)
+    assert main(["status", "--server", "127.0.0.1:1"]) == 1
+    assert "no field 'num_workers'" in capsys.readouterr().err
+    assert main(["status", "--server", "127.0.0.1:1", "--json"]) == 0  # raw JSON still shown
