@@ -34,13 +34,13 @@ def _die(moment: str) -> None:
 
 
 def install(moment: str) -> None:
-    import diloco.server.coordinator as coordinator
+    import diloco.server.checkpoints as checkpoints
     import diloco.server.persistence as persistence
 
     name, _, nth = moment.partition("@")
     target = int(nth) if nth else 0
     state: dict[str, Any] = {"saves": 0, "rounds": set(), "resaving": False, "files": 0, "ops": 0}
-    save_checkpoint = coordinator.save_checkpoint
+    save_checkpoint = checkpoints.save_checkpoint
     save_file = persistence.save_file
 
     def hooked_save_checkpoint(save_dir: Any, round: int, *args: Any, **kwargs: Any) -> Path:
@@ -74,7 +74,7 @@ def install(moment: str) -> None:
 
         return hooked
 
-    coordinator.save_checkpoint = hooked_save_checkpoint  # type: ignore[assignment]
+    checkpoints.save_checkpoint = hooked_save_checkpoint  # type: ignore[assignment]
     persistence.save_file = hooked_save_file  # type: ignore[assignment]
     os.rename = guard(os.rename)  # type: ignore[assignment]
     os.replace = guard(os.replace)  # type: ignore[assignment]

@@ -84,11 +84,7 @@ def test_unit_params_view_the_bytes_its_downloads_stream() -> None:
                 pieces,
                 store,
                 lambda ps: default_outer_optimizer(ps, 1.0, 0.0),
-                mode="sync",
                 round=0,
-                num_workers=1,
-                min_workers=1,
-                max_staleness=None,
             )
             for i, pieces in enumerate(plans)
         ]

@@ -41,7 +41,7 @@ def test_a_ghost_leaves_after_the_join_deadline_and_the_round_closes(
         await let_loop_run()
         assert coord.status()["round"] == 0
         clock.now += 0.5
-        with caplog.at_level(logging.WARNING, logger="diloco.server.coordinator"):
+        with caplog.at_level(logging.WARNING, logger="diloco.server.membership"):
             assert coord.check_health() == ["ghost"]
         assert "join_timeout" in caplog.text
         await coord.settle()

@@ -145,7 +145,9 @@ def test_no_import_cycles() -> None:
     assert not _cycles(_import_graph(type_checking=False))
 
 
-@pytest.mark.parametrize("package", ["diloco.core", "diloco.wire", "diloco.worker"])
+@pytest.mark.parametrize(
+    "package", ["diloco.core", "diloco.wire", "diloco.worker", "diloco.server"]
+)
 def test_no_import_cycles_even_for_types(package: str) -> None:
     """Nor for the type checker (``if TYPE_CHECKING`` imports), in the packages held to it:
     a loop that only types close still means two modules that cannot be read apart."""

@@ -16,7 +16,7 @@ from diloco.server.bodies import str_field as _str_field
 from diloco.server.config import ServerConfig
 from diloco.server.control import Shutdown
 from diloco.server.coordinator import Coordinator
-from diloco.server.errors import ApiError, bad_request, unknown_worker
+from diloco.server.errors import ApiError, bad_request
 from diloco.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.metrics import HttpCounters
 from diloco.server.metrics import render as render_metrics
@@ -167,20 +167,13 @@ async def global_params(request: web.Request) -> web.StreamResponse:
     and an outer step meanwhile writes to a copy."""
     coord = request.app[COORDINATOR]
     worker_id = request.query.get("worker_id")
-    # A worker waiting (503) for another's initial upload has joined as well as one served.
-    coord.registry.fetching(worker_id)
-    coord.require_store()
-    if worker_id and worker_id not in coord.registry:
-        raise unknown_worker(worker_id)
-    raw_fragment = request.query.get("fragment")
-    fragment = None if raw_fragment is None else coord.fragment_index(raw_fragment)
-    min_round = _query_int(request, "min_round", default=0)
-    if not await coord.wait_published(fragment, min_round, coord.config.poll_timeout):
-        pending: dict[str, Any] = {"status": "pending", "round": coord.published_round(fragment)}
-        if fragment is not None:
-            pending["fragment"] = fragment
-        return web.json_response(pending, status=202)
-    snap = await coord.snapshot(fragment)
+    snap = await coord.download(
+        worker_id,
+        request.query.get("fragment"),
+        lambda: _query_int(request, "min_round", default=0),
+    )
+    if isinstance(snap, dict):  # nothing new within poll_timeout
+        return web.json_response(snap, status=202)
     try:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         resp.content_length = snap.total_size
@@ -190,7 +183,7 @@ async def global_params(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
     finally:
         ParamStore.close_snapshot(snap)
-    coord.count_download(worker_id, snap.total_size)
+    snap.sent()
     return resp
 
 

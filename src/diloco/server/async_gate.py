@@ -9,17 +9,8 @@ its submission is how many updates other workers applied since.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from diloco.server.barrier import Admission, Verdict
-
-
-@dataclass(frozen=True)
-class AsyncCheck:
-    verdict: Verdict
-    version: int  # the gate's current version
-    staleness: int = 0
-    counted_in: int | None = None  # for DUPLICATE: the version the submission was applied to
+from diloco.server.aggregator import Check, Verdict
+from diloco.server.barrier import Admission
 
 
 class AsyncGate(Admission):
@@ -30,20 +21,18 @@ class AsyncGate(Admission):
         self.version = version
         self.max_staleness = max_staleness
 
-    def check(self, worker_id: str, base_version: int, submission_id: str) -> AsyncCheck:
+    def check(self, worker_id: str, base_version: int, submission_id: str) -> Check:
         """Decide before any payload byte is read. Staleness is re-measured at application."""
         if submission_id in self.history:
-            return AsyncCheck(
-                Verdict.DUPLICATE, self.version, counted_in=self.history[submission_id]
-            )
+            return Check(Verdict.DUPLICATE, self.version, counted_in=self.history[submission_id])
         if base_version > self.version:
-            return AsyncCheck(Verdict.FUTURE, self.version)
+            return Check(Verdict.FUTURE, self.version)
         if worker_id in self.uploading:
-            return AsyncCheck(Verdict.IN_PROGRESS, self.version)
+            return Check(Verdict.IN_PROGRESS, self.version)
         stale = self.version - base_version
         if self.max_staleness is not None and stale > self.max_staleness:
-            return AsyncCheck(Verdict.TOO_STALE, self.version, staleness=stale)
-        return AsyncCheck(Verdict.ACCEPT, self.version, staleness=stale)
+            return Check(Verdict.TOO_STALE, self.version, staleness=stale)
+        return Check(Verdict.ACCEPT, self.version, staleness=stale)
 
     def on_leave(self, worker_id: str) -> None:
         self.uploading.pop(worker_id, None)

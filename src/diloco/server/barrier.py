@@ -15,28 +15,11 @@ Rules (docs/design.md, "Sync barrier"):
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from diloco.server.aggregator import Check, Verdict
 
-class Verdict(enum.Enum):
-    ACCEPT = "accept"
-    DUPLICATE = "duplicate"  # this submission id was already counted
-    STALE = "stale_round"  # computed against an older round
-    FUTURE = "future_round"  # names a round the server has not reached
-    NOT_EXPECTED = "not_expected"  # joined after this round opened
-    ALREADY_SUBMITTED = "already_submitted"  # a different submission from the same worker
-    IN_PROGRESS = "upload_in_progress"  # the same worker is uploading right now
-    CLOSING = "round_closing"  # the round is full and its outer step is running
-    TOO_STALE = "too_stale"  # async: more updates than max_staleness since the worker's base
-
-
-@dataclass(frozen=True)
-class Check:
-    verdict: Verdict
-    round: int  # the barrier's current round
-    counted_in: int | None = None  # for DUPLICATE: the round the submission went into
+__all__ = ["Admission", "Check", "SyncBarrier", "Verdict"]
 
 
 class Admission:

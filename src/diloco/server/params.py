@@ -34,6 +34,12 @@ class Snapshot:
     _buffer: PayloadBuffer
     parts: list[memoryview] | None = None
     ready: Callable[[int], Awaitable[None]] | None = None
+    #: Called once the whole body is sent (the coordinator counts the download).
+    on_sent: Callable[[], None] | None = None
+
+    def sent(self) -> None:
+        if self.on_sent is not None:
+            self.on_sent()
 
     @property
     def body_parts(self) -> list[memoryview]:

@@ -12,14 +12,19 @@ an optimizer without one).
 from __future__ import annotations
 
 import types
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import torch
 
 from diloco.core.outer import optimizer_hparams
+from diloco.server.aggregator import State
+from diloco.server.config import ServerConfig
+from diloco.server.params import ParamStore
+from diloco.server.registry import WorkerRegistry
 from diloco.server.units import F32_BYTES, Unit
-
-if TYPE_CHECKING:
-    from diloco.server.coordinator import Coordinator
 
 STATUS_LOG = 200  # updates of the coordinator's log that /status shows (the newest)
 
@@ -199,33 +204,96 @@ class Status:
         return _from_json(cls, data, "status")
 
 
-def build_status(coord: Coordinator) -> Status:
-    """The one place that reads the coordinator's state for display."""
+# What ``build_status`` reads, as protocols: the coordinator and its parts satisfy them without
+# this module importing them (they import this module's records).
+
+
+class _Log(Protocol):
+    started_at: float
+    bytes_in: int
+    bytes_out: int
+    rejected: int
+    kicks: int
+    refused_updates: int
+    last_refusal: Refusal | None
+    last_round_contributions: int
+    update_log: deque[UpdateEntry]
+    staleness_log: deque[int]
+    staleness_total: int
+    staleness_count: int
+
+
+class _Saves(Protocol):
+    last_save: SaveRecord | None
+    last_save_error: str | None
+    resumed_from: str | None
+
+
+class _Intake(Protocol):
+    @property
+    def waiting(self) -> int: ...
+
+
+class Observed(Protocol):
+    """The server state a status is built from (``Coordinator`` is one)."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def registry(self) -> WorkerRegistry: ...
+    @property
+    def run_log(self) -> _Log: ...
+    @property
+    def checkpoints(self) -> _Saves: ...
+    @property
+    def intake(self) -> _Intake: ...
+    @property
+    def store(self) -> ParamStore | None: ...
+    @property
+    def units(self) -> list[Unit]: ...
+    @property
+    def fragmenting(self) -> tuple[int, str] | None: ...
+    @property
+    def num_workers(self) -> int: ...
+    def shown_round(self) -> int: ...
+    def outer_optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
+
+
+def build_status(coord: Observed) -> Status:
+    """The one place that reads the server's state for display."""
     config, store, units = coord.config, coord.store, coord.units
-    uptime_s = round(coord.clock() - coord.started_at, 3)  # before the workers' clock reading
+    run_log, saves = coord.run_log, coord.checkpoints
+    uptime_s = round(coord.clock() - run_log.started_at, 3)  # before the workers' clock reading
     optimizers = coord.outer_optimizers()
-    barrier = next((u.barrier for u in units if u.barrier is not None), None)
-    recent = list(coord.staleness_log)
-    log = list(coord.update_log)
+    states = [u.aggregator.public() for u in units]
+    barrier = next((s for s in states if s.opened is not None), None)  # the first sync unit
+    recent = list(run_log.staleness_log)
+    log = list(run_log.update_log)
     last = log[-1] if log else None
     return Status(
         mode=config.mode,
         instance=store.instance if store else None,
         uptime_s=uptime_s,
-        round=coord._round(),
-        opened=barrier.opened if barrier else config.mode == "async" and bool(units),
-        num_workers=barrier.num_workers if barrier else coord.num_workers,
-        min_workers=barrier.min_workers if barrier else config.min_workers,
-        expected=tuple(sorted(barrier.expected)) if barrier else (),
-        submitted=tuple(sorted(barrier.submitted)) if barrier else (),
-        uploading=tuple(
-            sorted(barrier.uploading)
+        round=coord.shown_round(),
+        opened=bool(barrier.opened) if barrier else config.mode == "async" and bool(units),
+        num_workers=barrier.num_workers or 0 if barrier else coord.num_workers,
+        min_workers=barrier.min_workers or 0 if barrier else config.min_workers,
+        expected=barrier.expected if barrier else (),
+        submitted=barrier.submitted or () if barrier else (),
+        uploading=(
+            barrier.uploading
             if barrier
-            else sorted({w for u in units if u.gate for w in u.gate.uploading})
+            else tuple(sorted({w for s in states for w in s.uploading}))
         ),
-        closing=barrier.closing if barrier else False,
+        closing=bool(barrier.closing) if barrier else False,
         updates=store.round if store else 0,
-        fragments=tuple(_fragment(u) for u in units) if len(units) > 1 else None,
+        fragments=(
+            tuple(_fragment(u, st) for u, st in zip(units, states, strict=True))
+            if len(units) > 1
+            else None
+        ),
         fragment_pattern=coord.fragmenting[1] if coord.fragmenting else None,
         has_params=store is not None,
         num_params=store.numel if store else 0,
@@ -243,57 +311,58 @@ def build_status(coord: Coordinator) -> Status:
         max_staleness=config.max_staleness,
         staleness=Staleness(
             last=recent[-1] if recent else None,
-            mean=round(coord.staleness_total / coord.staleness_count, 4)
-            if coord.staleness_count
+            mean=round(run_log.staleness_total / run_log.staleness_count, 4)
+            if run_log.staleness_count
             else None,
             max=max(recent) if recent else None,
-            count=coord.staleness_count,
+            count=run_log.staleness_count,
         ),
         dylu=config.dylu,
-        bytes_in=coord.bytes_in,
-        bytes_out=coord.bytes_out,
-        rejected_submissions=coord.rejected,
-        kicks=coord.kicks,
-        refused_updates=coord.refused_updates,
-        last_refusal=coord.last_refusal,
+        bytes_in=run_log.bytes_in,
+        bytes_out=run_log.bytes_out,
+        rejected_submissions=run_log.rejected,
+        kicks=run_log.kicks,
+        refused_updates=run_log.refused_updates,
+        last_refusal=run_log.last_refusal,
         robust_aggregation=(
             RobustAggregation(config.clip_norm_factor, config.trim_fraction)
             if config.robust
             else None
         ),
-        last_round_contributions=coord.last_round_contributions,
+        last_round_contributions=run_log.last_round_contributions,
         last_round_time_s=last.round_time_s if last else None,
         upload_slots=config.upload_slots,
-        uploads_waiting=coord._pool.waiting if coord._pool else 0,
+        uploads_waiting=coord.intake.waiting,
         last_round_upload_wait_max_s=last.upload_wait_max_s if last else None,
-        update_log=tuple(replace(e, t=round(e.t - coord.started_at, 4)) for e in log[-STATUS_LOG:]),
+        update_log=tuple(
+            replace(e, t=round(e.t - run_log.started_at, 4)) for e in log[-STATUS_LOG:]
+        ),
         registrations=coord.registry.registrations,
         worker_deaths=coord.registry.deaths,
         heartbeat_timeout=config.heartbeat_timeout,
         stuck_timeout=config.stuck_timeout,
         join_timeout=config.join_timeout,
         save_dir=config.save_dir,
-        last_save=coord.last_save,
-        last_save_error=coord.last_save_error,
-        resumed_from=coord.resumed_from,
+        last_save=saves.last_save,
+        last_save_error=saves.last_save_error,
+        resumed_from=saves.resumed_from,
         workers=_workers(coord),
     )
 
 
-def _fragment(unit: Unit) -> FragmentStatus:
-    barrier, gate = unit.barrier, unit.gate
+def _fragment(unit: Unit, state: State) -> FragmentStatus:
     return FragmentStatus(
         fragment=unit.index,
         round=unit.round,
         published_round=unit.published_round,
         num_params=unit.nbytes // F32_BYTES,
-        submitted=tuple(sorted(barrier.submitted)) if barrier else None,
-        uploading=tuple(sorted(barrier.uploading if barrier else gate.uploading if gate else ())),
-        closing=barrier.closing if barrier else None,
+        submitted=state.submitted,
+        uploading=state.uploading,
+        closing=state.closing,
     )
 
 
-def _workers(coord: Coordinator) -> tuple[WorkerStatus, ...]:
+def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
     now = coord.clock()
     return tuple(
         WorkerStatus(

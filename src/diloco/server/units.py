@@ -2,8 +2,8 @@
 
 Plain DiLoCo has one unit, the whole model, whose pieces are the parameters themselves. Streaming
 DiLoCo has one unit per fragment, whose pieces are flat element ranges of parameters
-(``core.fragments``). Each unit has its own round (sync: a barrier; async: an admission gate),
-running sum and outer optimizer, so fragments advance independently. Its parameters are views
+(``core.fragments``). Each unit has its own aggregator (server/aggregator.py: its round or
+version), running sum and outer optimizer, so fragments advance independently. Its parameters are views
 into the store's payload, so an outer step on a fragment changes exactly the bytes that fragment's
 downloads stream.
 """
@@ -16,8 +16,7 @@ import torch
 
 from diloco.core import WeightedSum
 from diloco.core.fragments import Piece, plan
-from diloco.server.async_gate import AsyncGate
-from diloco.server.barrier import SyncBarrier
+from diloco.server.aggregator import Aggregator
 from diloco.server.params import ParamStore
 from diloco.wire import TensorSpec, build_layout
 
@@ -34,6 +33,10 @@ def plan_pieces(store: ParamStore, num_fragments: int, pattern: str) -> list[lis
 class Unit:
     """One independently synchronised part of the model and its server-side state."""
 
+    #: How its submissions become updates: set once, right after construction, by whoever
+    #: plans the units (server/model.py), since the aggregator itself needs the unit.
+    aggregator: Aggregator
+
     def __init__(
         self,
         index: int,
@@ -41,11 +44,7 @@ class Unit:
         store: ParamStore,
         factory: OptimizerFactory,
         *,
-        mode: str,
         round: int,
-        num_workers: int,
-        min_workers: int,
-        max_staleness: int | None,
     ) -> None:
         self.index = index
         self.pieces = pieces
@@ -55,12 +54,6 @@ class Unit:
         self.params = [torch.nn.Parameter(self._view(p), requires_grad=False) for p in pieces]
         self.optimizer = factory(self.params)
         self.sum = WeightedSum([p.shape for p in pieces])
-        self.barrier: SyncBarrier | None = None
-        self.gate: AsyncGate | None = None
-        if mode == "sync":
-            self.barrier = SyncBarrier(num_workers, min_workers, round=round)
-        else:
-            self.gate = AsyncGate(round, max_staleness)
         #: The round whose result the store's bytes hold (moves when a result is published;
         #: the barrier's round moves after, and downloads wait on this one).
         self.published_round = round
@@ -85,17 +78,7 @@ class Unit:
     @property
     def round(self) -> int:
         """The round (sync) or version (async) submissions must name."""
-        if self.barrier is not None:
-            return self.barrier.round
-        assert self.gate is not None
-        return self.gate.version
-
-    @property
-    def history(self) -> dict[str, int]:
-        if self.barrier is not None:
-            return self.barrier.history
-        assert self.gate is not None
-        return self.gate.history
+        return self.aggregator.round
 
     def header(self, instance: str) -> bytes:
         """Header of this unit's download at its published round."""
