@@ -38,9 +38,14 @@ def initial_params() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
 
 
+def loss(worker_id: str, round_: int) -> float:
+    return (3.0 if worker_id == WORKERS[0] else 4.0) / (1 + 0.1 * round_)
+
+
 class PacedWorker(threading.Thread):
-    """Submits a pseudo-gradient each round, reports a falling loss, adopts the result; stops
-    when told, or when the server no longer knows it (kicked) or goes away."""
+    """Submits a pseudo-gradient each round with a falling loss and its step count (10 steps a
+    round), adopts the result; stops when told, or when the server no longer knows it (kicked)
+    or goes away."""
 
     def __init__(self, address: str, worker_id: str, stop: threading.Event) -> None:
         super().__init__(name=f"worker-{worker_id}", daemon=True)
@@ -58,7 +63,8 @@ class PacedWorker(threading.Thread):
             while not self.stop.is_set():
                 client.submit_pseudogradients(
                     self.worker_id, round_, f"{self.worker_id}-{round_}", specs,
-                    lambda s: grads[s.name],
+                    lambda s: grads[s.name], loss=loss(self.worker_id, round_),
+                    steps=10 * (round_ + 1),
                 )  # fmt: skip
                 client.heartbeat(
                     self.worker_id, loss=3.0 / (1 + 0.1 * round_), steps_per_second=20.0
@@ -196,6 +202,44 @@ def test_live_workers_with_no_network(tab: Page, run: DiLoCoServer) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
     assert tab.outside == [], f"the page tried to reach outside the server: {tab.outside}"
+    assert tab.errors == [], tab.errors
+
+
+def loss_lines(page: Any) -> list[list[tuple[float, float]]]:
+    """The loss chart's polylines (the mean first, then one per worker), in SVG coordinates."""
+    lines = page.eval_on_selector_all(
+        "#chart-loss polyline", "els => els.map(e => e.getAttribute('points'))"
+    )
+    return [[tuple(map(float, p.split(","))) for p in line.split()] for line in lines]
+
+
+def chart_texts(page: Any) -> list[str]:
+    return page.eval_on_selector_all("#chart-loss text", "els => els.map(e => e.textContent)")
+
+
+def test_loss_chart_is_the_servers_history_by_round_and_by_steps(
+    tab: Page, run: DiLoCoServer
+) -> None:
+    page = tab.open()
+    wait_until(lambda: run.status()["round"] >= 6, "six rounds")
+    # The mean and each worker, one point per round the server kept.
+    wait_until(lambda: len(loss_lines(page)) == 3, "three loss lines")
+    assert "round" in chart_texts(page) and {"mean", *WORKERS} <= set(chart_texts(page))
+    wait_until(lambda: len(loss_lines(page)[0]) >= 5, "five rounds on the chart")
+    # Against steps: the same points, the x axis named for them.
+    page.select_option("#loss-x", "steps")
+    wait_until(lambda: "inner steps" in chart_texts(page), "the steps axis")
+    # A reload shows the rounds before it at once: the history is the server's.
+    rounds_before = len(run.status()["loss_history"])
+    page.reload()
+    page.wait_for_selector("#chart-loss polyline", state="attached", timeout=WAIT_MS)
+    assert len(loss_lines(page)[0]) >= rounds_before
+    history = run.status()["loss_history"]
+    assert history[0]["round"] == 0
+    assert history[0]["workers"][0] == {"worker_id": WORKERS[0], "loss": 3.0, "steps": 10}
+    # The mean line lies between the two workers' lines (SVG y grows downwards).
+    mean, first, second = loss_lines(page)[:3]
+    assert first[0][1] > mean[0][1] > second[0][1]
     assert tab.errors == [], tab.errors
 
 

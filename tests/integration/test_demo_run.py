@@ -22,6 +22,11 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["rounds"] == 2
     assert report["global_eval_loss"] < report["initial_eval_loss"]
+    # Held-out against held-out, at the same inner steps: each round's global model and the
+    # single worker after as many steps.
+    assert [s for s, _ in report["global_curve"]] == [0, 10, 20]
+    assert [s for s, _ in report["baseline_curve"]] == [0, 10, 20]
+    assert report["baseline_curve"][-1][1] == report["baseline_eval_loss"]
     assert report["bytes_up"] > 0 and report["bytes_down"] > 0
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert "global model" in capsys.readouterr().out

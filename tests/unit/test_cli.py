@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.cli.main import main
+from diloco.worker.client import DiLoCoClient
+from diloco.worker.settings import DEFAULT_PORT, server_url
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +203,37 @@ def test_server_connection_and_rate_bounds_reach_the_config(
     flags += ["--max-connections", "100", "--max-connections-per-ip", "8"]
     assert main(["server", "--port", "0", *flags]) == 0
     assert [getattr(seen[1], n) for n in names] == [0.0, 5.0, 3.0, 100, 8]
+
+
+def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["server", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: port {port} on 127.0.0.1 is in use"), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        ("localhost", "http://localhost:8512"),
+        ("localhost/", "http://localhost:8512"),
+        ("10.0.0.5", "http://10.0.0.5:8512"),
+        ("[::1]", "http://[::1]:8512"),
+        ("localhost:9000", "http://localhost:9000"),
+        ("http://localhost", "http://localhost"),  # a URL is taken as written
+        ("https://diloco.example/", "https://diloco.example"),
+    ],
+)
+def test_a_host_without_a_port_means_the_default_port(given: str, url: str) -> None:
+    assert DEFAULT_PORT == ServerConfig.port
+    assert server_url(given) == url
+    assert DiLoCoClient(given).base_url == url
+
+
+def test_a_bad_port_in_an_address_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a number"):
+        server_url("localhost:http")

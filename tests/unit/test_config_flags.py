@@ -131,7 +131,10 @@ def test_unknown_flag_metadata_is_an_error() -> None:
 def test_worker_keywords_are_the_settings_fields() -> None:
     params = inspect.signature(DiLoCoWorker.__init__).parameters
     keywords = {
-        n: p for n, p in params.items() if n not in ("self", "model", "optimizer", "client")
+        n: p
+        for n, p in params.items()
+        # process_group and partitioned describe the process, not the run: no DILOCO_* variable
+        if n not in ("self", "model", "optimizer", "client", "process_group", "partitioned")
     }
     assert set(keywords) == {f.name for f in dataclasses.fields(WorkerSettings)}
     # None means "not given": the DILOCO_* variable, then the WorkerSettings default, applies.
@@ -161,6 +164,7 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
         "overlap_steps": 1,
         "merge_alpha": 0.25,
         "dylu": True,
+        "log_level": "WARNING",
     }
     assert set(given) == {f.name for f in dataclasses.fields(WorkerSettings)}
     defaults = WorkerSettings()

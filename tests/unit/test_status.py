@@ -18,9 +18,11 @@ from diloco.server.coordinator import Coordinator
 from diloco.server.params import ParamStore
 from diloco.server.status import (
     OuterOptimizer,
+    RoundLoss,
     Status,
     StatusFormatError,
     UpdateEntry,
+    WorkerLoss,
     WorkerStatus,
     build_status,
 )
@@ -113,14 +115,17 @@ def test_update_entries_keep_their_json_keys() -> None:
 # --- the dashboard ---------------------------------------------------------------------------
 
 # How app.js names the parts of a /status document it reads (see its renderSummary, record,
-# renderWorkers): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker, ``u`` and
-# ``log[i]`` an update_log entry.
+# renderWorkers, lossSeries): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker,
+# ``u`` and ``log[i]`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's
+# report in it.
 DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "st": (Status, r"\bst"),
     "opt": (OuterOptimizer, r"\bopt"),
     "w": (WorkerStatus, r"\bw"),
     "u": (UpdateEntry, r"\bu"),
     "log[i]": (UpdateEntry, r"\blog\[[^\]]+\]"),
+    "entry": (RoundLoss, r"\bentry"),
+    "wl": (WorkerLoss, r"\bwl"),
 }
 
 
@@ -135,7 +140,7 @@ def dashboard_keys(source: str) -> dict[str, set[str]]:
 
 def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
     source = APP_JS.read_text()
-    assert 'const st = await api("GET", "/status");' in source  # the status is named ``st``
+    assert 'const st = await api("GET", statusPath());' in source  # the status is named ``st``
     assert "const opt = st.outer_optimizer || {};" in source
     keys = dashboard_keys(source)
     for name, (cls, _) in DASHBOARD_NAMES.items():
@@ -146,6 +151,8 @@ def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
     # What it shows today: a rename of any of these fields fails here.
     assert {"round", "workers", "update_log", "num_workers", "upload_slots"} <= keys["st"]
     assert {"worker_id", "loss", "last_seen_s_ago", "staleness"} <= keys["w"]
+    assert {"round", "workers", "mean_loss"} <= keys["entry"]
+    assert {"worker_id", "loss", "steps"} <= keys["wl"]
 
 
 def test_the_dashboard_key_check_catches_a_rename() -> None:

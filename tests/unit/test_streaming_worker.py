@@ -138,6 +138,8 @@ class FakeClient:
         *,
         weight: float = 1.0,
         fragment: int | None = None,
+        loss: float | None = None,
+        steps: int | None = None,
     ) -> dict[str, Any]:
         s = self.s
         assert fragment is not None

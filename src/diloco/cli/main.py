@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from diloco.cli import server, status, worker
+from diloco.cli import export, server, status, worker
 
 log = logging.getLogger("diloco.cli")
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_parser(sub)
     status.add_parser(sub)
     worker.add_parser(sub)
+    export.add_parser(sub)
     try:
         from diloco.cli import demo
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import secrets
 import sys
@@ -49,5 +50,16 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     server = DiLoCoServer(ServerConfig(**settings))
-    server.run()
+    try:
+        server.run()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        host, port = settings["host"], settings["port"]
+        print(
+            f"error: port {port} on {host} is in use (another diloco server?); stop it or "
+            "choose another port with --port",
+            file=sys.stderr,
+        )
+        return 2
     return 0

@@ -20,6 +20,10 @@ NOT_EXPOSED = {
     name: "rarely tuned: a DILOCO_* variable (or the Python API) sets it, and reaches the command"
     for name in ("connect_timeout", "read_timeout", "retries", "max_barrier_wait")
 }
+NOT_EXPOSED["log_level"] = (
+    "the command's own --log-level sets it (diloco --log-level DEBUG worker -- ...): one flag "
+    "for the command's log and the child's"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,12 +45,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    settings = resolve(flags.values(WorkerSettings, args))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DILOCO_") or k == "DILOCO_LOG_LEVEL"
-    }
+    # The child logs at the command's level (INFO unless --log-level or DILOCO_LOG_LEVEL says
+    # otherwise): DiLoCoWorker shows its joins, rounds and failures when the script sets up no
+    # logging of its own.
+    explicit = {**flags.values(WorkerSettings, args), "log_level": getattr(args, "log_level", None)}
+    settings = resolve(explicit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env.update(to_env(settings))
     try:
         return subprocess.call(command, env=env)

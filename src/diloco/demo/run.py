@@ -1,7 +1,10 @@
 """``diloco demo``: a server and M worker processes on 127.0.0.1 train a character model.
 
 One more process trains the same model for the same number of steps with no DiLoCo, on all the
-training text, so the report compares like with like: same steps per process, same batch.
+training text, so the report compares like with like: same steps per process, same batch. The
+plot does too: the global model's held-out loss, evaluated at each round, against the single
+worker's held-out loss, evaluated at the same inner steps (its training loss is no measure of
+the global model's, which is never trained on directly).
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
 
+    eval_loss: float | None = None
+
     def loop(worker: Any) -> None:
+        nonlocal eval_loss
         for step in range(1, cfg["steps"] + 1):
             x, y = sample_batch(tokens, cfg["batch_size"], cfg["seq_len"], gen)
             loss = loss_on(model, x, y)
@@ -70,6 +76,10 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
             if worker is not None:
                 worker.report(loss=value, samples=x.numel())
             events.put(("step", rank, step, value))
+            if worker is None and (step % cfg["sync_every"] == 0 or step == cfg["steps"]):
+                # The baseline's held-out loss at the steps the global model's is taken.
+                eval_loss = evaluate(model, corpus.eval, cfg["seq_len"])
+                events.put(("eval", rank, step, eval_loss))
 
     if address is None:
         loop(None)
@@ -89,7 +99,6 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
             loop(w)
         metrics = w.sync_metrics
     # Plain numbers only: the baseline evaluates itself rather than shipping its tensors.
-    eval_loss = evaluate(model, corpus.eval, cfg["seq_len"]) if address is None else None
     events.put(("done", rank, metrics, eval_loss))
 
 
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     bars = _Bars(names, args.steps)
     curves: dict[int, list[tuple[int, float]]] = {r: [] for r in range(len(procs))}
     global_curve: list[tuple[int, float]] = [(0, init_loss)]
+    baseline_curve: list[tuple[int, float]] = [(0, init_loss)]  # the same model at step 0
     finished: dict[int, Any] = {}
     baseline_loss = float("nan")
     seen_round = 0
@@ -187,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
                 _, rank, step, loss = ev
                 bars.step(rank, loss)
                 curves[rank].append((step, loss))
+            elif ev is not None and ev[0] == "eval":
+                baseline_curve.append((ev[2], ev[3]))
             elif ev is not None and ev[0] == "done":
                 finished[ev[1]] = ev[2]
                 if ev[3] is not None:
@@ -230,9 +242,10 @@ def run(args: argparse.Namespace) -> int:
         "sync_time_s": [round(m["sync_time_s"], 3) for m in worker_metrics],
         "wall_time_s": round(wall, 1),
         "global_curve": global_curve,
+        "baseline_curve": baseline_curve,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    _plot(out / "loss.png", curves, names, global_curve, (args.steps, baseline_loss))
+    _plot(out / "loss.png", curves, names, global_curve, baseline_curve)
     mb = 1024 * 1024
     print(
         f"\nDiLoCo demo: {args.workers} workers x {args.steps} steps, sync every {args.sync_every} "
@@ -251,36 +264,42 @@ def _plot(
     curves: dict[int, list[tuple[int, float]]],
     names: list[str],
     global_curve: list[tuple[int, float]],
-    baseline_eval: tuple[int, float],
+    baseline_curve: list[tuple[int, float]],
 ) -> None:
+    """Left, like with like: the held-out loss of the global model and of the single worker,
+    at the same inner steps. Right, for reference: each process's training loss (a worker's
+    is on its own shard, the baseline's on all the text)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (held, train) = plt.subplots(1, 2, figsize=(12, 5))
+    gs, gl = zip(*global_curve, strict=True)
+    held.plot(gs, gl, "o-", color="crimson", lw=2, ms=4, label="global model (DiLoCo)")
+    bs, bl = zip(*baseline_curve, strict=True)
+    held.plot(bs, bl, "s-", color="black", lw=1.5, ms=3, label="single worker")
+    held.set_title("Held-out loss")
     for rank, points in curves.items():
         if not points:
             continue
         steps, losses = zip(*points, strict=True)
-        smooth = _moving_average(list(losses), 20)
         is_base = names[rank] == "baseline"
-        ax.plot(
+        train.plot(
             steps,
-            smooth,
+            _moving_average(list(losses), 20),
             lw=1.8 if is_base else 0.9,
             color="black" if is_base else None,
             alpha=1.0 if is_base else 0.6,
-            label=f"{names[rank]} (train)",
+            label="single worker" if is_base else names[rank],
         )
-    gs, gl = zip(*global_curve, strict=True)
-    ax.plot(gs, gl, "o-", color="crimson", lw=2, label="global model (held-out)")
-    ax.plot(*baseline_eval, "*", color="black", ms=14, label="single worker (held-out)")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("cross-entropy, nats per byte")
-    ax.set_title("DiLoCo demo: workers' training loss and the global model's held-out loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    train.set_title("Training loss (each process on its own data)")
+    for ax in (held, train):
+        ax.set_xlabel("inner step")
+        ax.set_ylabel("cross-entropy, nats per byte")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("DiLoCo demo")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

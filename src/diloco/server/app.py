@@ -241,7 +241,9 @@ def _query_int(request: web.Request, key: str, default: int) -> int:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[COORDINATOR].status())
+    # ``history_since``: the dashboard asks only for the loss history it has not drawn yet.
+    since = _query_int(request, "history_since", 0)
+    return web.json_response(request.app[COORDINATOR].status(since))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -34,6 +34,7 @@ from diloco.server.checkpoints import Checkpoints
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, unknown_worker
 from diloco.server.intake import Intake
+from diloco.server.loss_history import LossHistory
 from diloco.server.membership import Membership
 from diloco.server.model import Model, OptimizerFactory
 from diloco.server.outer_steps import OuterSteps
@@ -74,6 +75,7 @@ class Coordinator:
         self.model = Model(config, optimizer_factory or self._default_optimizer)
         lock = asyncio.Lock()  # orders tensor work: adds, outer steps, checkpoint writes
         self.run_log = RunLog(clock)
+        self.loss_history = LossHistory(clock)
         self.checkpoints = Checkpoints(config, self.model, self.registry, lock)
         self.intake = Intake(config, self.model, self.registry, self.run_log, lock, clock)
         self.membership = Membership(
@@ -258,6 +260,10 @@ class Coordinator:
         record.last_round = head.base
         record.bytes_in += layout.total_size
         self.run_log.bytes_in += layout.total_size
+        if head.loss is not None:
+            record.loss = head.loss  # as a heartbeat's: shown even with heartbeats off
+        if unit.index == 0:  # with fragments: one entry per worker per sync period
+            self.loss_history.record(head.base, head.worker_id, head.loss, head.steps)
         self._maybe_close()
         reply.update(
             submission_id=head.submission_id, instance=model.require_store().instance, **which
@@ -402,9 +408,10 @@ class Coordinator:
 
     # --- status ---------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """The JSON of ``GET /status`` (``server/status.py`` builds and types it)."""
-        return build_status(self).to_json()
+    def status(self, history_since: int = 0) -> dict[str, Any]:
+        """The JSON of ``GET /status`` (``server/status.py`` builds and types it), its loss
+        history from round ``history_since`` on."""
+        return build_status(self, history_since).to_json()
 
 
 SyncCoordinator = Coordinator  # the name before async mode; kept for callers

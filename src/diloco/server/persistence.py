@@ -2,8 +2,8 @@
 
 Layout of one checkpoint, ``<save_dir>/round-000000012/`` (``round-000000012.N/`` when round 12
 was saved again, N = 1, 2, ...):
-- ``params.safetensors``: the global parameters by name (loads into a model with
-  ``safetensors.torch.load_file`` and ``load_state_dict``);
+- ``params.safetensors``: the global parameters by wire name, each tied tensor once (loads into
+  a model, wrapped or tied, with ``diloco.load_into``);
 - ``optimizer.safetensors``: the outer optimizer's tensor state, keyed ``<param index>/<key>``;
 - ``state.json``: round, generation, optimizer param groups and scalars, counters. Written last.
 

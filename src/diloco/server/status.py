@@ -103,6 +103,26 @@ class UpdateEntry:
 
 
 @dataclass(frozen=True)
+class WorkerLoss:
+    """What one worker's upload toward a round said (``server/loss_history.py``)."""
+
+    worker_id: str
+    loss: float | None
+    steps: int | None  # the worker's inner steps so far
+
+
+@dataclass(frozen=True)
+class RoundLoss:
+    """The reported losses of one round; ``t``: seconds since the server started, when the
+    round's latest upload came."""
+
+    round: int
+    t: float
+    mean_loss: float | None  # over the workers that reported one
+    workers: tuple[WorkerLoss, ...]
+
+
+@dataclass(frozen=True)
 class FragmentStatus:
     """One fragment of a streaming run (its own round, barrier or gate)."""
 
@@ -189,6 +209,9 @@ class Status:
     last_save_error: str | None
     resumed_from: str | None
     workers: tuple[WorkerStatus, ...]
+    # The last rounds' reported losses, oldest first (``GET /status?history_since=R``: from
+    # round R on). A default, so a document from a server before it still parses.
+    loss_history: tuple[RoundLoss, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -234,6 +257,10 @@ class _Intake(Protocol):
     def waiting(self) -> int: ...
 
 
+class _Losses(Protocol):
+    def entries(self, since: int, started_at: float) -> tuple[RoundLoss, ...]: ...
+
+
 class Observed(Protocol):
     """The server state a status is built from (``Coordinator`` is one)."""
 
@@ -250,6 +277,8 @@ class Observed(Protocol):
     @property
     def intake(self) -> _Intake: ...
     @property
+    def loss_history(self) -> _Losses: ...
+    @property
     def store(self) -> ParamStore | None: ...
     @property
     def units(self) -> list[Unit]: ...
@@ -261,8 +290,9 @@ class Observed(Protocol):
     def outer_optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
 
 
-def build_status(coord: Observed) -> Status:
-    """The one place that reads the server's state for display."""
+def build_status(coord: Observed, history_since: int = 0) -> Status:
+    """The one place that reads the server's state for display; ``loss_history`` from round
+    ``history_since`` on."""
     config, store, units = coord.config, coord.store, coord.units
     run_log, saves = coord.run_log, coord.checkpoints
     uptime_s = round(coord.clock() - run_log.started_at, 3)  # before the workers' clock reading
@@ -347,6 +377,7 @@ def build_status(coord: Observed) -> Status:
         last_save_error=saves.last_save_error,
         resumed_from=saves.resumed_from,
         workers=_workers(coord),
+        loss_history=coord.loss_history.entries(history_since, run_log.started_at),
     )
 
 

@@ -1,10 +1,12 @@
 """What an upload's header says, and what the server answers when its aggregator will not take
-it: the metadata fields (worker, submission id, base round, weight) and the 409 replies a worker
+it: the metadata fields (worker, submission id, base round, weight; the loss and steps the
+worker reports) and the 409 replies a worker
 acts on (rebase, continue, wait, retry). Pure functions of their arguments.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ class Header:
     submission_id: str
     base: int
     weight: float
+    loss: float | None = None  # the worker's last reported loss, for the loss history
+    steps: int | None = None  # the worker's inner steps so far
 
 
 def read_header(meta: dict[str, str], samples: bool) -> Header:
@@ -39,7 +43,26 @@ def read_header(meta: dict[str, str], samples: bool) -> Header:
         )
     base = _meta_int(meta, "base_round")
     weight = _meta_weight(meta) if samples else 1.0
-    return Header(worker_id, submission_id, base, weight)
+    loss = _meta_loss(meta)
+    steps = _meta_int(meta, "steps") if "steps" in meta else None
+    if steps is not None and steps < 0:
+        raise bad_request("bad_metadata", "__metadata__['steps'] must be >= 0")
+    return Header(worker_id, submission_id, base, weight, loss, steps)
+
+
+def _meta_loss(meta: dict[str, str]) -> float | None:
+    raw = meta.get("loss")
+    if raw is None:
+        return None
+    try:
+        loss = float(raw)
+    except ValueError:
+        loss = math.nan
+    if not math.isfinite(loss):
+        raise bad_request(
+            "bad_metadata", f"__metadata__['loss'] must be a finite number, got {raw!r}"
+        )
+    return loss
 
 
 def _meta_int(meta: dict[str, str], key: str) -> int:

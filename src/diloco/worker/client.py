@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import random
 import socket
 import threading
@@ -30,6 +31,7 @@ from diloco.wire import (
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
 from diloco.worker.bulk import BulkConnections
+from diloco.worker.settings import server_url
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +136,7 @@ class DiLoCoClient:
         verify: bool | str = True,
         tls_ca: str | None = None,
     ) -> None:
-        if "://" not in server_addr:
-            server_addr = f"http://{server_addr}"
-        self.base_url = server_addr.rstrip("/")
+        self.base_url = server_url(server_addr)  # ``localhost``: the default port
         self.timeout = (connect_timeout, read_timeout)
         self.retries = retries
         self.backoff = backoff
@@ -303,10 +303,14 @@ class DiLoCoClient:
         *,
         weight: float = 1.0,
         fragment: int | None = None,
+        loss: float | None = None,
+        steps: int | None = None,
     ) -> dict[str, Any]:
         """Stream a pseudo-gradient computed tensor by tensor by ``produce``. A retry resends
         the same submission id, so the server counts it at most once. With ``fragment``, the
-        specs are that fragment's pieces (streaming DiLoCo) and ``base_round`` its round."""
+        specs are that fragment's pieces (streaming DiLoCo) and ``base_round`` its round.
+        ``loss`` (the last reported) and ``steps`` (inner steps so far) go in the metadata for
+        the server's loss history; a loss that is not finite is left out."""
         meta = {
             "worker_id": worker_id,
             "base_round": str(base_round),
@@ -316,6 +320,10 @@ class DiLoCoClient:
         }
         if fragment is not None:
             meta["fragment"] = str(fragment)
+        if loss is not None and math.isfinite(loss):
+            meta["loss"] = repr(float(loss))
+        if steps is not None:
+            meta["steps"] = str(int(steps))
         layout = build_layout(specs, meta)
         return self._post_tensors("submit", "/submit_pseudograd", layout, produce)
 

@@ -108,6 +108,8 @@ class FragmentSender:
                 lambda spec: views[spec.name],
                 weight=job.weight,
                 fragment=k,
+                loss=s.loss,
+                steps=s.total_steps,
             )
         except UnknownWorker:
             job.outcome = "rejoin"

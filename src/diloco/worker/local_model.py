@@ -20,6 +20,7 @@ import torch
 
 from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece
+from diloco.core.names import wire_names
 from diloco.core.pseudo_gradient import PIECE
 from diloco.wire import Layout, TensorSpec, byte_view, check_against, tensor_views
 from diloco.worker.adoption import StreamedAdoption
@@ -34,7 +35,9 @@ class LocalModel:
     """A model's parameters, its snapshot of the global parameters and the state between them."""
 
     def __init__(self, model: torch.nn.Module, comm_dtype: str, metrics: dict[str, float]) -> None:
-        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        # Keyed by wire name (wrapper prefixes out): the server, the snapshot and every upload
+        # know these names; the values are the model's own parameters.
+        self.params: dict[str, torch.nn.Parameter] = wire_names(model.named_parameters())
         if not self.params:
             raise ValueError("the model has no parameters to synchronise")
         self.comm_dtype = comm_dtype  # "BF16" or "F32": the dtype pseudo-gradients travel in

@@ -105,6 +105,8 @@ class PlainSync:
             s.local.specs(),
             s.local.produce,
             weight=weight,
+            loss=s.loss,
+            steps=s.total_steps,
         )
 
     def _sync(self) -> None:
@@ -198,6 +200,13 @@ class PlainSync:
         if adopted:
             self._last_submission = None
             s.metrics["rounds"] += 1
+            log.info(
+                "worker %s: round %d closed with this worker's %d steps; now at round %d",
+                s.worker_id,
+                counted_round,
+                self._upload_steps,
+                s.base_round,
+            )
             self._adopted_uploads[counted_round] = self._upload_steps
             if len(self._adopted_uploads) > 16:  # the server names its last few refusals only
                 del self._adopted_uploads[min(self._adopted_uploads)]

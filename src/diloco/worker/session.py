@@ -50,6 +50,7 @@ class Session:
         self.local_step = 0  # inner steps since the last sync (plain) or in this period
         self.total_steps = 0
         self.samples = 0.0  # reported since the last upload (its weight)
+        self.loss: float | None = None  # the last reported, sent with uploads and heartbeats
         self.syncing = False  # blocked in a sync: a silent loop is not hung
         self.last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
         #: Set by the heartbeat thread when the server does not know this worker; the training

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
+
+DEFAULT_PORT = 8512
+"""The port of a server address that names none (``ServerConfig.port``'s default)."""
+
+
+def server_url(addr: str) -> str:
+    """The base URL of a server address. ``host`` or ``host:port`` is plain HTTP, and a host
+    without a port means the default port (``localhost`` -> ``http://localhost:8512``); a URL
+    with a scheme is taken as written (``https://host`` is port 443, behind a proxy, say)."""
+    if "://" in addr:
+        return addr.rstrip("/")
+    split = urllib.parse.urlsplit(f"http://{addr.rstrip('/')}")
+    try:
+        port = split.port
+    except ValueError:
+        raise ValueError(f"server address {addr!r}: the port is not a number in 0-65535") from None
+    netloc = split.netloc if port is not None else f"{split.netloc.rstrip(':')}:{DEFAULT_PORT}"
+    return f"http://{netloc}{split.path}"
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -20,8 +40,13 @@ def _flag(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    server_addr: str = _flag("127.0.0.1:8512", "host:port of the server", flag="--server")
-    """``host:port`` (or a full http:// or https:// URL) of the server."""
+    server_addr: str = _flag(
+        f"127.0.0.1:{DEFAULT_PORT}",
+        "host[:port] of the server (port 8512 if none)",
+        flag="--server",
+    )
+    """``host:port`` (or a full http:// or https:// URL) of the server; a host without a port
+    (``localhost``) means the default port, 8512."""
 
     sync_every: int = _flag(500, "inner steps between syncs")
     """Inner optimizer steps between syncs (H in the paper)."""
@@ -77,6 +102,12 @@ class WorkerSettings:
     """Dynamic local updates: adopt the ``sync_every`` the server recommends for this worker's
     speed (the server must run with DyLU on)."""
 
+    log_level: str = "INFO"
+    """Level of the ``diloco`` logger when the worker installs its own handler: only when the
+    program configured no logging (neither the root logger nor ``diloco`` has a handler), so
+    joins, rounds, rebases and failures show on stderr with no setup, and never twice.
+    ``diloco worker`` sets it from its ``--log-level`` (``diloco --log-level DEBUG worker``)."""
+
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
@@ -101,13 +132,15 @@ class WorkerSettings:
             raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
         if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
             raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(
+                f"log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {self.log_level!r}"
+            )
 
 
 ENV_PREFIX = "DILOCO_"
 _ENV_FIELDS = {f"{ENV_PREFIX}{f.name.upper()}": f for f in dataclasses.fields(WorkerSettings)}
 _ENV_FIELDS[f"{ENV_PREFIX}SERVER"] = _ENV_FIELDS.pop(f"{ENV_PREFIX}SERVER_ADDR")
-#: Variables read by other parts of diloco, not by the worker.
-_OTHER_VARS = frozenset({f"{ENV_PREFIX}LOG_LEVEL"})
 
 
 def _parse(name: str, kind: Any, raw: str) -> Any:
@@ -137,7 +170,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in _OTHER_VARS:
+        if not name.startswith(ENV_PREFIX):
             continue
         field = _ENV_FIELDS.get(name)
         if field is None:
@@ -152,7 +185,8 @@ def resolve(
     explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> WorkerSettings:
     """Explicit arguments win over ``DILOCO_*`` variables, which win over defaults."""
-    merged = env_overrides(environ)
+    # An empty variable means unset, as everywhere ``DILOCO_*`` is read.
+    merged = {k: v for k, v in env_overrides(environ).items() if v is not None}
     merged.update({k: v for k, v in explicit.items() if v is not None})
     return WorkerSettings(**merged)
 

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
+from diloco.worker.group import GroupSync, WorkerGroup, find_group
 from diloco.worker.local_model import LocalModel
+from diloco.worker.logs import show_worker_log
 from diloco.worker.plain import PlainSync
 from diloco.worker.session import Session
 from diloco.worker.settings import WorkerSettings, resolve
@@ -31,6 +33,33 @@ from diloco.worker.strategy import JoinAnswer, SyncStrategy
 from diloco.worker.streaming import StreamingSync
 
 log = logging.getLogger(__name__)
+
+
+def real_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose ``step`` runs the update, under wrappers that expose it as
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``).
+    A wrapper's own ``step`` may not fire the hooks (Accelerate's skips ``Optimizer.__init__``),
+    and under AMP or gradient accumulation the inner step is the one that really happened."""
+    seen = optimizer
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(seen, "optimizer", None)
+        hooks = callable(getattr(seen, "register_step_post_hook", None))
+        if (
+            inner is None
+            or inner is seen
+            or (hooks and not isinstance(inner, torch.optim.Optimizer))
+        ):
+            break
+        seen = inner
+    if not callable(getattr(seen, "register_step_post_hook", None)):
+        wrapped = (
+            "" if seen is optimizer else f" (unwrapped through .optimizer to {type(seen).__name__})"
+        )
+        raise ValueError(
+            f"{type(optimizer).__name__}{wrapped} has no register_step_post_hook: the worker needs "
+            "a torch.optim.Optimizer, or a wrapper that exposes one as .optimizer, to see each step"
+        )
+    return seen
 
 
 class DiLoCoWorker:
@@ -43,6 +72,10 @@ class DiLoCoWorker:
 
     Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
     (see ``WorkerSettings``).
+
+    Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group
+    are one worker: rank 0 talks to the server, the others follow (``worker/group.py``).
+    ``partitioned`` says each rank owns different parameters (pipeline stages); None detects it.
     """
 
     def __init__(
@@ -66,7 +99,10 @@ class DiLoCoWorker:
         overlap_steps: int | None = None,
         merge_alpha: float | None = None,
         dylu: bool | None = None,
+        log_level: str | None = None,
         client: DiLoCoClient | None = None,
+        process_group: Any = None,
+        partitioned: bool | None = None,
     ) -> None:
         self.settings: WorkerSettings = resolve(
             {
@@ -86,10 +122,12 @@ class DiLoCoWorker:
                 "overlap_steps": overlap_steps,
                 "merge_alpha": merge_alpha,
                 "dylu": dylu,
+                "log_level": log_level,
             }
         )
+        show_worker_log(self.settings.log_level)  # only where the program set up no logging
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = real_optimizer(optimizer)
         self.client = client or DiLoCoClient(
             self.settings.server_addr,
             token=self.settings.token,
@@ -118,24 +156,35 @@ class DiLoCoWorker:
             "dropped_steps": 0,
         }
         self._local = LocalModel(model, "BF16" if self.settings.bf16_comm else "F32", self.metrics)
-        if not callable(getattr(optimizer, "register_step_post_hook", None)):
-            raise ValueError(
-                f"{type(optimizer).__name__} has no register_step_post_hook: the worker needs a "
-                "torch.optim.Optimizer (or one that forwards that method) to see each step"
-            )
         self._session = Session(
             self.settings, self.client, self._local, self.metrics, rejoin=self._rejoin
         )
-        self._strategy: SyncStrategy = (
-            StreamingSync(self._session)
-            if self.settings.num_fragments > 1
-            else PlainSync(self._session, submit=self._submit)
+        # A worker group (torch.distributed ranks, docs/design.md "Worker groups"): every rank
+        # builds it here, and ranks that disagree fail here, before anything is sent.
+        pg = find_group(process_group)
+        self._group = (
+            None
+            if pg is None
+            else WorkerGroup(pg, self._local, self.settings, partitioned, dylu=self.settings.dylu)
         )
+        self._leads = self._group is None or self._group.leader  # talks to the server
+        inner: SyncStrategy | None = None
+        if self._leads:
+            inner = (
+                StreamingSync(self._session)
+                if self.settings.num_fragments > 1
+                else PlainSync(self._session, submit=self._submit)
+            )
+        self._plain = inner if isinstance(inner, PlainSync) else None
+        if self._group is None:
+            assert inner is not None
+            self._strategy: SyncStrategy = inner
+        else:
+            self._strategy = GroupSync(self._group, self._session, inner)
         self._hook: Any = None
         self._registered = False  # this worker's own registration succeeded at least once
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self._loss: float | None = None
         self._speed_mark = (time.monotonic(), 0, 0.0)  # time, total steps, stall seconds
         self._started = False
 
@@ -180,7 +229,10 @@ class DiLoCoWorker:
         try:
             # Hooked first: an optimizer that refuses the hook fails before registering.
             self._hook = self.optimizer.register_step_post_hook(self._post_step)
-            self._join(initial=True)
+            if isinstance(self._strategy, GroupSync):
+                self._strategy.start(lambda: self._join(initial=True))
+            else:
+                self._join(initial=True)
         except BaseException:
             self._abandon_start()
             raise
@@ -225,7 +277,8 @@ class DiLoCoWorker:
         assert self.worker_id is not None
         try:
             self._strategy.finish(submit=submit)
-            self.client.deregister(self.worker_id)
+            if self._leads:
+                self.client.deregister(self.worker_id)
         except (Unreachable, ServerError) as exc:
             log.warning("worker %s: could not leave cleanly: %s", self.worker_id, exc)
         finally:
@@ -244,15 +297,22 @@ class DiLoCoWorker:
         """Tell the worker the latest loss (shown by the server) and the samples or tokens just
         trained on (the weight of the next submission when the server weights by samples)."""
         if loss is not None:
-            self._loss = float(loss)
+            self._session.loss = float(loss)
         if samples is not None:
             if samples < 0:
                 raise ValueError("samples must be >= 0")
             self._session.samples += samples
 
+    @property
+    def last_sync_outcome(self) -> str | None:
+        """In a worker group: how the last join or sync ended, as every rank saw it
+        ("joined", "adopted", "rebased", "kept_local"); None outside a group."""
+        return self._strategy.last_outcome if isinstance(self._strategy, GroupSync) else None
+
     def force_sync(self) -> None:
         """Sync now, whatever the step count (for example before an evaluation or a checkpoint).
-        Streaming: every fragment in turn, each merged before the next is sent."""
+        Streaming: every fragment in turn, each merged before the next is sent. In a worker
+        group every rank calls it (it is a collective), as every rank calls ``stop``."""
         self._strategy.sync_now()
 
     @property
@@ -277,8 +337,8 @@ class DiLoCoWorker:
         """Plain DiLoCo's upload of the whole model under ``submission_id``; the server's reply.
         Every plain upload (a sync's, the final one) goes through here, so a subclass may wrap
         it (the crash tests kill the server around it)."""
-        assert isinstance(self._strategy, PlainSync)
-        return self._strategy.upload(submission_id)
+        assert self._plain is not None
+        return self._plain.upload(submission_id)
 
     # --- joining --------------------------------------------------------------------------------
 
@@ -377,7 +437,7 @@ class DiLoCoWorker:
                 reply = self.client.heartbeat(
                     s.worker_id,
                     steps_per_second=self._steps_per_second(),
-                    loss=self._loss,
+                    loss=s.loss,
                     step_age_s=time.monotonic() - s.last_step_at,
                     syncing=s.syncing,
                 )

@@ -1,5 +1,7 @@
 // The diloco dashboard: polls /status, draws the worker table and three SVG charts, and posts
-// to /control/*. Plain browser JavaScript, no library and no build step.
+// to /control/*. Plain browser JavaScript, no library and no build step. Every chart is drawn
+// from the server's own records (its update log and loss history), so a reloaded page shows
+// the run so far.
 //
 // The token lives in sessionStorage (this tab only) and goes out as `Authorization: Bearer`,
 // never as a cookie. Every request carries X-Diloco-Client, which the server requires on
@@ -12,6 +14,7 @@
   const query = new URLSearchParams(window.location.search);
   const REFRESH_MS = Math.max(100, Number(query.get("refresh")) || 1000);
   const MAX_POINTS = 600;
+  const MAX_LOSS_ROUNDS = 2048; // as many as the server keeps (server/loss_history.py)
   const PALETTE = ["#2f6fb2", "#d64045", "#2e9b4f", "#8c5bb5", "#d98b00", "#1b9aaa",
     "#6b7480", "#c2549d"];
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -24,7 +27,10 @@
   let timer = null;
   let stopped = false;
   const hist = {
-    loss: new Map(), // worker id -> [[t, loss]]
+    lossRounds: new Map(), // round -> loss_history entry of /status
+    lossSince: null, // the newest round held: the next poll asks from it on (it may still fill)
+    lossX: "round", // the loss chart's x axis: "round" or "steps"
+    instance: undefined, // the server's instance the history came from
     roundTime: [], // [[round, seconds]]
     bytes: [], // [[round, bytes]]
     lastRound: null,
@@ -36,7 +42,9 @@
   };
 
   function resetHistory() {
-    hist.loss.clear();
+    hist.lossRounds.clear();
+    hist.lossSince = null;
+    hist.instance = undefined;
     hist.roundTime = [];
     hist.bytes = [];
     hist.lastRound = null;
@@ -235,14 +243,64 @@
     if (list.length > MAX_POINTS) list.splice(0, list.length - MAX_POINTS);
   }
 
+  function statusPath() {
+    return hist.lossSince === null ? "/status" : "/status?history_since=" + hist.lossSince;
+  }
+
+  function recordLoss(st) {
+    if (st.instance !== hist.instance) {
+      // The first look, or a restarted server: its history replaces what was drawn. An answer
+      // to a question from an old round on lacks the new server's earlier rounds: ask again.
+      const partial = hist.lossSince !== null;
+      hist.lossRounds.clear();
+      hist.lossSince = null;
+      hist.instance = st.instance;
+      if (partial) return;
+    }
+    for (const entry of Array.isArray(st.loss_history) ? st.loss_history : []) {
+      if (typeof entry.round === "number") hist.lossRounds.set(entry.round, entry);
+    }
+    const rounds = [...hist.lossRounds.keys()].sort((a, b) => a - b);
+    for (const r of rounds.splice(0, Math.max(0, rounds.length - MAX_LOSS_ROUNDS))) {
+      hist.lossRounds.delete(r);
+    }
+    if (rounds.length) hist.lossSince = rounds[rounds.length - 1];
+  }
+
+  // The loss chart's series: the mean over workers, then each worker, against the round or
+  // against inner steps (a worker's own; the mean's at the workers' mean step count).
+  function lossSeries() {
+    const bySteps = hist.lossX === "steps";
+    const entries = [...hist.lossRounds.values()].sort((a, b) => a.round - b.round);
+    const mean = [];
+    const workers = new Map();
+    for (const entry of entries) {
+      const reports = Array.isArray(entry.workers) ? entry.workers : [];
+      const steps = reports.map((wl) => wl.steps).filter((n) => typeof n === "number");
+      for (const wl of reports) {
+        const x = bySteps ? wl.steps : entry.round;
+        if (typeof wl.loss !== "number" || typeof x !== "number") continue;
+        const id = String(wl.worker_id);
+        if (!workers.has(id)) workers.set(id, []);
+        workers.get(id).push([x, wl.loss]);
+      }
+      let meanX = entry.round;
+      if (bySteps) meanX = steps.length ? steps.reduce((a, b) => a + b, 0) / steps.length : null;
+      if (typeof entry.mean_loss === "number" && meanX !== null) {
+        mean.push([meanX, entry.mean_loss]);
+      }
+    }
+    const series = [{ name: "mean", points: mean }];
+    for (const [name, points] of workers) {
+      if (series.length >= PALETTE.length) break;
+      series.push({ name, points });
+    }
+    return series;
+  }
+
   function record(st) {
     const now = (performance.now() - hist.t0) / 1000;
-    for (const w of Array.isArray(st.workers) ? st.workers : []) {
-      if (typeof w.loss !== "number") continue;
-      const id = String(w.worker_id);
-      if (!hist.loss.has(id)) hist.loss.set(id, []);
-      push(hist.loss.get(id), [now, w.loss]);
-    }
+    recordLoss(st);
     const total = (st.bytes_in || 0) + (st.bytes_out || 0);
     const received = st.bytes_in || 0;
     if (hist.lastSample) {
@@ -344,9 +402,8 @@
   }
 
   function renderCharts() {
-    const loss = [...hist.loss.entries()].slice(0, PALETTE.length)
-      .map(([name, points]) => ({ name, points }));
-    lineChart($("chart-loss"), loss, "seconds on this page");
+    const xName = hist.lossX === "steps" ? "inner steps" : "round";
+    lineChart($("chart-loss"), lossSeries(), xName);
     lineChart($("chart-round-time"), [{ name: "", points: hist.roundTime }], hist.xName);
     lineChart($("chart-bytes"), [{ name: "", points: hist.bytes }], hist.xName);
   }
@@ -356,7 +413,7 @@
     timer = null;
     if (stopped) return;
     try {
-      const st = await api("GET", "/status");
+      const st = await api("GET", statusPath());
       if (stopped) return; // shut down while this poll was in flight: keep that message
       showMain();
       record(st);
@@ -412,6 +469,10 @@
       $("login-error").textContent = "";
       resetHistory();
       refreshNow();
+    });
+    $("loss-x").addEventListener("change", () => {
+      hist.lossX = $("loss-x").value === "steps" ? "steps" : "round";
+      renderCharts();
     });
     $("logout").addEventListener("click", () => {
       window.sessionStorage.removeItem(TOKEN_KEY);

@@ -1,0 +1,125 @@
+"""What the trainer callbacks share: a ``DiLoCoWorker`` built when training starts from the
+trainer's model and optimizer, resumed from a checkpoint, its metrics named as trainers log them,
+and a flush when training ends."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from diloco.worker import resume
+from diloco.worker.worker import DiLoCoWorker
+
+log = logging.getLogger(__name__)
+
+PREFIX = "diloco/"
+#: The sync metrics a trainer logs (``DiLoCoWorker.sync_metrics`` has more).
+LOGGED = (
+    "round",
+    "rounds",
+    "local_step",
+    "sync_every",
+    "bytes_up",
+    "bytes_down",
+    "sync_time_s",
+    "barrier_wait_s",
+    "failed_syncs",
+    "rebases",
+    "dropped_steps",
+)
+
+
+def worker_groups_ready() -> bool:
+    """Whether ``DiLoCoWorker`` makes the ranks of a ``torch.distributed`` group one worker."""
+    return "process_group" in inspect.signature(DiLoCoWorker).parameters
+
+
+def check_single_process() -> None:
+    """Refuse a multi-process launch until worker groups exist: every rank would register as a
+    worker of its own, and the replicas of one model would drift apart."""
+    if worker_groups_ready():
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise NotImplementedError(
+                "DiLoCo trainer callbacks run in one process for now: under a multi-process "
+                "launch every rank would join as its own worker (worker groups are pending)"
+            )
+
+
+class TrainerWorker:
+    """The worker behind a callback; ``worker_kwargs`` are ``DiLoCoWorker``'s (None: from the
+    ``DILOCO_*`` variables, then the defaults)."""
+
+    def __init__(self, worker_kwargs: dict[str, Any], final_sync: bool) -> None:
+        self._kwargs = worker_kwargs
+        self._final_sync = final_sync
+        self.worker: DiLoCoWorker | None = None
+        self.worker_id: str | None = None  # kept after the worker leaves
+
+    def start(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None,
+    ) -> None:
+        """Join the run; with ``saved`` (a checkpoint's worker state and snapshot), as the
+        worker that wrote it, with its local progress on top of the current parameters."""
+        if self.worker is not None:
+            raise RuntimeError("the DiLoCo worker of this callback is already running")
+        check_single_process()
+        kwargs = dict(self._kwargs)
+        if saved is not None:
+            state = saved[0]
+            if kwargs.get("worker_id") not in (None, state.worker_id):
+                log.warning(
+                    "worker_id %s given; the checkpoint was written by worker %s",
+                    kwargs["worker_id"],
+                    state.worker_id,
+                )
+            kwargs["worker_id"] = kwargs.get("worker_id") or state.worker_id
+        worker = DiLoCoWorker(model, optimizer, **kwargs)
+        if saved is None:
+            worker.start()
+        else:
+            resume.start_resumed(worker, *saved)
+        self.worker = worker
+        self.worker_id = worker.worker_id
+
+    def report(self, *, loss: float | None = None, samples: float | None = None) -> None:
+        if self.worker is not None:
+            self.worker.report(loss=loss, samples=samples)
+
+    def metrics(self) -> dict[str, float]:
+        """The sync metrics as a trainer logs them (``diloco/round``, ...); empty before start."""
+        if self.worker is None:
+            return {}
+        m = self.worker.sync_metrics
+        return {PREFIX + k: float(m[k]) for k in LOGGED if k in m}
+
+    def save(self, folder: str) -> None:
+        if self.worker is not None:
+            resume.save(self.worker, folder)
+
+    def state(self) -> dict[str, Any]:
+        """The worker's state and snapshot, for a checkpoint that stores tensors itself."""
+        if self.worker is None or self.worker.worker_id is None:  # a group's other ranks
+            return {}
+        return {
+            "state": asdict(resume.capture(self.worker)),
+            "snapshot": resume.snapshot(self.worker),
+        }
+
+    def finish(self, *, submit: bool = True) -> None:
+        """Hand in what is left and leave. With ``final_sync`` the last local steps are synced
+        and the model ends with the run's global parameters (what the trainer saves next)."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        if submit and self._final_sync and worker.local_step > 0:
+            worker.force_sync()
+        worker.stop(submit=submit)

@@ -1,0 +1,138 @@
+"""DiLoCo for ``lightning.Trainer``: one callback makes the Trainer a DiLoCo worker.
+
+>>> trainer = lightning.Trainer(max_steps=10_000,  # doctest: +SKIP
+...     callbacks=[DiLoCoCallback(server_addr="10.0.0.5:8512", sync_every=500)])
+
+The worker hooks the optimizer the module configured (``trainer.optimizers``, not Lightning's
+``LightningOptimizer`` wrapper), so a step is a real optimizer step: gradient accumulation's
+micro-batches and the steps a mixed-precision scaler skips do not count. The sync metrics go
+through ``LightningModule.log_dict`` into every logger of the Trainer. The worker's state and its
+snapshot of the global parameters are the callback's state in Lightning checkpoints;
+``trainer.fit(..., ckpt_path=...)`` rejoins as the same worker with the checkpoint's local
+progress on top of the parameters the server serves now (``diloco.worker.resume``).
+
+One process for now: under the DDP strategy every rank would join as a worker of its own
+(worker groups are pending; the callback refuses to start there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diloco.integrations._core import TrainerWorker
+from diloco.integrations._deps import missing
+from diloco.worker import resume
+from diloco.worker.worker import DiLoCoWorker
+
+try:
+    import lightning
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:
+    raise missing("lightning", exc) from exc
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading size of the first tensor in a batch (a tensor, a sequence or a mapping)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, (list, tuple)) or isinstance(batch, dict):
+        for item in items:
+            size = _batch_size(item)
+            if size is not None:
+                return size
+    return None
+
+
+def _loss_of(outputs: Any) -> float | None:
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class DiLoCoCallback(Callback):
+    """Join a DiLoCo run from a ``lightning.Trainer``.
+
+    Arguments left as None come from ``DILOCO_*`` variables, then defaults, as for
+    ``DiLoCoWorker``; ``worker_kwargs`` are passed on to it. ``final_sync``: at the end of
+    training, sync the local steps not yet synced, so the module ends with the run's parameters.
+    """
+
+    def __init__(
+        self,
+        server_addr: str | None = None,
+        sync_every: int | None = None,
+        bf16_comm: bool | None = None,
+        worker_id: str | None = None,
+        *,
+        final_sync: bool = True,
+        **worker_kwargs: Any,
+    ) -> None:
+        kwargs = dict(
+            server_addr=server_addr, sync_every=sync_every, bf16_comm=bf16_comm, worker_id=worker_id
+        )
+        self._core = TrainerWorker({**kwargs, **worker_kwargs}, final_sync)
+        self._saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def worker(self) -> DiLoCoWorker | None:
+        """The worker, while training runs."""
+        return self._core.worker
+
+    @property
+    def worker_id(self) -> str | None:
+        """The id of this Trainer's worker (kept after training ends)."""
+        return self._core.worker_id
+
+    def on_train_start(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
+    ) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"DiLoCoCallback needs exactly one optimizer, the module has "
+                f"{len(trainer.optimizers)}"
+            )
+        saved, self._saved = self._saved, None
+        self._core.start(pl_module, trainer.optimizers[0], saved)
+
+    def on_train_batch_start(
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        # Before the step, so the samples weigh in the upload that this very step may trigger.
+        self._core.report(samples=_batch_size(batch))
+
+    def on_train_batch_end(
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._core.report(loss=_loss_of(outputs))
+        metrics = self._core.metrics()
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def on_train_end(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
+    ) -> None:
+        self._core.finish()
+
+    def on_exception(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, exc: BaseException
+    ) -> None:
+        self._core.finish(submit=False)  # the local state may be garbage: leave, send nothing
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._core.state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            state = resume.WorkerState(**state_dict["state"])
+            self._saved = (state, dict(state_dict["snapshot"]))

@@ -1,0 +1,158 @@
+"""DiLoCo for the Hugging Face ``Trainer``: one callback makes the Trainer a DiLoCo worker.
+
+>>> trainer = Trainer(model, args, train_dataset=data,  # doctest: +SKIP
+...                   callbacks=[DiLoCoCallback(server_addr="10.0.0.5:8512", sync_every=500)])
+
+What counts as a step is a real optimizer step: the worker hooks the optimizer under
+Accelerate's ``AcceleratedOptimizer``, whose ``step`` runs only at the end of a gradient
+accumulation and which a mixed-precision scaler skips when the gradients are not finite. The
+Trainer's ``on_step_end`` comes after skipped steps too, so it would count steps that changed
+nothing. A sync runs inside that ``optimizer.step()``, before the learning-rate schedule steps.
+
+Checkpoints: ``on_save`` writes the worker's state (id, round, counters) and its snapshot of the
+global parameters into the checkpoint folder; ``trainer.train(resume_from_checkpoint=...)``
+rejoins as the same worker, with the checkpoint's local progress on top of the parameters the
+server serves now (``diloco.worker.resume``). The folder is found the way the Trainer names its
+checkpoints (``output_dir/checkpoint-<step>``); pass ``resume_from`` for one kept elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+from diloco.integrations._core import TrainerWorker
+from diloco.integrations._deps import missing
+from diloco.worker import resume
+from diloco.worker.worker import DiLoCoWorker
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:
+    raise missing("transformers", exc) from exc
+
+log = logging.getLogger(__name__)
+
+
+def _checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
+    """Where the Trainer puts the checkpoint of ``state.global_step``."""
+    return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+class DiLoCoCallback(TrainerCallback):
+    """Join a DiLoCo run from a ``transformers.Trainer``.
+
+    Arguments left as None come from ``DILOCO_*`` variables, then defaults, as for
+    ``DiLoCoWorker``; ``worker_kwargs`` are passed on to it. ``final_sync``: at the end of
+    training, sync the local steps not yet synced, so the model the Trainer saves is the run's.
+    ``resume_from``: the checkpoint folder to take the worker's state from when resuming, if not
+    ``output_dir/checkpoint-<step>``.
+    """
+
+    def __init__(
+        self,
+        server_addr: str | None = None,
+        sync_every: int | None = None,
+        bf16_comm: bool | None = None,
+        worker_id: str | None = None,
+        *,
+        final_sync: bool = True,
+        resume_from: str | None = None,
+        **worker_kwargs: Any,
+    ) -> None:
+        kwargs = dict(
+            server_addr=server_addr, sync_every=sync_every, bf16_comm=bf16_comm, worker_id=worker_id
+        )
+        self._core = TrainerWorker({**kwargs, **worker_kwargs}, final_sync)
+        self.resume_from = resume_from
+        self._samples_per_step = 0
+
+    @property
+    def worker_id(self) -> str | None:
+        """The id of this Trainer's worker (kept after training ends)."""
+        return self._core.worker_id
+
+    @property
+    def worker(self) -> DiLoCoWorker | None:
+        """The worker, while training runs."""
+        return self._core.worker
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._log_before_reporters()
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._log_before_reporters()
+        folder = self.resume_from
+        if folder is None and state.global_step > 0:  # resumed from a checkpoint
+            folder = _checkpoint_folder(args, state)
+        saved = resume.load(folder) if folder else None
+        if folder and saved is None:
+            log.warning("checkpoint %s holds no DiLoCo worker state: joining afresh", folder)
+        self._core.start(model, optimizer, saved)
+        self._samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Before the step, so the samples weigh in the upload that this very step may trigger.
+        self._core.report(samples=self._samples_per_step)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs is None or self.worker is None:
+            return
+        if isinstance(logs.get("loss"), (int, float)):
+            self._core.report(loss=float(logs["loss"]))
+        metrics = self._core.metrics()
+        logs.update(metrics)  # the reporting callbacks after this one log it
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and last.get("step") == state.global_step:
+            last.update(metrics)  # the Trainer recorded this entry just before calling us
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        folder = _checkpoint_folder(args, state)
+        if state.is_world_process_zero and os.path.isdir(folder):
+            self._core.save(folder)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._core.finish()
+
+    def _log_before_reporters(self) -> None:
+        """The Trainer calls the reporting callbacks (TensorBoard, W&B, ...) before the ones it
+        is given, each with the same logs: this callback moves itself first, so its metrics are
+        in the logs they write. The handler is the caller's ``self`` (``call_event``); moving an
+        entry from behind the loop's position to the front changes none of the loop's visits."""
+        frame = inspect.currentframe()
+        for _ in range(4):
+            frame = frame.f_back if frame is not None else None
+            handler = frame.f_locals.get("self") if frame is not None else None
+            if isinstance(handler, CallbackHandler):
+                callbacks = handler.callbacks
+                if self in callbacks and callbacks[0] is not self:
+                    callbacks.remove(self)
+                    callbacks.insert(0, self)
+                return

@@ -1,0 +1,425 @@
+"""Worker groups: the ranks of a ``torch.distributed`` group are ONE DiLoCo worker
+(docs/design.md, "Worker groups").
+
+Rank 0 of the group is the only one that talks to the server: it registers, sends heartbeats,
+uploads and downloads, through the ordinary ``PlainSync``. Every rank's optimizer hook fires at
+the same steps; at a sync all ranks enter the same sequence of collectives on the group:
+
+1. the samples reported since the last sync are summed onto rank 0 (the upload's weight);
+2. partitioned models only: every rank's parameters are gathered into rank 0's mirrors of them,
+   so rank 0's ``LocalModel`` holds the union;
+3. rank 0 syncs with the server, then broadcasts a verdict (the outcome, the round, the next
+   ``sync_every``, its metrics, or the error that ended it). Other ranks wait for the verdict
+   only, never on the network: rank 0's retries and ``max_barrier_wait`` bound the wait;
+4. rank 0's parameters go back to every rank whatever the outcome (broadcast when replicated,
+   scattered when partitioned), so all ranks end the sync bit-identical to rank 0.
+
+Nothing here is home-made transport: broadcast, gather, scatter, all_reduce and the object
+collectives of ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.worker.local_model import LocalModel
+from diloco.worker.session import Session
+from diloco.worker.settings import WorkerSettings
+from diloco.worker.strategy import JoinAnswer, SyncStrategy
+
+log = logging.getLogger(__name__)
+
+BUCKET_BYTES = 32 << 20
+"""Small parameters are broadcast together in flat buckets of at most this size."""
+
+Table = dict[str, tuple[tuple[int, ...], str]]
+"""A rank's parameters: name -> (shape, dtype)."""
+
+
+def find_group(process_group: Any) -> Any:
+    """The group that forms one worker: the one given, else the default group of an initialized
+    ``torch.distributed`` with more than one rank, else None (a single-process worker)."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+@dataclass
+class Verdict:
+    """What rank 0 tells every rank after a join or a sync."""
+
+    ok: bool
+    outcome: str = ""  # "joined", "adopted", "rebased" or "kept_local"
+    error: str = ""
+    worker_id: str | None = None
+    base_round: int = 0
+    sync_every: int = 0
+    metrics: dict[str, float] | None = None
+
+
+class WorkerGroup:
+    """The ranks of ``pg`` as one worker: the agreement check at construction and the
+    collectives that move parameters and verdicts."""
+
+    def __init__(
+        self,
+        pg: Any,
+        local: LocalModel,
+        settings: WorkerSettings,
+        partitioned: bool | None,
+        *,
+        dylu: bool,
+    ) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        self.leader = self.rank == 0
+        self._local = local
+        own: Table = {n: (tuple(p.shape), str(p.dtype)) for n, p in local.params.items()}
+        infos: list[Any] = [None] * self.size
+        mine = {
+            "table": own,
+            "sync_every": settings.sync_every,
+            "num_fragments": settings.num_fragments,
+            "partitioned": partitioned,
+            "dylu": dylu,
+            "sharded": any(_is_sharded(p) for p in local.params.values()),
+        }
+        dist.all_gather_object(infos, mine, group=pg)
+        self.partitioned = _agree(infos)
+        self.tables: list[Table] = [info["table"] for info in infos]
+        self._mirrors: dict[str, torch.Tensor] = {}
+        if self.partitioned and self.leader:
+            # Rank 0 syncs the union: its own parameters, then a mirror of every other rank's.
+            union = dict(local.params)
+            for table in self.tables[1:]:
+                for name, (shape, dtype) in table.items():
+                    mirror = torch.empty(shape, dtype=_dtype(dtype), device=local.device)
+                    self._mirrors[name] = mirror
+                    union[name] = torch.nn.Parameter(mirror, requires_grad=False)
+            local.params = union
+        log.info(
+            "worker group of %d ranks (%s), rank %d%s",
+            self.size,
+            "partitioned" if self.partitioned else "replicated",
+            self.rank,
+            ": talks to the server" if self.leader else "",
+        )
+
+    # --- collectives ----------------------------------------------------------------------------
+
+    def pool_samples(self, samples: float) -> float:
+        """Sum the samples each rank reported since its last contribution; rank 0 gets the sum
+        (kept until an upload takes it), the other ranks start again from zero."""
+        t = torch.tensor([samples], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, group=self.pg)
+        return float(t.item()) if self.leader else 0.0
+
+    def agree_on(self, flag: bool) -> bool:
+        """True only if every rank says True."""
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t.item())
+
+    def send_verdict(self, verdict: Verdict) -> None:
+        assert self.leader
+        dist.broadcast_object_list([verdict], group_src=0, group=self.pg)
+
+    def receive_verdict(self) -> Verdict:
+        assert not self.leader
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, group_src=0, group=self.pg)
+        verdict = box[0]
+        assert isinstance(verdict, Verdict)
+        return verdict
+
+    def collect(self) -> None:
+        """Partitioned: every rank's parameters into rank 0's mirrors (before an upload)."""
+        if not self.partitioned:
+            return
+        for dtype in self._dtypes():
+            names = [self._names(r, dtype) for r in range(self.size)]
+            width = max(self._numel(r, n) for r, n in enumerate(names))
+            send = self._flat([self._local.params[n].data for n in names[self.rank]], width, dtype)
+            parts = [torch.empty_like(send) for _ in range(self.size)] if self.leader else None
+            dist.gather(send, parts, group_dst=0, group=self.pg)
+            if parts is not None:
+                for r in range(1, self.size):
+                    self._unflat(parts[r], [self._mirrors[n] for n in names[r]])
+
+    def share(self) -> None:
+        """Rank 0's parameters to every rank: broadcast (replicated) or each rank its own
+        (partitioned, scattered from rank 0's mirrors)."""
+        if not self.partitioned:
+            self._broadcast([p.data for p in self._local.params.values()])
+            return
+        for dtype in self._dtypes():
+            names = [self._names(r, dtype) for r in range(self.size)]
+            width = max(self._numel(r, n) for r, n in enumerate(names))
+            parts = None
+            if self.leader:
+                own = [self._local.params[n].data for n in names[0]]
+                parts = [self._flat(own, width, dtype)] + [
+                    self._flat([self._mirrors[n] for n in names[r]], width, dtype)
+                    for r in range(1, self.size)
+                ]
+            got = torch.empty(width, dtype=_dtype(dtype), device=self._comm_device())
+            dist.scatter(got, parts, group_src=0, group=self.pg)
+            if not self.leader:
+                self._unflat(got, [self._local.params[n].data for n in names[self.rank]])
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast from rank 0 in place; small tensors of one dtype travel in flat buckets."""
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+                self._broadcast_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            self._broadcast_bucket(bucket)
+
+    def _broadcast_bucket(self, bucket: list[torch.Tensor]) -> None:
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            dist.broadcast(bucket[0], group_src=0, group=self.pg)
+            return
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, group_src=0, group=self.pg)
+        if not self.leader:
+            self._unflat(flat, bucket)
+
+    # --- flat buffers ---------------------------------------------------------------------------
+
+    def _dtypes(self) -> list[str]:
+        return sorted({dtype for table in self.tables for _, dtype in table.values()})
+
+    def _names(self, rank: int, dtype: str) -> list[str]:
+        return [n for n, (_, d) in self.tables[rank].items() if d == dtype]
+
+    def _numel(self, rank: int, names: list[str]) -> int:
+        return sum(_numel(self.tables[rank][n][0]) for n in names)
+
+    def _flat(self, tensors: list[torch.Tensor], width: int, dtype: str) -> torch.Tensor:
+        out = torch.zeros(width, dtype=_dtype(dtype), device=self._comm_device())
+        at = 0
+        for t in tensors:
+            out[at : at + t.numel()].copy_(t.reshape(-1))
+            at += t.numel()
+        return out
+
+    @staticmethod
+    def _unflat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        at = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[at : at + t.numel()].view(t.shape))
+                at += t.numel()
+
+    def _comm_device(self) -> torch.device:
+        return self._local.device
+
+
+class GroupSync:
+    """The ``SyncStrategy`` of a worker group: every rank runs it; rank 0 wraps the plain
+    strategy (``inner``) and the others follow its verdicts."""
+
+    def __init__(self, group: WorkerGroup, session: Session, inner: SyncStrategy | None) -> None:
+        assert (inner is not None) == group.leader
+        self.group = group
+        self._s = session
+        self._inner = inner
+        # Only a verdict changes the period, so DyLU's new sync_every (rank 0's heartbeat
+        # thread) is taken by every rank at the same sync.
+        self._period = session.sync_every
+        self.last_outcome: str | None = None
+
+    # --- SyncStrategy ---------------------------------------------------------------------------
+
+    @property
+    def last_submission(self) -> str | None:
+        return self._inner.last_submission if self._inner is not None else None
+
+    @property
+    def round(self) -> int:
+        return self._inner.round if self._inner is not None else self._s.base_round
+
+    def configure(self, reply: Mapping[str, Any]) -> None:
+        assert self._inner is not None
+        self._inner.configure(reply)
+
+    def joined(self, metadata: Mapping[str, str]) -> None:
+        assert self._inner is not None
+        self._inner.joined(metadata)
+
+    def rejoined(self, answer: JoinAnswer) -> str:
+        assert self._inner is not None
+        return self._inner.rejoined(answer)
+
+    def after_step(self) -> None:
+        # The heartbeat's re-join flag waits for the sync step: the other ranks enter the
+        # collectives at the step they all count, not when rank 0's heartbeat fails.
+        if self._s.local_step >= self._period:
+            self.sync_now()
+
+    def sync_now(self) -> None:
+        self._together(self._sync_on_leader)
+
+    def finish(self, *, submit: bool) -> None:
+        g, s = self.group, self._s
+        submit = g.agree_on(submit) and s.local_step > 0
+        s.samples = g.pool_samples(s.samples)
+        if submit:
+            g.collect()
+        if self._inner is not None:
+            self._inner.finish(submit=submit)
+
+    # --- the protocol ---------------------------------------------------------------------------
+
+    def start(self, join: Callable[[], None]) -> None:
+        """The group's join: rank 0 registers and fetches (``join``), every rank ends with the
+        global parameters. Raises on every rank if rank 0's join failed."""
+        self._together(join, outcome="joined")
+
+    def _together(self, on_leader: Callable[[], None], outcome: str | None = None) -> None:
+        g, s = self.group, self._s
+        s.syncing = True
+        try:
+            s.samples = g.pool_samples(s.samples)
+            g.collect()
+            if g.leader:
+                before = dict(s.metrics)
+                try:
+                    on_leader()
+                except BaseException as exc:
+                    g.send_verdict(Verdict(ok=False, error=f"{type(exc).__name__}: {exc}"))
+                    raise
+                verdict = Verdict(
+                    ok=True,
+                    outcome=outcome or _outcome(before, s.metrics),
+                    worker_id=s.worker_id,
+                    base_round=s.base_round,
+                    sync_every=s.sync_every,
+                    metrics=dict(s.metrics),
+                )
+                g.send_verdict(verdict)
+            else:
+                verdict = g.receive_verdict()
+                if not verdict.ok:
+                    raise RuntimeError(f"rank 0 of the worker group failed: {verdict.error}")
+            g.share()
+            self._apply(verdict)
+        finally:
+            s.syncing = False
+
+    def _sync_on_leader(self) -> None:
+        assert self._inner is not None
+        self._inner.sync_now()
+
+    def _apply(self, verdict: Verdict) -> None:
+        s = self._s
+        self.last_outcome = verdict.outcome
+        self._period = verdict.sync_every
+        s.local_step = 0
+        if not self.group.leader:
+            s.worker_id = verdict.worker_id
+            s.base_round = verdict.base_round
+            s.sync_every = verdict.sync_every
+            assert verdict.metrics is not None
+            s.metrics.update(verdict.metrics)
+
+
+def _outcome(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    if after["failed_syncs"] > before["failed_syncs"]:
+        return "kept_local"
+    if after["rebases"] > before["rebases"]:
+        return "rebased"
+    if after["rounds"] > before["rounds"]:
+        return "adopted"
+    return "kept_local"  # refused ("continue", "wait"), or a re-join that kept the progress
+
+
+def _agree(infos: list[Mapping[str, Any]]) -> bool:
+    """Check that the ranks can form one worker; True if the model is partitioned. Every rank
+    runs this on the same gathered facts, so every rank raises the same error."""
+    first = infos[0]
+    for key in ("sync_every", "num_fragments", "partitioned", "dylu"):
+        for r, info in enumerate(infos[1:], start=1):
+            if info[key] != first[key]:
+                raise ValueError(
+                    f"worker group: rank {r} has {key}={info[key]!r}, rank 0 has {first[key]!r}"
+                )
+    if first["num_fragments"] > 1:
+        raise ValueError(
+            "worker group: streaming fragments (num_fragments > 1) are not supported inside a "
+            "worker group yet; use num_fragments=1"
+        )
+    for r, info in enumerate(infos):
+        if info["sharded"]:
+            raise ValueError(
+                f"worker group: rank {r} holds sharded parameters (FSDP/DTensor), which a worker "
+                "group does not sync yet (docs/design.md, 'Worker groups')"
+            )
+    tables: list[Table] = [info["table"] for info in infos]
+    partitioned = first["partitioned"]
+    if partitioned is None:
+        partitioned = any(tables[r] != tables[0] for r in range(1, len(tables))) and all(
+            not (set(a) & set(b)) for i, a in enumerate(tables) for b in tables[i + 1 :]
+        )
+    if partitioned:
+        seen: dict[str, int] = {}
+        for r, table in enumerate(tables):
+            for name in table:
+                if name in seen:
+                    raise ValueError(
+                        f"worker group (partitioned): rank {r} and rank {seen[name]} both own "
+                        f"parameter {name!r}"
+                    )
+                seen[name] = r
+        return True
+    for r, table in enumerate(tables[1:], start=1):
+        if table != tables[0]:
+            raise ValueError(f"worker group (replicated): {_difference(r, table, tables[0])}")
+    return False
+
+
+def _difference(r: int, table: Table, ref: Table) -> str:
+    missing = sorted(set(ref) - set(table))[:3]
+    extra = sorted(set(table) - set(ref))[:3]
+    parts = []
+    if missing:
+        parts.append(f"lacks {missing}")
+    if extra:
+        parts.append(f"has {extra} that rank 0 has not")
+    for name in ref:
+        if name in table and table[name] != ref[name]:
+            parts.append(f"has {name!r} as {table[name]}, rank 0 as {ref[name]}")
+            break
+    return f"rank {r} " + "; ".join(parts) + " (pass partitioned=True if each rank owns its own)"
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    return type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,120 @@
+"""A worker's place in a run, kept in a training loop's checkpoint so a restarted loop rejoins as
+the same worker (the trainer integrations use it; a plain loop may too).
+
+A checkpoint's model holds ``snapshot + progress``: the global parameters of the round it last
+adopted plus the local steps taken since. Restarting, the worker registers under its old id and
+fetches the parameters the server serves now; the progress is put back on top of them (a rebase,
+as after a lost connection), so no local step is lost or counted twice when the run did not move
+on, and none is lost when it did. Two files go into the checkpoint folder: the counters as JSON
+and the snapshot as safetensors (fp32, one copy of the model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from diloco.core import to_progress_
+
+if TYPE_CHECKING:
+    from diloco.worker.worker import DiLoCoWorker
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "diloco_worker.json"
+SNAPSHOT_FILE = "diloco_snapshot.safetensors"
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What a checkpoint says about the worker that wrote it."""
+
+    worker_id: str
+    """The id the server knows the worker by; a resumed worker registers under it."""
+    round: int
+    """The round of the global parameters the local progress is measured from."""
+    local_step: int
+    """Inner steps since the last sync: the next sync comes ``sync_every - local_step`` later."""
+    total_steps: int
+    """Inner steps since the worker first joined."""
+    samples: float
+    """Samples reported since the last upload (its weight)."""
+
+
+def capture(worker: DiLoCoWorker) -> WorkerState:
+    s = worker._session
+    if s.worker_id is None:
+        raise RuntimeError("the worker has not joined a run yet")
+    return WorkerState(s.worker_id, s.base_round, s.local_step, s.total_steps, s.samples)
+
+
+def snapshot(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
+    """A copy of the global parameters the worker's local progress is measured from."""
+    assert not worker._local.holds_progress, "taken in the middle of a sync"
+    return {n: t.detach().to("cpu", copy=True) for n, t in worker._local.snapshot.items()}
+
+
+def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
+    """Write the worker's state and snapshot into a checkpoint ``folder`` (between steps only)."""
+    state = capture(worker)
+    save_file(snapshot(worker), os.path.join(folder, SNAPSHOT_FILE))
+    tmp = os.path.join(folder, STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(asdict(state), f, indent=1)
+    os.replace(tmp, os.path.join(folder, STATE_FILE))
+    return state
+
+
+def load(folder: str) -> tuple[WorkerState, dict[str, torch.Tensor]] | None:
+    """The state a checkpoint ``folder`` holds; None when it holds none."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    try:
+        state = WorkerState(**raw)
+    except TypeError as exc:
+        raise ValueError(f"{path} is not a DiLoCo worker state: {exc}") from None
+    return state, load_file(os.path.join(folder, SNAPSHOT_FILE))
+
+
+def start_resumed(
+    worker: DiLoCoWorker, state: WorkerState, snapshot: dict[str, torch.Tensor]
+) -> None:
+    """Start ``worker`` (built with ``worker_id=state.worker_id``) from a checkpoint's model: join,
+    then put the checkpoint's local progress back on top of the parameters just fetched and take
+    its counters back, so the schedule of syncs goes on where it was."""
+    params = worker._local.params
+    if set(snapshot) != set(params):
+        raise ValueError(
+            "the checkpoint's DiLoCo snapshot does not fit the model: "
+            f"{sorted(set(snapshot) ^ set(params))[:3]}"
+        )
+    with torch.no_grad():
+        progress = {}
+        for name, p in params.items():
+            local = p.detach().to(torch.float32, copy=True)
+            to_progress_(local, snapshot[name].to(local.device))
+            progress[name] = local
+    worker.start()
+    with torch.no_grad():
+        for name, p in params.items():
+            p.add_(progress[name].to(p.dtype))
+    s = worker._session
+    s.local_step = min(state.local_step, s.sync_every - 1)
+    s.total_steps = state.total_steps
+    s.samples = state.samples
+    log.info(
+        "worker %s resumed: %d local steps since round %d kept on top of round %d",
+        s.worker_id,
+        state.local_step,
+        state.round,
+        s.base_round,
+    )
