@@ -9,9 +9,11 @@ one torch thread:
 * ``partitioned``: two gloo ranks each owning half the layers (pipeline stages).
 
 Each sync perturbs the parameters in place (standing in for local training; the same noise on
-every rank of a replicated group) and times ``force_sync()`` on rank 0 after a barrier; one
-warm-up sync, then the median of ``--repeats``. The group's phases are timed by wrapping
-``WorkerGroup``'s collectives and rank 0's HTTP sync: where the extra time goes.
+every rank of a replicated group) and times ``force_sync()`` on each rank after a barrier; one
+warm-up sync, then the median of ``--repeats``. The figure is rank 0's; rank 1's (when it is
+back in training) is printed beside it. The group's phases are timed by wrapping
+``WorkerGroup``'s collectives and rank 0's HTTP sync (which includes the part of the streamed
+broadcast sent while the download lands): where the extra time goes.
 
 Usage: ``.venv/bin/python benchmarks/group_sync.py [--params 25e6] [--repeats 5]``.
 """
@@ -40,6 +42,9 @@ PHASES = {
     "send_verdict": "verdict broadcast",
     "receive_verdict": "verdict broadcast",
     "share": "parameters broadcast/scatter",
+    "stream_end": "rest of streamed broadcast",
+    "stream_receive": "streamed broadcast received",
+    "stream_apply": "receive buffers -> parameters",
 }
 
 
@@ -105,10 +110,9 @@ def _rank(
             if i > 0:
                 walls.append(time.perf_counter() - t0)
         worker.stop(submit=False)
-    if rank == 0:
-        out.put({"walls": walls, "phases": {k: v / repeats for k, v in times.items()}})
-        out.close()
-        out.join_thread()  # flushed before os._exit below
+    out.put({"rank": rank, "walls": walls, "phases": {k: v / repeats for k, v in times.items()}})
+    out.close()
+    out.join_thread()  # flushed before os._exit below
     if world > 1:
         dist.destroy_process_group()
     # torch 2.13's gloo threads sometimes abort the interpreter's teardown: skip it.
@@ -126,8 +130,10 @@ def run(mode: str, params: float, repeats: int) -> dict[str, Any]:
             port = s.getsockname()[1]
         args = (mode, world, port, server.address, layers, repeats, out)
         procs = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
-        result: dict[str, Any] = out.get(timeout=1200)
+        results = sorted((out.get(timeout=1200) for _ in range(world)), key=lambda r: r["rank"])
         procs.join()
+    result: dict[str, Any] = results[0]
+    result["others"] = results[1:]
     result["params"] = layers * WIDTH**2
     return result
 
@@ -148,6 +154,11 @@ def main() -> None:
         for name, seconds in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
             label = "HTTP sync (rank 0)" if name == "http" else PHASES.get(name, name)
             print(f"    {label:32s} {seconds * 1000:7.1f} ms")
+        for other in r["others"]:
+            rank_median = statistics.median(other["walls"]) * 1000
+            print(f"  rank {other['rank']} sync median {rank_median:7.0f} ms, of which:")
+            for name, seconds in sorted(other["phases"].items(), key=lambda kv: -kv[1]):
+                print(f"    {PHASES.get(name, name):32s} {seconds * 1000:7.1f} ms")
 
 
 if __name__ == "__main__":

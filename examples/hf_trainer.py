@@ -1,7 +1,7 @@
 """A Hugging Face Trainer as a DiLoCo worker: a small GPT-2 built from a config, trained on the
 bytes of local text (Python's own pydoc topics), so nothing is downloaded.
 
-    diloco server --workers 2 &                  # then, on each machine:
+    diloco server --num-workers 2 &                  # then, on each machine:
     python examples/hf_trainer.py --server HOST:8512
     python examples/hf_trainer.py --embedded     # or: a server in this process, one worker
 

@@ -1,6 +1,6 @@
 """A lightning.Trainer as a DiLoCo worker: a small regression module, on CPU.
 
-    diloco server --workers 2 &                  # then, on each machine:
+    diloco server --num-workers 2 &                  # then, on each machine:
     python examples/lightning_train.py --server HOST:8512
     python examples/lightning_train.py --embedded   # or: a server in this process, one worker
 

@@ -44,12 +44,18 @@ class StreamedAdoption:
                 )
             flat = begin % spec.itemsize == 0 and src.is_contiguous() and dst.is_contiguous()
             self._parts.append((begin, end, spec.itemsize, src, dst, flat))
+        self._names = [spec.name for spec in layout.specs]
         self._index = 0  # first part not yet copied in full
         self._copied = 0  # elements of that part copied so far
 
     @property
     def complete(self) -> bool:
         return self._index == len(self._parts)
+
+    @property
+    def done(self) -> list[str]:
+        """The parameters copied in full so far (layout order)."""
+        return self._names[: self._index]
 
     @torch.no_grad()
     def upto(self, received: int) -> None:

@@ -8,11 +8,16 @@ the same steps; at a sync all ranks enter the same sequence of collectives on th
 1. the samples reported since the last sync are summed onto rank 0 (the upload's weight);
 2. partitioned models only: every rank's parameters are gathered into rank 0's mirrors of them,
    so rank 0's ``LocalModel`` holds the union;
-3. rank 0 syncs with the server, then broadcasts a verdict (the outcome, the round, the next
-   ``sync_every``, its metrics, or the error that ended it). Other ranks wait for the verdict
-   only, never on the network: rank 0's retries and ``max_barrier_wait`` bound the wait;
-4. rank 0's parameters go back to every rank whatever the outcome (broadcast when replicated,
-   scattered when partitioned), so all ranks end the sync bit-identical to rank 0.
+3. rank 0 syncs with the server. Replicated: its parameters are broadcast bucket by bucket
+   (a fixed plan every rank knows) into the other ranks' receive buffers, each bucket as soon as
+   the download has adopted it (overlapping the download) and the rest once rank 0's sync ends;
+4. rank 0 broadcasts a verdict (the outcome, the round, the next ``sync_every``, its metrics, or
+   the error that ended it, and whether the buckets hold its final parameters). Other ranks wait
+   for the verdict only, never on the network: rank 0's retries and ``max_barrier_wait`` bound
+   the wait;
+5. the other ranks copy their receive buffers into their parameters, or, if the verdict says a
+   bucket went out before a download broke off or was redone, rank 0's parameters are broadcast
+   again (partitioned: always scattered), so all ranks end the sync bit-identical to rank 0.
 
 Nothing here is home-made transport: broadcast, gather, scatter, all_reduce and the object
 collectives of ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
@@ -37,6 +42,10 @@ log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 32 << 20
 """Small parameters are broadcast together in flat buckets of at most this size."""
+
+STREAM_BUCKET_BYTES = 4 << 20
+"""Replicated groups: parameters smaller than this travel together in flat buckets of at most
+this size, larger ones alone (no copy on rank 0), each bucket as soon as it is adopted."""
 
 Table = dict[str, tuple[tuple[int, ...], str]]
 """A rank's parameters: name -> (shape, dtype)."""
@@ -63,6 +72,7 @@ class Verdict:
     base_round: int = 0
     sync_every: int = 0
     metrics: dict[str, float] | None = None
+    streamed: bool = False  # the buckets broadcast before this verdict hold rank 0's parameters
 
 
 class WorkerGroup:
@@ -106,6 +116,12 @@ class WorkerGroup:
                     self._mirrors[name] = mirror
                     union[name] = torch.nn.Parameter(mirror, requires_grad=False)
             local.params = union
+        # Replicated: the buckets of the streamed broadcast (the same plan on every rank).
+        self._plan: list[list[str]] = [] if self.partitioned else _plan(local.params)
+        self._stream: _BucketStream | None = None
+        self._inbox: list[torch.Tensor] = []  # the other ranks' receive buffers, one per bucket
+        if self._plan and self.leader:
+            self._stream = _BucketStream(self)
         log.info(
             "worker group of %d ranks (%s), rank %d%s",
             self.size,
@@ -140,6 +156,54 @@ class WorkerGroup:
         verdict = box[0]
         assert isinstance(verdict, Verdict)
         return verdict
+
+    # --- the streamed broadcast (replicated) ----------------------------------------------------
+
+    def stream_begin(self) -> None:
+        """Rank 0, before its sync: adopted parameters go out bucket by bucket from now on."""
+        if self._stream is not None:
+            self._stream.begin()
+            self._local.listener = self._stream
+
+    def stream_end(self, adopted: bool) -> bool:
+        """Rank 0, after its sync (or its error): the buckets not yet sent go out from the
+        parameters as they are, and all are waited for. True if every bucket holds rank 0's
+        final parameters: none went out during a download, or the one download that sent
+        some was adopted in full (``adopted``) with no retry."""
+        if self._stream is None:
+            return False
+        self._local.listener = None
+        return self._stream.end(adopted)
+
+    def stream_receive(self) -> None:
+        """The other ranks: receive every bucket of the plan into the receive buffers (the
+        parameters are untouched until the verdict says what to do with them)."""
+        if not self._plan:
+            return
+        if not self._inbox:
+            for names in self._plan:
+                numel = sum(self._local.params[n].numel() for n in names)
+                dtype = self._local.params[names[0]].dtype
+                self._inbox.append(torch.empty(numel, dtype=dtype, device=self._comm_device()))
+        works = [
+            dist.broadcast(buf, group_src=0, group=self.pg, async_op=True) for buf in self._inbox
+        ]
+        for work in works:
+            work.wait()
+
+    def stream_apply(self) -> None:
+        """The other ranks: the received buckets become the parameters."""
+        for names, buf in zip(self._plan, self._inbox, strict=True):
+            self._unflat(buf, [self._local.params[n].data for n in names])
+
+    def _send_bucket(self, names: list[str]) -> Any:
+        params = [self._local.params[n].data for n in names]
+        if len(params) == 1 and params[0].is_contiguous():
+            flat = params[0].view(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in params])
+        # The work keeps ``flat`` alive until it is sent.
+        return dist.broadcast(flat, group_src=0, group=self.pg, async_op=True)
 
     def collect(self) -> None:
         """Partitioned: every rank's parameters into rank 0's mirrors (before an upload)."""
@@ -299,25 +363,34 @@ class GroupSync:
             g.collect()
             if g.leader:
                 before = dict(s.metrics)
+                g.stream_begin()
                 try:
                     on_leader()
                 except BaseException as exc:
+                    g.stream_end(adopted=False)  # the other ranks discard what they received
                     g.send_verdict(Verdict(ok=False, error=f"{type(exc).__name__}: {exc}"))
                     raise
+                result = outcome or _outcome(before, s.metrics)
+                streamed = g.stream_end(adopted=result == "adopted" and s.local.adopted)
                 verdict = Verdict(
                     ok=True,
-                    outcome=outcome or _outcome(before, s.metrics),
+                    outcome=result,
                     worker_id=s.worker_id,
                     base_round=s.base_round,
                     sync_every=s.sync_every,
                     metrics=dict(s.metrics),
+                    streamed=streamed,
                 )
                 g.send_verdict(verdict)
             else:
+                g.stream_receive()
                 verdict = g.receive_verdict()
                 if not verdict.ok:
                     raise RuntimeError(f"rank 0 of the worker group failed: {verdict.error}")
-            g.share()
+                if verdict.streamed:
+                    g.stream_apply()
+            if not verdict.streamed:
+                g.share()
             self._apply(verdict)
         finally:
             s.syncing = False
@@ -337,6 +410,74 @@ class GroupSync:
             s.sync_every = verdict.sync_every
             assert verdict.metrics is not None
             s.metrics.update(verdict.metrics)
+
+
+class _BucketStream:
+    """Rank 0's side of the streamed broadcast: the ``LocalModel`` listener that sends each
+    bucket of the plan, in plan order, once a download has adopted all of its parameters."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._g = group
+        self._plan = group._plan
+        self.begin()
+
+    def begin(self) -> None:
+        self._sent = 0  # buckets of the plan sent so far
+        self._works: list[Any] = []
+        self._adopted: set[str] = set()
+        self._seen = 0  # names of the current body already in _adopted
+        self._early = 0  # buckets sent during a download (before the sync ended)
+        self._stale = False  # a bucket went out from a body that was then started again
+
+    def body(self) -> None:
+        if self._sent:
+            self._stale = True  # a retry rewrites what went out: the verdict asks for it again
+        self._adopted.clear()
+        self._seen = 0
+
+    def adopted(self, names: list[str]) -> None:
+        if len(names) == self._seen:
+            return
+        self._adopted.update(names[self._seen :])
+        self._seen = len(names)
+        while self._sent < len(self._plan) and all(
+            n in self._adopted for n in self._plan[self._sent]
+        ):
+            self._works.append(self._g._send_bucket(self._plan[self._sent]))
+            self._sent += 1
+            self._early += 1
+
+    def end(self, adopted: bool) -> bool:
+        fresh = not self._stale and (self._early == 0 or adopted)
+        try:
+            while self._sent < len(self._plan):
+                self._works.append(self._g._send_bucket(self._plan[self._sent]))
+                self._sent += 1
+            for work in self._works:
+                work.wait()
+        finally:
+            self.begin()
+        return fresh
+
+
+def _plan(params: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The buckets of the streamed broadcast: consecutive parameters of one dtype, together up
+    to ``STREAM_BUCKET_BYTES``; a parameter of that size or more (contiguous) alone."""
+    plan: list[list[str]] = []
+    bucket: list[str] = []
+    size = 0
+    dtype = None
+    for name, p in params.items():
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > STREAM_BUCKET_BYTES or p.dtype != dtype):
+            plan.append(bucket)
+            bucket, size = [], 0
+        bucket.append(name)
+        size += nbytes
+        dtype = p.dtype
+    if bucket:
+        plan.append(bucket)
+    return plan
 
 
 def _outcome(before: Mapping[str, float], after: Mapping[str, float]) -> str:

@@ -14,7 +14,7 @@ receives into ``receiver(adopt)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,6 +56,11 @@ class LocalModel:
         self.adopted = False  # the last download was adopted into the model as it landed
         self._scratch32: torch.Tensor | None = None
         self._scratch_comm: torch.Tensor | None = None
+        #: Told about streamed adoptions (a worker group's rank 0 passes each parameter on to
+        #: the other ranks as soon as it is adopted): ``body()`` when a download body starts
+        #: (a retry starts again from its first byte), ``adopted(names)`` with the parameters
+        #: adopted in full so far.
+        self.listener: AdoptionListener | None = None
 
     # --- shapes -------------------------------------------------------------------------------
 
@@ -189,6 +194,12 @@ class LocalModel:
             torch.cuda.synchronize(self.device)
 
 
+class AdoptionListener(Protocol):
+    def body(self) -> None: ...
+
+    def adopted(self, names: list[str]) -> None: ...
+
+
 class SnapshotReceiver:
     """One full download into a ``LocalModel``'s snapshot: the client's ``into`` and
     ``on_progress`` callbacks, and ``landed()`` once the last byte is in."""
@@ -203,11 +214,15 @@ class SnapshotReceiver:
         if self._adopt:  # every body (a retry too) starts a fresh adoption from its first byte
             params = {name: p.data for name, p in self._model.params.items()}
             self._adoption = StreamedAdoption(layout, self._model.snapshot, params)
+            if self._model.listener is not None:
+                self._model.listener.body()
         return view
 
     def progress(self, received: int) -> None:
         if self._adoption is not None:
             self._adoption.upto(received)
+            if self._model.listener is not None:
+                self._model.listener.adopted(self._adoption.done)
 
     def landed(self) -> None:
         self._model.adopted = self._adoption is not None and self._adoption.complete
