@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker import group as group_mod
+from diloco.worker.group_sync import GroupSync
 
 WIDTH = 1000
 PHASES = {
@@ -83,8 +84,8 @@ def _rank(
         for name in PHASES:
             meth = getattr(group_mod.WorkerGroup, name)
             setattr(group_mod.WorkerGroup, name, _timed(times, name, meth))
-        inner = group_mod.GroupSync._sync_on_leader
-        group_mod.GroupSync._sync_on_leader = _timed(times, "http", inner)  # type: ignore[method-assign]
+        inner = GroupSync._sync_on_leader
+        GroupSync._sync_on_leader = _timed(times, "http", inner)  # type: ignore[method-assign]
     half = layers // 2
     owned = None if mode != "partitioned" else (range(half) if rank == 0 else range(half, layers))
     model = _model(layers, owned)

@@ -26,17 +26,16 @@ collectives of ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from diloco.core.fragments import numel
 from diloco.worker.local_model import LocalModel
-from diloco.worker.session import Session
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.strategy import JoinAnswer, SyncStrategy
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +271,7 @@ class WorkerGroup:
         return [n for n, (_, d) in self.tables[rank].items() if d == dtype]
 
     def _numel(self, rank: int, names: list[str]) -> int:
-        return sum(_numel(self.tables[rank][n][0]) for n in names)
+        return sum(numel(self.tables[rank][n][0]) for n in names)
 
     def _flat(self, tensors: list[torch.Tensor], width: int, dtype: str) -> torch.Tensor:
         out = torch.zeros(width, dtype=_dtype(dtype), device=self._comm_device())
@@ -292,124 +291,6 @@ class WorkerGroup:
 
     def _comm_device(self) -> torch.device:
         return self._local.device
-
-
-class GroupSync:
-    """The ``SyncStrategy`` of a worker group: every rank runs it; rank 0 wraps the plain
-    strategy (``inner``) and the others follow its verdicts."""
-
-    def __init__(self, group: WorkerGroup, session: Session, inner: SyncStrategy | None) -> None:
-        assert (inner is not None) == group.leader
-        self.group = group
-        self._s = session
-        self._inner = inner
-        # Only a verdict changes the period, so DyLU's new sync_every (rank 0's heartbeat
-        # thread) is taken by every rank at the same sync.
-        self._period = session.sync_every
-        self.last_outcome: str | None = None
-
-    # --- SyncStrategy ---------------------------------------------------------------------------
-
-    @property
-    def last_submission(self) -> str | None:
-        return self._inner.last_submission if self._inner is not None else None
-
-    @property
-    def round(self) -> int:
-        return self._inner.round if self._inner is not None else self._s.base_round
-
-    def configure(self, reply: Mapping[str, Any]) -> None:
-        assert self._inner is not None
-        self._inner.configure(reply)
-
-    def joined(self, metadata: Mapping[str, str]) -> None:
-        assert self._inner is not None
-        self._inner.joined(metadata)
-
-    def rejoined(self, answer: JoinAnswer) -> str:
-        assert self._inner is not None
-        return self._inner.rejoined(answer)
-
-    def after_step(self) -> None:
-        # The heartbeat's re-join flag waits for the sync step: the other ranks enter the
-        # collectives at the step they all count, not when rank 0's heartbeat fails.
-        if self._s.local_step >= self._period:
-            self.sync_now()
-
-    def sync_now(self) -> None:
-        self._together(self._sync_on_leader)
-
-    def finish(self, *, submit: bool) -> None:
-        g, s = self.group, self._s
-        submit = g.agree_on(submit) and s.local_step > 0
-        s.samples = g.pool_samples(s.samples)
-        if submit:
-            g.collect()
-        if self._inner is not None:
-            self._inner.finish(submit=submit)
-
-    # --- the protocol ---------------------------------------------------------------------------
-
-    def start(self, join: Callable[[], None]) -> None:
-        """The group's join: rank 0 registers and fetches (``join``), every rank ends with the
-        global parameters. Raises on every rank if rank 0's join failed."""
-        self._together(join, outcome="joined")
-
-    def _together(self, on_leader: Callable[[], None], outcome: str | None = None) -> None:
-        g, s = self.group, self._s
-        s.syncing = True
-        try:
-            s.samples = g.pool_samples(s.samples)
-            g.collect()
-            if g.leader:
-                before = dict(s.metrics)
-                g.stream_begin()
-                try:
-                    on_leader()
-                except BaseException as exc:
-                    g.stream_end(adopted=False)  # the other ranks discard what they received
-                    g.send_verdict(Verdict(ok=False, error=f"{type(exc).__name__}: {exc}"))
-                    raise
-                result = outcome or _outcome(before, s.metrics)
-                streamed = g.stream_end(adopted=result == "adopted" and s.local.adopted)
-                verdict = Verdict(
-                    ok=True,
-                    outcome=result,
-                    worker_id=s.worker_id,
-                    base_round=s.base_round,
-                    sync_every=s.sync_every,
-                    metrics=dict(s.metrics),
-                    streamed=streamed,
-                )
-                g.send_verdict(verdict)
-            else:
-                g.stream_receive()
-                verdict = g.receive_verdict()
-                if not verdict.ok:
-                    raise RuntimeError(f"rank 0 of the worker group failed: {verdict.error}")
-                if verdict.streamed:
-                    g.stream_apply()
-            if not verdict.streamed:
-                g.share()
-            self._apply(verdict)
-        finally:
-            s.syncing = False
-
-    def _sync_on_leader(self) -> None:
-        assert self._inner is not None
-        self._inner.sync_now()
-
-    def _apply(self, verdict: Verdict) -> None:
-        s = self._s
-        self.last_outcome = verdict.outcome
-        self._period = verdict.sync_every
-        s.local_step = 0
-        if not self.group.leader:
-            s.worker_id = verdict.worker_id
-            s.base_round = verdict.base_round
-            s.sync_every = verdict.sync_every
-            assert verdict.metrics is not None
-            s.metrics.update(verdict.metrics)
 
 
 class _BucketStream:
@@ -480,16 +361,6 @@ def _plan(params: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return plan
 
 
-def _outcome(before: Mapping[str, float], after: Mapping[str, float]) -> str:
-    if after["failed_syncs"] > before["failed_syncs"]:
-        return "kept_local"
-    if after["rebases"] > before["rebases"]:
-        return "rebased"
-    if after["rounds"] > before["rounds"]:
-        return "adopted"
-    return "kept_local"  # refused ("continue", "wait"), or a re-join that kept the progress
-
-
 def _agree(infos: list[Mapping[str, Any]]) -> bool:
     """Check that the ranks can form one worker; True if the model is partitioned. Every rank
     runs this on the same gathered facts, so every rank raises the same error."""
@@ -557,10 +428,3 @@ def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."))
     assert isinstance(dtype, torch.dtype)
     return dtype
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

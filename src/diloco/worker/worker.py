@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
-from diloco.worker.group import GroupSync, WorkerGroup, find_group
+from diloco.worker.group import WorkerGroup, find_group
+from diloco.worker.group_sync import GroupSync
 from diloco.worker.local_model import LocalModel
 from diloco.worker.logs import show_worker_log
 from diloco.worker.plain import PlainSync
