@@ -10,19 +10,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig, load_into
-
-
-def make_model(seed: int = 0) -> torch.nn.Linear:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(3, 2)
-
-
-def fake_step(model: torch.nn.Module, opt: torch.optim.Optimizer, delta: float) -> None:
-    """SGD lr 1 on a constant gradient ``-delta``: every parameter moves by ``delta``."""
-    for p in model.parameters():
-        p.grad = torch.full_like(p, -delta)
-    opt.step()
-    opt.zero_grad()
+from tests.integration.test_worker import fake_step, make_model
 
 
 def test_a_wrapped_worker_and_a_plain_one_share_a_run(tmp_path) -> None:

@@ -123,3 +123,35 @@ class TrainerWorker:
         if submit and self._final_sync and worker.local_step > 0:
             worker.force_sync()
         worker.stop(submit=submit)
+
+
+class WorkerCallback:
+    """What every trainer's callback takes and shows, whatever the trainer: ``DiLoCoWorker``'s
+    arguments (None: from the ``DILOCO_*`` variables, then the defaults), ``final_sync``, the
+    worker while training runs and its id afterwards. Mixed in before the trainer's own callback
+    base class."""
+
+    def __init__(
+        self,
+        server_addr: str | None = None,
+        sync_every: int | None = None,
+        bf16_comm: bool | None = None,
+        worker_id: str | None = None,
+        *,
+        final_sync: bool = True,
+        **worker_kwargs: Any,
+    ) -> None:
+        kwargs = dict(
+            server_addr=server_addr, sync_every=sync_every, bf16_comm=bf16_comm, worker_id=worker_id
+        )
+        self._core = TrainerWorker({**kwargs, **worker_kwargs}, final_sync)
+
+    @property
+    def worker(self) -> DiLoCoWorker | None:
+        """The worker, while training runs."""
+        return self._core.worker
+
+    @property
+    def worker_id(self) -> str | None:
+        """The id of this trainer's worker (kept after training ends)."""
+        return self._core.worker_id

@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-from diloco.integrations._core import TrainerWorker
+from diloco.integrations._core import WorkerCallback
 from diloco.integrations._deps import missing
 from diloco.worker import resume
-from diloco.worker.worker import DiLoCoWorker
 
 try:
     import lightning
@@ -51,7 +50,7 @@ def _loss_of(outputs: Any) -> float | None:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
-class DiLoCoCallback(Callback):
+class DiLoCoCallback(WorkerCallback, Callback):
     """Join a DiLoCo run from a ``lightning.Trainer``.
 
     Arguments left as None come from ``DILOCO_*`` variables, then defaults, as for
@@ -69,21 +68,10 @@ class DiLoCoCallback(Callback):
         final_sync: bool = True,
         **worker_kwargs: Any,
     ) -> None:
-        kwargs = dict(
-            server_addr=server_addr, sync_every=sync_every, bf16_comm=bf16_comm, worker_id=worker_id
+        super().__init__(
+            server_addr, sync_every, bf16_comm, worker_id, final_sync=final_sync, **worker_kwargs
         )
-        self._core = TrainerWorker({**kwargs, **worker_kwargs}, final_sync)
         self._saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
-
-    @property
-    def worker(self) -> DiLoCoWorker | None:
-        """The worker, while training runs."""
-        return self._core.worker
-
-    @property
-    def worker_id(self) -> str | None:
-        """The id of this Trainer's worker (kept after training ends)."""
-        return self._core.worker_id
 
     def on_train_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule

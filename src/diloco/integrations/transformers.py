@@ -23,10 +23,9 @@ import logging
 import os
 from typing import Any
 
-from diloco.integrations._core import TrainerWorker
+from diloco.integrations._core import WorkerCallback
 from diloco.integrations._deps import missing
 from diloco.worker import resume
-from diloco.worker.worker import DiLoCoWorker
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -43,7 +42,7 @@ def _checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
     return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
-class DiLoCoCallback(TrainerCallback):
+class DiLoCoCallback(WorkerCallback, TrainerCallback):
     """Join a DiLoCo run from a ``transformers.Trainer``.
 
     Arguments left as None come from ``DILOCO_*`` variables, then defaults, as for
@@ -64,22 +63,11 @@ class DiLoCoCallback(TrainerCallback):
         resume_from: str | None = None,
         **worker_kwargs: Any,
     ) -> None:
-        kwargs = dict(
-            server_addr=server_addr, sync_every=sync_every, bf16_comm=bf16_comm, worker_id=worker_id
+        super().__init__(
+            server_addr, sync_every, bf16_comm, worker_id, final_sync=final_sync, **worker_kwargs
         )
-        self._core = TrainerWorker({**kwargs, **worker_kwargs}, final_sync)
         self.resume_from = resume_from
         self._samples_per_step = 0
-
-    @property
-    def worker_id(self) -> str | None:
-        """The id of this Trainer's worker (kept after training ends)."""
-        return self._core.worker_id
-
-    @property
-    def worker(self) -> DiLoCoWorker | None:
-        """The worker, while training runs."""
-        return self._core.worker
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
