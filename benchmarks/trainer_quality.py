@@ -1,28 +1,33 @@
-"""Hugging Face ``Trainer``: 2 DiLoCo workers against 1 plain worker at equal steps.
+"""Hugging Face ``Trainer``: M DiLoCo workers against 1 plain worker at equal steps.
 
 The demo's claim (the global model of M workers reaches a lower held-out loss than one worker
 after the same number of inner steps), measured through ``transformers.Trainer`` and
 ``DiLoCoCallback`` instead of the demo's own loop.
 
-* Text: the demo's corpus (``diloco.demo.data.build_corpus(2)``): the bytes of
+* Text: the demo's corpus (``diloco.demo.data.build_corpus(M)``): the bytes of
   ``pydoc_data.topics`` with repeated paragraphs kept once, the tail 10% of every topic held out,
-  the topics' training parts dealt to the 2 workers (non-iid by topic). Nothing is downloaded.
-* Model: a GPT-2 built from ``GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2,
-  n_head=4)`` (about 125k parameters), the same seed in every process.
+  the topics' training parts dealt to the M workers (non-iid by topic). Nothing is downloaded.
+* Model (``--model``): ``char``, the default, is the demo's own ``CharTransformer`` (137k
+  parameters, no dropout) behind the ``forward(input_ids, labels)`` that ``Trainer`` calls;
+  ``gpt2`` is a GPT-2 built from ``GPT2Config(vocab_size=256, n_positions=128, n_embd=64,
+  n_layer=2, n_head=4)`` (about 125k parameters; dropout ``--dropout``, input and output
+  embeddings tied unless ``--untied``). The same seed in every process.
 * Training: windows of ``--seq-len`` bytes at stride ``seq_len // 2`` of each process's text,
   shuffled by the Trainer's sampler (``seed`` fixed), batch ``--batch-size``, AdamW at
-  ``--lr`` with a constant schedule, ``--steps`` optimizer steps in every process.
-* DiLoCo: a ``DiLoCoServer`` in this process on 127.0.0.1 port 0 (``num_workers=2``, the
-  server's default outer optimizer), started from the same initial parameters; 2 spawned
-  processes each run ``Trainer`` with ``DiLoCoCallback(sync_every=--sync-every)`` on their half.
-* Baseline: a third spawned process runs a plain ``Trainer`` (no callback) on all the training
-  text for the same steps. The three processes run at the same time, one torch thread each.
+  ``--lr`` with a constant schedule, gradient clipping at ``--max-grad-norm`` (Trainer's 1.0),
+  ``--steps`` optimizer steps in every process.
+* DiLoCo: a ``DiLoCoServer`` in this process on 127.0.0.1 port 0 (``num_workers=M``, the
+  server's default outer optimizer), started from the same initial parameters; M spawned
+  processes (``--workers``, default 2) each run ``Trainer`` with
+  ``DiLoCoCallback(sync_every=--sync-every)`` on their share.
+* Baseline: one more spawned process runs a plain ``Trainer`` (no callback) on all the training
+  text for the same steps. All processes run at the same time, one torch thread each.
 * Measure: the held-out loss (nats per byte, the demo's ``evaluate``: 256 evenly spaced windows
   of the held-out text) of the server's global model after the last round and of the baseline
   after its last step; also at each round (global) and every ``sync_every`` steps (baseline).
 
-Usage: ``.venv/bin/python benchmarks/trainer_quality.py [--steps 500] [--sync-every 50]
-[--out benchmarks/results/trainer_quality.json]``.
+Usage: ``.venv/bin/python benchmarks/trainer_quality.py [--model char|gpt2] [--workers 2]
+[--steps 500] [--sync-every 50] [--seed 0] [--out benchmarks/results/trainer_quality.json]``.
 """
 
 from __future__ import annotations
@@ -40,12 +45,22 @@ from typing import Any
 import torch
 
 
-def build_gpt2(seed: int, n_positions: int) -> Any:
+def build_gpt2(seed: int, n_positions: int, dropout: float = 0.1, tied: bool = True) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        config = GPT2Config(vocab_size=256, n_positions=n_positions, n_embd=64, n_layer=2, n_head=4)
+        config = GPT2Config(
+            vocab_size=256,
+            n_positions=n_positions,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            tie_word_embeddings=tied,
+        )
         return GPT2LMHeadModel(config)
 
 
@@ -63,6 +78,35 @@ class Windows(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         w = self.tokens[int(self.starts[i]) : int(self.starts[i]) + self.seq_len]
         return {"input_ids": w, "labels": w}
+
+
+class CharLM(torch.nn.Module):
+    """The demo's own model (``diloco.demo.model.CharTransformer``) with the interface
+    ``Trainer`` calls: ``forward(input_ids, labels)`` returns the next-byte loss and the logits."""
+
+    def __init__(self, seed: int, context: int) -> None:
+        super().__init__()
+        from diloco.demo.model import build_model
+
+        self.net = build_model(seed, context)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        from transformers.modeling_outputs import CausalLMOutput
+
+        logits = self.net(input_ids)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+            )
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def build(cfg: dict[str, Any]) -> Any:
+    """The model ``--model`` names, the same parameters in every process."""
+    if cfg["model"] == "char":
+        return CharLM(cfg["seed"], cfg["seq_len"])
+    return build_gpt2(cfg["seed"], cfg["n_positions"], cfg["dropout"], not cfg["untied"])
 
 
 class _GPT2Logits(torch.nn.Module):
@@ -93,9 +137,9 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("diloco").setLevel(logging.WARNING)
-    corpus = build_corpus(2)
+    corpus = build_corpus(cfg["workers"])
     tokens = corpus.shards[rank] if address else corpus.train
-    model = build_gpt2(cfg["seed"], cfg["n_positions"])
+    model = build(cfg)
     callbacks: list[Any] = []
     if address is not None:
         from diloco.integrations.transformers import DiLoCoCallback
@@ -121,6 +165,7 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
                 per_device_train_batch_size=cfg["batch_size"],
                 learning_rate=cfg["lr"],
                 lr_scheduler_type="constant",
+                max_grad_norm=cfg["max_grad_norm"],
                 logging_steps=cfg["sync_every"],
                 save_strategy="no",
                 report_to=[],
@@ -149,6 +194,20 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        choices=("char", "gpt2"),
+        default="char",
+        help="gpt2: a small GPT-2 from a config; char: the demo's own CharTransformer",
+    )
+    p.add_argument(
+        "--untied", action="store_true", help="gpt2: a separate output head (GPT-2 ties it)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="DiLoCo workers (M)")
+    p.add_argument("--dropout", type=float, default=0.1, help="GPT-2 dropout (its default 0.1)")
+    p.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="Trainer gradient clipping (0: off)"
+    )
     p.add_argument("--out", default="benchmarks/results/trainer_quality.json")
     args = p.parse_args()
 
@@ -163,24 +222,30 @@ def main() -> None:
         "n_positions": 128,
         "lr": args.lr,
         "seed": args.seed,
+        "workers": args.workers,
+        "model": args.model,
+        "untied": args.untied,
+        "dropout": args.dropout,
+        "max_grad_norm": args.max_grad_norm,
     }
     torch.set_num_threads(1)
-    corpus = build_corpus(2)
-    eval_model = build_gpt2(args.seed, cfg["n_positions"])
+    workers = args.workers
+    corpus = build_corpus(workers)
+    eval_model = build(cfg)
     n_params = sum(p.numel() for p in eval_model.parameters())
     init_loss = held_out_loss(eval_model, corpus.eval, args.seq_len)
     t0 = time.monotonic()
     server = DiLoCoServer(
-        ServerConfig(port=0, num_workers=2),
+        ServerConfig(port=0, num_workers=workers),
         initial_params={n: p.detach().clone() for n, p in eval_model.named_parameters()},
     ).start()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [
         ctx.Process(target=_train, args=(r, cfg, server.address, events), daemon=True)
-        for r in range(2)
+        for r in range(workers)
     ]
-    procs.append(ctx.Process(target=_train, args=(2, cfg, None, events), daemon=True))
+    procs.append(ctx.Process(target=_train, args=(workers, cfg, None, events), daemon=True))
     for proc in procs:
         proc.start()
     finished: dict[int, Any] = {}
@@ -231,24 +296,24 @@ def main() -> None:
         "parameters": n_params,
         "initial_eval_loss": init_loss,
         "diloco": {
-            "workers": 2,
+            "workers": workers,
             "steps_per_worker": args.steps,
             "rounds": status["round"],
             "eval_loss": global_loss,
-            "wall_time_s": round(max(wall_done[0], wall_done[1]), 1),
-            "train_time_s": [round(finished[r]["train_time_s"], 1) for r in range(2)],
+            "wall_time_s": round(max(wall_done[r] for r in range(workers)), 1),
+            "train_time_s": [round(finished[r]["train_time_s"], 1) for r in range(workers)],
             "eval_curve": global_curve,
-            "train_losses": [finished[r]["train_losses"] for r in range(2)],
+            "train_losses": [finished[r]["train_losses"] for r in range(workers)],
         },
         "single": {
             "workers": 1,
             "steps": args.steps,
             "rounds": 0,
             "eval_loss": baseline_loss,
-            "wall_time_s": round(wall_done[2], 1),
-            "train_time_s": round(finished[2]["train_time_s"], 1),
+            "wall_time_s": round(wall_done[workers], 1),
+            "train_time_s": round(finished[workers]["train_time_s"], 1),
             "eval_curve": baseline_curve,
-            "train_losses": finished[2]["train_losses"],
+            "train_losses": finished[workers]["train_losses"],
         },
         "total_wall_time_s": round(wall, 1),
         "lower": global_loss < baseline_loss,
@@ -256,10 +321,11 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     d, s = report["diloco"], report["single"]
-    print(f"GPT-2 {n_params:,} parameters, initial held-out loss {init_loss:.3f} nats/byte")
+    label = "CharTransformer" if args.model == "char" else "GPT-2"
+    print(f"{label} {n_params:,} parameters, initial held-out loss {init_loss:.3f} nats/byte")
     print(f"{'':<28}{'held-out loss':>14}{'steps':>8}{'rounds':>8}{'wall s':>8}")
     print(
-        f"{'DiLoCo, 2 workers (global)':<28}{global_loss:>14.3f}{args.steps:>8}"
+        f"{f'DiLoCo, {workers} workers (global)':<28}{global_loss:>14.3f}{args.steps:>8}"
         f"{status['round']:>8}{d['wall_time_s']:>8.1f}"
     )
     print(

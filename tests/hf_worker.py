@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tests.integration.test_integrations import FAST, DiLoCoCallback, hf_trainer, tiny_gpt2
+from tests.hf_setup import FAST, DiLoCoCallback, hf_trainer, tiny_gpt2
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
-"""The trainer callbacks against a real server: a tiny GPT-2 through the Hugging Face Trainer with
-two workers, resuming from a Trainer checkpoint, and a small module through lightning.Trainer."""
+"""The trainer callbacks against a real server, one process per worker: a tiny GPT-2 through the
+Hugging Face Trainer with two workers, resuming from a Trainer checkpoint, and a small module
+through lightning.Trainer, resuming from a Lightning checkpoint. Multi-process launches (a worker
+group per trainer) are in test_integrations_groups.py."""
 
 from __future__ import annotations
 
@@ -17,51 +19,13 @@ from safetensors.torch import load_file
 
 from diloco import DiLoCoServer, ServerConfig
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 lightning = pytest.importorskip("lightning")
 
 from diloco.integrations.transformers import DiLoCoCallback  # noqa: E402
 from diloco.worker import resume  # noqa: E402
-
-FAST = {"heartbeat_interval": 0, "bf16_comm": False}
-
-
-def byte_blocks(n: int, length: int = 32) -> list[dict[str, torch.Tensor]]:
-    """Byte-level tokens of local text (pydoc's topics): no tokenizer, no download."""
-    from pydoc_data.topics import topics
-
-    data = torch.tensor(list("".join(topics.values()).encode()[: n * length]), dtype=torch.long)
-    return [{"input_ids": b, "labels": b} for b in data.view(n, length)]
-
-
-def tiny_gpt2(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def hf_trainer(model: Any, out: Path, callback: DiLoCoCallback, max_steps: int, **args: Any) -> Any:
-    targs = transformers.TrainingArguments(
-        output_dir=str(out),
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1,
-        save_strategy=args.pop("save_strategy", "no"),
-        dataloader_num_workers=0,
-        seed=0,
-        **args,
-    )
-    return transformers.Trainer(
-        model=model, args=targs, train_dataset=byte_blocks(64), callbacks=[callback]
-    )
-
-
-def logged(trainer: Any, key: str) -> dict[int, float]:
-    return {e["step"]: e[key] for e in trainer.state.log_history if key in e}
+from tests.hf_setup import FAST, Peek, hf_trainer, logged, tiny_gpt2  # noqa: E402
+from tests.lightning_ddp import Record, Regression  # noqa: E402
 
 
 @pytest.fixture
@@ -127,10 +91,6 @@ def test_resume_from_a_trainer_checkpoint_rejoins_as_the_same_worker(
     now = server.global_params()
     expected = {n: now[n] + (saved_model[n] - snapshot[n]) for n in snapshot}
 
-    class Peek(transformers.TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any, **kw: Any):
-            self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
-
     again = DiLoCoCallback(server.address, sync_every=3, **FAST)
     peek = Peek()
     trainer = hf_trainer(tiny_gpt2(seed=1), tmp_path, again, 6)
@@ -141,29 +101,9 @@ def test_resume_from_a_trainer_checkpoint_rejoins_as_the_same_worker(
     for name, value in expected.items():
         torch.testing.assert_close(peek.params[name], value, rtol=1e-5, atol=1e-6)
     # The schedule goes on: one local step was in the checkpoint, so step 6 syncs.
-    local_steps = logged(trainer, "diloco/local_step")
+    local_steps = logged(trainer.state.log_history, "diloco/local_step")
     assert (local_steps[5], local_steps[6]) == (2, 0)
-    assert logged(trainer, "diloco/round")[6] == 3
-
-
-class Regression(lightning.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> Any:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 4, generator=g)
-        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-        return torch.utils.data.DataLoader(data, batch_size=8)
+    assert logged(trainer.state.log_history, "diloco/round")[6] == 3
 
 
 @pytest.mark.timeout(60)
@@ -190,6 +130,56 @@ def test_lightning_syncs_every_real_step_and_logs_the_metrics(tmp_path: Path, se
         rows = [r for r in csv.DictReader(f) if r.get("diloco/rounds")]
     assert rows and max(float(r["diloco/rounds"]) for r in rows) == 3
     assert cb.worker is None and cb.worker_id is not None
+
+
+@pytest.mark.timeout(60)
+def test_lightning_resume_from_a_checkpoint_rejoins_as_the_same_worker(
+    tmp_path: Path, server_of
+) -> None:
+    from diloco.integrations.lightning import DiLoCoCallback as LightningCallback
+
+    def fit(callbacks: list[Any], max_steps: int, ckpt_path: str | None = None) -> None:
+        trainer = lightning.Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(Regression(), ckpt_path=ckpt_path)
+
+    server = server_of(1)
+    first = LightningCallback(server.address, sync_every=3, **FAST)
+    saving = lightning.pytorch.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path), filename="{step}", every_n_train_steps=4, save_top_k=-1
+    )
+    fit([first, saving], 4)
+    path = tmp_path / "step=4.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    saved = checkpoint["callbacks"]["DiLoCoCallback"]
+    state = saved["state"]
+    assert (state["worker_id"], state["round"], state["local_step"]) == (first.worker_id, 1, 1)
+    # The run moved on since (the final sync): the checkpoint's progress goes on top.
+    assert server.status()["round"] == 2
+    now = server.global_params()
+    expected = {n: now[n] + (checkpoint["state_dict"][n] - s) for n, s in saved["snapshot"].items()}
+
+    again = LightningCallback(server.address, sync_every=3, **FAST)
+    record = Record(again)
+    fit([again, record], 6, ckpt_path=str(path))
+    assert again.worker_id == first.worker_id
+    assert server.status()["registrations"] == 2  # the same id twice, no third worker
+    for name, value in expected.items():
+        torch.testing.assert_close(record.begin[name], value, rtol=1e-5, atol=1e-6)
+    # The schedule goes on: one local step was in the checkpoint, so step 6 syncs.
+    assert [(s["step"], s["round"], s["local_step"]) for s in record.steps] == [
+        (5, 2, 2),
+        (6, 3, 0),
+    ]
+    assert server.status()["round"] == 3
 
 
 def test_importing_diloco_imports_no_trainer_library() -> None:

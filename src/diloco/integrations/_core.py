@@ -1,11 +1,16 @@
 """What the trainer callbacks share: a ``DiLoCoWorker`` built when training starts from the
 trainer's model and optimizer, resumed from a checkpoint, its metrics named as trainers log them,
-and a flush when training ends."""
+and a flush when training ends.
+
+Under a multi-process launch every rank runs its own callback and the ranks are one worker (a
+worker group, ``diloco.worker.group``): starting, a checkpoint, the final sync and leaving are
+collectives, so the trainers call these hooks on every rank at the same point; the worker's
+state in a checkpoint is rank 0's, and resuming, rank 0's checkpoint decides for every rank."""
 
 from __future__ import annotations
 
-import inspect
 import logging
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -33,24 +38,6 @@ LOGGED = (
 )
 
 
-def worker_groups_ready() -> bool:
-    """Whether ``DiLoCoWorker`` makes the ranks of a ``torch.distributed`` group one worker."""
-    return "process_group" in inspect.signature(DiLoCoWorker).parameters
-
-
-def check_single_process() -> None:
-    """Refuse a multi-process launch until worker groups exist: every rank would register as a
-    worker of its own, and the replicas of one model would drift apart."""
-    if worker_groups_ready():
-        return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            raise NotImplementedError(
-                "DiLoCo trainer callbacks run in one process for now: under a multi-process "
-                "launch every rank would join as its own worker (worker groups are pending)"
-            )
-
-
 class TrainerWorker:
     """The worker behind a callback; ``worker_kwargs`` are ``DiLoCoWorker``'s (None: from the
     ``DILOCO_*`` variables, then the defaults)."""
@@ -68,13 +55,13 @@ class TrainerWorker:
         saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None,
     ) -> None:
         """Join the run; with ``saved`` (a checkpoint's worker state and snapshot), as the
-        worker that wrote it, with its local progress on top of the current parameters."""
+        worker that wrote it, with its local progress on top of the current parameters. In a
+        worker group rank 0's ``saved`` decides (the other ranks' may be None)."""
         if self.worker is not None:
             raise RuntimeError("the DiLoCo worker of this callback is already running")
-        check_single_process()
         kwargs = dict(self._kwargs)
-        if saved is not None:
-            state = saved[0]
+        state, snapshot = saved if saved is not None else (None, None)
+        if state is not None:
             if kwargs.get("worker_id") not in (None, state.worker_id):
                 log.warning(
                     "worker_id %s given; the checkpoint was written by worker %s",
@@ -83,10 +70,7 @@ class TrainerWorker:
                 )
             kwargs["worker_id"] = kwargs.get("worker_id") or state.worker_id
         worker = DiLoCoWorker(model, optimizer, **kwargs)
-        if saved is None:
-            worker.start()
-        else:
-            resume.start_resumed(worker, *saved)
+        resume.start_resumed(worker, state, snapshot)
         self.worker = worker
         self.worker_id = worker.worker_id
 
@@ -102,12 +86,15 @@ class TrainerWorker:
         return {PREFIX + k: float(m[k]) for k in LOGGED if k in m}
 
     def save(self, folder: str) -> None:
-        if self.worker is not None:
+        """Write the worker's state into a checkpoint ``folder`` where it exists and the state
+        lives (every rank calls it: a group pools its samples first)."""
+        if self.worker is not None and resume.gather(self.worker) and os.path.isdir(folder):
             resume.save(self.worker, folder)
 
     def state(self) -> dict[str, Any]:
-        """The worker's state and snapshot, for a checkpoint that stores tensors itself."""
-        if self.worker is None or self.worker.worker_id is None:  # a group's other ranks
+        """The worker's state and snapshot, for a checkpoint that stores tensors itself (every
+        rank calls it; empty except where the state lives)."""
+        if self.worker is None or not resume.gather(self.worker):
             return {}
         return {
             "state": asdict(resume.capture(self.worker)),

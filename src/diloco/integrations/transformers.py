@@ -14,6 +14,13 @@ global parameters into the checkpoint folder; ``trainer.train(resume_from_checkp
 rejoins as the same worker, with the checkpoint's local progress on top of the parameters the
 server serves now (``diloco.worker.resume``). The folder is found the way the Trainer names its
 checkpoints (``output_dir/checkpoint-<step>``); pass ``resume_from`` for one kept elsewhere.
+
+Under a multi-process launch (``torchrun``, or any launcher that sets its variables; on CPU
+with ``ddp_backend="gloo"``) the ranks are one worker (``diloco.worker.group``): rank 0 alone
+talks to the server, every rank syncs at the same optimizer step and ends it with rank 0's
+parameters, and the group's weight is the samples of all ranks. Rank 0 writes the worker files
+into a checkpoint; resuming, its checkpoint decides for every rank, so the other ranks need not
+see those files.
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
         if folder is None and state.global_step > 0:  # resumed from a checkpoint
             folder = _checkpoint_folder(args, state)
         saved = resume.load(folder) if folder else None
-        if folder and saved is None:
+        if folder and saved is None and state.is_world_process_zero:
             log.warning("checkpoint %s holds no DiLoCo worker state: joining afresh", folder)
         self._core.start(model, optimizer, saved)
         self._samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -120,9 +127,8 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        folder = _checkpoint_folder(args, state)
-        if state.is_world_process_zero and os.path.isdir(folder):
-            self._core.save(folder)
+        # Every rank: a worker group pools its samples into rank 0's state before rank 0 writes.
+        self._core.save(_checkpoint_folder(args, state))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -19,21 +19,23 @@ the same steps; at a sync all ranks enter the same sequence of collectives on th
    bucket went out before a download broke off or was redone, rank 0's parameters are broadcast
    again (partitioned: always scattered), so all ranks end the sync bit-identical to rank 0.
 
-Nothing here is home-made transport: broadcast, gather, scatter, all_reduce and the object
-collectives of ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+Nothing here is home-made transport: broadcast, gather, scatter and all_reduce of
+``torch.distributed`` (gloo on CPU, NCCL on CUDA). Small values (the agreement facts, verdicts)
+travel as JSON bytes in those tensor collectives (``worker/collectives.py``), never pickled.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from diloco.core.fragments import numel
+from diloco.worker.collectives import all_gather_json, broadcast_json
 from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings
 
@@ -93,16 +95,19 @@ class WorkerGroup:
         self.leader = self.rank == 0
         self._local = local
         own: Table = {n: (tuple(p.shape), str(p.dtype)) for n, p in local.params.items()}
-        infos: list[Any] = [None] * self.size
         mine = {
-            "table": own,
+            "table": {n: [list(shape), dtype] for n, (shape, dtype) in own.items()},
             "sync_every": settings.sync_every,
             "num_fragments": settings.num_fragments,
             "partitioned": partitioned,
             "dylu": dylu,
             "sharded": any(_is_sharded(p) for p in local.params.values()),
         }
-        dist.all_gather_object(infos, mine, group=pg)
+        infos = all_gather_json(mine, pg, device=local.device)
+        for info in infos:  # JSON has no tuples
+            info["table"] = {
+                n: (tuple(shape), dtype) for n, (shape, dtype) in info["table"].items()
+            }
         self.partitioned = _agree(infos)
         self.tables: list[Table] = [info["table"] for info in infos]
         self._mirrors: dict[str, torch.Tensor] = {}
@@ -146,15 +151,15 @@ class WorkerGroup:
 
     def send_verdict(self, verdict: Verdict) -> None:
         assert self.leader
-        dist.broadcast_object_list([verdict], group_src=0, group=self.pg)
+        broadcast_json(asdict(verdict), self.pg, src=True, device=self._comm_device())
 
     def receive_verdict(self) -> Verdict:
         assert not self.leader
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, group_src=0, group=self.pg)
-        verdict = box[0]
-        assert isinstance(verdict, Verdict)
-        return verdict
+        return Verdict(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
+
+    def broadcast_json(self, value: Any) -> Any:
+        """Rank 0's JSON ``value`` on every rank (``worker/collectives.py``: no pickle)."""
+        return broadcast_json(value, self.pg, src=self.leader, device=self._comm_device())
 
     # --- the streamed broadcast (replicated) ----------------------------------------------------
 

@@ -6,7 +6,8 @@ adopted plus the local steps taken since. Restarting, the worker registers under
 fetches the parameters the server serves now; the progress is put back on top of them (a rebase,
 as after a lost connection), so no local step is lost or counted twice when the run did not move
 on, and none is lost when it did. Two files go into the checkpoint folder: the counters as JSON
-and the snapshot as safetensors (fp32, one copy of the model).
+and the snapshot as safetensors (fp32, one copy of the model). In a worker group the state is
+rank 0's: every rank calls ``gather`` before a checkpoint and ``start_resumed`` to resume.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +63,8 @@ def snapshot(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
 
 
 def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
-    """Write the worker's state and snapshot into a checkpoint ``folder`` (between steps only)."""
+    """Write the worker's state and snapshot into a checkpoint ``folder`` (between steps only; in
+    a worker group on rank 0, once every rank called ``gather``)."""
     state = capture(worker)
     save_file(snapshot(worker), os.path.join(folder, SNAPSHOT_FILE))
     tmp = os.path.join(folder, STATE_FILE + ".tmp")
@@ -85,32 +88,65 @@ def load(folder: str) -> tuple[WorkerState, dict[str, torch.Tensor]] | None:
     return state, load_file(os.path.join(folder, SNAPSHOT_FILE))
 
 
+def gather(worker: DiLoCoWorker) -> bool:
+    """Before a checkpoint, on every rank of a worker group (a collective): the samples each rank
+    reported since the last sync are summed onto rank 0, whose state the checkpoint holds. True
+    where that state is: rank 0 of a group, or a worker without one."""
+    group = worker._group
+    if group is None:
+        return True
+    s = worker._session
+    s.samples = group.pool_samples(s.samples)
+    return group.leader
+
+
 def start_resumed(
-    worker: DiLoCoWorker, state: WorkerState, snapshot: dict[str, torch.Tensor]
+    worker: DiLoCoWorker,
+    state: WorkerState | None,
+    snapshot: Mapping[str, torch.Tensor] | None,
 ) -> None:
     """Start ``worker`` (built with ``worker_id=state.worker_id``) from a checkpoint's model: join,
     then put the checkpoint's local progress back on top of the parameters just fetched and take
-    its counters back, so the schedule of syncs goes on where it was."""
+    its counters back, so the schedule of syncs goes on where it was. ``state`` None: ``start``.
+
+    In a worker group every rank calls it (a collective, as ``start`` is) and rank 0's checkpoint
+    decides for all: whether to resume, the progress (its parameters, the other ranks' gathered
+    to it when partitioned, against its snapshot) and the counters; the other ranks' ``state``
+    and ``snapshot`` are not read (None where only rank 0's machine has the worker files). So
+    every rank ends with rank 0's parameters and counts to the same next sync."""
+    group = worker._group
+    leads = group is None or group.leader
+    if group is not None:
+        shared = group.broadcast_json(asdict(state) if leads and state is not None else None)
+        state = WorkerState(**shared) if shared is not None else None
+    if state is None:
+        worker.start()
+        return
     params = worker._local.params
-    if set(snapshot) != set(params):
-        raise ValueError(
-            "the checkpoint's DiLoCo snapshot does not fit the model: "
-            f"{sorted(set(snapshot) ^ set(params))[:3]}"
-        )
-    with torch.no_grad():
-        progress = {}
-        for name, p in params.items():
-            local = p.detach().to(torch.float32, copy=True)
-            to_progress_(local, snapshot[name].to(local.device))
-            progress[name] = local
+    if group is not None:
+        group.collect()  # partitioned: rank 0's mirrors now hold every rank's parameters
+    progress: dict[str, torch.Tensor] = {}
+    error: ValueError | None = None
+    if leads:
+        assert snapshot is not None
+        try:
+            progress = _progress(params, snapshot)
+        except ValueError as exc:
+            error = exc
+    if group is not None and not group.agree_on(error is None):
+        raise error or ValueError("rank 0 of the worker group cannot resume from its checkpoint")
+    if error is not None:
+        raise error
     worker.start()
     with torch.no_grad():
-        for name, p in params.items():
-            p.add_(progress[name].to(p.dtype))
+        for name, delta in progress.items():
+            params[name].add_(delta.to(params[name].dtype))
+    if group is not None:
+        group.share()
     s = worker._session
     s.local_step = min(state.local_step, s.sync_every - 1)
     s.total_steps = state.total_steps
-    s.samples = state.samples
+    s.samples = state.samples if leads else 0.0  # a group's samples are kept on rank 0
     log.info(
         "worker %s resumed: %d local steps since round %d kept on top of round %d",
         s.worker_id,
@@ -118,3 +154,21 @@ def start_resumed(
         state.round,
         s.base_round,
     )
+
+
+def _progress(
+    params: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``params - snapshot`` in fp32, parameter by parameter."""
+    if set(snapshot) != set(params):
+        raise ValueError(
+            "the checkpoint's DiLoCo snapshot does not fit the model: "
+            f"{sorted(set(snapshot) ^ set(params))[:3]}"
+        )
+    progress = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            local = p.detach().to(torch.float32, copy=True)
+            to_progress_(local, snapshot[name].to(local.device))
+            progress[name] = local
+    return progress
