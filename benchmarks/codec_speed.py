@@ -1,0 +1,145 @@
+"""Speed of the codecs (src/diloco/core/codecs) on one core, beside the plain fp32 -> bf16 cast.
+
+The issue's target (issue 18): encode and decode of a 100M-parameter pseudo-gradient on one core,
+side by side with the plain conversion of the same tensors in the same run: int8 and 4-bit each
+at most 3x that conversion's time.
+
+The model is the sync-round benchmark's (``sync_round_children.choose_shape``: 24 bias-free
+2048 x 2048 layers for 100M), its pseudo-gradient Gaussian (the codecs' speed does not depend on
+the values). Every operation runs over all tensors; the operations take turns, ``--repeats``
+times, and each row is the median (so a drift in the machine's speed hits every row alike).
+
+- cast: ``bf16.copy_(fp32)`` into a preallocated tensor (the reference: the worker's scratch
+  conversion today), and ``fp32.to(bf16)``, which also allocates (page faults included).
+- encode: into preallocated parts (``encode_piece(t, out)``), as a worker that reuses its buffers;
+  low rank: ``encode(t, name)``, whose outputs are tiny.
+- +feedback: ``ErrorFeedback.encode_piece``: compensate, encode, subtract the decoded value from
+  the residual (a worker's whole step; the residual is preallocated).
+- add_into: accumulate into a preallocated fp32 sum with weight 0.5 (the server's decode).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/codec_speed.py                 # 100M parameters, 5 repeats
+    .venv/bin/python benchmarks/codec_speed.py --params 10e6   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from diloco.core.codecs import (
+    Bf16Codec,
+    BlockCodec,
+    Codec,
+    ErrorFeedback,
+    Fp4Codec,
+    Int4Codec,
+    Int8Codec,
+    LowRankCodec,
+)
+from harness.report import machine_info, print_table
+from sync_round_children import choose_shape
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build_ops(tensors: list[torch.Tensor], rank: int) -> dict[str, Callable[[], object]]:
+    names = [f"layer{i}.weight" for i in range(len(tensors))]
+    bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in tensors]
+    acc = [torch.zeros_like(t) for t in tensors]
+    ops: dict[str, Callable[[], object]] = {
+        "fp32 -> bf16 cast (preallocated)": lambda: [
+            o.copy_(t) for o, t in zip(bf16, tensors, strict=True)
+        ],
+        "fp32 -> bf16 cast (.to, allocating)": lambda: [t.to(torch.bfloat16) for t in tensors],
+        "bf16 add_into (today's server)": lambda: [
+            Bf16Codec().add_into(a, [b], 0.5) for a, b in zip(acc, bf16, strict=True)
+        ],
+    }
+    codecs: list[Codec] = [Int8Codec(), Int4Codec(), Fp4Codec(), LowRankCodec(rank=rank)]
+    for codec in codecs:
+        label = codec.name if not isinstance(codec, LowRankCodec) else f"lowrank r={rank}"
+        if isinstance(codec, BlockCodec):
+            outs = [codec.empty_parts(t.numel(), t.device) for t in tensors]
+            ops[f"{label} encode"] = _encode_pieces(codec, tensors, outs)
+            feedback = ErrorFeedback()
+            for name, t in zip(names, tensors, strict=True):
+                feedback.residuals[name] = torch.zeros_like(t)
+            ops[f"{label} encode +feedback"] = lambda c=codec, f=feedback, o=outs: [
+                f.encode_piece(c, n, t.shape, 0, t.view(-1), out)
+                for n, t, out in zip(names, tensors, o, strict=True)
+            ]
+            parts = outs
+        else:
+            parts = [codec.encode(t, n) for n, t in zip(names, tensors, strict=True)]
+            ops[f"{label} encode"] = lambda c=codec: [
+                c.encode(t, n) for n, t in zip(names, tensors, strict=True)
+            ]
+        ops[f"{label} add_into"] = lambda c=codec, p=parts: [
+            c.add_into(a, ps, 0.5) for a, ps in zip(acc, p, strict=True)
+        ]
+    return ops
+
+
+def _encode_pieces(
+    codec: BlockCodec, tensors: list[torch.Tensor], outs: list[list[torch.Tensor]]
+) -> Callable[[], object]:
+    return lambda: [codec.encode_piece(t.view(-1), o) for t, o in zip(tensors, outs, strict=True)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=100e6, help="model size (default 100e6)")
+    ap.add_argument("--max-dim", type=int, default=2048, help="widest square layer (default 2048)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed turns per operation (default 5)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--rank", type=int, default=4, help="low-rank codec's rank (default 4)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = choose_shape(args.params, args.max_dim)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape.dim, shape.dim, generator=gen) * 1e-3 for _ in range(shape.layers)]
+    ops = build_ops(tensors, args.rank)
+    for fn in ops.values():  # warm-up: first touches, allocator
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(args.repeats):
+        for key, fn in ops.items():
+            times[key].append(timed(fn))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    ref = median["fp32 -> bf16 cast (preallocated)"]
+    alloc = median["fp32 -> bf16 cast (.to, allocating)"]
+    info = machine_info()
+    print(f"{datetime.date.today()}  {' '.join(sys.argv)}")
+    print(
+        f"{shape.layers} x {shape.dim}x{shape.dim} = {shape.numel / 1e6:.1f}M parameters, "
+        f"{args.threads} torch thread(s), median of {args.repeats}; torch {torch.__version__}; "
+        f"{info['cpu']} ({info['nproc']} cores)\n"
+    )
+    rows = [
+        [
+            key,
+            f"{median[key] * 1e3:.1f}",
+            f"{min(times[key]) * 1e3:.1f}",
+            f"{median[key] / ref:.2f}x",
+            f"{median[key] / alloc:.2f}x",
+        ]
+        for key in ops
+    ]
+    print_table(["operation", "median ms", "min ms", "vs cast", "vs .to(bf16)"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

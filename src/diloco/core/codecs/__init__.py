@@ -1,0 +1,66 @@
+"""Codecs for pseudo-gradients and published updates: pure tensor maths (issue 18).
+
+``fp32`` and ``bf16`` (plain), ``int8`` and ``int4`` (blockwise absmax, bf16 scales), ``lowrank``
+(PowerSGD with warm start); ``ErrorFeedback`` for the lossy ones on the worker. Every encoded
+tensor is a list of wire tensors (``Part``s) that travel in one safetensors body. See
+docs/design.md, "Codecs".
+"""
+
+from diloco.core.codecs.base import (
+    CHUNK,
+    SEP,
+    Codec,
+    CodecError,
+    Part,
+    accumulate_,
+    check_name,
+    wire_names,
+)
+from diloco.core.codecs.elementwise import Bf16Codec, BlockCodec, Fp32Codec
+from diloco.core.codecs.error_feedback import ErrorFeedback
+from diloco.core.codecs.fourbit import GROUP, Fp4Codec, Int4Codec
+from diloco.core.codecs.lowrank import LowRankCodec
+from diloco.core.codecs.quant import AbsmaxQuantizer, Int8Codec
+from diloco.core.codecs.registry import (
+    CODECS,
+    FOUR_BIT,
+    codec_by_name,
+    codec_from_metadata,
+    codec_metadata,
+    codec_names,
+    decode_named,
+    encode_named,
+    from_wire,
+    to_wire,
+)
+
+__all__ = [
+    "CHUNK",
+    "CODECS",
+    "FOUR_BIT",
+    "GROUP",
+    "SEP",
+    "AbsmaxQuantizer",
+    "Bf16Codec",
+    "BlockCodec",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "Fp32Codec",
+    "Fp4Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "LowRankCodec",
+    "Part",
+    "accumulate_",
+    "check_name",
+    "codec_by_name",
+    "codec_from_metadata",
+    "codec_metadata",
+    "codec_names",
+    "decode_named",
+    "encode_named",
+    "from_wire",
+    "to_wire",
+    "wire_names",
+]

@@ -1,0 +1,110 @@
+"""Error feedback (Seide et al. 2014; Karimireddy et al. 2019): what a lossy codec dropped from
+one round's pseudo-gradient is added to the next one's, so nothing is lost, only delayed.
+
+For each tensor, round ``t`` sends ``encode(c_t)`` with ``c_t = g_t + e_{t-1}`` and keeps
+``e_t = c_t - decode(encode(c_t))``. Summed over rounds, what the server received plus the last
+residual is the sum of the true pseudo-gradients: ``sum_t sent_t + e_T = sum_t g_t``, exactly but
+for the fp32 rounding of each ``c_t``. (That is also why round-to-nearest suffices: a rounding
+bias of one round is repaid by the next, which is what stochastic rounding would buy.)
+
+Memory: one fp32 residual per tensor, on the tensor's device, the only buffer the method needs:
+``c`` is built in the residual itself, encoded, and the decoded value subtracted in place through
+the codec's ``add_into`` with weight -1, which needs no full-size temporary.
+
+A worker keeps one ``ErrorFeedback`` across rounds and saves ``state_dict`` with its state: a
+rejoin restores it, and a rebase (local progress kept on top of new global parameters) leaves it
+as it is, since the dropped part of an earlier pseudo-gradient is still owed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from diloco.core.codecs.base import CHUNK, Codec
+from diloco.core.codecs.elementwise import BlockCodec
+
+
+class ErrorFeedback:
+    """The residuals of one worker, keyed by parameter name. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def _residual(self, name: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+        e = self.residuals.get(name)
+        if e is None or tuple(e.shape) != tuple(shape) or e.device != device:
+            e = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+            self.residuals[name] = e
+        return e
+
+    @torch.no_grad()
+    def encode(self, codec: Codec, name: str, g: torch.Tensor) -> list[torch.Tensor]:
+        """``codec.encode(g + e)`` for tensor ``name``, keeping ``e <- g + e - decode(...)``.
+        ``g`` (the pseudo-gradient, any float dtype) is not modified."""
+        if isinstance(codec, BlockCodec):
+            flat = self.encode_piece(codec, name, g.shape, 0, g.reshape(-1))
+            return [f.view(p.shape) for f, p in zip(flat, codec.parts(g.shape), strict=True)]
+        e = self._residual(name, g.shape, g.device)
+        e.add_(g)  # c = g + e, built in place
+        parts = codec.encode(e, name)
+        codec.add_into(e, parts, -1.0)  # e = c - sent
+        return parts
+
+    @torch.no_grad()
+    def encode_piece(
+        self,
+        codec: BlockCodec,
+        name: str,
+        shape: Sequence[int],
+        start: int,
+        piece: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """``encode`` for the flat piece of tensor ``name`` (of ``shape``) that starts at element
+        ``start`` (see ``BlockCodec.piece_ranges``); ``out`` as in ``BlockCodec.encode_piece``.
+        Pieces of one round must not overlap (each updates its range of the residual)."""
+        e = self._residual(name, shape, piece.device).view(-1)
+        n = piece.numel()
+        codec.piece_ranges(e.numel(), start, start + n)  # refuses a misaligned piece
+        parts = codec.empty_parts(n, piece.device) if out is None else list(out)
+        flat = piece.reshape(-1)
+        # A chunk at a time, so that c stays in cache from the compensation through the encoding
+        # to the subtraction of what was sent: the residual crosses memory once, not three times.
+        for a in range(0, n, CHUNK):
+            b = min(n, a + CHUNK)
+            c = e[start + a : start + b]
+            c.add_(flat[a:b])
+            sub = [p[s:t] for p, (s, t) in zip(parts, codec.piece_ranges(n, a, b), strict=True)]
+            codec.encode_piece(c, sub)
+            codec.add_piece_into(c, sub, -1.0, False)
+        return parts
+
+    def norm(self) -> float:
+        """``||e||`` over every residual (fp32), for the worker's metrics."""
+        total = 0.0
+        for e in self.residuals.values():
+            total += float(torch.linalg.vector_norm(e)) ** 2
+        return total**0.5
+
+    def forget(self, name: str | None = None) -> None:
+        """Drop the residual of ``name`` (every residual when None): after the worker hands the
+        owed amount in by other means, or when its run is over."""
+        if name is None:
+            self.residuals.clear()
+        else:
+            self.residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The residuals by name: plain tensors, ready for ``safetensors.torch.save_file``."""
+        return dict(self.residuals)
+
+    def load_state_dict(
+        self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+    ) -> None:
+        """Restore ``state_dict`` (copies, as fp32, on ``device`` or where they are)."""
+        self.residuals = {
+            name: e.detach().to(device=device, dtype=torch.float32, copy=True)
+            for name, e in state.items()
+        }
