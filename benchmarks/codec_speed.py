@@ -16,6 +16,9 @@ times, and each row is the median (so a drift in the machine's speed hits every 
 - +feedback: ``ErrorFeedback.encode_piece``: compensate, encode, subtract the decoded value from
   the residual (a worker's whole step; the residual is preallocated).
 - add_into: accumulate into a preallocated fp32 sum with weight 0.5 (the server's decode).
+- downlink (``core/codecs/downlink.py``): ``encode_update`` (the server's side of a published
+  update: ``true - published`` encoded and added to ``published``), ``apply_update`` (a replica's
+  side) and the CRC-32 ``checksum`` of the parameters' bytes, beside SHA-256 of the same bytes.
 
 Usage (from the repository root)::
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import statistics
 import sys
 import time
@@ -44,6 +48,7 @@ from diloco.core.codecs import (
     Int8Codec,
     LowRankCodec,
 )
+from diloco.core.codecs.downlink import apply_update, checksum, encode_update
 from harness.report import machine_info, print_table
 from sync_round_children import choose_shape
 
@@ -88,6 +93,18 @@ def build_ops(tensors: list[torch.Tensor], rank: int) -> dict[str, Callable[[], 
             ]
         ops[f"{label} add_into"] = lambda c=codec, p=parts: [
             c.add_into(a, ps, 0.5) for a, ps in zip(acc, p, strict=True)
+        ]
+    views = [memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") for t in tensors]
+    ops["checksum (CRC-32)"] = lambda: checksum(views)
+    ops["sha256 (for comparison)"] = lambda: [hashlib.sha256(v).digest() for v in views]
+    published = [t * 0.999 for t in tensors]  # a replica a step behind
+    for codec in (Int8Codec(), Int4Codec()):
+        outs = [codec.empty_parts(t.numel(), t.device) for t in tensors]
+        ops[f"{codec.name} downlink encode_update"] = lambda c=codec, o=outs: [
+            encode_update(c, t, p, out) for t, p, out in zip(tensors, published, o, strict=True)
+        ]
+        ops[f"{codec.name} downlink apply_update"] = lambda c=codec, o=outs: [
+            apply_update(c, p, out) for p, out in zip(published, o, strict=True)
         ]
     return ops
 
