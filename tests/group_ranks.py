@@ -110,14 +110,18 @@ def _record(model: torch.nn.Module, worker: DiLoCoWorker) -> dict[str, Any]:
         "outcome": worker.last_sync_outcome,
         "round": worker.base_round,
         "worker_id": worker.worker_id,
-        "metrics": {k: m[k] for k in ("rounds", "rebases", "failed_syncs", "sync_every")},
+        "metrics": {
+            k: m[k] for k in ("rounds", "rebases", "failed_syncs", "sync_every", "residual_norm")
+        },
     }
 
 
 # --- ranks -------------------------------------------------------------------------------------
 
 
-def ddp_rank(rank: int, port: int, server: str, group: int, out: str, faults: bool) -> None:
+def ddp_rank(
+    rank: int, port: int, server: str, group: int, out: str, faults: bool, codec: str | None = None
+) -> None:
     """One rank of a DDP group; records its state after every step."""
     _init(rank, port)
     model = make_model()
@@ -126,7 +130,7 @@ def ddp_rank(rank: int, port: int, server: str, group: int, out: str, faults: bo
     client = FaultyClient(server) if faults and rank == 0 else None
     records = []
     steps = SYNC_EVERY * (5 if faults else ROUNDS)
-    with _worker(ddp, opt, server, client=client) as worker:
+    with _worker(ddp, opt, server, client=client, codec=codec) as worker:
         records.append(_record(model, worker))  # after the join
         for x, y in batches(2 * group + rank, steps):
             torch.nn.functional.mse_loss(ddp(x), y).backward()

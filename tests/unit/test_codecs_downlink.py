@@ -9,13 +9,8 @@ import torch
 
 from diloco.core.codecs import Bf16Codec, Fp32Codec, Int4Codec, Int8Codec, LowRankCodec
 from diloco.core.codecs.base import CHUNK
-from diloco.core.codecs.downlink import (
-    apply_update,
-    check_download_codec,
-    checksum,
-    encode_update,
-    tensor_checksum,
-)
+from diloco.core.codecs.downlink import apply_update, check_download_codec, encode_update
+from diloco.wire.checksum import checksum, tensor_checksum
 
 
 def test_hand_computed_update_of_one_block() -> None:

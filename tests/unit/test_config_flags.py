@@ -27,12 +27,12 @@ SERVER_FLAGS = {
     "--upload-rate-window", "--header-timeout", "--max-connections", "--max-connections-per-ip",
     "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--delayed-nesterov",
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every", "--num-fragments",
-    "--fragment-pattern",
+    "--fragment-pattern", "--codecs", "--download-codec",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",
     "--tls-ca", "--dylu", "--num-fragments", "--fragment-pattern", "--overlap-steps",
-    "--merge-alpha",
+    "--merge-alpha", "--codec", "--no-error-feedback",
 }  # fmt: skip
 
 
@@ -108,6 +108,8 @@ def test_flags_that_are_not_the_field_name(clean_env: None) -> None:
     assert (got["num_workers"], got["mode"]) == (3, "async")
     no_bf16 = build_parser().parse_args(["worker", "--no-bf16", "--dylu"])
     assert (no_bf16.bf16_comm, no_bf16.dylu) == (False, True)
+    no_feedback = build_parser().parse_args(["worker", "--no-error-feedback"])
+    assert (no_feedback.error_feedback, no_bf16.error_feedback) == (False, None)  # None: unset
 
 
 def test_token_flags_read_their_variable(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
@@ -165,6 +167,8 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
         "merge_alpha": 0.25,
         "dylu": True,
         "log_level": "WARNING",
+        "codec": "int8",
+        "error_feedback": False,
     }
     assert set(given) == {f.name for f in dataclasses.fields(WorkerSettings)}
     defaults = WorkerSettings()

@@ -50,9 +50,14 @@ FULL: dict[str, Any] = {
     "registrations": 5,
     "worker_deaths": 1,
     "staleness": {"last": 1, "mean": 0.5, "max": 3, "count": 8},
+    "codecs": ["int8"],
+    "allowed_codecs": ["bf16", "int8"],
+    "last_round_bytes_in": 2100,
+    "last_round_bytes_out": 8000,
     "workers": [
         worker({"worker_id": "a", "hostname": "h1", "loss": 2.5, "steps_per_second": 10.0,
-                "last_seen_s_ago": 0.5, "bytes_in": 100, "bytes_out": 200, "last_round": 6}),
+                "last_seen_s_ago": 0.5, "bytes_in": 100, "bytes_out": 200, "last_round": 6,
+                "codec": "int8"}),
         worker({"worker_id": 'we"ird\\id\n', "hostname": "h2", "loss": None,
                 "steps_per_second": None, "last_seen_s_ago": 3.0, "bytes_in": 0, "bytes_out": 0,
                 "last_round": None}),
@@ -114,6 +119,9 @@ def test_full_status() -> None:
     assert value(s, "diloco_upload_slots") == 2
     assert value(s, "diloco_uploads_waiting") == 1
     assert value(s, "diloco_last_round_upload_wait_max_seconds") == 0.75
+    assert value(s, "diloco_round_bytes", 'direction="up"') == 2100
+    assert value(s, "diloco_round_bytes", 'direction="down"') == 8000
+    assert s["diloco_workers_by_codec"] == [('codec="int8"', 1)]  # b asked for none
 
 
 def test_a_fresh_servers_status_is_still_valid() -> None:
@@ -135,6 +143,7 @@ def test_status_table_shows_the_same_figures() -> None:
     text = render_status(Status.from_json(FULL))
     for expected in ("mode async", "round 7", "deaths 1", "registrations 5", "lr 0.7",
                      "staleness last 1", "max 3", "1.250 s", "2.5000",
-                     "uploads: 2 slot(s), 1 waiting", "longest wait 0.750 s"):  # fmt: skip
+                     "uploads: 2 slot(s), 1 waiting", "longest wait 0.750 s",
+                     "codecs int8 (allowed bf16, int8)", "2.1 KB up, 7.8 KB down"):  # fmt: skip
         assert expected in text, expected
     assert "(no workers)" in render_status(Status.from_json(fresh()))

@@ -261,6 +261,24 @@ def test_a_truncated_tensor_file_is_not_counted(tmp_path: Path) -> None:
         inspect_checkpoint(torn)
 
 
+def test_a_true_copy_travels_in_the_transaction(tmp_path: Path) -> None:
+    """A lossy downlink's true copy: saved beside the parameters, loaded back, and part of what
+    makes a checkpoint complete."""
+    params, opt = _optimizer_after_two_steps()
+    named = {"a": params[0].data, "b": params[1].data}
+    true = {n: t + 1 for n, t in named.items()}
+    plain = save_checkpoint(tmp_path, 1, named, opt.state_dict(), {}, keep=3)
+    assert load_checkpoint(plain).true_params is None
+    path = save_checkpoint(tmp_path, 2, named, opt.state_dict(), {}, keep=3, true=true)
+    loaded = load_checkpoint(path).true_params
+    assert loaded is not None and all(torch.equal(loaded[n], true[n]) for n in true)
+    data = (path / "true.safetensors").read_bytes()
+    (path / "true.safetensors").write_bytes(data[:-1])
+    assert list_checkpoints(tmp_path) == [plain]
+    with pytest.raises(ValueError, match="true.safetensors"):
+        inspect_checkpoint(path)
+
+
 def _server_checkpoint(where: Path) -> Path:
     """A real round-0 checkpoint of a one-tensor server."""
     cfg = ServerConfig(port=0, num_workers=1, save_dir=str(where))

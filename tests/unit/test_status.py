@@ -116,14 +116,12 @@ def test_update_entries_keep_their_json_keys() -> None:
 
 # How app.js names the parts of a /status document it reads (see its renderSummary, record,
 # renderWorkers, lossSeries): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker,
-# ``u`` and ``log[i]`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's
-# report in it.
+# ``u`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's report in it.
 DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "st": (Status, r"\bst"),
     "opt": (OuterOptimizer, r"\bopt"),
     "w": (WorkerStatus, r"\bw"),
     "u": (UpdateEntry, r"\bu"),
-    "log[i]": (UpdateEntry, r"\blog\[[^\]]+\]"),
     "entry": (RoundLoss, r"\bentry"),
     "wl": (WorkerLoss, r"\bwl"),
 }
@@ -150,7 +148,9 @@ def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
         assert not unknown, f"app.js reads {name}.{sorted(unknown)}: no such {cls.__name__} field"
     # What it shows today: a rename of any of these fields fails here.
     assert {"round", "workers", "update_log", "num_workers", "upload_slots"} <= keys["st"]
-    assert {"worker_id", "loss", "last_seen_s_ago", "staleness"} <= keys["w"]
+    assert {"worker_id", "loss", "last_seen_s_ago", "staleness", "codec"} <= keys["w"]
+    assert {"codecs", "last_round_bytes_in", "last_round_bytes_out"} <= keys["st"]
+    assert {"round_bytes_in", "round_bytes_out"} <= keys["u"]
     assert {"round", "workers", "mean_loss"} <= keys["entry"]
     assert {"worker_id", "loss", "steps"} <= keys["wl"]
 

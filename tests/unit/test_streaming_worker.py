@@ -104,7 +104,9 @@ class FakeClient:
         worker_id: Any = None,
         fragment: Any = None,
         on_progress: Any = None,
+        have_round: int | None = None,
     ) -> Download:
+        assert have_round is None  # full parameters only: no compressed downlink here
         s = self.s
         assert s.params is not None
         if fragment is None:
@@ -140,6 +142,7 @@ class FakeClient:
         fragment: int | None = None,
         loss: float | None = None,
         steps: int | None = None,
+        codec: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         s = self.s
         assert fragment is not None

@@ -34,6 +34,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def _opt_bytes(n: int | None) -> str:
+    return "-" if n is None else _fmt_bytes(n)
+
+
 def _num(value: Any, fmt: str, unit: str = "") -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "-"
@@ -60,6 +64,10 @@ def render_status(st: Status) -> str:
         f"  rejected submissions {st.rejected_submissions}",
         f"uploads: {st.upload_slots} slot(s), {st.uploads_waiting} waiting"
         f"  last round's longest wait {_num(st.last_round_upload_wait_max_s, '.3f', ' s')}",
+        f"codecs {', '.join(st.codecs) or '-'} (allowed {', '.join(st.allowed_codecs)}),"
+        f" download {st.download_codec}"
+        f"  last round {_opt_bytes(st.last_round_bytes_in)} up,"
+        f" {_opt_bytes(st.last_round_bytes_out)} down",
     ]
     if st.mode == "async" or stale.count:
         lines.append(

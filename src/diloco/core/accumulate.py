@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 CHUNK = 1 << 20  # elements added at a time (bf16 ones go through an fp32 scratch of this size)
+
+
+class AddsInto(Protocol):
+    """A contribution that is not a plain tensor: an encoded one (``core.codecs.Encoded``) adds
+    itself into an fp32 accumulator chunk by chunk, with no full-size decoded copy."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def add_into(self, acc: torch.Tensor, weight: float = 1.0, *, first: bool = False) -> None:
+        """``acc += weight * value`` (``acc = weight * value`` when ``first``)."""
+        ...
+
+
+Entry = torch.Tensor | AddsInto
 
 
 class WeightedSum:
@@ -25,7 +41,7 @@ class WeightedSum:
     @torch.no_grad()
     def add(
         self,
-        tensors: Sequence[torch.Tensor],
+        tensors: Sequence[Entry],
         weight: float,
         *,
         order: Sequence[int] | None = None,
@@ -36,7 +52,10 @@ class WeightedSum:
         The work goes in pieces of ``CHUNK`` elements, tensor by tensor in ``order`` (default:
         index order). After each piece ``on_piece(i, end)`` says that the first ``end`` flat
         elements of ``tensors[i]`` (and every tensor before it in ``order``) are no longer read,
-        so a caller can reuse that memory while the rest is still being added."""
+        so a caller can reuse that memory while the rest is still being added.
+
+        An entry may be encoded (``AddsInto``): it adds itself (decoding a chunk at a time, the
+        same ``first`` semantics), and ``on_piece(i, numel)`` follows once it is done."""
         if not weight > 0:
             raise ValueError(f"contribution weight must be positive, got {weight}")
         if len(tensors) != len(self.sums):
@@ -51,7 +70,13 @@ class WeightedSum:
                 )
         first = self.count == 0
         for i in indices:
-            flat_t = tensors[i].reshape(-1)
+            entry = tensors[i]
+            if not isinstance(entry, torch.Tensor):
+                entry.add_into(self.sums[i], weight, first=first)
+                if on_piece is not None:
+                    on_piece(i, self.sums[i].numel())
+                continue
+            flat_t = entry.reshape(-1)
             done = None if on_piece is None else lambda end, i=i: on_piece(i, end)
             self._write(i, 0, flat_t, weight, first, done)
             if on_piece is not None and flat_t.numel() == 0:

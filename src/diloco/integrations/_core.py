@@ -35,6 +35,9 @@ LOGGED = (
     "failed_syncs",
     "rebases",
     "dropped_steps",
+    "last_bytes_up",
+    "last_bytes_down",
+    "residual_norm",
 )
 
 
@@ -53,10 +56,12 @@ class TrainerWorker:
         model: torch.nn.Module,
         optimizer: Any,
         saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None,
+        codec_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Join the run; with ``saved`` (a checkpoint's worker state and snapshot), as the
-        worker that wrote it, with its local progress on top of the current parameters. In a
-        worker group rank 0's ``saved`` decides (the other ranks' may be None)."""
+        worker that wrote it, with its local progress on top of the current parameters and its
+        error-feedback residual (``codec_state``) back. In a worker group rank 0's ``saved``
+        decides (the other ranks' may be None)."""
         if self.worker is not None:
             raise RuntimeError("the DiLoCo worker of this callback is already running")
         kwargs = dict(self._kwargs)
@@ -70,7 +75,7 @@ class TrainerWorker:
                 )
             kwargs["worker_id"] = kwargs.get("worker_id") or state.worker_id
         worker = DiLoCoWorker(model, optimizer, **kwargs)
-        resume.start_resumed(worker, state, snapshot)
+        resume.start_resumed(worker, state, snapshot, codec_state)
         self.worker = worker
         self.worker_id = worker.worker_id
 
@@ -99,6 +104,7 @@ class TrainerWorker:
         return {
             "state": asdict(resume.capture(self.worker)),
             "snapshot": resume.snapshot(self.worker),
+            "codec_state": resume.codec_state(self.worker),
         }
 
     def finish(self, *, submit: bool = True) -> None:

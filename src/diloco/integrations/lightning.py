@@ -75,6 +75,7 @@ class DiLoCoCallback(WorkerCallback, Callback):
             server_addr, sync_every, bf16_comm, worker_id, final_sync=final_sync, **worker_kwargs
         )
         self._saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
+        self._codec_state: dict[str, torch.Tensor] | None = None
 
     def on_train_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
@@ -85,7 +86,8 @@ class DiLoCoCallback(WorkerCallback, Callback):
                 f"{len(trainer.optimizers)}"
             )
         saved, self._saved = self._saved, None
-        self._core.start(pl_module, trainer.optimizers[0], saved)
+        codec_state, self._codec_state = self._codec_state, None
+        self._core.start(pl_module, trainer.optimizers[0], saved, codec_state)
 
     def on_train_batch_start(
         self,
@@ -127,3 +129,4 @@ class DiLoCoCallback(WorkerCallback, Callback):
         if state_dict:
             state = resume.WorkerState(**state_dict["state"])
             self._saved = (state, dict(state_dict["snapshot"]))
+            self._codec_state = dict(state_dict.get("codec_state") or {})

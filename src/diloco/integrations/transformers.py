@@ -97,7 +97,9 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
         saved = resume.load(folder) if folder else None
         if folder and saved is None and state.is_world_process_zero:
             log.warning("checkpoint %s holds no DiLoCo worker state: joining afresh", folder)
-        self._core.start(model, optimizer, saved)
+        self._core.start(
+            model, optimizer, saved, resume.load_codec_state(folder) if folder else None
+        )
         self._samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
     def on_pre_optimizer_step(

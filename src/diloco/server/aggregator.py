@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
+from diloco.core.accumulate import Entry
 
 
 class Verdict(enum.Enum):
@@ -62,8 +62,9 @@ class Landed:
     """A submission whose whole body has landed and passed its checks (finite, its worker still
     registered and current): from here on it counts.
 
-    ``tensors`` are in the unit's order; empty when ``written`` (the first write already put the
-    body into the running sum). ``add`` runs a blocking addition on the tensor lock behind any
+    ``tensors`` are in the unit's order, each a received tensor or an encoded one
+    (``core.codecs.Encoded``: ``WeightedSum.add`` decodes it a chunk at a time); empty when
+    ``written`` (the first write already put the body into the running sum). ``add`` runs a blocking addition on the tensor lock behind any
     first write, freeing the receive buffer as it reads; ``sum_add`` adds this body times its
     weight to the unit's running sum in the order of its bytes (so the buffer refills behind
     it)."""
@@ -73,7 +74,7 @@ class Landed:
     base: int
     weight: float
     nbytes: int
-    tensors: list[torch.Tensor]
+    tensors: list[Entry]
     written: bool = False
     add: Callable[[Callable[[], None]], Awaitable[None]] | None = None
     sum_add: Callable[[], None] | None = None

@@ -163,14 +163,20 @@ async def initial_params(request: web.Request) -> web.Response:
 
 async def global_params(request: web.Request) -> web.StreamResponse:
     """The global parameters, or with ``?fragment=k`` one fragment's pieces. Long-polls until
-    ``min_round`` is published. No lock is held while the bytes stream: the snapshot pins them
-    and an outer step meanwhile writes to a copy."""
+    ``min_round`` is published. ``have_round=R``: the round the worker holds, so that a lossy
+    download codec can send the round's update instead (server/downlink.py). No lock is held
+    while the bytes stream: the snapshot pins them and an outer step meanwhile writes to a
+    copy."""
     coord = request.app[COORDINATOR]
     worker_id = request.query.get("worker_id")
+    have_round = (
+        _query_int(request, "have_round", default=0) if "have_round" in request.query else None
+    )
     snap = await coord.download(
         worker_id,
         request.query.get("fragment"),
         lambda: _query_int(request, "min_round", default=0),
+        have_round,
     )
     if isinstance(snap, dict):  # nothing new within poll_timeout
         return web.json_response(snap, status=202)

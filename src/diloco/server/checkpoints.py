@@ -68,6 +68,11 @@ class Checkpoints:
                 f"{ckpt.path} holds {saved[0]} fragment(s), the server was asked for "
                 f"{fragmenting[0]}"
             )
+        if saved[0] > 1 and self.config.lossy_download:
+            raise ValueError(
+                f"{ckpt.path} holds {saved[0]} fragments; --download-codec "
+                f"{self.config.download_codec} publishes updates of the whole model only"
+            )
         self.model.fragmenting = saved
         self.restored = ckpt
         self.registry.deaths = int(ckpt.extra.get("worker_deaths", 0))
@@ -138,13 +143,17 @@ class Checkpoints:
             "worker_deaths": self.registry.deaths,
             "instance": store.instance,
         }
+        # What the workers hold is the checkpoint's parameters; with a lossy downlink the
+        # outer step's true copy goes beside them, so a restart goes on bit for bit.
+        extra["download_codec"] = self.config.download_codec
         path = save_checkpoint(
             self.config.save_dir,
             store_round,
-            store.named(),
+            store.published(),
             merged,
             extra,
             self.config.keep_checkpoints,
+            true=store.named() if store.has_true else None,
         )
         self.last_save = SaveRecord(store_round, str(path))
         log.info("saved round %d to %s", store_round, path)
@@ -197,6 +206,7 @@ class Checkpoints:
         pass to ``apply_outer_step``."""
         store = self.model.require_store()
         units = self.model.units
+        downlink = self.model.downlink
         new_round = store.round + 1
         rounds = [u.published_round for u in units]
         rounds[unit.index] = unit_round
@@ -204,6 +214,8 @@ class Checkpoints:
 
         def step(progress: PieceDone | None) -> None:
             outer_step(progress)
+            if downlink is not None:
+                downlink.encode(new_round)  # the published payload follows the true copy
             if durable:
                 self._write_quietly(new_round, rounds)
 
@@ -214,12 +226,14 @@ class Checkpoints:
 
         # A round that is to be durable is not streamed while it is written: its first byte
         # leaves only once its checkpoint is on disk, so no worker drops progress for a result
-        # a crash could take back (a worker adopts a streamed round as its bytes land).
+        # a crash could take back (a worker adopts a streamed round as its bytes land). With a
+        # lossy downlink the payload is written after the step (by the update), so it is
+        # published when done.
         await store.update(
             step,
             new_round=new_round,
             on_publish=publish,
-            stream=len(units) == 1 and not durable,
+            stream=len(units) == 1 and not durable and downlink is None,
         )
 
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.core.codecs import codec_by_name, codec_names
+from diloco.core.codecs.downlink import check_download_codec
 from diloco.core.fragments import PATTERNS
 
 
@@ -14,6 +16,17 @@ def _flag(default: Any, help: str, **cli: Any) -> Any:
     documents go in its metadata, so the flag is declared here, beside the setting."""
     return field(default=default, metadata={"help": help, **cli})
 
+
+def _carries_updates(name: str) -> bool:
+    try:
+        check_download_codec(codec_by_name(name))
+    except ValueError:
+        return False
+    return True
+
+
+#: ``fp32`` (full parameters every round) and the codecs that can carry a published update.
+DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)))
 
 # Sections of ``diloco server --help``.
 _ASYNC = "async mode (arXiv 2401.09135)"
@@ -221,6 +234,28 @@ class ServerConfig:
     upload as soon as a body has landed, which refills it behind the add of the previous one;
     the server's own link is the shared bottleneck, so 1 costs little time."""
 
+    codecs: str = _flag(
+        ",".join(codec_names()),
+        "comma-separated codecs workers may upload with (default: all)",
+        metavar="NAMES",
+    )
+    """Codecs workers may upload with (``fp32,bf16,int8,int4,lowrank``: all by default). A worker
+    asking for another is refused at registration (422 ``codec_refused``), as is an upload;
+    raw uploads count as ``fp32`` or ``bf16`` by their dtype."""
+
+    download_codec: str = _flag(
+        "fp32",
+        "publish each round as an update of the previous one in this codec (sync mode, "
+        "workers apply it bit for bit; joiners and workers that missed a round get full "
+        "parameters); fp32: full parameters every round",
+        choices=DOWNLOAD_CODECS,
+    )
+    """How rounds reach the workers. ``fp32``: full parameters, as always. ``bf16``, ``int8``,
+    ``int4``: a worker that holds the previous round downloads the round's change, quantized
+    with the server's error feedback, and applies it with the same arithmetic as the server, so
+    every replica stays bit-identical to ``GET /global_params`` (docs/design.md, "Codecs").
+    The server then keeps one more fp32 copy of the model. Sync mode only, without fragments."""
+
     max_initial_bytes: int = 64 * 1024**3
     """Largest parameter upload accepted before the model is known."""
 
@@ -295,6 +330,16 @@ class ServerConfig:
     """``sequential`` or ``strided`` (None: as the first worker asks)."""
 
     @property
+    def allowed_codecs(self) -> tuple[str, ...]:
+        """``codecs`` as names."""
+        return tuple(n.strip() for n in self.codecs.split(",") if n.strip())
+
+    @property
+    def lossy_download(self) -> bool:
+        """Rounds are published as updates (``download_codec`` other than ``fp32``)."""
+        return self.download_codec != "fp32"
+
+    @property
     def robust(self) -> bool:
         """Robust aggregation is on: sync rounds keep their uploads (``clip_norm_factor``,
         ``trim_fraction``)."""
@@ -323,6 +368,11 @@ class ServerConfig:
             raise ValueError("poll_timeout must be positive")
         if self.upload_slots < 1:
             raise ValueError("upload_slots must be >= 1")
+        unknown = [n for n in self.allowed_codecs if n not in codec_names()]
+        if unknown or not self.allowed_codecs:
+            raise ValueError(
+                f"codecs must name some of {', '.join(codec_names())}, got {self.codecs!r}"
+            )
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -355,6 +405,7 @@ class ServerConfig:
                 "clip_norm_factor and trim_fraction aggregate one round's uploads; "
                 "async mode has no rounds"
             )
+        self._check_download_codec()
         buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
         if buffer < 1:
             raise ValueError(f"dn_buffer_size must be >= 1, got {self.dn_buffer_size}")
@@ -397,4 +448,28 @@ class ServerConfig:
         if self.max_connections_per_ip < 1:
             raise ValueError(
                 f"max_connections_per_ip must be >= 1, got {self.max_connections_per_ip}"
+            )
+
+    def _check_download_codec(self) -> None:
+        if self.download_codec not in DOWNLOAD_CODECS:
+            raise ValueError(
+                f"download_codec (--download-codec) must be one of {', '.join(DOWNLOAD_CODECS)}, "
+                f"got {self.download_codec!r}"
+            )
+        if not self.lossy_download:
+            return
+        if self.mode == "async":
+            raise ValueError(
+                f"download_codec={self.download_codec!r} (--download-codec) needs sync mode "
+                "(mode='sync', no --async): an update takes a "
+                "worker from one published round to the next, and in async mode a worker is "
+                "rarely exactly one version behind, so it would download full parameters anyway; "
+                "use --download-codec fp32 in async mode"
+            )
+        if self.num_fragments is not None and self.num_fragments > 1:
+            raise ValueError(
+                f"download_codec={self.download_codec!r} (--download-codec) publishes updates of "
+                "the whole model; "
+                "streaming fragments are downloaded piece by piece as full values: drop "
+                "--num-fragments or use --download-codec fp32"
             )

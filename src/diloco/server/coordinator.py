@@ -43,15 +43,11 @@ from diloco.server.persistence import Checkpoint
 from diloco.server.registry import WorkerRegistry
 from diloco.server.run_log import RunLog
 from diloco.server.status import build_status
-from diloco.server.submissions import (
-    UPLOAD_DTYPES,
-    duplicate_reply,
-    read_header,
-    refusal,
-)
+from diloco.server.submissions import duplicate_reply, read_header, refusal
 from diloco.server.sync_aggregator import SyncAggregator
 from diloco.server.units import Unit
-from diloco.wire import Layout, check_against
+from diloco.server.upload_body import UploadBody
+from diloco.wire import Layout
 from diloco.wire.decode import AsyncStream
 
 log = logging.getLogger(__name__)
@@ -117,8 +113,8 @@ class Coordinator:
             return SyncAggregator(unit, self.steps, round_)
         return AsyncAggregator(unit, self.steps, self.registry, round_)
 
-    def _adopt_store(self, store: ParamStore) -> None:
-        self.model.adopt(store)
+    def _adopt_store(self, store: ParamStore, true: dict[str, torch.Tensor] | None = None) -> None:
+        self.model.adopt(store, true)
         if self.model.fragmenting is not None:
             self._plan_units()
 
@@ -176,7 +172,7 @@ class Coordinator:
     def restore(self, ckpt: Checkpoint) -> None:
         """Resume from a checkpoint (server/checkpoints.py)."""
         store = self.checkpoints.restore(ckpt)
-        self._adopt_store(store)
+        self._adopt_store(store, ckpt.true_params)
         if ckpt.round > 0:
             self.membership.resumed_at = self.clock()
 
@@ -236,7 +232,7 @@ class Coordinator:
         if record is None:
             raise unknown_worker(head.worker_id)
         unit = model.unit_of(meta)
-        check_against(layout, unit.table, UPLOAD_DTYPES)
+        body = UploadBody.read(layout, unit.table, self.config.allowed_codecs)
         agg, which = unit.aggregator, model.which(unit)
         check = agg.check(head.worker_id, head.base, head.submission_id)
         if check.verdict is Verdict.DUPLICATE:
@@ -249,7 +245,14 @@ class Coordinator:
         agg.begin_upload(head.worker_id, head.submission_id)
         try:
             reply = await self.intake.receive(
-                unit, layout, stream, head.worker_id, head.submission_id, head.base, head.weight
+                unit,
+                layout,
+                body,
+                stream,
+                head.worker_id,
+                head.submission_id,
+                head.base,
+                head.weight,
             )
         except BaseException:
             agg.abort_upload(head.worker_id, head.submission_id)
@@ -259,7 +262,8 @@ class Coordinator:
         record.submissions += 1
         record.last_round = head.base
         record.bytes_in += layout.total_size
-        self.run_log.bytes_in += layout.total_size
+        record.codec = body.name  # what it sends, whatever it registered with
+        self.run_log.received(unit.index, layout.total_size)
         if head.loss is not None:
             record.loss = head.loss  # as a heartbeat's: shown even with heartbeats off
         if unit.index == 0:  # with fragments: one entry per worker per sync period
@@ -302,11 +306,19 @@ class Coordinator:
     # --- downloads ------------------------------------------------------------------------------
 
     async def download(
-        self, worker_id: str | None, raw_fragment: str | None, min_round: Callable[[], int]
+        self,
+        worker_id: str | None,
+        raw_fragment: str | None,
+        min_round: Callable[[], int],
+        have_round: int | None = None,
     ) -> Snapshot | dict[str, Any]:
         """``GET /global_params``: the snapshot to stream once the model (or one fragment) has
         a published round >= ``min_round()``, or the 202 reply when none came within
-        ``poll_timeout``. The snapshot's ``sent`` counts the bytes once they are sent."""
+        ``poll_timeout``. The snapshot's ``sent`` counts the bytes once they are sent.
+
+        With a lossy download codec, a worker that says it holds round ``have_round`` gets the
+        kept update when it leads from there to the published round (server/downlink.py);
+        anyone else (a joiner, a worker that missed a round) gets full parameters."""
         # A worker waiting (503) for another's initial upload has joined as well as one served.
         self.registry.fetching(worker_id)
         self.model.require_store()
@@ -319,8 +331,15 @@ class Coordinator:
             if fragment is not None:
                 pending["fragment"] = fragment
             return pending
-        snap = await self.snapshot(fragment)
-        snap.on_sent = lambda: self.count_download(worker_id, snap.total_size)
+        downlink = self.model.downlink
+        snap = None
+        if downlink is not None and fragment is None and have_round is not None:
+            snap = await downlink.open_update(have_round)
+        update = snap is not None
+        if snap is None:
+            snap = await self.snapshot(fragment)
+        size = snap.total_size
+        snap.on_sent = lambda: self.count_download(worker_id, size, update=update)
         return snap
 
     def published_round(self, fragment: int | None) -> int:
@@ -345,8 +364,8 @@ class Coordinator:
             lambda: unit.header(store.instance), unit.ranges, unit.published_round
         )
 
-    def count_download(self, worker_id: str | None, nbytes: int) -> None:
-        self.run_log.bytes_out += nbytes
+    def count_download(self, worker_id: str | None, nbytes: int, *, update: bool = False) -> None:
+        self.run_log.sent(nbytes, update=update)
         record = self.registry.get(worker_id) if worker_id else None
         if record is not None:
             record.bytes_out += nbytes

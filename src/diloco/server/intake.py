@@ -2,10 +2,12 @@
 first write in progress and the adds not yet finished.
 
 An accepted upload lands here in one of two ways. The round's first upload may be written into
-its unit's running sum as it arrives (server/first_write.py), when the aggregator allows it and
-nothing else owns that sum. Every other upload is received whole into an upload slot
+its unit's running sum as it arrives (server/first_write.py), when the aggregator allows it,
+nothing else owns that sum and the body carries plain values (raw, or the fp32/bf16 codecs).
+Every other upload, a lossy codec's among them, is received whole into an upload slot
 (server/upload_slots.py), checked, and handed to the aggregator with an ``add`` that queues its
-addition on the tensor lock behind any first write. Either way the body is checked (finite, its
+addition on the tensor lock behind any first write (encoded tensors decode a chunk at a time
+inside it: server/upload_body.py). Either way the body is checked (finite values and scales, its
 worker still registered and current) before the aggregator counts it.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from diloco.core.accumulate import Entry
 from diloco.server.aggregator import Aggregator, Landed
 from diloco.server.config import ServerConfig
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
@@ -26,6 +29,7 @@ from diloco.server.params import ParamStore
 from diloco.server.registry import WorkerRegistry
 from diloco.server.run_log import RunLog
 from diloco.server.units import Unit, plan_pieces
+from diloco.server.upload_body import UploadBody, first_non_finite
 from diloco.server.upload_slots import Drain, SlotPool
 from diloco.wire import Layout, PayloadReader, WireError, aread_payload, byte_view, tensor_views
 from diloco.wire.decode import AsyncStream
@@ -106,6 +110,8 @@ class Intake:
                     422, "non_finite", f"initial parameter {bad!r} has NaN or infinite values"
                 )
             store = await asyncio.to_thread(ParamStore.from_tensors, tensors)
+            if self.config.lossy_download:  # the outer step's own copy (server/downlink.py)
+                await asyncio.to_thread(store.keep_true)
             if self.model.fragmenting is not None:
                 plan_pieces(store, *self.model.fragmenting)  # refuse a model that cannot be split
         except ValueError as exc:
@@ -119,20 +125,23 @@ class Intake:
         self,
         unit: Unit,
         layout: Layout,
+        body: UploadBody,
         stream: AsyncStream,
         worker_id: str,
         submission_id: str,
         base: int,
         weight: float,
     ) -> dict[str, Any]:
-        """Receive an accepted upload's body and hand it to the unit's aggregator; returns the
-        aggregator's reply fields. Raises (and counts nothing) if the body is cut, non-finite,
-        or its worker is gone or superseded when it ends."""
+        """Receive an accepted upload's body (its header checked as ``body``) and hand it to the
+        unit's aggregator; returns the aggregator's reply fields. Raises (and counts nothing) if
+        the body is cut, non-finite, or its worker is gone or superseded when it ends."""
         agg = unit.aggregator
-        first = self._begin_first_write(unit, agg, layout, weight, worker_id)
+        first = (
+            self._begin_first_write(unit, agg, layout, weight, worker_id) if body.plain else None
+        )
         if first is None:
             return await self._into_slot(
-                unit, layout, stream, worker_id, submission_id, base, weight
+                unit, layout, body, stream, worker_id, submission_id, base, weight
             )
         self.run_log.waited(unit.index, 0.0)
         try:
@@ -167,6 +176,7 @@ class Intake:
         self,
         unit: Unit,
         layout: Layout,
+        body: UploadBody,
         stream: AsyncStream,
         worker_id: str,
         submission_id: str,
@@ -180,17 +190,18 @@ class Intake:
             self.run_log.waited(unit.index, lease.waited_s)
             payload = lease.slot.buffer[: layout.payload_size]
             await aread_payload(stream, byte_view(payload), room=lease.slot.room)
-            views = tensor_views(layout, payload)
-            tensors = [views[n] for n in unit.names]
-            landed = Landed(worker_id, submission_id, base, weight, layout.total_size, tensors)
+            entries = body.entries(tensor_views(layout, payload), unit.table)
+            landed = Landed(worker_id, submission_id, base, weight, layout.total_size, entries)
             if agg.reads_late():  # the update reads the body under the lease
-                await self._check_upload(unit, worker_id, submission_id, tensors)
+                await self._check_upload(unit, body, worker_id, submission_id, entries)
                 return await agg.accept(landed)
             # The next upload may start filling this buffer behind the add.
             drain = await lease.hand_over()
             try:
-                await self._check_upload(unit, worker_id, submission_id, tensors)
-                landed.sum_add = _payload_order_add(unit, layout, tensors, weight, drain.report)
+                await self._check_upload(unit, body, worker_id, submission_id, entries)
+                landed.sum_add = body.add(
+                    unit.sum, layout, unit.names, entries, weight, drain.report
+                )
                 landed.add = lambda add: self._add(unit, drain, add)
                 return await agg.accept(landed)
             finally:
@@ -209,13 +220,17 @@ class Intake:
             pending[unit.index] -= 1
 
     async def _check_upload(
-        self, unit: Unit, worker_id: str, submission_id: str, tensors: list[torch.Tensor]
+        self,
+        unit: Unit,
+        body: UploadBody,
+        worker_id: str,
+        submission_id: str,
+        entries: list[Entry],
     ) -> None:
-        """What a landed body must pass before it counts: finite values, its worker still
-        registered, and no newer upload of the same worker begun meanwhile."""
-        bad = await asyncio.to_thread(first_non_finite, dict(zip(unit.names, tensors, strict=True)))
-        if bad is not None:
-            raise ApiError(422, "non_finite", f"pseudo-gradient {bad!r} has NaN or infinite values")
+        """What a landed body must pass before it counts: finite values (and a codec's sound
+        scales), its worker still registered, and no newer upload of the same worker begun
+        meanwhile."""
+        await asyncio.to_thread(body.check, unit.names, entries)
         self._check_current(unit, worker_id, submission_id)
 
     def _check_current(self, unit: Unit, worker_id: str, submission_id: str) -> None:
@@ -231,39 +246,3 @@ class Intake:
                 round=unit.round,
                 **self.model.which(unit),
             )
-
-
-def _payload_order_add(
-    unit: Unit,
-    layout: Layout,
-    tensors: list[torch.Tensor],
-    weight: float,
-    report: Callable[[int], None],
-) -> Callable[[], None]:
-    """The add of one landed body to ``unit``'s sum, in the order of the bytes, reporting after
-    each piece how far the body has been read (so the receive buffer refills behind it)."""
-    where = {
-        spec.name: (begin, spec.itemsize)
-        for spec, (begin, _) in zip(layout.specs, layout.offsets, strict=True)
-    }
-    index = {name: i for i, name in enumerate(unit.names)}
-    order = [index[spec.name] for spec in layout.specs]
-    begins = [where[name] for name in unit.names]
-
-    def on_piece(i: int, end: int) -> None:
-        begin, itemsize = begins[i]
-        report(begin + end * itemsize)
-
-    return lambda: unit.sum.add(tensors, weight, order=order, on_piece=on_piece)
-
-
-def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """Name of the first tensor holding NaN or an infinity. NaN propagates into the minimum and
-    maximum and an infinity is one of them, so aminmax sees both without building a boolean
-    tensor as large as the upload (and about 20 times faster than isfinite().all())."""
-    for name, t in tensors.items():
-        if t.is_floating_point() and t.numel():
-            low, high = torch.aminmax(t)
-            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
-                return name
-    return None

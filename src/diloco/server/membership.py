@@ -21,6 +21,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.errors import bad_request, unknown_worker
 from diloco.server.model import Model
 from diloco.server.registry import WorkerInfo, WorkerRegistry
+from diloco.server.upload_body import registered_codec
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,11 @@ class Membership:
     ) -> dict[str, Any]:
         model = self.model
         asked = model.asked_fragmenting(info)
+        codec = registered_codec(info, self.config.allowed_codecs)
         # Validated: from here on the registration changes state.
         worker_id = worker_id or f"w-{uuid.uuid4().hex[:10]}"
         record, new = self.registry.add(worker_id, hostname, info)
+        record.codec = codec
         if model.fragmenting is None:
             model.fragmenting = asked
             log.info("fragmenting %s set by worker %s", asked, worker_id)
@@ -83,6 +86,7 @@ class Membership:
             "has_params": store is not None,
             "num_workers": self.num_workers(),
             "poll_timeout": self.config.poll_timeout,
+            "codecs": list(self.config.allowed_codecs),
             **model.plan(),
         }
         recommended = self._recommend(record)

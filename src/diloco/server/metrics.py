@@ -145,7 +145,41 @@ def render(status: Status, counters: HttpCounters | None = None) -> str:
     out.one("diloco_model_bytes", "gauge", "Bytes of the fp32 global model.", status.model_bytes)
     out.one("diloco_bytes_in_total", "counter", "Tensor bytes received.", status.bytes_in)
     out.one("diloco_bytes_out_total", "counter", "Tensor bytes sent.", status.bytes_out)
+    out.family(
+        "diloco_round_bytes",
+        "gauge",
+        "Bytes of the last round (update): its uploads (up), and what was sent since the update "
+        "before it (down).",
+        [
+            ({"direction": "up"}, status.last_round_bytes_in),
+            ({"direction": "down"}, status.last_round_bytes_out),
+        ],
+    )
+    out.family(
+        "diloco_download_codec",
+        "gauge",
+        "Constant 1, labelled with how rounds are published (--download-codec; fp32: full "
+        "parameters).",
+        [({"codec": status.download_codec}, 1)],
+    )
+    out.family(
+        "diloco_downloads_total",
+        "counter",
+        "Downloads sent whole: full parameters (the model or one fragment), or a round's "
+        "update (a lossy --download-codec).",
+        [
+            ({"kind": "full"}, status.full_downloads),
+            ({"kind": "update"}, status.update_downloads),
+        ],
+    )
     out.one("diloco_workers_live", "gauge", "Registered workers.", len(workers))
+    by_codec = Counter(w.codec for w in workers if w.codec is not None)
+    out.family(
+        "diloco_workers_by_codec",
+        "gauge",
+        "Registered workers by the codec of their uploads (as registered, then as last sent).",
+        [({"codec": name}, n) for name, n in sorted(by_codec.items())],
+    )
     out.one("diloco_workers_expected", "gauge", "Workers the run expects.", status.num_workers)
     out.one(
         "diloco_workers_min",

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
+from diloco.core.codecs import codec_by_name
+from diloco.core.codecs.downlink import check_download_codec
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
 from diloco.server.aggregator import Aggregator
 from diloco.server.config import ServerConfig
+from diloco.server.downlink import Downlink
 from diloco.server.errors import ApiError, bad_request, conflict
 from diloco.server.params import ParamStore
 from diloco.server.units import Unit, plan_pieces
@@ -43,10 +46,19 @@ class Model:
             self.fragmenting = (config.num_fragments, config.fragment_pattern or SEQUENTIAL)
         #: Workers round 0 waits for; an operator may change it (config is frozen).
         self.num_workers = config.num_workers
+        #: With a lossy download codec: the true copy's encoder (server/downlink.py).
+        self.downlink: Downlink | None = None
 
-    def adopt(self, store: ParamStore) -> None:
+    def adopt(self, store: ParamStore, true: dict[str, torch.Tensor] | None = None) -> None:
+        """Serve ``store``; with a lossy download codec its outer step gets a true copy (equal
+        to ``true``, a checkpoint's, when given; else to the published parameters)."""
         self.store = store
         store.on_new_buffer = self._repoint
+        store.download_codec = self.config.download_codec
+        if self.config.lossy_download:
+            codec = check_download_codec(codec_by_name(self.config.download_codec))
+            self.downlink = Downlink(codec, store, true)
+        store.refresh_header()
 
     def _repoint(self) -> None:
         for unit in self.units:
@@ -160,6 +172,15 @@ class Model:
             raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
         if pattern not in PATTERNS:
             raise bad_request("bad_field", f"info.fragment_pattern must be one of {PATTERNS}")
+        if num > 1 and self.config.lossy_download:
+            codec = self.config.download_codec
+            raise ApiError(
+                422,
+                "fragments_refused",
+                f"this server publishes each round as a compressed update of the whole model "
+                f"(--download-codec {codec}), which streaming fragments cannot use; start the "
+                "worker with num_fragments=1, or the server with --download-codec fp32",
+            )
         asked = (num, str(pattern))
         have = self.fragmenting
         if have is not None and (asked[0] != have[0] or (have[0] > 1 and asked[1] != have[1])):

@@ -5,6 +5,13 @@ the body of ``GET /global_params``. A round's result is therefore serialized zer
 waiting connection streams the same immutable bytes. Immutability is kept by copy-on-write: an
 outer step runs in place when nobody is downloading, and on a fresh copy when a slow reader still
 holds the current buffer (the reader keeps its round; memory returns when it finishes).
+
+With a lossy download codec (server/downlink.py) the outer optimizer's parameters move to a
+buffer of their own (``keep_true``: the *true* copy) and the payload holds what was published,
+which the downlink writes after each step; copy-on-write then guards the payload alone.
+
+Each published payload has a checksum (``wire.checksum``), computed once per round off the
+event loop and carried in full downloads' headers once known.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from diloco.core.outer import PieceDone
 from diloco.server.publication import PayloadBuffer, Publication
 from diloco.wire import Layout, TensorSpec, build_layout, byte_view, tensor_views
+from diloco.wire.checksum import checksum
 
 
 @dataclass
@@ -73,6 +81,16 @@ class ParamStore:
         #: Called after a copy-on-write moved the parameters to a fresh buffer, so views made
         #: from them (fragment pieces) can follow.
         self.on_new_buffer: Callable[[], None] | None = None
+        #: Named in full downloads' headers (``ServerConfig.download_codec``).
+        self.download_codec = "fp32"
+        #: With a lossy downlink: the outer step's own copy of the parameters (flat bytes).
+        self._true: torch.Tensor | None = None
+        #: ``wire.checksum`` of the payload as it stands; None until computed for this round.
+        self._checksum: str | None = None
+        self._summing: asyncio.Task[None] | None = None
+        #: Full downloads wait for the checksum instead of going without (a lossy downlink,
+        #: whose replicas check it; it is computed with each round, so this waits only once).
+        self.checksum_required = False
         self._header = self._make_header()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -108,7 +126,11 @@ class ParamStore:
             "round": str(self.round if round is None else round),
             "instance": self.instance,
             "kind": "global_params",
+            "download_codec": self.download_codec,
         }
+        # A header made before its round's payload is final (a streamed round) has none.
+        if self._checksum is not None and round in (None, self.round):
+            meta["checksum"] = self._checksum
         if self.header_meta is not None:
             meta.update(self.header_meta())
         return build_layout(self.specs, meta).header
@@ -117,10 +139,49 @@ class ParamStore:
         self._header = self._make_header()
 
     def named(self) -> dict[str, torch.Tensor]:
+        """The parameters the outer optimizer steps (the true copy, with a lossy downlink)."""
         return {s.name: p.data for s, p in zip(self.specs, self.params, strict=True)}
 
+    def published(self) -> dict[str, torch.Tensor]:
+        """Views of the published payload: what downloads serve and the workers hold."""
+        if self._true is None:
+            return self.named()
+        return dict(zip([s.name for s in self.specs], self._views(self._buffer), strict=True))
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The published payload's bytes (flat uint8; moves with copy-on-write)."""
+        return self._buffer.payload
+
     def copy_out(self) -> dict[str, torch.Tensor]:
+        """Copies of the published parameters."""
+        return {name: t.clone() for name, t in self.published().items()}
+
+    def copy_true(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameters the outer optimizer steps."""
         return {name: t.clone() for name, t in self.named().items()}
+
+    @property
+    def has_true(self) -> bool:
+        return self._true is not None
+
+    def keep_true(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Give the outer step a copy of the parameters of its own (a lossy downlink), equal to
+        the published ones or to ``values`` (a checkpoint's true copy, checked against the
+        table). Call before any step (blocking: one copy of the model)."""
+        if values is not None:
+            got = {n: tuple(t.shape) for n, t in values.items()}
+            if got != self.table:
+                raise ValueError("the true parameters do not match the parameter table")
+        self._true = self._buffer.payload.clone()
+        views = tensor_views(self.layout, self._true)
+        with torch.no_grad():
+            for s, p in zip(self.specs, self.params, strict=True):
+                p.data = views[s.name]
+                if values is not None:
+                    p.data.copy_(values[s.name])
+        if self.on_new_buffer is not None:
+            self.on_new_buffer()
 
     @property
     def nbytes(self) -> int:
@@ -142,10 +203,21 @@ class ParamStore:
             return Snapshot(
                 pending.round, pending.header, byte_view(buf.payload), buf, ready=pending.until
             )
+        while True:
+            await self._idle.wait()
+            if self._checksum is None:
+                summing = self._start_checksum()
+                if self.checksum_required:
+                    await asyncio.shield(summing)
+                    continue  # a step may have begun meanwhile
+            buf = self._buffer
+            buf.readers += 1
+            return Snapshot(self.round, self._header, byte_view(buf.payload), buf)
+
+    async def settled(self) -> None:
+        """Wait until no outer step is being applied. Whatever is pinned before the next await
+        belongs to one published round (a step clears this before it changes anything)."""
         await self._idle.wait()
-        buf = self._buffer
-        buf.readers += 1
-        return Snapshot(self.round, self._header, byte_view(buf.payload), buf)
 
     @staticmethod
     def close_snapshot(snap: Snapshot) -> None:
@@ -204,6 +276,9 @@ class ParamStore:
         self._idle.clear()
         pending: Publication | None = None
         try:
+            if self._summing is not None:
+                await asyncio.shield(self._summing)  # it reads the payload about to change
+            self._checksum = None  # ``fn`` may note the new one (a lossy downlink does)
             if self._buffer.readers:
                 await asyncio.to_thread(self._copy_on_write)
             if stream and new_round is not None and self.header_meta is None:
@@ -232,14 +307,45 @@ class ParamStore:
         finally:
             self._pending = None
             self._idle.set()
+        if self._checksum is None and self.header_meta is None:
+            # Computed at once, beside the downloads, not in the round's critical path; with
+            # fragments only once a full download asks (they are rare there, updates are not).
+            self._start_checksum()
         async with self._round_changed:
             self._round_changed.notify_all()
 
+    # --- checksum -------------------------------------------------------------------------
+
+    @property
+    def checksum(self) -> str | None:
+        """``wire.checksum`` of the published payload; None until computed for this round."""
+        return self._checksum
+
+    def note_checksum(self, value: str) -> None:
+        """From ``update``'s ``fn``: the checksum of the payload as ``fn`` leaves it (a lossy
+        downlink computes it with the round's update, which carries it too)."""
+        self._checksum = value
+
+    def _start_checksum(self) -> asyncio.Task[None]:
+        if self._summing is None:
+            self._summing = asyncio.get_running_loop().create_task(self._compute_checksum())
+        return self._summing
+
+    async def _compute_checksum(self) -> None:
+        try:
+            value = await asyncio.to_thread(checksum, [byte_view(self._buffer.payload)])
+        finally:
+            self._summing = None
+        # ``update`` waits for this before it changes the payload: the value is still current.
+        self._checksum = value
+        self._header = self._make_header()
+
     def _copy_on_write(self) -> None:
         fresh = PayloadBuffer(self._buffer.payload.clone())
-        with torch.no_grad():
-            for p, view in zip(self.params, self._views(fresh), strict=True):
-                p.data = view
+        if self._true is None:  # else the outer step's parameters live in the true copy
+            with torch.no_grad():
+                for p, view in zip(self.params, self._views(fresh), strict=True):
+                    p.data = view
         self._buffer = fresh
         self.copies_on_write += 1
         if self.on_new_buffer is not None:

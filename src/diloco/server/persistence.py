@@ -5,6 +5,8 @@ was saved again, N = 1, 2, ...):
 - ``params.safetensors``: the global parameters by wire name, each tied tensor once (loads into
   a model, wrapped or tied, with ``diloco.load_into``);
 - ``optimizer.safetensors``: the outer optimizer's tensor state, keyed ``<param index>/<key>``;
+- ``true.safetensors``, only with a lossy download codec: the outer step's true copy of the
+  parameters (``params.safetensors`` then holds the published ones, what the workers hold);
 - ``state.json``: round, generation, optimizer param groups and scalars, counters. Written last.
 
 Checkpoints are transactions. A folder under a checkpoint name is complete and never written
@@ -60,6 +62,7 @@ PREFIX = "round-"
 TMP_PREFIX = ".tmp-round-"
 TRASH_PREFIX = ".old-round-"
 TENSOR_FILES = ("params.safetensors", "optimizer.safetensors")
+TRUE_FILE = "true.safetensors"  # optional: a lossy downlink's true copy (server/downlink.py)
 
 # Saves come from the event loop's worker threads; picking a fresh name and pruning must not
 # interleave between two of them.
@@ -75,6 +78,8 @@ class Checkpoint:
     params: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any]
     extra: dict[str, Any]
+    #: The true copy of a lossy downlink's run; None: equal to ``params``.
+    true_params: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,8 @@ def inspect_checkpoint(path: str | Path) -> Entry:
     state = _read_state(path)
     for name in TENSOR_FILES:
         _check_tensor_file(path / name)
+    if (path / TRUE_FILE).exists():
+        _check_tensor_file(path / TRUE_FILE)
     return Entry(path, state["round"], state.get("generation", 0))
 
 
@@ -235,13 +242,19 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     try:
         params = load_file(str(path / "params.safetensors"))
         opt_tensors = load_file(str(path / "optimizer.safetensors"))
+        true = load_file(str(path / TRUE_FILE)) if (path / TRUE_FILE).exists() else None
     except Exception as exc:  # safetensors raises its own error types for torn files
         raise ValueError(f"{path}: unreadable tensors: {exc}") from None
+    if true is not None and {n: t.shape for n, t in true.items()} != {
+        n: t.shape for n, t in params.items()
+    }:
+        raise ValueError(f"{path}: {TRUE_FILE} does not hold the parameters of params.safetensors")
     try:
         optimizer_state = _join_optimizer_state(opt_tensors, state["optimizer"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path}: malformed optimizer state in state.json: {exc!r}") from None
-    return Checkpoint(path, state["round"], params, optimizer_state, state.get("extra", {}))
+    extra = state.get("extra", {})
+    return Checkpoint(path, state["round"], params, optimizer_state, extra, true)
 
 
 def _report(path: Path, why: str) -> None:
@@ -355,8 +368,11 @@ def save_checkpoint(
     optimizer_state: dict[str, Any],
     extra: dict[str, Any],
     keep: int,
+    *,
+    true: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write one checkpoint as a transaction (see the module docstring) and prune to ``keep``."""
+    """Write one checkpoint as a transaction (see the module docstring) and prune to ``keep``.
+    ``true``: a lossy downlink's true copy of ``params`` (``true.safetensors``)."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
@@ -368,7 +384,11 @@ def save_checkpoint(
                 {k: v.contiguous() for k, v in params.items()}, str(tmp / "params.safetensors")
             )
             save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-            for name in TENSOR_FILES:
+            names = list(TENSOR_FILES)
+            if true is not None:
+                save_file({k: v.contiguous() for k, v in true.items()}, str(tmp / TRUE_FILE))
+                names.append(TRUE_FILE)
+            for name in names:
                 _fsync_file(tmp / name)
             state = {
                 "format": FORMAT,

@@ -26,6 +26,9 @@ class WorkerInfo:
     smoothed_speed: float | None = None  # steps/s, smoothed over heartbeats (DyLU)
     recommended_sync_every: int | None = None  # DyLU's last recommendation
     staleness: int | None = None  # async: staleness of the last applied submission
+    # The codec of its uploads: as it registered (None: it asked for none, raw uploads), then
+    # as its last upload said (server/upload_body.py).
+    codec: str | None = None
     # Whether it fetched parameters, heartbeated or uploaded since registering: until then it
     # may be a ghost (a worker that failed while joining, a registration whose reply was lost).
     joined: bool = False

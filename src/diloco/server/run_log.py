@@ -49,6 +49,28 @@ class RunLog:
         self._slots_hinted = False
         #: (upload slots, bytes each), told by the intake once it has sized its pool.
         self.slot_sizes = (0, 0)
+        #: Per unit: bytes of the uploads counted since its last update; and bytes sent since
+        #: the last update of any unit (downloads need not name a unit).
+        self._round_in: dict[int, int] = {}
+        self._round_out = 0
+        #: Downloads sent whole: of parameters (the model or one fragment), and of a lossy
+        #: downlink's update bodies (server/downlink.py).
+        self.full_downloads = 0
+        self.update_downloads = 0
+
+    def received(self, unit: int, nbytes: int) -> None:
+        """An upload of ``nbytes`` (header included) toward ``unit`` counted."""
+        self.bytes_in += nbytes
+        self._round_in[unit] = self._round_in.get(unit, 0) + nbytes
+
+    def sent(self, nbytes: int, *, update: bool = False) -> None:
+        """A download of ``nbytes`` was sent whole (``update``: a round's update body)."""
+        self.bytes_out += nbytes
+        self._round_out += nbytes
+        if update:
+            self.update_downloads += 1
+        else:
+            self.full_downloads += 1
 
     def waited(self, unit: int, seconds: float) -> None:
         """An upload toward ``unit``'s open round got its receive buffer after ``seconds``."""
@@ -88,10 +110,17 @@ class RunLog:
         staleness: int | None = None,
         weight: float | None = None,
     ) -> UpdateEntry:
-        """Record one outer update of ``unit``; its round's upload waits go with it."""
+        """Record one outer update of ``unit``; its round's upload waits and bytes go with it.
+        ``nbytes``: async, the one upload the update applies (counted by ``received`` only
+        after this); sync: None, the uploads counted toward the unit since its last update."""
         now = self.clock()
         since = now - (self.update_log[-1].t if self.update_log else self.started_at)
         waits = self.upload_waits.pop(unit, [])
+        # In sync mode no upload toward the next round can have counted yet: its workers need
+        # this round's result first, published just before this record.
+        counted = self._round_in.pop(unit, 0)
+        round_in = counted if nbytes is None else nbytes
+        round_out, self._round_out = self._round_out, 0
         entry = UpdateEntry(
             round=round_,
             fragment=unit,
@@ -105,6 +134,8 @@ class RunLog:
             refused=refused,
             upload_wait_s=round(sum(waits), 4),
             upload_wait_max_s=round(max(waits, default=0.0), 4),
+            round_bytes_in=round_in,
+            round_bytes_out=round_out,
         )
         self.update_log.append(entry)
         return entry

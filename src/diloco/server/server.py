@@ -293,14 +293,16 @@ class DiLoCoServer:
         path = self._call(self.coordinator.save())
         return str(path) if path is not None else None
 
-    def global_params(self) -> dict[str, torch.Tensor]:
-        """fp32 copies of the current global parameters."""
+    def global_params(self, *, true: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 copies of the current global parameters: those published (what ``GET
+        /global_params`` serves), or with ``true`` the outer optimizer's own copy (they differ
+        with a lossy ``download_codec``, by about one round's quantization)."""
 
         async def get() -> dict[str, torch.Tensor]:
             store = self.coordinator.require_store()
             snap = await store.open_snapshot()
             try:
-                return store.copy_out()
+                return store.copy_true() if true else store.copy_out()
             finally:
                 store.close_snapshot(snap)
 

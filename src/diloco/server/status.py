@@ -100,6 +100,11 @@ class UpdateEntry:
     refused: bool
     upload_wait_s: float
     upload_wait_max_s: float
+    # Bytes of the uploads this update counted (headers included), and bytes sent since the
+    # update before it (any unit's): the traffic of one round each way. Defaults: a document
+    # from a server before them still parses.
+    round_bytes_in: int = 0
+    round_bytes_out: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ class WorkerStatus:
     smoothed_speed: float | None
     recommended_sync_every: int | None
     staleness: int | None
+    codec: str | None = None  # of its uploads (None: it asked for none and sent none yet)
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,19 @@ class Status:
     # The last rounds' reported losses, oldest first (``GET /status?history_since=R``: from
     # round R on). A default, so a document from a server before it still parses.
     loss_history: tuple[RoundLoss, ...] = ()
+    # Codecs: those the live workers upload with, those this server takes; the last update's
+    # bytes each way (its ``round_bytes_in``/``round_bytes_out``). Defaults, as above.
+    codecs: tuple[str, ...] = ()
+    allowed_codecs: tuple[str, ...] = ()
+    last_round_bytes_in: int | None = None
+    last_round_bytes_out: int | None = None
+    # How rounds reach the workers (``--download-codec``), the published parameters' checksum
+    # (None until computed for this round), and downloads sent: full parameters (the model or
+    # a fragment) and a lossy downlink's update bodies. Defaults, as above.
+    download_codec: str = "fp32"
+    checksum: str | None = None
+    full_downloads: int = 0
+    update_downloads: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -244,6 +263,8 @@ class _Log(Protocol):
     staleness_log: deque[int]
     staleness_total: int
     staleness_count: int
+    full_downloads: int
+    update_downloads: int
 
 
 class _Saves(Protocol):
@@ -378,6 +399,14 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         resumed_from=saves.resumed_from,
         workers=_workers(coord),
         loss_history=coord.loss_history.entries(history_since, run_log.started_at),
+        codecs=tuple(sorted({w.codec for w in coord.registry if w.codec is not None})),
+        allowed_codecs=config.allowed_codecs,
+        last_round_bytes_in=last.round_bytes_in if last else None,
+        last_round_bytes_out=last.round_bytes_out if last else None,
+        download_codec=config.download_codec,
+        checksum=store.checksum if store else None,
+        full_downloads=run_log.full_downloads,
+        update_downloads=run_log.update_downloads,
     )
 
 
@@ -412,6 +441,7 @@ def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
             smoothed_speed=w.smoothed_speed,
             recommended_sync_every=w.recommended_sync_every,
             staleness=w.staleness,
+            codec=w.codec,
         )
         for w in coord.registry
     )

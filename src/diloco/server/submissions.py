@@ -13,7 +13,6 @@ from typing import Any
 from diloco.server.aggregator import Check, Verdict
 from diloco.server.errors import ApiError, bad_request, conflict
 
-UPLOAD_DTYPES = ("F32", "BF16")
 # Bounds of a reported weight (weighting='samples'). A weight multiplies an fp32 upload and the
 # sum of weights divides the sum: 1e39 is a finite Python float but infinite in fp32, and
 # denormal weights make the total ~0. Within these bounds every weight and any total of them is

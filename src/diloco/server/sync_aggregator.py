@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from diloco.core.accumulate import Entry
 from diloco.core.outer import PieceDone
 from diloco.core.robust import robust_mean
 from diloco.server.aggregator import Check, Landed, State
@@ -89,13 +90,21 @@ class SyncAggregator:
             await landed.add(add)
         return {"status": "accepted", "round": landed.base}
 
-    def _keep(self, tensors: list[torch.Tensor], weight: float) -> Callable[[], None]:
+    def _keep(self, entries: list[Entry], weight: float) -> Callable[[], None]:
         """Robust aggregation: the add of one landed body is an fp32 copy kept for the round's
-        close (the median of the norms and the trimmed mean need every upload at once). It runs
-        under the tensor lock, as adds do, so a close queued after it sees it."""
+        close (the median of the norms and the trimmed mean need every upload at once); an
+        encoded upload is decoded into it, the same memory as a raw one's copy. It runs under
+        the tensor lock, as adds do, so a close queued after it sees it."""
+
+        def fp32(entry: Entry) -> torch.Tensor:
+            if isinstance(entry, torch.Tensor):
+                return entry.to(torch.float32, copy=True)
+            out = torch.empty(entry.shape, dtype=torch.float32)
+            entry.add_into(out, 1.0, first=True)  # decode, the arithmetic of the sum's adds
+            return out
 
         def keep() -> None:
-            self._kept.append((weight, [t.to(torch.float32, copy=True) for t in tensors]))
+            self._kept.append((weight, [fp32(e) for e in entries]))
 
         return keep
 

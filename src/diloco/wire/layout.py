@@ -103,13 +103,21 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, code, tuple(int(d) for d in tensor.shape))
 
 
-def build_layout(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> Layout:
+def build_layout(
+    specs: Sequence[TensorSpec],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    ordered: bool = False,
+) -> Layout:
     """Lay tensors out back to back and encode the header.
 
     Wider dtypes go first (stable within a width), as the reference writer does, so that every
-    tensor starts aligned and a reader can view it in place.
+    tensor starts aligned and a reader can view it in place. ``ordered`` keeps the given order
+    instead: a codec's body carries each tensor's parts together, scales before codes, so a
+    worker encodes one tensor at a time (a reader copies a tensor that lands unaligned).
     """
-    specs = sorted(specs, key=lambda s: -s.itemsize)
+    if not ordered:
+        specs = sorted(specs, key=lambda s: -s.itemsize)
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

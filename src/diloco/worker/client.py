@@ -80,6 +80,14 @@ class Download:
     nbytes: int
 
 
+def _raw_codec(specs: Iterable[TensorSpec]) -> dict[str, str]:
+    """The metadata of a raw body: the codec its tensors' one dtype amounts to."""
+    dtypes = {s.dtype for s in specs}
+    return (
+        {"codec": "bf16"} if dtypes == {"BF16"} else {"codec": "fp32"} if dtypes == {"F32"} else {}
+    )
+
+
 def _error_for(status: int, body: Mapping[str, Any]) -> ServerError:
     if status == 410:
         return UnknownWorker(status, body)
@@ -305,18 +313,22 @@ class DiLoCoClient:
         fragment: int | None = None,
         loss: float | None = None,
         steps: int | None = None,
+        codec: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Stream a pseudo-gradient computed tensor by tensor by ``produce``. A retry resends
         the same submission id, so the server counts it at most once. With ``fragment``, the
         specs are that fragment's pieces (streaming DiLoCo) and ``base_round`` its round.
         ``loss`` (the last reported) and ``steps`` (inner steps so far) go in the metadata for
-        the server's loss history; a loss that is not finite is left out."""
+        the server's loss history; a loss that is not finite is left out. ``codec``: the
+        ``codec_metadata`` of the codec the specs are parts of (``{"codec": "int8", ...}``);
+        the body then keeps the specs' order (each tensor's parts together). None: raw fp32
+        or bf16 tensors, named by their dtype."""
         meta = {
             "worker_id": worker_id,
             "base_round": str(base_round),
             "submission_id": submission_id,
             "weight": repr(float(weight)),
-            "codec": "raw",
+            **(dict(codec) if codec is not None else _raw_codec(specs)),
         }
         if fragment is not None:
             meta["fragment"] = str(fragment)
@@ -324,7 +336,7 @@ class DiLoCoClient:
             meta["loss"] = repr(float(loss))
         if steps is not None:
             meta["steps"] = str(int(steps))
-        layout = build_layout(specs, meta)
+        layout = build_layout(specs, meta, ordered=codec is not None)
         return self._post_tensors("submit", "/submit_pseudograd", layout, produce)
 
     def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -345,17 +357,23 @@ class DiLoCoClient:
         worker_id: str | None = None,
         fragment: int | None = None,
         on_progress: Callable[[int], None] | None = None,
+        have_round: int | None = None,
     ) -> Download | None:
         """Stream the global parameters (or one fragment's pieces) into the memory
         ``into(layout)`` returns (after the caller checked the layout). None when the server's
         long poll ended before ``min_round`` (the fragment's round when ``fragment`` is given).
         ``on_progress(n)``: the first ``n`` bytes of that memory are final (see
-        ``readinto_payload``); a retried download starts again from ``into``."""
+        ``readinto_payload``); a retried download starts again from ``into``.
+        ``have_round``: the round the caller's snapshot holds, so that a server with a
+        compressed downlink may answer with that round's update (metadata ``kind: "update"``)
+        instead of full parameters."""
         params: dict[str, Any] = {"min_round": min_round}
         if worker_id:
             params["worker_id"] = worker_id
         if fragment is not None:
             params["fragment"] = fragment
+        if have_round is not None:
+            params["have_round"] = have_round
 
         def call() -> Download | None:
             resp = self._bulk.get("/global_params", params)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.core.fragments import Piece
-from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
+from diloco.wire import Layout, WireError, byte_view, check_against, tensor_views
 from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
 from diloco.worker.session import Session
 
@@ -48,11 +48,6 @@ class Exchange:
     detail: str = ""
     bytes_up: int = 0
     bytes_down: int = 0
-
-
-def specs_of(pieces: list[Piece], comm_dtype: str) -> list[TensorSpec]:
-    """The tensors of a fragment's upload."""
-    return [TensorSpec(p.wire_name, comm_dtype, (p.numel,)) for p in pieces]
 
 
 class FragmentSender:
@@ -97,19 +92,20 @@ class FragmentSender:
     def _exchange(self, job: Exchange) -> None:
         s, k = self._s, job.fragment
         assert s.worker_id is not None
-        views = job.send
+        body = s.encoder.fragment_upload(job.pieces, job.send)
         before = s.client.bytes_up
         try:
             reply = s.client.submit_pseudogradients(
                 s.worker_id,
                 job.base_round,
                 job.submission_id,
-                specs_of(job.pieces, s.local.comm_dtype),
-                lambda spec: views[spec.name],
+                body.specs,
+                body.produce,
                 weight=job.weight,
                 fragment=k,
                 loss=s.loss,
                 steps=s.total_steps,
+                codec=s.encoder.metadata,
             )
         except UnknownWorker:
             job.outcome = "rejoin"
@@ -129,6 +125,8 @@ class FragmentSender:
             job.bytes_up = s.client.bytes_up - before
         job.counted = True
         job.duplicate = job.resent and reply.get("status") == "duplicate"
+        if not job.duplicate:  # this body counted: the residual moves (worker/encoder.py)
+            body.commit()
         counted_round = int(reply["round"])
         # Sync: wait for the fragment's round to close. Async: the reply names the new version.
         min_round = (

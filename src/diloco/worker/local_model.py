@@ -22,9 +22,10 @@ from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece
 from diloco.core.names import wire_names
 from diloco.core.pseudo_gradient import PIECE
-from diloco.wire import Layout, TensorSpec, byte_view, check_against, tensor_views
+from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
 from diloco.worker.adoption import StreamedAdoption
 from diloco.worker.client import SYNC_FAILURES
+from diloco.worker.downlink import UpdateBuffer, is_update
 
 Fetch = Callable[[bool], bool]
 """``fetch(adopt)``: download global parameters into ``receiver(adopt)``; False if the wait gave
@@ -61,6 +62,7 @@ class LocalModel:
         #: (a retry starts again from its first byte), ``adopted(names)`` with the parameters
         #: adopted in full so far.
         self.listener: AdoptionListener | None = None
+        self._updates = UpdateBuffer()  # where a compressed downlink's update bodies land
 
     # --- shapes -------------------------------------------------------------------------------
 
@@ -131,6 +133,23 @@ class LocalModel:
         self.snapshot_dirty = True
         assert self._payload is not None
         return byte_view(self._payload)
+
+    def _into_update(self, layout: Layout) -> memoryview:
+        """Check an update body's layout against the model, then hand out its own buffer
+        (the snapshot is not touched until the whole body is in)."""
+        if self._payload is None:
+            raise WireError("bad_update", "an update body arrived before any full parameters")
+        return self._updates.into(layout, self.table())
+
+    def apply_update(self) -> bool:
+        """Add the landed update to the snapshot and check the round's checksum. False on a
+        mismatch: the snapshot is then dirty, and only a full download may follow."""
+        assert self._payload is not None
+        self.snapshot_dirty = True
+        if not self._updates.apply(self.snapshot, self._payload):
+            return False
+        self.snapshot_dirty = False
+        return True
 
     # --- moves between local and global -------------------------------------------------------
 
@@ -208,8 +227,15 @@ class SnapshotReceiver:
         self._model = model
         self._adopt = adopt
         self._adoption: StreamedAdoption | None = None
+        #: The body that landed last was a compressed downlink's update (``apply_update``
+        #: takes it into the snapshot), not full parameters.
+        self.update = False
 
     def into(self, layout: Layout) -> memoryview:
+        self.update = is_update(layout)
+        if self.update:
+            self._adoption = None
+            return self._model._into_update(layout)
         view = self._model._into_snapshot(layout)
         if self._adopt:  # every body (a retry too) starts a fresh adoption from its first byte
             params = {name: p.data for name, p in self._model.params.items()}
@@ -225,5 +251,6 @@ class SnapshotReceiver:
                 self._model.listener.adopted(self._adoption.done)
 
     def landed(self) -> None:
+        """The last byte of a full download is in."""
         self._model.adopted = self._adoption is not None and self._adoption.complete
         self._model.snapshot_dirty = False

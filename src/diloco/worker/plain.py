@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
+from diloco.worker.encoder import Upload
 from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer, note_lost_adoption
 
@@ -42,6 +43,7 @@ class PlainSync:
         # counted it. It is sent again under the same id, so the server can say so.
         self._unresolved: str | None = None
         self._upload_steps = 0  # local steps in the last upload (counted if it is ever lost)
+        self._body: Upload | None = None  # the last upload's body, committed once it counts
         # Rounds whose result this worker adopted after its upload counted in them, with that
         # upload's local steps: if the server later says it refused one (its result would not
         # have been finite, so it discarded every upload in it), those steps are counted dropped.
@@ -98,16 +100,26 @@ class PlainSync:
         assert s.worker_id is not None
         self._upload_steps = s.local_step
         weight = s.samples if s.samples > 0 else float(s.local_step)
+        body = self._body = s.encoder.model_upload()
         return s.client.submit_pseudogradients(
             s.worker_id,
             s.base_round,
             submission_id,
-            s.local.specs(),
-            s.local.produce,
+            body.specs,
+            body.produce,
             weight=weight,
             loss=s.loss,
             steps=s.total_steps,
+            codec=s.encoder.metadata,
         )
+
+    def _counted(self, resent: bool, reply: Mapping[str, Any]) -> None:
+        """The server answered the upload: unless it says an earlier body under the same id is
+        the one it holds, this body counted, and the error-feedback residual moves now
+        (``UploadEncoder``; the model has not moved since the body was encoded)."""
+        if self._body is not None and not (resent and reply.get("status") == "duplicate"):
+            self._body.commit()
+        self._body = None
 
     def _sync(self) -> None:
         """Submit, wait for the round, adopt its result. Never raises a network error: failures
@@ -133,6 +145,7 @@ class PlainSync:
             sent, got = s.client.bytes_up - up, s.client.bytes_down - down
             s.metrics["peak_sync_bytes_up"] = max(s.metrics["peak_sync_bytes_up"], sent)
             s.metrics["peak_sync_bytes_down"] = max(s.metrics["peak_sync_bytes_down"], got)
+            s.metrics["last_bytes_up"], s.metrics["last_bytes_down"] = sent, got
 
     def _sync_once(self) -> None:
         s = self._s
@@ -160,6 +173,7 @@ class PlainSync:
                 s.refresh(counted=False, min_round=int(exc.body.get("round", 0)))
             return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
         self._unresolved = None
+        self._counted(resent, reply)
         self._count_refused(reply.get("refused_rounds"))
         if reply.get("refused"):  # async: this very update was refused (not finite)
             s.drop_steps(
@@ -246,6 +260,7 @@ class PlainSync:
         except (Conflict, UnknownWorker) as exc:
             log.warning("worker %s: final submission not counted: %s", s.worker_id, exc.detail)
             return
+        self._counted(resent, reply)
         if resent and reply.get("status") == "duplicate":  # the earlier upload was held
             s.drop_steps(
                 s.local_step,

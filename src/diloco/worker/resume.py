@@ -6,8 +6,11 @@ adopted plus the local steps taken since. Restarting, the worker registers under
 fetches the parameters the server serves now; the progress is put back on top of them (a rebase,
 as after a lost connection), so no local step is lost or counted twice when the run did not move
 on, and none is lost when it did. Two files go into the checkpoint folder: the counters as JSON
-and the snapshot as safetensors (fp32, one copy of the model). In a worker group the state is
-rank 0's: every rank calls ``gather`` before a checkpoint and ``start_resumed`` to resume.
+and the snapshot as safetensors (fp32, one copy of the model); a worker with a lossy codec adds a
+third, its error-feedback residual and the codec's own state (low rank's warm-start ``Q``), also
+safetensors, so what its codec dropped from earlier uploads is still sent after a restart. In a
+worker group the state is rank 0's: every rank calls ``gather`` before a checkpoint and
+``start_resumed`` to resume.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "diloco_worker.json"
 SNAPSHOT_FILE = "diloco_snapshot.safetensors"
+CODEC_FILE = "diloco_codec_state.safetensors"
 
 
 @dataclass(frozen=True)
@@ -62,11 +66,20 @@ def snapshot(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
     return {n: t.detach().to("cpu", copy=True) for n, t in worker._local.snapshot.items()}
 
 
+def codec_state(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
+    """CPU copies of the error-feedback residual and the codec's state (empty for fp32 and
+    bf16): ``UploadEncoder.state_dict``."""
+    return worker._encoder.state_dict()
+
+
 def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
     """Write the worker's state and snapshot into a checkpoint ``folder`` (between steps only; in
     a worker group on rank 0, once every rank called ``gather``)."""
     state = capture(worker)
     save_file(snapshot(worker), os.path.join(folder, SNAPSHOT_FILE))
+    extra = codec_state(worker)
+    if extra:
+        save_file(extra, os.path.join(folder, CODEC_FILE), metadata=worker._encoder.metadata)
     tmp = os.path.join(folder, STATE_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(asdict(state), f, indent=1)
@@ -88,6 +101,13 @@ def load(folder: str) -> tuple[WorkerState, dict[str, torch.Tensor]] | None:
     return state, load_file(os.path.join(folder, SNAPSHOT_FILE))
 
 
+def load_codec_state(folder: str) -> dict[str, torch.Tensor] | None:
+    """The residual and codec state a checkpoint ``folder`` holds (``codec_state``); None when
+    it holds none (a worker without error feedback, or a checkpoint from before the codecs)."""
+    path = os.path.join(folder, CODEC_FILE)
+    return load_file(path) if os.path.isfile(path) else None
+
+
 def gather(worker: DiLoCoWorker) -> bool:
     """Before a checkpoint, on every rank of a worker group (a collective): the samples each rank
     reported since the last sync are summed onto rank 0, whose state the checkpoint holds. True
@@ -104,10 +124,12 @@ def start_resumed(
     worker: DiLoCoWorker,
     state: WorkerState | None,
     snapshot: Mapping[str, torch.Tensor] | None,
+    codec: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Start ``worker`` (built with ``worker_id=state.worker_id``) from a checkpoint's model: join,
     then put the checkpoint's local progress back on top of the parameters just fetched and take
     its counters back, so the schedule of syncs goes on where it was. ``state`` None: ``start``.
+    ``codec``: the checkpoint's ``codec_state`` (``load_codec_state``), restored before joining.
 
     In a worker group every rank calls it (a collective, as ``start`` is) and rank 0's checkpoint
     decides for all: whether to resume, the progress (its parameters, the other ranks' gathered
@@ -131,6 +153,8 @@ def start_resumed(
         assert snapshot is not None
         try:
             progress = _progress(params, snapshot)
+            if codec:
+                worker._encoder.load_state_dict(codec)
         except ValueError as exc:
             error = exc
     if group is not None and not group.agree_on(error is None):

@@ -14,11 +14,49 @@ import threading
 import time
 from collections.abc import Callable
 
+from diloco.wire import WireError
 from diloco.worker.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
+from diloco.worker.downlink import lossy_downlink
+from diloco.worker.encoder import UploadEncoder
 from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+
+def initial_metrics(sync_every: int) -> dict[str, float]:
+    """A new worker's ``sync_metrics`` counters (the lifecycle and the strategy update them).
+    ``last_bytes_up``/``last_bytes_down``: the last sync's (plain) or fragment exchange's
+    (streaming) bytes; ``residual_norm``: the error-feedback residual's norm after the last
+    counted upload (0 for fp32 and bf16, which keep none). With a compressed downlink:
+    ``update_downloads`` rounds received as updates, ``full_downloads`` as full parameters, and
+    ``checksum_mismatches`` updates whose result differed from the server's (each followed by
+    a full download)."""
+    return {
+        "rounds": 0,
+        "bytes_up": 0,
+        "bytes_down": 0,
+        "sync_time_s": 0.0,
+        "stall_time_s": 0.0,
+        "barrier_wait_s": 0.0,
+        "retries": 0,
+        "reconnections": 0,
+        "rebases": 0,
+        "failed_syncs": 0,
+        "refused_submissions": 0,
+        "sync_every": sync_every,
+        "peak_sync_bytes_up": 0,
+        "peak_sync_bytes_down": 0,
+        "fragments_sent": 0,
+        "stalls": 0,
+        "dropped_steps": 0,
+        "last_bytes_up": 0,
+        "last_bytes_down": 0,
+        "residual_norm": 0.0,
+        "update_downloads": 0,
+        "full_downloads": 0,
+        "checksum_mismatches": 0,
+    }
 
 
 class Session:
@@ -34,10 +72,13 @@ class Session:
         local: LocalModel,
         metrics: dict[str, float],
         rejoin: Callable[[], None],
+        encoder: UploadEncoder,
     ) -> None:
         self.settings = settings
         self.client = client
         self.local = local
+        #: The codec, and the error-feedback residual of a lossy one: every upload's body.
+        self.encoder = encoder
         self.metrics = metrics
         #: Register again and reconcile the model with what the server holds (the worker's
         #: re-join). Raises a network error if the server cannot be reached.
@@ -45,7 +86,10 @@ class Session:
         self.worker_id: str | None = settings.worker_id
         self.base_round = 0  # the round of the parameters in the snapshot
         self.instance = ""
-        self.last_metadata: dict[str, str] = {}  # of the last full download
+        self.last_metadata: dict[str, str] = {}  # of the last full download (not of updates)
+        #: The next download must be full parameters (a re-join: the server may have restarted
+        #: from an older checkpoint, so the snapshot is not offered as a base for an update).
+        self.full_next = False
         self.sync_every = settings.sync_every
         self.local_step = 0  # inner steps since the last sync (plain) or in this period
         self.total_steps = 0
@@ -60,27 +104,63 @@ class Session:
     def fetch(self, min_round: int, deadline: float | None = None, *, adopt: bool = False) -> bool:
         """Long-poll until the global parameters of ``min_round`` or later are in the snapshot.
         False if ``deadline`` passes first. With ``adopt``, the model takes each parameter's new
-        values as its bytes land (``local.adopted`` says whether all of them did)."""
+        values as its bytes land (``local.adopted`` says whether all of them did).
+
+        With a compressed downlink (``worker/downlink.py``) a clean snapshot asks for the next
+        round as an update; an update whose checksum does not match, or that cannot be
+        applied, is followed by one full download of that round."""
         t0 = time.monotonic()
         receiver = self.local.receiver(adopt)
+        have = self._have_round()
         try:
             while True:
-                got = self.client.download(
-                    receiver.into,
-                    min_round=min_round,
-                    worker_id=self.worker_id,
-                    on_progress=receiver.progress if adopt else None,
-                )
-                if got is not None:
+                try:
+                    got = self.client.download(
+                        receiver.into,
+                        min_round=min_round,
+                        worker_id=self.worker_id,
+                        on_progress=receiver.progress if adopt else None,
+                        have_round=have,
+                    )
+                except WireError as exc:
+                    if have is None or exc.code != "bad_update":
+                        raise
+                    log.warning("worker %s: %s; downloading full parameters", self.worker_id, exc)
+                    have = None
+                    continue
+                if got is None:
+                    if deadline is not None and time.monotonic() > deadline:
+                        return False
+                    continue
+                if receiver.update:
+                    if not self.local.apply_update():
+                        self.metrics["checksum_mismatches"] += 1
+                        log.warning(
+                            "worker %s: round %d's checksum differs from the parameters its "
+                            "update gives here; downloading full parameters",
+                            self.worker_id,
+                            got.round,
+                        )
+                        have, min_round = None, got.round
+                        continue
+                    self.metrics["update_downloads"] += 1
+                else:
                     receiver.landed()
-                    self.base_round = got.round
-                    self.instance = got.instance
+                    self.metrics["full_downloads"] += 1
+                    self.full_next = False
                     self.last_metadata = dict(got.layout.metadata)
-                    return True
-                if deadline is not None and time.monotonic() > deadline:
-                    return False
+                self.base_round = got.round
+                self.instance = got.instance
+                return True
         finally:
             self.metrics["barrier_wait_s"] += time.monotonic() - t0
+
+    def _have_round(self) -> int | None:
+        """The round to offer the server as held (an update may then follow), or None when
+        only full parameters will do: no compressed downlink, a re-join, or no clean snapshot."""
+        if self.full_next or not lossy_downlink(self.last_metadata) or not self.local.snapshot:
+            return None
+        return None if self.local.snapshot_dirty else self.base_round
 
     def refresh(self, *, counted: bool, min_round: int, deadline: float | None = None) -> bool:
         """``LocalModel.refresh`` with the parameters of ``min_round`` or later."""

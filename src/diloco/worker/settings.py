@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.core.codecs import FOUR_BIT, Codec, CodecError, LowRankCodec, codec_from_metadata
+from diloco.core.codecs.registry import PREFIX
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
 
 DEFAULT_PORT = 8512
@@ -52,7 +54,27 @@ class WorkerSettings:
     """Inner optimizer steps between syncs (H in the paper)."""
 
     bf16_comm: bool = _flag(True, "send fp32 pseudo-gradients", flag="--no-bf16")
-    """Send pseudo-gradients as bfloat16 (half the bytes; the sum stays fp32 on the server)."""
+    """Send pseudo-gradients as bfloat16 (half the bytes; the sum stays fp32 on the server).
+    Read only when ``codec`` is None: an explicit codec wins."""
+
+    codec: str | None = _flag(
+        None,
+        "pseudo-gradient codec: fp32, bf16, int8, int4, lowrank or lowrank:RANK, "
+        "options as NAME:KEY=VALUE,... (default: bf16, fp32 with --no-bf16)",
+        metavar="CODEC",
+    )
+    """How pseudo-gradients travel (``parse_codec``): ``fp32``, ``bf16`` (lossless or today's
+    rounding, sent as computed), ``int8``, ``int4`` (blockwise, with error feedback), ``lowrank``
+    (PowerSGD factors of rank 4, with error feedback; ``lowrank:8`` for rank 8); ``error_feedback``
+    turns the feedback off. Options go after a colon: ``int8:block=128``,
+    ``lowrank:rank=8,fallback=int4``. None: ``bf16``, or ``fp32`` when ``bf16_comm`` is False. The
+    server must allow it (``diloco server --codecs``)."""
+
+    error_feedback: bool = _flag(True, "lossy codec: each round on its own, no error feedback")
+    """With a lossy codec (``int8``, ``int4``, ``lowrank``), what the codec drops is added to the
+    next round's pseudo-gradient, so it is delayed, not lost. False sends each round's
+    pseudo-gradient encoded on its own (to measure what error feedback buys). Raw codecs (``fp32``,
+    ``bf16``) keep no residual either way."""
 
     worker_id: str | None = _flag(None, "stable id (default: the server makes one up)")
     """Stable id; the server makes one up when None."""
@@ -132,10 +154,64 @@ class WorkerSettings:
             raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
         if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
             raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
+        if self.codec is not None:
+            codec = parse_codec(self.codec)
+            if self.num_fragments > 1 and isinstance(codec, LowRankCodec):
+                raise ValueError(
+                    "codec lowrank needs whole matrices, and streaming DiLoCo sends fragments as "
+                    "flat pieces: use int8 or int4 with num_fragments > 1"
+                )
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(
                 f"log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {self.log_level!r}"
             )
+
+
+#: The option a bare value after the colon sets (``lowrank:8`` is ``lowrank:rank=8``).
+MAIN_OPTION = {"lowrank": "rank", "int8": "block", FOUR_BIT: "block"}
+
+
+def parse_codec(spec: str) -> Codec:
+    """The codec ``spec`` names: ``NAME``, ``NAME:VALUE`` (the main option: a rank, a block) or
+    ``NAME:KEY=VALUE,KEY=VALUE`` (``lowrank:rank=8,fallback=int4``). A ``ValueError`` naming the
+    known codecs for an unknown name, or saying which option is wrong."""
+    name, _, rest = spec.strip().partition(":")
+    meta = {"codec": name.strip()}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            if meta["codec"] not in MAIN_OPTION:
+                raise ValueError(f"codec {spec!r}: {meta['codec']} takes options as KEY=VALUE")
+            key, value = MAIN_OPTION[meta["codec"]], item
+        meta[PREFIX + key.strip()] = value.strip()
+    try:
+        return codec_from_metadata(meta)
+    except CodecError as exc:
+        raise ValueError(f"codec {spec!r}: {exc.detail}") from None
+
+
+def chosen_codec(settings: WorkerSettings) -> Codec:
+    """``settings.codec``, or the codec ``bf16_comm`` has always meant."""
+    if settings.codec is not None:
+        return parse_codec(settings.codec)
+    return parse_codec("bf16" if settings.bf16_comm else "fp32")
+
+
+#: What a server answers at registration about a codec it will not take.
+CODEC_REFUSALS = frozenset({"unknown_codec", "bad_option", "codec_refused"})
+
+
+def refused_codec(reply: Mapping[str, Any], codec: Codec) -> ValueError | None:
+    """The error to raise at start when the server's error ``reply`` (its JSON body) refused
+    the worker's codec; None for any other error."""
+    if reply.get("error") not in CODEC_REFUSALS:
+        return None
+    allowed = reply.get("allowed")
+    hint = f" (it takes {', '.join(map(str, allowed))})" if isinstance(allowed, list) else ""
+    return ValueError(
+        f"the server refuses codec {codec!r}: {reply.get('detail', '')}{hint}; choose another with "
+        "codec=... (DILOCO_CODEC, diloco worker --codec)"
+    )
 
 
 ENV_PREFIX = "DILOCO_"

@@ -30,7 +30,7 @@ from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece, plan
 from diloco.core.pseudo_gradient import PIECE
 from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
-from diloco.worker.fragment_exchange import Exchange, FragmentSender, specs_of
+from diloco.worker.fragment_exchange import Exchange, FragmentSender
 from diloco.worker.fragment_plan import Schedule, plan_from_server
 from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer, note_lost_adoption
@@ -273,6 +273,7 @@ class StreamingSync:
         metrics = s.metrics
         metrics["peak_sync_bytes_up"] = max(metrics["peak_sync_bytes_up"], job.bytes_up)
         metrics["peak_sync_bytes_down"] = max(metrics["peak_sync_bytes_down"], job.bytes_down)
+        metrics["last_bytes_up"], metrics["last_bytes_down"] = job.bytes_up, job.bytes_down
         with torch.no_grad():
             if job.outcome == "merge":
                 for piece in self.plan[k]:
@@ -349,17 +350,21 @@ class StreamingSync:
         s = self._s
         assert s.worker_id is not None
         self._fill(k)
-        views = self._send_views[k]
+        resent = k in self._unresolved
+        body = s.encoder.fragment_upload(self.plan[k], self._send_views[k])
         try:
-            s.client.submit_pseudogradients(
+            reply = s.client.submit_pseudogradients(
                 s.worker_id,
                 self.rounds[k],
                 self._submission_id(k),
-                specs_of(self.plan[k], s.local.comm_dtype),
-                lambda spec: views[spec.name],
+                body.specs,
+                body.produce,
                 weight=float(s.total_steps - self._sent_step[k]),
                 fragment=k,
+                codec=s.encoder.metadata,
             )
+            if not (resent and reply.get("status") == "duplicate"):
+                body.commit()
             s.metrics["fragments_sent"] += 1
         except (Conflict, UnknownWorker) as exc:
             log.warning(

@@ -8,7 +8,8 @@ server forgot it, and leaves. How it syncs is a ``SyncStrategy`` (``worker/strat
 
 Memory: besides the model, the worker keeps one fp32 snapshot of the global parameters, laid
 out exactly like the server's download body so new parameters are read straight into it.
-Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists.
+Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists
+but a lossy codec's error-feedback residual (``worker/encoder.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from typing import Any
 import torch
 
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
+from diloco.worker.encoder import UploadEncoder, comm_dtype
 from diloco.worker.group import WorkerGroup, find_group
 from diloco.worker.group_sync import GroupSync
 from diloco.worker.local_model import LocalModel
 from diloco.worker.logs import show_worker_log
 from diloco.worker.plain import PlainSync
-from diloco.worker.session import Session
-from diloco.worker.settings import WorkerSettings, resolve
+from diloco.worker.session import Session, initial_metrics
+from diloco.worker.settings import WorkerSettings, chosen_codec, refused_codec, resolve
 from diloco.worker.strategy import JoinAnswer, SyncStrategy
 from diloco.worker.streaming import StreamingSync
 
@@ -72,7 +74,9 @@ class DiLoCoWorker:
     ...         w.report(loss=loss.item(), samples=len(batch))
 
     Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
-    (see ``WorkerSettings``).
+    (see ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses
+    uploads, with error feedback (``worker/encoder.py``; ``error_feedback=False``: without); None:
+    bf16, or fp32 without ``bf16_comm``.
 
     Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group
     are one worker: rank 0 talks to the server, the others follow (``worker/group.py``).
@@ -101,6 +105,8 @@ class DiLoCoWorker:
         merge_alpha: float | None = None,
         dylu: bool | None = None,
         log_level: str | None = None,
+        codec: str | None = None,
+        error_feedback: bool | None = None,
         client: DiLoCoClient | None = None,
         process_group: Any = None,
         partitioned: bool | None = None,
@@ -124,6 +130,8 @@ class DiLoCoWorker:
                 "merge_alpha": merge_alpha,
                 "dylu": dylu,
                 "log_level": log_level,
+                "codec": codec,
+                "error_feedback": error_feedback,
             }
         )
         show_worker_log(self.settings.log_level)  # only where the program set up no logging
@@ -137,28 +145,15 @@ class DiLoCoWorker:
             read_timeout=self.settings.read_timeout,
             retries=self.settings.retries,
         )
-        self.metrics: dict[str, float] = {
-            "rounds": 0,
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "sync_time_s": 0.0,
-            "stall_time_s": 0.0,
-            "barrier_wait_s": 0.0,
-            "retries": 0,
-            "reconnections": 0,
-            "rebases": 0,
-            "failed_syncs": 0,
-            "refused_submissions": 0,
-            "sync_every": self.settings.sync_every,
-            "peak_sync_bytes_up": 0,
-            "peak_sync_bytes_down": 0,
-            "fragments_sent": 0,
-            "stalls": 0,
-            "dropped_steps": 0,
-        }
-        self._local = LocalModel(model, "BF16" if self.settings.bf16_comm else "F32", self.metrics)
+        self.metrics = initial_metrics(self.settings.sync_every)
+        #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/encoder.py``).
+        self.codec = chosen_codec(self.settings)
+        self._local = LocalModel(model, comm_dtype(self.codec), self.metrics)
+        self._encoder = UploadEncoder(
+            self.codec, self._local, self.metrics, self.settings.error_feedback
+        )
         self._session = Session(
-            self.settings, self.client, self._local, self.metrics, rejoin=self._rejoin
+            self.settings, self.client, self._local, self.metrics, self._rejoin, self._encoder
         )
         # A worker group (torch.distributed ranks, docs/design.md "Worker groups"): every rank
         # builds it here, and ranks that disagree fail here, before anything is sent.
@@ -168,6 +163,7 @@ class DiLoCoWorker:
             if pg is None
             else WorkerGroup(pg, self._local, self.settings, partitioned, dylu=self.settings.dylu)
         )
+        self._encoder.check_names()  # a group's rank 0 encodes the union of the ranks' names
         self._leads = self._group is None or self._group.leader  # talks to the server
         inner: SyncStrategy | None = None
         if self._leads:
@@ -194,6 +190,11 @@ class DiLoCoWorker:
     @property
     def worker_id(self) -> str | None:
         return self._session.worker_id
+
+    @property
+    def codec_name(self) -> str:
+        """The codec's name (``"int8"``); ``codec`` is the codec itself, with its options."""
+        return self.codec.name
 
     @property
     def base_round(self) -> int:
@@ -361,6 +362,11 @@ class DiLoCoWorker:
                     "(set num_fragments and fragment_pattern as the server has them)"
                 ) from exc
             raise
+        except ServerError as exc:  # at the first join, a codec the server refuses is fatal
+            refused = refused_codec(exc.body, self.codec) if initial else None
+            if refused is None:
+                raise
+            raise refused from exc
         s.worker_id = reply["worker_id"]
         self._registered = True
         if initial:
@@ -388,6 +394,7 @@ class DiLoCoWorker:
             log.info("worker %s joined at round %d", s.worker_id, s.base_round)
             return
         # Only an upload whose result we never adopted can be inside the model's progress.
+        s.full_next = True
         settled = self._strategy.rejoined(JoinAnswer.of(reply, seeded=seeded))
         self.metrics["reconnections"] += 1
         log.info(
@@ -413,6 +420,7 @@ class DiLoCoWorker:
                 "sync_every": self.settings.sync_every,
                 "num_fragments": self.settings.num_fragments,
                 "fragment_pattern": self.settings.fragment_pattern,
+                "codec": self._encoder.metadata,
             },
             last_submission_id=None if initial else self._strategy.last_submission,
         )

@@ -2,8 +2,8 @@
 
 ``fp32`` and ``bf16`` (plain), ``int8`` and ``int4`` (blockwise absmax, bf16 scales), ``lowrank``
 (PowerSGD with warm start); ``ErrorFeedback`` for the lossy ones on the worker. Every encoded
-tensor is a list of wire tensors (``Part``s) that travel in one safetensors body. See
-docs/design.md, "Codecs".
+tensor is a list of wire tensors (``Part``s) that travel in one safetensors body; ``Encoded``
+holds one as a value the server's running sum adds chunk by chunk. See docs/design.md, "Codecs".
 """
 
 from diloco.core.codecs.base import (
@@ -17,6 +17,7 @@ from diloco.core.codecs.base import (
     wire_names,
 )
 from diloco.core.codecs.elementwise import Bf16Codec, BlockCodec, Fp32Codec
+from diloco.core.codecs.encoded import Encoded
 from diloco.core.codecs.error_feedback import ErrorFeedback
 from diloco.core.codecs.fourbit import GROUP, Fp4Codec, Int4Codec
 from diloco.core.codecs.lowrank import LowRankCodec
@@ -45,6 +46,7 @@ __all__ = [
     "BlockCodec",
     "Codec",
     "CodecError",
+    "Encoded",
     "ErrorFeedback",
     "Fp32Codec",
     "Fp4Codec",

@@ -17,8 +17,9 @@ with the residual ``true - published`` held implicitly: no third buffer). A work
 the previous ``published`` applies the same parts with the same function (``apply_update``), on
 the CPU, in fp32: the decoded values are exact (a code times a bf16 scale) and one IEEE addition
 per element has one answer, so the result has the same bits as the server's, whatever the chunk
-boundaries or the SIMD path. ``checksum`` of the new parameters travels with the round so that a
-replica that missed a round, or computed elsewhere, notices and downloads full parameters once.
+boundaries or the SIMD path. A checksum of the new parameters (``wire.checksum``) travels with the round so
+that a replica that missed a round, or computed elsewhere, notices and downloads full parameters
+once.
 
 Only element-wise (``BlockCodec``) codecs qualify: a low-rank product's summation order differs
 between devices and libraries. ``fp32`` as a download codec means today's full parameters, not
@@ -27,8 +28,7 @@ an update (``published + (true - published)`` need not round back to ``true``).
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -81,26 +81,3 @@ def apply_update(codec: BlockCodec, published: torch.Tensor, parts: Sequence[tor
     """``published += decode(parts)`` in place: a replica's side of ``encode_update``, with the
     same arithmetic (a flat fp32 CPU tensor, or a piece of one, and its flat parts)."""
     codec.add_piece_into(published.reshape(-1), [p.reshape(-1) for p in parts], 1.0, False)
-
-
-def checksum(buffers: Iterable[memoryview | bytes | bytearray]) -> str:
-    """A fingerprint of the parameters' bytes, in order (eight hex digits: CRC-32).
-
-    It detects a replica that diverged (a missed round, another device's arithmetic), not an
-    attacker: a single flipped bit always changes it, and two different models share it with
-    probability 2**-32. CRC-32 runs at several GB/s on one core (``benchmarks/codec_speed.py``),
-    where SHA-256 would add about 0.2 s per 100M parameters to every round on each side."""
-    value = 0
-    for buf in buffers:
-        value = zlib.crc32(buf, value)
-    return f"{value:08x}"
-
-
-def tensor_checksum(tensors: Iterable[torch.Tensor]) -> str:
-    """``checksum`` of contiguous CPU tensors' bytes, in order (tests and small models; the
-    server and the worker hash their payload buffers directly)."""
-    views = []
-    for t in tensors:
-        flat = t.detach().reshape(-1).contiguous()
-        views.append(memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else b"")
-    return checksum(views)

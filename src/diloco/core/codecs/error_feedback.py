@@ -53,6 +53,17 @@ class ErrorFeedback:
         return parts
 
     @torch.no_grad()
+    def commit(
+        self, codec: Codec, name: str, g: torch.Tensor, parts: Sequence[torch.Tensor]
+    ) -> None:
+        """``e <- g + e - decode(parts)``: what ``encode`` keeps, for ``parts`` that were encoded
+        earlier from the same ``g + e`` (a worker sends a body first and moves its residual only
+        once the server has counted it). Same bits as ``encode``'s update."""
+        e = self._residual(name, g.shape, g.device)
+        e.add_(g)
+        codec.add_into(e, parts, -1.0)
+
+    @torch.no_grad()
     def encode_piece(
         self,
         codec: BlockCodec,

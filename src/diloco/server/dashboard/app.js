@@ -32,7 +32,8 @@
     lossX: "round", // the loss chart's x axis: "round" or "steps"
     instance: undefined, // the server's instance the history came from
     roundTime: [], // [[round, seconds]]
-    bytes: [], // [[round, bytes]]
+    bytesUp: [], // [[round, bytes received]]
+    bytesDown: [], // [[round, bytes sent]]
     lastRound: null,
     lastBytes: null,
     lastSample: null, // [time, bytes in + out] for the byte rate
@@ -46,7 +47,8 @@
     hist.lossSince = null;
     hist.instance = undefined;
     hist.roundTime = [];
-    hist.bytes = [];
+    hist.bytesUp = [];
+    hist.bytesDown = [];
     hist.lastRound = null;
     hist.lastBytes = null;
     hist.lastSample = null;
@@ -189,6 +191,7 @@
       dot.title = label;
       td.append(dot, label);
       cell(tr, fmtBytes(w.bytes_in) + " / " + fmtBytes(w.bytes_out), "num");
+      cell(tr, w.codec ? String(w.codec) : "raw", "worker-codec");
       cell(tr, staleness(w, st), "num");
       cell(tr, fmtNum(w.loss, 4), "num worker-loss");
       const kick = document.createElement("button");
@@ -218,6 +221,14 @@
     setText("s-throughput", fmtNum(steps, 1) + " steps/s" + rate);
     setText("s-workers", `${workers.length} live / ${st.num_workers ?? "-"} expected`);
     setText("s-outer", `${opt.lr ?? "-"} / ${opt.momentum ?? "-"}`);
+    // The codecs the workers upload with and rounds are published in, and the last round's
+    // traffic each way.
+    const codecs = Array.isArray(st.codecs) && st.codecs.length ? st.codecs.join(", ") : "raw";
+    setText(
+      "s-codecs",
+      `${codecs} up, ${st.download_codec || "fp32"} down; ` +
+        `last round ${fmtBytes(st.last_round_bytes_in)} up, ` +
+        `${fmtBytes(st.last_round_bytes_out)} down`);
     // Uploads queue for the server's receive buffers; a long wait means more slots would help
     // workers on links slower than the server's (README, Network tuning).
     const slots = st.upload_slots ?? "-";
@@ -309,9 +320,9 @@
     }
     hist.lastSample = [now, total];
     if (Array.isArray(st.update_log) && st.update_log.length) {
-      // The server's own log of updates: exact per-update figures. Its bytes_in is the running
-      // total, so an update's bytes are the step from the entry before. With fragments the
-      // rounds of different fragments interleave: plot against time instead.
+      // The server's own log of updates: exact per-update figures (the bytes of each update's
+      // uploads, and those sent since the update before). With fragments the rounds of
+      // different fragments interleave: plot against time instead.
       const log = st.update_log;
       const multi = log.some((u) => typeof u.fragment === "number" && u.fragment > 0);
       const x = (u) => (multi ? u.t : u.round);
@@ -319,19 +330,17 @@
       hist.roundTime = log
         .filter((u) => typeof u.round_time_s === "number")
         .map((u) => [x(u), u.round_time_s]);
-      hist.bytes = [];
-      for (let i = 1; i < log.length; i += 1) {
-        if (typeof log[i].bytes_in === "number" && typeof log[i - 1].bytes_in === "number") {
-          hist.bytes.push([x(log[i]), log[i].bytes_in - log[i - 1].bytes_in]);
-        }
-      }
+      hist.bytesUp = log.filter((u) => typeof u.round_bytes_in === "number")
+        .map((u) => [x(u), u.round_bytes_in]);
+      hist.bytesDown = log.filter((u) => typeof u.round_bytes_out === "number")
+        .map((u) => [x(u), u.round_bytes_out]);
     } else if (typeof st.round === "number") {
       // Otherwise observed here: the time of the last round, bytes received since the last one.
       hist.xName = "round";
       if (hist.lastRound !== null && st.round > hist.lastRound) {
         if (typeof st.last_round_time_s === "number") push(hist.roundTime, [st.round, st.last_round_time_s]);
         if (hist.lastBytes !== null) {
-          push(hist.bytes, [st.round, (received - hist.lastBytes) / (st.round - hist.lastRound)]);
+          push(hist.bytesUp, [st.round, (received - hist.lastBytes) / (st.round - hist.lastRound)]);
         }
       }
       if (hist.lastRound === null || st.round !== hist.lastRound) hist.lastBytes = received;
@@ -405,7 +414,10 @@
     const xName = hist.lossX === "steps" ? "inner steps" : "round";
     lineChart($("chart-loss"), lossSeries(), xName);
     lineChart($("chart-round-time"), [{ name: "", points: hist.roundTime }], hist.xName);
-    lineChart($("chart-bytes"), [{ name: "", points: hist.bytes }], hist.xName);
+    lineChart($("chart-bytes"), [
+      { name: "up", points: hist.bytesUp },
+      { name: "down", points: hist.bytesDown },
+    ], hist.xName);
   }
 
   // --- polling ------------------------------------------------------------------------------
