@@ -48,7 +48,8 @@ from diloco.core.codecs import (
     Int8Codec,
     LowRankCodec,
 )
-from diloco.core.codecs.downlink import apply_update, checksum, encode_update
+from diloco.core.codecs.downlink import apply_update, encode_update
+from diloco.wire.checksum import checksum
 from harness.report import machine_info, print_table
 from sync_round_children import choose_shape
 

@@ -23,6 +23,16 @@ For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` laye
   Efficiency is the median raw round over the median DiLoCo round; with pairs, the median of
   the per-pair ratios is printed next to it.
 
+Communication configurations (``--comm UP/DOWN ...``, default ``bf16/fp32``, today's rounds):
+the workers' upload codec (``DiLoCoWorker(codec=UP)``: fp32, bf16, int8, int4, int4:block=32,
+lowrank:8, ...) and the server's ``download_codec`` (DOWN: fp32 sends full parameters every
+round; bf16, int8, int4 publish each round as a compressed update). For each worker count the
+configurations run back to back, each on a fresh server from the same initial parameters, so
+that the machine's load and drift touch them as alike as a run allows; each gets its own
+raw-socket limit for the bytes it moved. The bytes reported are measured: each worker's counters around its sync and
+the server's status between rounds. Beside each row, its bytes and round time against the
+``bf16/fp32`` row of the same worker count, when the run has one.
+
 CPU: each worker and raw client reads ``time.process_time()`` around its part of a round; the
 parent reads the server process's user + system time (psutil) before the start barrier and once
 every client has reported. On a machine whose cores are all busy during a round, the ratio of
@@ -41,6 +51,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/sync_round.py                      # 100M params; 1, 4, 16 workers
     .venv/bin/python benchmarks/sync_round.py --params 5e6 --workers 1 2 --json out.json
+    .venv/bin/python benchmarks/sync_round.py --workers 4 --comm bf16/fp32 int8/int8 int4/int8
 
 MB below means 10**6 bytes. The targets printed next to the figures: 4 workers within 2x the
 loopback limit (efficiency >= 0.5); server peak RSS <= 4.5x the fp32 model size; worker peak RSS
@@ -65,12 +76,21 @@ import psutil
 from harness.loopback import LoopbackRun, estimate_loopback_bytes
 from harness.processes import reap
 from harness.report import fmt_mb, machine_info, print_table, write_json
-from sync_round_children import ModelShape, choose_shape, estimate_bytes, write_params_main
+from sync_round_children import (
+    Comm,
+    ModelShape,
+    check_comms_main,
+    choose_shape,
+    estimate_bytes,
+    parse_comm,
+    write_params_main,
+)
 from sync_round_run import DiLoCoRun
 
 TARGET_EFFICIENCY = 0.5  # for 4 workers: round time within 2x the loopback limit
 TARGET_SERVER_X = 4.5
 TARGET_WORKER_X = 3.0
+BASE_COMM = "bf16/fp32"  # today's rounds: the row the others' bytes and times are set against
 
 
 def run_pair(
@@ -80,6 +100,7 @@ def run_pair(
     params_path: str,
     args: argparse.Namespace,
     interleave: bool,
+    comm: Comm,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """DiLoCo rounds and, unless skipped, the raw-socket limit for the bytes they moved.
 
@@ -87,7 +108,7 @@ def run_pair(
     measured DiLoCo round is paired with a raw round right before or after it (alternating), so
     that both see the same load on a shared machine. Otherwise all DiLoCo rounds, then all raw
     rounds."""
-    with DiLoCoRun(ctx, n, shape, params_path, args) as d:
+    with DiLoCoRun(ctx, n, shape, params_path, args, comm) as d:
         for _ in range(args.warmup):
             d.round()
         if args.skip_loopback or not interleave:
@@ -207,10 +228,91 @@ def _cpu_row(res: dict[str, Any]) -> list[str]:
     ]
 
 
-def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
-    """The three tables docs/benchmarks.md quotes: figures against the targets, where a round
-    goes and what memory it holds, and its CPU seconds against the raw limit's."""
+def _mb(b: float) -> str:
+    """MB, with a decimal for small models (where a codec's saving would round away)."""
+    return fmt_mb(b) if b >= 100e6 else f"{b / 1e6:.1f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Each result's ``vs_base``: its measured bytes per worker and median round time over
+    those of the ``BASE_COMM`` row of the same worker count (None without such a row)."""
+    base = {r["diloco"]["workers"]: r["diloco"] for r in results if r["comm"] == BASE_COMM}
+    for res in results:
+        d = res["diloco"]
+        b = base.get(d["workers"])
+        res["vs_base"] = (
+            None
+            if b is None
+            else {
+                "base": BASE_COMM,
+                "bytes_up": d["upload_bytes_per_worker"] / b["upload_bytes_per_worker"],
+                "bytes_down": d["download_bytes_per_worker"] / b["download_bytes_per_worker"],
+                "round_s": d["round_s"]["median"] / b["round_s"]["median"],
+            }
+        )
+
+
+def _comm_row(res: dict[str, Any], model_bytes: int) -> list[str]:
+    d, vs = res["diloco"], res.get("vs_base") or {}
+    rs = d["round_s"]
+    return [
+        d["comm"],
+        str(d["workers"]),
+        f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f})",
+        _mb(d["upload_bytes_per_worker"]),
+        _mb(d["download_bytes_per_worker"]),
+        f"{_mb(d['server_bytes_in_per_round'])} / {_mb(d['server_bytes_out_per_round'])}",
+        f"{d['update_downloads']}/{d['worker_syncs']}",
+        _marked_peak(d["server"]["maxrss"], model_bytes, TARGET_SERVER_X),
+        _marked_peak(d["worker"]["maxrss"], model_bytes, TARGET_WORKER_X),
+        _ratio(vs.get("bytes_up")),
+        _ratio(vs.get("bytes_down")),
+        _ratio(vs.get("round_s")),
+        "yes" if d["all_rounds_ok"] else "NO",
+    ]
+
+
+def print_comm_table(results: list[dict[str, Any]], model_bytes: int) -> None:
+    """One row per configuration and worker count: round time, the bytes one worker moved each
+    way (measured), peak memory, and the ratios to the ``BASE_COMM`` row."""
     print_table(
+        [
+            "comm up/down",
+            "N",
+            "round s median (min-max)",
+            "up/worker MB",
+            "down/worker MB",
+            "server in/out per round MB",
+            "syncs downloading an update",
+            "server peak RSS MB (x model)",
+            "worker peak RSS MB (x model)",
+            f"up vs {BASE_COMM}",
+            f"down vs {BASE_COMM}",
+            f"round time vs {BASE_COMM}",
+            "rounds ok",
+        ],
+        [_comm_row(res, model_bytes) for res in results],
+    )
+
+
+def _table(head: list[str], results: list[dict[str, Any]], row: Any, multi: bool) -> None:
+    """``print_table`` of ``row(res)`` for each result, led by its configuration if ``multi``."""
+    rows = [row(res) for res in results]
+    if multi:
+        head = ["comm", *head]
+        rows = [[res["comm"], *r] for res, r in zip(results, rows, strict=True)]
+    print_table(head, rows)
+
+
+def print_tables(results: list[dict[str, Any]], model_bytes: int, multi: bool = False) -> None:
+    """The three tables docs/benchmarks.md quotes: figures against the targets, where a round
+    goes and what memory it holds, and its CPU seconds against the raw limit's. With ``multi``
+    (several configurations), each row starts with its configuration."""
+    _table(
         [
             "N",
             "round s median (min-max)",
@@ -222,7 +324,9 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             "server peak RSS MB (x model)",
             "worker peak RSS MB (x model)",
         ],
-        [_main_row(res, model_bytes) for res in results],
+        results,
+        lambda res: _main_row(res, model_bytes),
+        multi,
     )
     print(
         f"\ntargets: efficiency >= {TARGET_EFFICIENCY} at N=4; server peak <= "
@@ -230,7 +334,7 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
         f"(model = {fmt_mb(model_bytes)} MB fp32)"
     )
     print("\nDetails (medians of the measured rounds):")
-    print_table(
+    _table(
         [
             "N",
             "limit measured",
@@ -247,14 +351,16 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             "worker peak above base (x model)",
             "rounds ok",
         ],
-        [_details_row(res, model_bytes) for res in results],
+        results,
+        lambda res: _details_row(res, model_bytes),
+        multi,
     )
     print(
         "\nCPU seconds per round (medians; the server process and the worker or client "
         f"processes, all threads; {os.cpu_count()} cores give at most {os.cpu_count()} CPU "
         "seconds per second of wall time):"
     )
-    print_table(
+    _table(
         [
             "N",
             "DiLoCo server",
@@ -265,8 +371,26 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             "loopback total",
             "ratio",
         ],
-        [_cpu_row(res) for res in results],
+        results,
+        _cpu_row,
+        multi,
     )
+
+
+def _check_comms(ctx: Any, comms: list[Comm], timeout: float) -> list[str]:
+    """What this checkout's worker or server would refuse of ``comms`` (checked in a child: the
+    parent never imports torch or diloco)."""
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=check_comms_main, args=(child_conn, comms), daemon=True)
+    try:
+        proc.start()
+        if not parent_conn.poll(timeout):
+            raise TimeoutError("checking the --comm configurations timed out")
+        errors: list[str] = parent_conn.recv()
+        proc.join(30)
+    finally:
+        reap([proc])
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +399,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
-    ap.add_argument("--no-bf16", action="store_true", help="upload fp32 pseudo-gradients")
+    ap.add_argument(
+        "--no-bf16",
+        action="store_true",
+        help="upload fp32 pseudo-gradients (the default --comm becomes fp32/fp32)",
+    )
+    ap.add_argument(
+        "--comm",
+        metavar="UP/DOWN",
+        nargs="+",
+        help="communication configurations, each measured on a fresh server for every worker "
+        "count: the workers' upload codec (fp32, bf16, int8, int4, int4:block=32, lowrank:8, ...) "
+        "/ the server's download codec (fp32, bf16, int8, int4); e.g. --comm bf16/fp32 int8/int8 "
+        "(default: bf16/fp32, today's rounds)",
+    )
     ap.add_argument("--max-dim", type=int, default=2048, help="widest square layer (default 2048)")
     ap.add_argument("--server-threads", type=int, default=2, help="torch threads of the server")
     ap.add_argument("--setup-timeout", type=float, default=180.0, help="seconds (+15 per worker)")
@@ -314,6 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.comm and args.no_bf16:
+        ap.error("--no-bf16 picks the default --comm (fp32/fp32): name fp32 uploads in --comm")
+    try:
+        comms = list(
+            dict.fromkeys(
+                parse_comm(c) for c in (args.comm or ["fp32/fp32" if args.no_bf16 else BASE_COMM])
+            )
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
+    multi = len(comms) > 1
 
     shape = choose_shape(args.params, args.max_dim)
     model_bytes = shape.nbytes
@@ -321,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
         f"{shape.numel:,} params, {fmt_mb(model_bytes)} MB fp32; "
-        f"uploads {'fp32' if args.no_bf16 else 'bf16'}; rounds {args.warmup} warm-up + "
-        f"{args.rounds} measured",
+        f"comm (upload/download codec) {', '.join(c.label for c in comms)}; "
+        f"rounds {args.warmup} warm-up + {args.rounds} measured",
         flush=True,
     )
     print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
@@ -332,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     try:
+        errors = _check_comms(ctx, comms, args.setup_timeout)
+        if errors:
+            ap.error("--comm: " + "; ".join(errors))
         params_path = os.path.join(tmp, "init.safetensors")
         writer = ctx.Process(target=write_params_main, args=(params_path, shape), daemon=True)
         try:
@@ -342,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             reap([writer])
         for n in sorted(set(args.workers)):
-            need = estimate_bytes(n, model_bytes)
+            need = max(estimate_bytes(n, model_bytes, c) for c in comms)
             avail = psutil.virtual_memory().available
             if need > avail - 2**30 and not args.force:
                 msg = (
@@ -361,30 +512,44 @@ def main(argv: list[str] | None = None) -> int:
             )
             what = "DiLoCo rounds" + ("" if args.skip_loopback else " and loopback limit")
             how = ", interleaved" if interleave and not args.skip_loopback else ""
-            print(f"N={n}: {what}{how} ...", flush=True)
-            t = time.monotonic()
-            d, lb = run_pair(ctx, n, shape, params_path, args, interleave)
-            print(
-                f"N={n}: round median {d['round_s']['median']:.3f} s "
-                f"(phases {d['phases_median']}; CPU s {d['cpu_s_median']}), "
-                f"took {time.monotonic() - t:.0f} s",
-                flush=True,
-            )
-            if lb is not None:
-                lb["interleaved"] = interleave
+            # The configurations back to back, each on a fresh server: side by side in time,
+            # so that the machine's load and its drift over a run touch them as alike as they can.
+            for comm in comms:
+                tag = f"N={n} {comm.label}" if multi else f"N={n}"
+                print(f"{tag}: {what}{how} ...", flush=True)
+                t = time.monotonic()
+                d, lb = run_pair(ctx, n, shape, params_path, args, interleave, comm)
                 print(
-                    f"N={n}: loopback median {lb['round_s']['median']:.3f} s "
-                    f"(CPU s {lb['cpu_s_median']})",
+                    f"{tag}: round median {d['round_s']['median']:.3f} s "
+                    f"(phases {d['phases_median']}; CPU s {d['cpu_s_median']}); per worker "
+                    f"{_mb(d['upload_bytes_per_worker'])} MB up, "
+                    f"{_mb(d['download_bytes_per_worker'])} MB down; "
+                    f"{d['update_downloads']}/{d['worker_syncs']} syncs downloaded an update; "
+                    f"took {time.monotonic() - t:.0f} s",
                     flush=True,
                 )
-            results.append({"diloco": d, "loopback": lb})
+                if lb is not None:
+                    lb["interleaved"] = interleave
+                    print(
+                        f"{tag}: loopback median {lb['round_s']['median']:.3f} s "
+                        f"(CPU s {lb['cpu_s_median']})",
+                        flush=True,
+                    )
+                results.append({"comm": comm.label, "diloco": d, "loopback": lb})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    add_ratios(results)
     print()
     complete = [r for r in results if r["loopback"] is not None]
     if complete:
-        print_tables(complete, model_bytes)
+        print_tables(complete, model_bytes, multi)
+    if results and (multi or not complete):
+        print(
+            "\nCommunication (per round, medians of the measured rounds; bytes measured: one "
+            "worker's counters around its sync, the server's status):"
+        )
+        print_comm_table(results, model_bytes)
     if args.json:
         doc = {
             "benchmark": "sync_round",
@@ -392,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "machine": info,
             "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
-            "bf16_uploads": not args.no_bf16,
+            "bf16_uploads": all(c.up == "bf16" for c in comms),
+            "comm": [c.label for c in comms],
+            "comm_base": BASE_COMM,
             "warmup_rounds": args.warmup,
             "measured_rounds": args.rounds,
             "targets": {

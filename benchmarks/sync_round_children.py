@@ -5,6 +5,10 @@ fork-before-exec copy of it that each spawned child briefly is small), and the s
 put another checkout's ``src/`` first on its path (``--server-src``) before its import. A worker
 reports on the parent's queue: ``ready``, then per round ``prepared`` (idle until the start) and
 ``round`` (its stamps, CPU time, byte deltas and parameter checksum), at last ``done``.
+
+A communication configuration (``Comm``, ``--comm UP/DOWN``) names the workers' upload codec
+(``DiLoCoWorker(codec=UP)``) and the server's ``download_codec`` (DOWN); ``check_comms_main``
+checks a list of them in a child, so that the parent still never imports torch or diloco.
 """
 
 from __future__ import annotations
@@ -53,12 +57,71 @@ def build_model(shape: ModelShape, seed: int = 0) -> Any:
     )
 
 
-def estimate_bytes(n: int, model_bytes: int) -> int:
+# --- communication configurations ------------------------------------------------------------
+
+#: Upload codecs that keep no error-feedback residual (``worker/encoder.py``).
+RAW_CODECS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """How a round travels: the workers' upload codec (a ``DiLoCoWorker(codec=...)`` spec such as
+    ``int8`` or ``int4:block=32``) and the server's ``download_codec`` (``fp32``: full
+    parameters every round; ``bf16``, ``int8``, ``int4``: each round as a compressed update)."""
+
+    up: str
+    down: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.up}/{self.down}"
+
+    @property
+    def lossy_up(self) -> bool:
+        return self.up.partition(":")[0].strip() not in RAW_CODECS
+
+    @property
+    def lossy_down(self) -> bool:
+        return self.down != "fp32"
+
+
+def parse_comm(spec: str) -> Comm:
+    """``UP/DOWN`` as a ``Comm`` (syntax only; ``check_comms_main`` checks the names)."""
+    up, sep, down = (x.strip() for x in spec.strip().partition("/"))
+    if not sep or not up or not down or "/" in down:
+        raise ValueError(f"--comm {spec!r}: expected UP/DOWN, e.g. bf16/fp32 or int8/int8")
+    return Comm(up, down)
+
+
+def check_comms_main(conn: Any, comms: list[Comm]) -> None:
+    """A child: sends back one line per configuration this checkout's worker or server would
+    refuse (an empty list when all are fine)."""
+    from diloco.server.config import DOWNLOAD_CODECS, ServerConfig
+    from diloco.worker.settings import parse_codec
+
+    allowed = ServerConfig().allowed_codecs
+    errors = []
+    for c in comms:
+        try:
+            name = parse_codec(c.up).name
+            if name not in allowed:
+                errors.append(f"{c.label}: the server allows uploads in {', '.join(allowed)} only")
+        except ValueError as exc:
+            errors.append(f"{c.label}: {exc}")
+        if c.down not in DOWNLOAD_CODECS:
+            errors.append(f"{c.label}: the downlink must be one of {', '.join(DOWNLOAD_CODECS)}")
+    conn.send(errors)
+
+
+def estimate_bytes(n: int, model_bytes: int, comm: Comm | None = None) -> int:
     """What one configuration is expected to need: the server's buffers (about 4x the model with
-    bf16 uploads) and each worker's model plus snapshot, with the interpreter and torch (~300 MB
-    per process) on top."""
+    bf16 uploads, one more fp32 copy with a compressed downlink) and each worker's model plus
+    snapshot (plus an fp32 error-feedback residual with a lossy upload codec), with the
+    interpreter and torch (~300 MB per process) on top."""
     overhead = 300 * 2**20
-    return int(4 * model_bytes + overhead + n * (2.2 * model_bytes + overhead))
+    server = 4 + (1 if comm is not None and comm.lossy_down else 0)
+    worker = 2.2 + (1 if comm is not None and comm.lossy_up else 0)
+    return int(server * model_bytes + overhead + n * (worker * model_bytes + overhead))
 
 
 # --- child processes: parameter file, server, workers -----------------------------------------
@@ -80,6 +143,7 @@ def server_main(
     threads: int,
     save_every: int = 0,
     server_src: str | None = None,
+    download_codec: str = "fp32",
 ) -> None:
     import torch
 
@@ -92,6 +156,8 @@ def server_main(
     save_dir = tempfile.mkdtemp(prefix="sync-round-ckpt-") if save_every else None
 
     base = base_rss()
+    # Named only when compressed, so that a --server-src checkout from before codecs still runs.
+    codec: dict[str, Any] = {"download_codec": download_codec} if download_codec != "fp32" else {}
     config = ServerConfig(
         host="127.0.0.1",
         port=0,
@@ -104,6 +170,7 @@ def server_main(
         save_dir=save_dir,
         save_every=save_every,
         keep_checkpoints=1,
+        **codec,
     )
     if save_dir is not None:
         import diloco.server as where
@@ -146,7 +213,7 @@ def _worker_body(
     out: Any,
     address: str,
     shape: ModelShape,
-    bf16: bool,
+    codec: str,
     total_rounds: int,
     barrier: Any,
     finished: Any,
@@ -169,14 +236,16 @@ def _worker_body(
         optimizer,
         address,
         sync_every=10**9,
-        bf16_comm=bf16,
+        codec=codec,
         worker_id=f"bench-{idx}",
         heartbeat_interval=0,
     ) as worker:
         # Benchmark-side instrumentation (instance attributes; the library is untouched):
-        # when the upload was answered, and when the download body of the new round began.
+        # when the upload was answered, and when the download body of the new round began
+        # (full parameters, or a compressed downlink's update).
         submit = worker.client.submit_pseudogradients
         into = worker._local._into_snapshot
+        into_update = getattr(worker._local, "_into_update", None)
 
         def timed_submit(*a: Any, **k: Any) -> Any:
             reply = submit(*a, **k)
@@ -187,8 +256,15 @@ def _worker_body(
             stamps["body"] = time.monotonic()
             return into(layout)
 
+        def timed_into_update(layout: Any) -> Any:
+            stamps["body"] = time.monotonic()
+            assert into_update is not None
+            return into_update(layout)
+
         worker.client.submit_pseudogradients = timed_submit  # type: ignore[method-assign]
         worker._local._into_snapshot = timed_into  # type: ignore[method-assign]
+        if into_update is not None:
+            worker._local._into_update = timed_into_update  # type: ignore[method-assign]
         out.put(("ready", idx, {"base_rss": base, "rss_joined": rss()}))
 
         for r in range(total_rounds):

@@ -5,6 +5,9 @@ one round at a time, so that ``sync_round.run_pair`` can put a raw-socket round 
 It asks the server for its status between rounds: the byte counters then bracket one round. A
 round's wall time runs from the earliest worker start after the barrier to the last adoption
 (``time.monotonic`` is one system-wide clock on Linux, so stamps from different processes compare).
+Its ``Comm`` says how rounds travel: the workers' upload codec and the server's download codec.
+The bytes it reports are measured (the workers' counters around each sync, the server's status
+between rounds), never computed from the codecs.
 """
 
 from __future__ import annotations
@@ -26,16 +29,23 @@ from harness.processes import (
 )
 from harness.report import cpu_median, summary
 from harness.rss import RssPoller
-from sync_round_children import ModelShape, server_main, worker_main
+from sync_round_children import Comm, ModelShape, server_main, worker_main
 
 
 class DiLoCoRun:
     """A server process and N worker processes, driven one round at a time."""
 
     def __init__(
-        self, ctx: Any, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
+        self,
+        ctx: Any,
+        n: int,
+        shape: ModelShape,
+        params_path: str,
+        args: argparse.Namespace,
+        comm: Comm,
     ) -> None:
         self.ctx, self.n, self.shape, self.params_path, self.args = ctx, n, shape, params_path, args
+        self.comm = comm
         self.total_rounds = args.warmup + args.rounds
         self.setup_timeout = args.setup_timeout + 15 * n
         self.procs: list[Any] = []
@@ -70,6 +80,7 @@ class DiLoCoRun:
                 args.server_threads,
                 args.save_every,
                 args.server_src,
+                self.comm.down,
             ),
             name="diloco-server",
             daemon=True,
@@ -99,7 +110,7 @@ class DiLoCoRun:
                     self.inbox.q,
                     self.hello["address"],
                     self.shape,
-                    not args.no_bf16,
+                    self.comm.up,
                     self.total_rounds,
                     self.barrier,
                     finished,
@@ -176,10 +187,20 @@ class DiLoCoRun:
             "worker_bytes_up": [d["bytes_up"] for d in deltas],
             "worker_bytes_down": [d["bytes_down"] for d in deltas],
             "worker_rounds": [d["rounds"] for d in deltas],
+            "worker_update_downloads": [d.get("update_downloads", 0) for d in deltas],
+            "worker_full_downloads": [d.get("full_downloads", 0) for d in deltas],
             "failed_syncs": sum(d["failed_syncs"] for d in deltas),
             "retries": sum(d["retries"] for d in deltas),
             "server_bytes_in": new_status["bytes_in"] - status["bytes_in"],
             "server_bytes_out": new_status["bytes_out"] - status["bytes_out"],
+            # The server's own count of the round's bytes each way (None from a server before
+            # codecs, --server-src): a check on the counters' difference above.
+            "server_last_round_bytes_in": new_status.get("last_round_bytes_in"),
+            "server_last_round_bytes_out": new_status.get("last_round_bytes_out"),
+            "server_update_downloads": new_status.get("update_downloads", 0)
+            - status.get("update_downloads", 0),
+            "server_full_downloads": new_status.get("full_downloads", 0)
+            - status.get("full_downloads", 0),
             "server_round": new_status["round"],
             "server_contributions": new_status["last_round_contributions"],
             "server_last_round_time_s": new_status["last_round_time_s"],
@@ -191,10 +212,12 @@ class DiLoCoRun:
             print(f"    N={n} round {r}: {result['wall_s']:.3f} s {phases}", flush=True)
         return result
 
-    def bytes_per_worker(self) -> tuple[int, int]:
-        """Upload and download bytes of one worker's sync (median over the rounds so far)."""
-        up = statistics.median(b for r in self.rounds for b in r["worker_bytes_up"])
-        down = statistics.median(b for r in self.rounds for b in r["worker_bytes_down"])
+    def bytes_per_worker(self, measured: bool = False) -> tuple[int, int]:
+        """Upload and download bytes of one worker's sync (median over the rounds so far, or
+        over the measured ones: a compressed downlink's first round may differ)."""
+        rounds = [r for r in self.rounds if not (measured and r["warmup"])]
+        up = statistics.median(b for r in rounds for b in r["worker_bytes_up"])
+        down = statistics.median(b for r in rounds for b in r["worker_bytes_down"])
         return int(up), int(down)
 
     def finish(self) -> dict[str, Any]:
@@ -211,9 +234,14 @@ class DiLoCoRun:
         worker_polled = max((self.poller.peaks.get(w.pid, 0) for w in self.workers), default=0)
         rounds = self.rounds
         measured = [r for r in rounds if not r["warmup"]]
-        up, down = self.bytes_per_worker()
+        up, down = self.bytes_per_worker(measured=True)
+        last_in = [r["server_last_round_bytes_in"] for r in measured]
+        last_out = [r["server_last_round_bytes_out"] for r in measured]
         return {
             "workers": n,
+            "comm": self.comm.label,
+            "codec_up": self.comm.up,
+            "download_codec": self.comm.down,
             "rounds": rounds,
             "round_s": summary([r["wall_s"] for r in measured]),
             "cpu_s_median": cpu_median(rounds),
@@ -233,6 +261,17 @@ class DiLoCoRun:
             "server_bytes_out_per_round": int(
                 statistics.median(r["server_bytes_out"] for r in measured)
             ),
+            "server_last_round_bytes_in": (
+                None if None in last_in else int(statistics.median(last_in))
+            ),
+            "server_last_round_bytes_out": (
+                None if None in last_out else int(statistics.median(last_out))
+            ),
+            # Worker syncs over the measured rounds whose new parameters came as an update of
+            # the previous round (a compressed downlink), and as full parameters.
+            "update_downloads": sum(sum(r["worker_update_downloads"]) for r in measured),
+            "full_downloads": sum(sum(r["worker_full_downloads"]) for r in measured),
+            "worker_syncs": n * len(measured),
             "all_rounds_ok": all(
                 r["consistent"]
                 and r["failed_syncs"] == 0
