@@ -26,10 +26,11 @@ def make_server() -> Iterator[ServerFactory]:
 
     def make(params: dict[str, torch.Tensor] | None = None, **config: Any) -> DiLoCoServer:
         config.setdefault("num_workers", 1)
-        server = DiLoCoServer(
-            ServerConfig(port=0, **config),
-            initial_params=initial_params() if params is None else params,
-        )
+        if config.get("allreduce"):  # the server holds no parameters in all-reduce mode
+            initial = None
+        else:
+            initial = initial_params() if params is None else params
+        server = DiLoCoServer(ServerConfig(port=0, **config), initial_params=initial)
         server.start()
         started.append(server)
         return server

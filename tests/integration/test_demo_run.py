@@ -30,3 +30,22 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert report["bytes_up"] > 0 and report["bytes_down"] > 0
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert "global model" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_in_allreduce_mode(tmp_path: Path) -> None:
+    """``diloco demo --allreduce``: the workers average among themselves; worker 0 evaluates
+    the global model after each sync, since no server holds it."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(
+        ["--workers", "2", "--steps", "20", "--sync-every", "10", "--out", str(tmp_path)]
+        + ["--allreduce"]
+    )
+    assert demo.run(args) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["mode"] == "allreduce" and report["rounds"] == 2
+    assert report["global_eval_loss"] < report["initial_eval_loss"]
+    assert [s for s, _ in report["global_curve"]] == [0, 10, 20]
+    # Only small JSON goes through the server; the tensors go between the workers.
+    assert report["bytes_up"] == 0 and report["bytes_down"] == 0

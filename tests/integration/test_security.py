@@ -91,6 +91,12 @@ REQUESTS: dict[tuple[str, str], tuple[str, bytes | None, dict[str, str]]] = {
         JSON,
     ),
     ("POST", "/control/shutdown"): ("/control/shutdown", b'{"save": true}', JSON),
+    ("POST", "/quorum"): ("/quorum", b'{"worker_id": "a", "round": 0, "hash": ""}', JSON),
+    ("POST", "/quorum/outcome"): (
+        "/quorum/outcome",
+        b'{"worker_id": "a", "quorum_id": "q-1", "ok": false, "error": "x"}',
+        JSON,
+    ),
 }
 
 

@@ -27,7 +27,7 @@ SERVER_FLAGS = {
     "--upload-rate-window", "--header-timeout", "--max-connections", "--max-connections-per-ip",
     "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--delayed-nesterov",
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every", "--num-fragments",
-    "--fragment-pattern", "--codecs", "--download-codec",
+    "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-bf16", action="store_true", help="send fp32 pseudo-gradients")
     p.add_argument("--out", default="demo_out", help="where report.json and loss.png go")
+    p.add_argument(
+        "--allreduce",
+        action="store_true",
+        help="all-reduce mode: the workers average among themselves, the server only coordinates",
+    )
 
 
 # --- child processes ------------------------------------------------------------------------------
@@ -75,6 +80,11 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
             value = float(loss.detach())
             if worker is not None:
                 worker.report(loss=value, samples=x.numel())
+                if cfg["allreduce"] and rank == 0 and worker.local_step == 0:
+                    # All-reduce mode: no server holds the global model; right after a sync the
+                    # model is it, so worker 0 evaluates it.
+                    held_out = evaluate(model, corpus.eval, cfg["seq_len"])
+                    events.put(("global", rank, worker.base_round, held_out))
             events.put(("step", rank, step, value))
             if worker is None and (step % cfg["sync_every"] == 0 or step == cfg["steps"]):
                 # The baseline's held-out loss at the steps the global model's is taken.
@@ -152,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         "lr": args.lr,
         "seed": args.seed,
         "bf16": not args.no_bf16,
+        "allreduce": args.allreduce,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,10 +172,13 @@ def run(args: argparse.Namespace) -> int:
     eval_model = build_model(args.seed, args.seq_len)
     init_loss = evaluate(eval_model, corpus.eval, args.seq_len)
     t0 = time.monotonic()
-    server = DiLoCoServer(
-        ServerConfig(port=0, num_workers=args.workers, outer_lr=args.outer_lr),
-        initial_params={n: p.detach() for n, p in eval_model.named_parameters()},
-    ).start()
+    config = ServerConfig(
+        port=0, num_workers=args.workers, outer_lr=args.outer_lr, allreduce=args.allreduce
+    )
+    # Every worker builds the same model from the seed; in all-reduce mode they agree on it at
+    # their first quorum, in server mode the server starts from it.
+    initial = None if args.allreduce else {n: p.detach() for n, p in eval_model.named_parameters()}
+    server = DiLoCoServer(config, initial_params=initial).start()
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     procs = [
@@ -199,12 +213,14 @@ def run(args: argparse.Namespace) -> int:
                 curves[rank].append((step, loss))
             elif ev is not None and ev[0] == "eval":
                 baseline_curve.append((ev[2], ev[3]))
+            elif ev is not None and ev[0] == "global":
+                global_curve.append((ev[2] * args.sync_every, ev[3]))
             elif ev is not None and ev[0] == "done":
                 finished[ev[1]] = ev[2]
                 if ev[3] is not None:
                     baseline_loss = ev[3]
             rnd = server.status()["round"]
-            if rnd != seen_round:  # evaluate the global model once per round
+            if rnd != seen_round and not args.allreduce:  # the global model, once per round
                 seen_round = rnd
                 eval_model.load_state_dict(server.global_params(), strict=False)
                 global_curve.append(
@@ -221,8 +237,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {failed}; see the messages above", file=sys.stderr)
         return 1
     status = server.status()
-    eval_model.load_state_dict(server.global_params(), strict=False)
-    global_loss = evaluate(eval_model, corpus.eval, args.seq_len)
+    if args.allreduce:
+        global_loss = global_curve[-1][1]  # worker 0's evaluation after its last sync
+    else:
+        eval_model.load_state_dict(server.global_params(), strict=False)
+        global_loss = evaluate(eval_model, corpus.eval, args.seq_len)
     if global_curve[-1][0] != status["round"] * args.sync_every:
         global_curve.append((status["round"] * args.sync_every, global_loss))
     server.stop()
@@ -233,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         "steps_per_worker": args.steps,
         "sync_every": args.sync_every,
         "bf16_comm": cfg["bf16"],
+        "mode": "allreduce" if args.allreduce else "server",
         "rounds": status["round"],
         "initial_eval_loss": init_loss,
         "global_eval_loss": global_loss,

@@ -11,16 +11,18 @@ from typing import Any
 from aiohttp import web
 
 from diloco.server import control, dashboard
+from diloco.server.allreduce import AllReduce, server_mode
 from diloco.server.bodies import JSON_LIMIT, read_json
 from diloco.server.bodies import str_field as _str_field
 from diloco.server.config import ServerConfig
 from diloco.server.control import Shutdown
 from diloco.server.coordinator import Coordinator
-from diloco.server.errors import ApiError, bad_request
+from diloco.server.errors import ApiError, allreduce_mode, bad_request
 from diloco.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.metrics import HttpCounters
 from diloco.server.metrics import render as render_metrics
 from diloco.server.params import ParamStore, Snapshot
+from diloco.server.quorum_bodies import read_ask, read_outcome
 from diloco.server.security import (
     AuthThrottle,
     Guard,
@@ -46,6 +48,10 @@ COUNTERS: web.AppKey[HttpCounters] = web.AppKey("counters", HttpCounters)
 OPEN_PATHS = frozenset({"/healthz"})
 #: Routes whose body is tensors, taken from the socket where possible (server/socket_body.py).
 TENSOR_UPLOADS = frozenset({"/submit_pseudograd", "/initial_params"})
+#: A registration in all-reduce mode carries the parameter table: a name and shape per tensor.
+TABLE_LIMIT = 1024 * 1024
+#: Host names that say "every interface": a worker reaches the rendezvous where it reached us.
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -117,8 +123,28 @@ async def close_after_socket_body(request: web.Request, response: web.StreamResp
         response.headers["Connection"] = "close"  # the headers are built before this hook
 
 
+def _server_mode_only(coord: Coordinator, what: str) -> None:
+    if coord.allreduce is not None:
+        raise allreduce_mode(what)
+
+
+def _allreduce(coord: Coordinator) -> AllReduce:
+    if coord.allreduce is None:
+        raise server_mode()
+    return coord.allreduce
+
+
+def _reachable(request: web.Request, reply: dict[str, Any]) -> dict[str, Any]:
+    """A rendezvous bound to every interface is reached at the host the worker reached us."""
+    rendezvous = reply.get("rendezvous")
+    if isinstance(rendezvous, dict) and rendezvous.get("host") in WILDCARDS and request.url.host:
+        reply["rendezvous"] = {**rendezvous, "host": request.url.host}
+    return reply
+
+
 async def register(request: web.Request) -> web.Response:
-    body = await read_json(request)
+    coord = request.app[COORDINATOR]
+    body = await read_json(request, TABLE_LIMIT if coord.allreduce is not None else JSON_LIMIT)
     worker_id = _str_field(body, "worker_id", required=False)
     hostname = _str_field(body, "hostname", required=False) or request.remote or "?"
     info = body.get("info", {})
@@ -126,7 +152,7 @@ async def register(request: web.Request) -> web.Response:
         raise bad_request("bad_field", "'info' must be a JSON object")
     if "last_submission_id" in body:
         info = {**info, "last_submission_id": _str_field(body, "last_submission_id")}
-    return web.json_response(request.app[COORDINATOR].register(worker_id, hostname, info))
+    return web.json_response(_reachable(request, coord.register(worker_id, hostname, info)))
 
 
 async def deregister(request: web.Request) -> web.Response:
@@ -143,8 +169,23 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response(request.app[COORDINATOR].heartbeat(worker_id, body))
 
 
+async def quorum(request: web.Request) -> web.Response:
+    """All-reduce mode: a long poll for this round's quorum (server/quorum.py)."""
+    allreduce = _allreduce(request.app[COORDINATOR])
+    reply = await allreduce.quorum(read_ask(await read_json(request)))
+    if reply is None:
+        return web.json_response({"status": "pending", "round": allreduce.book.round}, status=202)
+    return web.json_response(_reachable(request, reply))
+
+
+async def quorum_outcome(request: web.Request) -> web.Response:
+    allreduce = _allreduce(request.app[COORDINATOR])
+    return web.json_response(allreduce.outcome(read_outcome(await read_json(request))))
+
+
 async def submit_pseudograd(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
+    _server_mode_only(coord, "pseudo-gradients are averaged among the workers")
     coord.require_store()
     async with _tensor_body(request, coord) as body:
         layout = await aread_layout(body, HEADER_LIMIT)
@@ -154,6 +195,7 @@ async def submit_pseudograd(request: web.Request) -> web.Response:
 
 async def initial_params(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
+    _server_mode_only(coord, "the workers hold the parameters; the server takes none")
     worker_id = request.query.get("worker_id", "")
     async with _tensor_body(request, coord) as body:
         layout = await aread_layout(body, HEADER_LIMIT)
@@ -168,6 +210,7 @@ async def global_params(request: web.Request) -> web.StreamResponse:
     while the bytes stream: the snapshot pins them and an outer step meanwhile writes to a
     copy."""
     coord = request.app[COORDINATOR]
+    _server_mode_only(coord, "the server holds no parameters to send")
     worker_id = request.query.get("worker_id")
     have_round = (
         _query_int(request, "have_round", default=0) if "have_round" in request.query else None
@@ -296,6 +339,8 @@ def build_app(
         web.post("/register", register),
         web.post("/deregister", deregister),
         web.post("/heartbeat", heartbeat),
+        web.post("/quorum", quorum),
+        web.post("/quorum/outcome", quorum_outcome),
         web.post("/submit_pseudograd", submit_pseudograd),
         web.post("/initial_params", initial_params),
         web.get("/global_params", global_params),

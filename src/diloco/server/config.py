@@ -31,6 +31,7 @@ DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)))
 # Sections of ``diloco server --help``.
 _ASYNC = "async mode (arXiv 2401.09135)"
 _DYNAMIC = "dynamic local updates and streaming fragments"
+_ALLREDUCE = "all-reduce mode (issue 19)"
 
 
 @dataclass(frozen=True)
@@ -329,6 +330,24 @@ class ServerConfig:
     )
     """``sequential`` or ``strided`` (None: as the first worker asks)."""
 
+    allreduce: bool = _flag(
+        False,
+        "workers average among themselves (torch.distributed); the server holds no "
+        "parameters and only forms a quorum per round",
+        group=_ALLREDUCE,
+    )
+    """All-reduce mode: the workers average their pseudo-gradients with collectives and each
+    applies the outer step; the server keeps membership, forms one quorum per round (ranks and
+    a rendezvous it hosts) and records outcomes (``server/quorum.py``). It holds no parameters,
+    so it refuses ``initial_params``, checkpoints of its own, async mode, fragments, robust
+    aggregation and a lossy ``download_codec``."""
+
+    collective_timeout: float = _flag(
+        30.0, "bound on each collective of a quorum, s", group=_ALLREDUCE
+    )
+    """All-reduce mode: seconds a quorum's members wait for one another in each collective
+    (sent to them); a quorum with no outcome after 3 x this plus ``poll_timeout`` is discarded."""
+
     @property
     def allowed_codecs(self) -> tuple[str, ...]:
         """``codecs`` as names."""
@@ -406,6 +425,7 @@ class ServerConfig:
                 "async mode has no rounds"
             )
         self._check_download_codec()
+        self._check_allreduce()
         buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
         if buffer < 1:
             raise ValueError(f"dn_buffer_size must be >= 1, got {self.dn_buffer_size}")
@@ -473,3 +493,28 @@ class ServerConfig:
                 "streaming fragments are downloaded piece by piece as full values: drop "
                 "--num-fragments or use --download-codec fp32"
             )
+
+    def _check_allreduce(self) -> None:
+        if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
+            raise ValueError(f"collective_timeout must be positive, got {self.collective_timeout}")
+        if not self.allreduce:
+            return
+        none_held = "the server holds no parameters in all-reduce mode"
+        clashes = {
+            "--async": (self.mode == "async", "quorums are synchronous rounds"),
+            "--download-codec": (self.lossy_download, "nothing is published by the server"),
+            "--init": (self.initial_params is not None, none_held),
+            "--save-dir": (self.save_dir is not None, none_held),
+            "--from-checkpoint": (self.from_checkpoint is not None, none_held),
+            "--num-fragments": (
+                (self.num_fragments or 1) > 1,
+                "streaming fragments are not supported in all-reduce mode yet",
+            ),
+            "--clip-norm-factor/--trim-fraction": (
+                self.robust,
+                "a collective average has no robust variant",
+            ),
+        }
+        refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
+        if refused:
+            raise ValueError("--allreduce (allreduce=True) cannot go with " + "; ".join(refused))

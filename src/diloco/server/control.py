@@ -29,6 +29,10 @@ def routes(coordinator: Coordinator, shutdown: Shutdown | None) -> list[web.Rout
 
     async def save_state(request: web.Request) -> web.Response:
         only_fields(await read_json(request), set())
+        if coord.allreduce is not None:  # the workers hold the state: rank 0 of a quorum saves
+            reply = coord.allreduce.book.request_save()
+            log.info("control: checkpoint requested of the next quorum (round %s)", reply["round"])
+            return web.json_response(reply, status=202)
         if coord.config.save_dir is None:
             raise ApiError(
                 409, "no_save_dir", "the server was started without --save-dir; nothing to save to"

@@ -28,11 +28,12 @@ import torch
 from diloco.core import default_outer_optimizer, optimizer_hparams, set_optimizer_hparams
 from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.server.aggregator import Aggregator, Verdict
+from diloco.server.allreduce import AllReduce
 from diloco.server.async_aggregator import AsyncAggregator
 from diloco.server.barrier import SyncBarrier
 from diloco.server.checkpoints import Checkpoints
 from diloco.server.config import ServerConfig
-from diloco.server.errors import ApiError, bad_request, unknown_worker
+from diloco.server.errors import ApiError, allreduce_mode, bad_request, unknown_worker
 from diloco.server.intake import Intake
 from diloco.server.loss_history import LossHistory
 from diloco.server.membership import Membership
@@ -88,6 +89,11 @@ class Coordinator:
             self.intake.sum_free,
         )
         self._closing_tasks: set[asyncio.Task[None]] = set()
+        self.allreduce = (  # all-reduce mode: quorums instead of parameters (server/allreduce.py)
+            AllReduce(config, self.registry, self.membership, self.model, clock)
+            if config.allreduce
+            else None
+        )
         if store is not None:
             self._adopt_store(store)
 
@@ -205,6 +211,8 @@ class Coordinator:
     def register(
         self, worker_id: str | None, hostname: str, info: dict[str, Any]
     ) -> dict[str, Any]:
+        if self.allreduce is not None:
+            return self.allreduce.register(worker_id, hostname, info)
         return self.membership.register(worker_id, hostname, info)
 
     def deregister(self, worker_id: str, *, died: bool = False) -> dict[str, Any]:
@@ -217,7 +225,9 @@ class Coordinator:
         return self.membership.check_health()
 
     async def health_loop(self) -> None:
-        await self.membership.health_loop()
+        if self.allreduce is None:
+            return await self.membership.health_loop()
+        await asyncio.gather(self.membership.health_loop(), self.allreduce.book.tick_loop())
 
     # --- submissions ----------------------------------------------------------------------------
 
@@ -390,6 +400,8 @@ class Coordinator:
     ) -> dict[str, Any]:
         """Change the outer learning rate and/or momentum of every outer optimizer. Validated
         before anything changes."""
+        if self.allreduce is not None:
+            raise allreduce_mode("the workers step the outer optimizer, set at their start")
         if lr is not None and not (math.isfinite(lr) and lr > 0):
             raise bad_request("bad_field", f"lr must be a finite positive number, got {lr}")
         if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
@@ -421,6 +433,8 @@ class Coordinator:
         for unit in self.model.units:
             unit.aggregator.set_num_workers(num_workers, live)
         self.model.num_workers = num_workers  # units planned later start from it
+        if self.allreduce is not None:
+            self.allreduce.set_num_workers(num_workers)
         log.info("expected workers set to %d (round %d)", num_workers, self.shown_round())
         self._maybe_close()
         return {"status": "ok", "num_workers": num_workers}

@@ -31,3 +31,13 @@ def unknown_worker(worker_id: str) -> ApiError:
 
 def conflict(code: str, detail: str, **extra: Any) -> ApiError:
     return ApiError(409, code, detail, **extra)
+
+
+def allreduce_mode(what: str) -> ApiError:
+    """409 for a server-mode request (parameters, uploads, the outer optimizer) made to a
+    server in all-reduce mode."""
+    return conflict(
+        "allreduce_mode",
+        f"this server runs in all-reduce mode (--allreduce): {what}; the workers average "
+        "among themselves and hold the parameters (POST /quorum)",
+    )

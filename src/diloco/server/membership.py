@@ -42,6 +42,8 @@ class Membership:
         self.clock = clock
         self._plan_units = plan_units  # plans the units once parameters and fragmenting are known
         self._changed = changed
+        #: Told of every worker that leaves (all-reduce mode: server/allreduce.py sets it).
+        self.left: Callable[[str], None] | None = None
         #: When a run that had closed rounds was resumed, until its round opens (see
         #: _open_resumed_rounds).
         self.resumed_at: float | None = None
@@ -112,6 +114,8 @@ class Membership:
             raise unknown_worker(worker_id)
         for unit in self.model.units:
             unit.aggregator.on_leave(worker_id)
+        if self.left is not None:
+            self.left(worker_id)
         log.info(
             "worker %s %s (round %d)",
             worker_id,

@@ -172,6 +172,26 @@ def render(status: Status, counters: HttpCounters | None = None) -> str:
             ({"kind": "update"}, status.update_downloads),
         ],
     )
+    if status.mode == "allreduce":
+        quorum = status.quorum
+        out.one(
+            "diloco_quorum_size",
+            "gauge",
+            "Members of the open quorum (all-reduce mode; 0: none open).",
+            len(quorum.members) if quorum else 0,
+        )
+        out.one(
+            "diloco_rounds_completed_total",
+            "counter",
+            "Quorums that completed a round (all-reduce mode).",
+            status.rounds_completed,
+        )
+        out.one(
+            "diloco_rounds_discarded_total",
+            "counter",
+            "Quorums discarded: a member failed, left or missed the deadline (all-reduce mode).",
+            status.rounds_discarded,
+        )
     out.one("diloco_workers_live", "gauge", "Registered workers.", len(workers))
     by_codec = Counter(w.codec for w in workers if w.codec is not None)
     out.family(

@@ -21,7 +21,7 @@ from diloco.core.fragments import PATTERNS, SEQUENTIAL
 from diloco.server.aggregator import Aggregator
 from diloco.server.config import ServerConfig
 from diloco.server.downlink import Downlink
-from diloco.server.errors import ApiError, bad_request, conflict
+from diloco.server.errors import ApiError, allreduce_mode, bad_request, conflict
 from diloco.server.params import ParamStore
 from diloco.server.units import Unit, plan_pieces
 
@@ -48,6 +48,8 @@ class Model:
         self.num_workers = config.num_workers
         #: With a lossy download codec: the true copy's encoder (server/downlink.py).
         self.downlink: Downlink | None = None
+        #: All-reduce mode: the round of the workers' state (server/quorum.py), shown instead.
+        self.round_source: Callable[[], int] | None = None
 
     def adopt(self, store: ParamStore, true: dict[str, torch.Tensor] | None = None) -> None:
         """Serve ``store``; with a lossy download codec its outer step gets a true copy (equal
@@ -96,6 +98,8 @@ class Model:
     # --- lookups --------------------------------------------------------------------------------
 
     def require_store(self) -> ParamStore:
+        if self.config.allreduce:
+            raise allreduce_mode("the server holds no parameters")
         if self.store is None:
             raise ApiError(
                 503,
@@ -114,6 +118,8 @@ class Model:
 
     def shown_round(self) -> int:
         """The round to show: the whole model's (one unit) or the store's update count."""
+        if self.round_source is not None:
+            return self.round_source()
         if len(self.units) == 1:
             return self.units[0].round
         return self.store.round if self.store is not None else 0
@@ -172,6 +178,13 @@ class Model:
             raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
         if pattern not in PATTERNS:
             raise bad_request("bad_field", f"info.fragment_pattern must be one of {PATTERNS}")
+        if num > 1 and self.config.allreduce:
+            raise ApiError(
+                422,
+                "fragments_refused",
+                "this server runs in all-reduce mode, which does not take streaming fragments "
+                "yet: start the worker with num_fragments=1",
+            )
         if num > 1 and self.config.lossy_download:
             codec = self.config.download_codec
             raise ApiError(

@@ -29,6 +29,7 @@ from diloco.server.persistence import (
     remove_stale_temporaries,
     resume_checkpoint,
 )
+from diloco.server.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,6 +82,8 @@ class DiLoCoServer:
         outer_optimizer_factory: OptimizerFactory | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        if self.config.allreduce and initial_params is not None:
+            raise ValueError("initial_params: the server holds no parameters in all-reduce mode")
         checkpoint = self._find_checkpoint()
         if checkpoint is None and initial_params is None and self.config.initial_params:
             initial_params = load_initial_params(self.config.initial_params)
@@ -101,6 +104,8 @@ class DiLoCoServer:
         self.connections: ConnectionTable | None = None
         self._stopped: asyncio.Event | None = None
         self._port: int | None = None
+        #: All-reduce mode: the store each quorum meets at, while the server runs.
+        self.rendezvous: Rendezvous | None = None
         self._save_on_stop = True
         self._done = threading.Event()
 
@@ -160,6 +165,11 @@ class DiLoCoServer:
             handshake_timeout=self.config.header_timeout,
         )
         await site.start()
+        try:  # before the next await: no request is handled before the rendezvous listens
+            self._open_rendezvous()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
         sockets = getattr(site._server, "sockets", None)
         assert sockets, "the site has no listening socket"
         self._port = int(sockets[0].getsockname()[1])
@@ -184,7 +194,18 @@ class DiLoCoServer:
                 except Exception:
                     log.exception("saving on shutdown failed")
             await self._runner.cleanup()
+            if self.rendezvous is not None:
+                self.rendezvous.close()
+                self.rendezvous = None
             self._done.set()
+
+    def _open_rendezvous(self) -> None:
+        """All-reduce mode: the store each quorum meets at, on the server's host (a free
+        port), for as long as the server runs."""
+        allreduce = self.coordinator.allreduce
+        if allreduce is not None:
+            self.rendezvous = Rendezvous(self.config.host, timeout=self.config.collective_timeout)
+            allreduce.attach(self.rendezvous.address(), self.rendezvous.forget)
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if self.config.tls_cert is None:

@@ -21,8 +21,10 @@ import torch
 
 from diloco.core.outer import optimizer_hparams
 from diloco.server.aggregator import State
+from diloco.server.allreduce import AllReduce
 from diloco.server.config import ServerConfig
 from diloco.server.params import ParamStore
+from diloco.server.quorum import IDLE, QuorumStatus
 from diloco.server.registry import WorkerRegistry
 from diloco.server.units import F32_BYTES, Unit
 
@@ -231,6 +233,12 @@ class Status:
     checksum: str | None = None
     full_downloads: int = 0
     update_downloads: int = 0
+    # All-reduce mode (server/quorum.py): the open quorum, quorums that completed a round or
+    # were discarded, workers waiting for a quorum. Defaults, as above.
+    quorum: QuorumStatus | None = None
+    rounds_completed: int = 0
+    rounds_discarded: int = 0
+    pending_quorum: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -306,6 +314,8 @@ class Observed(Protocol):
     @property
     def fragmenting(self) -> tuple[int, str] | None: ...
     @property
+    def allreduce(self) -> AllReduce | None: ...
+    @property
     def num_workers(self) -> int: ...
     def shown_round(self) -> int: ...
     def outer_optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
@@ -323,12 +333,15 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
     recent = list(run_log.staleness_log)
     log = list(run_log.update_log)
     last = log[-1] if log else None
+    ar = coord.allreduce.book.public() if coord.allreduce is not None else IDLE
     return Status(
-        mode=config.mode,
-        instance=store.instance if store else None,
+        mode="allreduce" if config.allreduce else config.mode,
+        instance=store.instance if store else ar.instance,
         uptime_s=uptime_s,
         round=coord.shown_round(),
-        opened=bool(barrier.opened) if barrier else config.mode == "async" and bool(units),
+        opened=bool(barrier.opened)
+        if barrier
+        else (config.mode == "async" and bool(units)) or ar.quorum is not None,
         num_workers=barrier.num_workers or 0 if barrier else coord.num_workers,
         min_workers=barrier.min_workers or 0 if barrier else config.min_workers,
         expected=barrier.expected if barrier else (),
@@ -407,6 +420,10 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         checksum=store.checksum if store else None,
         full_downloads=run_log.full_downloads,
         update_downloads=run_log.update_downloads,
+        quorum=ar.quorum,
+        rounds_completed=ar.rounds_completed,
+        rounds_discarded=ar.rounds_discarded,
+        pending_quorum=ar.pending_quorum,
     )
 
 

@@ -275,6 +275,31 @@ class DiLoCoClient:
         body.update({k: v for k, v in fields.items() if v is not None})
         return self._json("POST", "/heartbeat", body)
 
+    def quorum(self, worker_id: str, *, round: int, hash: str) -> dict[str, Any]:
+        """All-reduce mode: ask for this round's quorum, presenting the state held (``hash``
+        empty: none the worker can vouch for). A long poll: the quorum, or ``{"status":
+        "pending"}`` when the server's wait ended first."""
+        body = {"worker_id": worker_id, "round": round, "hash": hash, "has_state": bool(hash)}
+        return self._json("POST", "/quorum", body)
+
+    def quorum_outcome(
+        self,
+        worker_id: str,
+        quorum_id: str,
+        *,
+        ok: bool,
+        round: int | None = None,
+        hash: str = "",
+        error: str = "",
+    ) -> dict[str, Any]:
+        """All-reduce mode: how quorum ``quorum_id``'s round ended here."""
+        body: dict[str, Any] = {"worker_id": worker_id, "quorum_id": quorum_id, "ok": ok}
+        if ok:
+            body.update(round=round, hash=hash)
+        else:
+            body["error"] = error[:500]
+        return self._json("POST", "/quorum/outcome", body)
+
     def deregister(self, worker_id: str) -> dict[str, Any]:
         return self._json("POST", "/deregister", {"worker_id": worker_id})
 

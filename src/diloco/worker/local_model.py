@@ -22,7 +22,15 @@ from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece
 from diloco.core.names import wire_names
 from diloco.core.pseudo_gradient import PIECE
-from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against, tensor_views
+from diloco.wire import (
+    Layout,
+    TensorSpec,
+    WireError,
+    build_layout,
+    byte_view,
+    check_against,
+    tensor_views,
+)
 from diloco.worker.adoption import StreamedAdoption
 from diloco.worker.client import SYNC_FAILURES
 from diloco.worker.downlink import UpdateBuffer, is_update
@@ -150,6 +158,17 @@ class LocalModel:
             return False
         self.snapshot_dirty = False
         return True
+
+    def own_snapshot(self) -> None:
+        """Make the snapshot from the model's own parameters (fp32, laid out as a full download
+        would be): the all-reduce mode's start, where no server holds parameters."""
+        specs = [TensorSpec(n, "F32", tuple(p.shape)) for n, p in self.params.items()]
+        memory = self._into_snapshot(build_layout(specs))
+        assert memory is not None
+        with torch.no_grad():
+            for name, p in self.params.items():
+                self.snapshot[name].copy_(p.detach())
+        self.snapshot_dirty = False
 
     # --- moves between local and global -------------------------------------------------------
 

@@ -31,7 +31,8 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
     counted upload (0 for fp32 and bf16, which keep none). With a compressed downlink:
     ``update_downloads`` rounds received as updates, ``full_downloads`` as full parameters, and
     ``checksum_mismatches`` updates whose result differed from the server's (each followed by
-    a full download)."""
+    a full download). In all-reduce mode ``discarded_rounds`` counts quorums that failed (a
+    member died or timed out) and were repeated."""
     return {
         "rounds": 0,
         "bytes_up": 0,
@@ -56,6 +57,7 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
         "update_downloads": 0,
         "full_downloads": 0,
         "checksum_mismatches": 0,
+        "discarded_rounds": 0,
     }
 
 

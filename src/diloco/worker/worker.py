@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from diloco.worker.allreduce import AllReduceSync
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
 from diloco.worker.encoder import UploadEncoder, comm_dtype
 from diloco.worker.group import WorkerGroup, find_group
@@ -374,6 +375,9 @@ class DiLoCoWorker:
             # long the first download of a big model takes.
             self._start_heartbeats()
         self._adopt_recommendation(reply)
+        if reply.get("mode") == "allreduce":
+            self._join_allreduce(reply, initial)
+            return
         if reply.get("params") is not None:
             self._local.check_server_table(reply["params"])
         self._strategy.configure(reply)
@@ -401,6 +405,25 @@ class DiLoCoWorker:
             "worker %s re-joined at round %d (last upload %s)", s.worker_id, s.base_round, settled
         )
 
+    def _join_allreduce(self, reply: dict[str, Any], initial: bool) -> None:
+        """All-reduce mode (``worker/allreduce.py``): the workers hold the state. At the first
+        join this worker takes part in one quorum round without a contribution, so it trains
+        from the run's state; a re-join (the server restarted or evicted it) keeps its own."""
+        s = self._session
+        if not isinstance(self._strategy, AllReduceSync):
+            if self._group is not None or self.settings.num_fragments > 1:
+                raise ValueError(
+                    "the server runs in all-reduce mode, which does not take worker groups or "
+                    "streaming fragments yet (issue 19)"
+                )
+            self._strategy = AllReduceSync(s, reply)
+        if initial:
+            self._strategy.join()
+            log.info("worker %s joined the all-reduce run at round %d", s.worker_id, s.base_round)
+        else:
+            self.metrics["reconnections"] += 1
+            log.info("worker %s re-joined at round %d", s.worker_id, s.base_round)
+
     def _leave_quietly(self) -> None:
         """Deregister after a failed start, so the server does not wait for this worker.
         Best effort: the error that made it leave is the one to raise."""
@@ -421,6 +444,9 @@ class DiLoCoWorker:
                 "num_fragments": self.settings.num_fragments,
                 "fragment_pattern": self.settings.fragment_pattern,
                 "codec": self._encoder.metadata,
+                # All-reduce mode compares tables at registration: a worker whose model differs
+                # is refused there, never inside a collective.
+                "params": [[n, list(shape)] for n, shape in self._local.table().items()],
             },
             last_submission_id=None if initial else self._strategy.last_submission,
         )

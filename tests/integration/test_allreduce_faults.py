@@ -1,0 +1,126 @@
+"""All-reduce mode under a fault (issue 19): a worker killed with SIGKILL inside the averaging
+all-reduce. The survivors' collective fails at once, the round is discarded (nobody applies a
+partial average), and once the server has evicted the dead worker (its heartbeat timeout) a
+quorum of the survivors repeats the round with the pseudo-gradients they still hold: they end
+exactly where two workers that never met the third end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from tests.integration.test_allreduce import run_workers
+
+HEARTBEAT_TIMEOUT = 2.0
+ROUNDS = 3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_inside_the_allreduce_stalls_the_others_one_heartbeat_timeout() -> None:
+    config = ServerConfig(
+        port=0,
+        num_workers=3,
+        allreduce=True,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        collective_timeout=10.0,
+    )
+    with DiLoCoServer(config) as srv:
+        victim = subprocess.Popen(
+            [sys.executable, "-m", "tests.allreduce_victim", srv.address, "w9"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        killed_at: list[float] = []
+
+        def kill_when_inside() -> None:
+            assert victim.stdout is not None
+            for line in victim.stdout:
+                if json.loads(line).get("inside"):
+                    victim.send_signal(signal.SIGKILL)
+                    killed_at.append(time.monotonic())
+                    return
+
+        killer = threading.Thread(target=kill_when_inside)
+        killer.start()
+        synced_at: dict[int, list[float]] = {0: [], 1: []}
+
+        def note(rank: int, r: int, w: DiLoCoWorker) -> None:
+            synced_at[rank].append(time.monotonic())
+
+        try:
+            survivors = run_workers(srv.address, 2, ROUNDS, after_sync=note)
+        finally:
+            victim.kill()
+            victim.wait(10)
+            killer.join(10)
+        status = srv.status()
+    assert killed_at, "the victim never reached the all-reduce"
+    # Stalled no longer than the heartbeat timeout (and a little for the quorum to form).
+    for rank in (0, 1):
+        after = [t - killed_at[0] for t in synced_at[rank] if t > killed_at[0]]
+        assert after and after[0] < HEARTBEAT_TIMEOUT + 2.0, after
+    for _, metrics in survivors:
+        assert metrics["discarded_rounds"] >= 1
+        assert metrics["rounds"] == ROUNDS and metrics["failed_syncs"] == 0
+    for k in survivors[0][0]:
+        assert torch.equal(survivors[0][0][k], survivors[1][0][k]), k
+    assert status["rounds_discarded"] >= 1
+    # The discarded round left no trace: two workers that never met the third end the same.
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        clean = run_workers(srv.address, 2, ROUNDS)
+    torch.testing.assert_close(survivors[0][0], clean[0][0])
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_server_loses_nothing_the_workers_hold_the_state() -> None:
+    """The server is stopped right after round 2 and a new one started on the same port: the
+    workers re-register, present the state they hold, and go on from round 2 together (every
+    round both reach, they reach with the same bytes)."""
+    srv = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
+    port = srv.port
+    servers = [srv]
+    restarted = threading.Event()
+    states: dict[int, dict[int, dict[str, torch.Tensor]]] = {0: {}, 1: {}}
+
+    def after_sync(rank: int, r: int, w: DiLoCoWorker) -> None:
+        params = {k: v.detach().clone() for k, v in w._local.params.items()}
+        states[rank][w.base_round] = params
+        if rank == 0 and w.base_round == 2 and not restarted.is_set():
+            servers[-1].stop()
+            servers.append(
+                DiLoCoServer(
+                    ServerConfig(port=port, num_workers=2, min_workers=2, allreduce=True)
+                ).start()
+            )
+            restarted.set()
+
+    try:
+        results = run_workers(srv.address, 2, 6, after_sync=after_sync)
+        status = servers[-1].status()
+    finally:
+        for s in servers:
+            s.stop()
+    assert restarted.is_set() and len(servers) == 2
+    (_, ma), (_, mb) = results
+    assert ma["reconnections"] >= 1 and mb["reconnections"] >= 1
+    common = sorted(set(states[0]) & set(states[1]))
+    after = [r for r in common if r > 2]
+    assert after, (sorted(states[0]), sorted(states[1]))
+    for r in common:
+        for k in states[0][r]:
+            assert torch.equal(states[0][r][k], states[1][r][k]), (r, k)
+    # The new server counts on from the workers' state, not from 0.
+    assert status["round"] >= max(after)
