@@ -26,7 +26,7 @@ from diloco.core.names import wire_name, wire_names
 
 log = logging.getLogger(__name__)
 
-PARAMS_FILE = "params.safetensors"  # a checkpoint folder's parameters (diloco.server.persistence)
+PARAMS_FILE = "params.safetensors"  # a checkpoint folder's parameters (diloco.persistence)
 EXPORT_FILE = "model.safetensors"  # the name ``from_pretrained`` looks for first
 # Weight files of a model folder: not copied by an export, whose model.safetensors replaces them.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt")
@@ -60,7 +60,7 @@ def checkpoint_file(path: str | Path) -> Path:
     if (path / PARAMS_FILE).is_file():
         return path / PARAMS_FILE
     if path.is_dir():
-        from diloco.server.persistence import list_checkpoints
+        from diloco.persistence import list_checkpoints
 
         found = list_checkpoints(path)
         if found:

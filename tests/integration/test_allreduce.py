@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.persistence import list_checkpoints, load_checkpoint
 
 EVERY = 3
 ROUNDS = 4
@@ -33,6 +35,7 @@ def run_workers(
     rounds: int,
     after_sync: Callable[[int, int, DiLoCoWorker], None] | None = None,
     seeds: list[int] | None = None,
+    bf16: bool = False,
     **kw: Any,
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
     """``n`` workers in threads, ``rounds`` rounds of ``EVERY`` seeded SGD steps each; returns
@@ -52,7 +55,7 @@ def run_workers(
                 address,
                 sync_every=EVERY,
                 heartbeat_interval=0.2,
-                bf16_comm=False,
+                bf16_comm=bf16,
                 worker_id=f"w{rank}",
                 **kw,
             ) as w:
@@ -126,3 +129,50 @@ def test_a_worker_that_starts_from_other_parameters_takes_the_runs_state() -> No
             assert torch.equal(params[k], first[k]), k
     assert results[2][1]["rebases"] == 1  # it received the state once
     assert results[0][1]["rebases"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_bf16_communication_keeps_replicas_identical_and_close_to_fp32() -> None:
+    """Every member sends bf16 (the default): the quorum's all-reduce carries bf16, every
+    replica still ends with the same bytes, within bf16's rounding of the fp32 run."""
+    seen: dict[int, list[dict[str, torch.Tensor]]] = {}
+    lock = threading.Lock()
+
+    def record(rank: int, r: int, w: DiLoCoWorker) -> None:
+        with lock:
+            seen.setdefault(w.base_round, []).append(
+                {k: v.detach().clone() for k, v in w._local.params.items()}
+            )
+
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        bf16 = run_workers(srv.address, 2, 3, after_sync=record, bf16=True)
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        fp32 = run_workers(srv.address, 2, 3)
+    for r, states in seen.items():
+        assert len(states) == 2
+        for k in states[0]:
+            assert torch.equal(states[0][k], states[1][k]), (r, k)
+    for k in fp32[0][0]:
+        torch.testing.assert_close(bf16[0][0][k], fp32[0][0][k], rtol=0.02, atol=0.02)
+        assert not torch.equal(bf16[0][0][k], fp32[0][0][k])
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_saves_checkpoints_a_server_mode_server_resumes_from(tmp_path: Path) -> None:
+    """``--save-every 2``: rank 0 of the quorums of rounds 2 and 4 writes the run's state in the
+    server mode's layout; a server started on that folder serves those parameters bit for bit,
+    at that round, and the checkpoint holds the outer momentum of every parameter."""
+    save = tmp_path / "ckpt"
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True, save_every=2)) as srv:
+        results = run_workers(srv.address, 2, 4, save_dir=str(save))
+    folders = list_checkpoints(save)
+    assert [load_checkpoint(f).round for f in folders] == [2, 4]
+    final = results[0][0]
+    state = load_checkpoint(folders[-1]).optimizer_state["state"]
+    assert len(state) == len(final)
+    assert all(float(e["momentum_buffer"].abs().sum()) > 0 for e in state.values())
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(save))) as srv:
+        assert srv.status()["round"] == 4
+        served = srv.global_params()
+        for k in final:
+            assert torch.equal(served[k], final[k]), k

@@ -21,9 +21,9 @@ import torch
 
 from diloco.core.codecs import codec_by_name, codec_from_metadata
 from diloco.core.codecs.downlink import apply_update
+from diloco.persistence import TRUE_FILE, list_checkpoints
 from diloco.server.config import DOWNLOAD_CODECS, ServerConfig
 from diloco.server.params import ParamStore
-from diloco.server.persistence import TRUE_FILE, list_checkpoints
 from diloco.server.server import DiLoCoServer
 from diloco.server.status import Status
 from diloco.wire import encode

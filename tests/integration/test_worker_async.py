@@ -69,14 +69,14 @@ def test_worker_adopts_the_dylu_recommendation() -> None:
         worker = DiLoCoWorker(
             model, opt, server.address, sync_every=50, heartbeat_interval=0.02, dylu=True
         )
-        original = worker._adopt_recommendation
+        original = worker._heartbeats.adopt_recommendation
 
         def watch(reply: dict) -> None:
             original(reply)
             if worker.sync_every == 3:
                 adopted.set()
 
-        worker._adopt_recommendation = watch  # type: ignore[method-assign]
+        worker._heartbeats.adopt_recommendation = watch  # type: ignore[method-assign]
         with worker:
             while not adopted.is_set():
                 fake_step(model, opt, 0.01)  # gives the heartbeat a speed to report

@@ -32,7 +32,7 @@ SERVER_FLAGS = {
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",
     "--tls-ca", "--dylu", "--num-fragments", "--fragment-pattern", "--overlap-steps",
-    "--merge-alpha", "--codec", "--no-error-feedback",
+    "--merge-alpha", "--codec", "--no-error-feedback", "--save-dir",
 }  # fmt: skip
 
 
@@ -169,6 +169,7 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
         "log_level": "WARNING",
         "codec": "int8",
         "error_feedback": False,
+        "save_dir": "/tmp/run-ckpt",
     }
     assert set(given) == {f.name for f in dataclasses.fields(WorkerSettings)}
     defaults = WorkerSettings()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from diloco.persistence import latest_checkpoint
 from diloco.server.config import ServerConfig
 from diloco.server.coordinator import SyncCoordinator
 from diloco.server.params import ParamStore
-from diloco.server.persistence import latest_checkpoint
 from tests.aio import let_loop_run
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from diloco import DiLoCoClient, DiLoCoServer, ServerConfig
 from diloco.core import apply_outer_step, default_outer_optimizer
-from diloco.server.persistence import (
+from diloco.persistence import (
     inspect_checkpoint,
     latest_checkpoint,
     list_checkpoints,

@@ -18,10 +18,10 @@ import torch
 
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import PieceDone
+from diloco.persistence import Checkpoint, save_checkpoint
 from diloco.server.config import ServerConfig
 from diloco.server.model import Model
 from diloco.server.params import ParamStore
-from diloco.server.persistence import Checkpoint, save_checkpoint
 from diloco.server.registry import WorkerRegistry
 from diloco.server.status import SaveRecord
 from diloco.server.units import Unit

@@ -27,6 +27,7 @@ import torch
 
 from diloco.core import default_outer_optimizer, optimizer_hparams, set_optimizer_hparams
 from diloco.core.delayed_nesterov import DelayedNesterov
+from diloco.persistence import Checkpoint
 from diloco.server.aggregator import Aggregator, Verdict
 from diloco.server.allreduce import AllReduce
 from diloco.server.async_aggregator import AsyncAggregator
@@ -40,7 +41,6 @@ from diloco.server.membership import Membership
 from diloco.server.model import Model, OptimizerFactory
 from diloco.server.outer_steps import OuterSteps
 from diloco.server.params import ParamStore, Snapshot
-from diloco.server.persistence import Checkpoint
 from diloco.server.registry import WorkerRegistry
 from diloco.server.run_log import RunLog
 from diloco.server.status import build_status

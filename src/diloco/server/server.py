@@ -15,6 +15,13 @@ from typing import Any, TypeVar
 import torch
 from aiohttp import web
 
+from diloco.persistence import (
+    Checkpoint,
+    NoLoadableCheckpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+    resume_checkpoint,
+)
 from diloco.server.app import build_app
 from diloco.server.config import ServerConfig
 from diloco.server.connections import ConnectionTable, LimitedSite, default_max_connections
@@ -22,13 +29,6 @@ from diloco.server.coordinator import Coordinator, OptimizerFactory
 from diloco.server.initial import load_initial_params
 from diloco.server.log_limit import LogLimiter, limit_loop_errors
 from diloco.server.params import ParamStore
-from diloco.server.persistence import (
-    Checkpoint,
-    NoLoadableCheckpoint,
-    load_checkpoint,
-    remove_stale_temporaries,
-    resume_checkpoint,
-)
 from diloco.server.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)

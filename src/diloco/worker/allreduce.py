@@ -39,7 +39,9 @@ from typing import Any
 import torch
 
 from diloco.core import adopt_, rebase_, to_progress_
+from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import OuterSGD, apply_outer_step
+from diloco.persistence import save_checkpoint
 from diloco.worker.client import SYNC_FAILURES, UnknownWorker
 from diloco.worker.quorum_group import (
     QuorumFailed,
@@ -53,6 +55,9 @@ from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer
 
 log = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 3
+"""Checkpoints rank 0 keeps in its ``save_dir`` (the server's ``--keep`` default)."""
 
 MAX_QUORUM_TRIES = 5
 """Quorums tried in one sync before training goes on locally (each failed one is discarded)."""
@@ -73,6 +78,7 @@ class Quorum:
     port: int
     timeout: float
     comm: torch.dtype  # what the quorum's all-reduce carries (bf16 when every member sends it)
+    save: bool  # rank 0 writes a checkpoint after the round
 
     @classmethod
     def of(cls, reply: Mapping[str, Any]) -> Quorum:
@@ -89,6 +95,7 @@ class Quorum:
             port=int(rendezvous["port"]),
             timeout=float(reply.get("timeout", 30.0)),
             comm=torch.bfloat16 if reply.get("comm") == "bf16" else torch.float32,
+            save=bool(reply.get("save")),
         )
 
 
@@ -269,6 +276,8 @@ class AllReduceSync:
             local.settle_copies()
             s.base_round = q.round + 1
         new_hash = self._hash = self._state_hash()
+        if q.save and q.rank == 0:
+            self._save(q)
         return s.base_round, new_hash
 
     def _share_state(self, group: QuorumGroup, q: Quorum) -> None:
@@ -297,6 +306,44 @@ class AllReduceSync:
         s.base_round = q.round
         self._hash = got
         s.metrics["rebases"] += 1
+
+    def _save(self, q: Quorum) -> None:
+        """Rank 0: the run's state in the server mode's checkpoint layout (``diloco.persistence``:
+        parameters, the outer optimizer's state, the fields a server checks when it resumes), so
+        ``diloco server --save-dir`` can go on from it. Blocking (the write of the snapshot and
+        the momentum); a failure is logged, never raised into training."""
+        s = self._s
+        folder = s.settings.save_dir
+        if folder is None:
+            log.warning(
+                "worker %s: the server asked rank 0 to save round %d, but this worker has no "
+                "save_dir (DILOCO_SAVE_DIR, diloco worker --save-dir)",
+                s.worker_id,
+                s.base_round,
+            )
+            return
+        state = self._outer.state_dict()
+        params = dict(s.local.snapshot)
+        extra = {
+            "param_order": list(params),
+            "mode": "sync",
+            "fragments": [1, SEQUENTIAL],
+            "unit_rounds": [s.base_round],
+            "optimizer_units": [[len(params), len(state["param_groups"])]],
+            "outer_optimizer": type(self._outer).__name__,
+            "receipts": [],
+            "worker_deaths": 0,
+            "instance": q.id,
+            "written_by": f"all-reduce rank 0 ({s.worker_id})",
+        }
+        try:
+            path = save_checkpoint(folder, s.base_round, params, state, extra, KEEP_CHECKPOINTS)
+        except OSError as exc:
+            log.error(
+                "worker %s: checkpoint of round %d failed: %s", s.worker_id, s.base_round, exc
+            )
+            return
+        log.info("worker %s saved round %d to %s", s.worker_id, s.base_round, path)
 
     def _weight(self) -> float:
         s = self._s

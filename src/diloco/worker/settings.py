@@ -76,6 +76,14 @@ class WorkerSettings:
     pseudo-gradient encoded on its own (to measure what error feedback buys). Raw codecs (``fp32``,
     ``bf16``) keep no residual either way."""
 
+    save_dir: str | None = _flag(
+        None, "all-reduce mode: where this worker writes the run's checkpoints as rank 0"
+    )
+    """All-reduce mode only: the folder where this worker, when it is rank 0 of a quorum that the
+    server asks to save (``--save-every``, ``/control/save_state``), writes the run's state in the
+    server mode's checkpoint layout (``diloco.persistence``), so ``diloco server --save-dir`` can
+    resume from it. None: this worker never writes one."""
+
     worker_id: str | None = _flag(None, "stable id (default: the server makes one up)")
     """Stable id; the server makes one up when None."""
 

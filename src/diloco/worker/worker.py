@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from diloco.worker.allreduce import AllReduceSync
-from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
+from diloco.worker.client import Conflict, DiLoCoClient, ServerError, Unreachable
 from diloco.worker.encoder import UploadEncoder, comm_dtype
 from diloco.worker.group import WorkerGroup, find_group
 from diloco.worker.group_sync import GroupSync
+from diloco.worker.heartbeats import Heartbeats
 from diloco.worker.local_model import LocalModel
 from diloco.worker.logs import show_worker_log
 from diloco.worker.plain import PlainSync
@@ -108,6 +109,7 @@ class DiLoCoWorker:
         log_level: str | None = None,
         codec: str | None = None,
         error_feedback: bool | None = None,
+        save_dir: str | None = None,
         client: DiLoCoClient | None = None,
         process_group: Any = None,
         partitioned: bool | None = None,
@@ -133,6 +135,7 @@ class DiLoCoWorker:
                 "log_level": log_level,
                 "codec": codec,
                 "error_feedback": error_feedback,
+                "save_dir": save_dir,
             }
         )
         show_worker_log(self.settings.log_level)  # only where the program set up no logging
@@ -181,9 +184,7 @@ class DiLoCoWorker:
             self._strategy = GroupSync(self._group, self._session, inner)
         self._hook: Any = None
         self._registered = False  # this worker's own registration succeeded at least once
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        self._speed_mark = (time.monotonic(), 0, 0.0)  # time, total steps, stall seconds
+        self._heartbeats = Heartbeats(self._session, self.settings)
         self._started = False
 
     # --- what the lifecycle shares with the strategy ------------------------------------------
@@ -245,21 +246,16 @@ class DiLoCoWorker:
         s.last_step_at = time.monotonic()
         return self
 
-    def _start_heartbeats(self) -> None:
-        if self.settings.heartbeat_interval > 0 and self._hb_thread is None:
-            self._hb_thread = threading.Thread(
-                target=self._heartbeat_loop, name="diloco-heartbeat", daemon=True
-            )
-            self._hb_thread.start()
+    @property
+    def _hb_thread(self) -> threading.Thread | None:
+        return self._heartbeats.thread
 
     def _unhook(self) -> None:
         """Stop seeing the optimizer's steps and stop the heartbeats."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        self._heartbeats.stop()
 
     def _abandon_start(self) -> None:
         """Undo a failed start: unhook, stop the heartbeats, leave the run (best effort, within
@@ -373,8 +369,8 @@ class DiLoCoWorker:
         if initial:
             # From here the server counts on this worker: heartbeats say it is alive however
             # long the first download of a big model takes.
-            self._start_heartbeats()
-        self._adopt_recommendation(reply)
+            self._heartbeats.start()
+        self._heartbeats.adopt_recommendation(reply)
         if reply.get("mode") == "allreduce":
             self._join_allreduce(reply, initial)
             return
@@ -450,49 +446,3 @@ class DiLoCoWorker:
             },
             last_submission_id=None if initial else self._strategy.last_submission,
         )
-
-    # --- heartbeats -------------------------------------------------------------------------------
-
-    def _steps_per_second(self) -> float | None:
-        now = time.monotonic()
-        t, steps, stall = self._speed_mark
-        stall_now = self.metrics["stall_time_s"]
-        busy = (now - t) - (stall_now - stall)
-        total = self.total_steps
-        self._speed_mark = (now, total, stall_now)
-        if busy <= 0 or total == steps:
-            return None
-        return (total - steps) / busy
-
-    def _heartbeat_loop(self) -> None:
-        s = self._session
-        while not self._hb_stop.wait(self.settings.heartbeat_interval):
-            assert s.worker_id is not None
-            try:
-                reply = self.client.heartbeat(
-                    s.worker_id,
-                    steps_per_second=self._steps_per_second(),
-                    loss=s.loss,
-                    step_age_s=time.monotonic() - s.last_step_at,
-                    syncing=s.syncing,
-                )
-                self._adopt_recommendation(reply)
-            except UnknownWorker:
-                s.need_rejoin.set()  # the training thread re-joins at its next step
-            except (Unreachable, ServerError) as exc:
-                log.warning("worker %s: heartbeat failed: %s", s.worker_id, exc)
-
-    def _adopt_recommendation(self, reply: dict[str, Any]) -> None:
-        """DyLU: with ``dylu`` on, take the server's recommended ``sync_every`` (slower workers
-        take fewer local steps, so all hand in work at about the same rate). The training thread
-        reads it at its next step; an int assignment needs no lock."""
-        value = reply.get("recommended_sync_every")
-        if not self.settings.dylu or isinstance(value, bool) or not isinstance(value, int):
-            return
-        value = max(value, self.settings.num_fragments, 1)
-        if value != self.sync_every:
-            log.info(
-                "worker %s: sync_every %d -> %d (DyLU)", self.worker_id, self.sync_every, value
-            )
-            self._session.sync_every = value
-            self.metrics["sync_every"] = value
