@@ -170,3 +170,31 @@ def test_diloco_worker_runs_torchrun_as_one_worker(tmp_path: Path) -> None:
     assert len(ids) == 1 and "None" not in ids  # the group's id, on every rank
     assert all(line.endswith("rounds 2") for line in lines)
     assert status["registrations"] == 1 and status["round"] == 2
+
+
+def test_two_ddp_groups_in_allreduce_mode_match_the_server_mode_reference(tmp_path: Path) -> None:
+    """All-reduce mode with worker groups: each group's rank 0 takes part in the quorums, its
+    ranks share the result as after any sync; every rank of both groups ends on the same
+    parameters, those of two groups through a parameter server (the same maths)."""
+    server = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
+    try:
+        groups = [
+            gr.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
+        ]
+        for ctx in groups:
+            gr.join(ctx, timeout=90)
+        status = server.status()
+    finally:
+        server.stop()
+    assert status["rounds_completed"] == gr.ROUNDS
+    records = {(g, r): torch.load(tmp_path / f"g{g}r{r}.pt") for g in range(2) for r in range(2)}
+    for g in range(2):
+        _assert_ranks_identical(records[(g, 0)], records[(g, 1)])
+        syncs = records[(g, 0)][gr.SYNC_EVERY :: gr.SYNC_EVERY]
+        assert [s["outcome"] for s in syncs] == ["adopted"] * gr.ROUNDS
+    final = [records[(g, 0)][-1]["params"] for g in range(2)]
+    for name in final[0]:
+        assert torch.equal(final[0][name], final[1][name]), name
+    expected = gr.reference_groups(2)
+    for name in expected:
+        torch.testing.assert_close(final[0][name], expected[name])

@@ -1,6 +1,7 @@
 """The ``SyncStrategy`` of a worker group (docs/design.md, "Worker groups"): every rank runs it at
-the same steps; rank 0 wraps the plain strategy and talks to the server, the other ranks follow
-the verdict it broadcasts. The collectives themselves are ``WorkerGroup``'s (worker/group.py)."""
+the same steps; rank 0 wraps the plain (or all-reduce) strategy and talks to the server, the
+other ranks follow the verdict it broadcasts. The collectives themselves are ``WorkerGroup``'s
+(worker/group.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ class GroupSync:
         # thread) is taken by every rank at the same sync.
         self._period = session.sync_every
         self.last_outcome: str | None = None
+
+    @property
+    def inner(self) -> SyncStrategy | None:
+        """Rank 0's strategy (None on the other ranks)."""
+        return self._inner
+
+    def use_inner(self, inner: SyncStrategy) -> None:
+        """Rank 0: sync with ``inner`` from now on (the server's mode, learnt at registration,
+        asks for another strategy than the one built before it)."""
+        assert self.group.leader
+        self._inner = inner
 
     # --- SyncStrategy ---------------------------------------------------------------------------
 

@@ -404,17 +404,25 @@ class DiLoCoWorker:
     def _join_allreduce(self, reply: dict[str, Any], initial: bool) -> None:
         """All-reduce mode (``worker/allreduce.py``): the workers hold the state. At the first
         join this worker takes part in one quorum round without a contribution, so it trains
-        from the run's state; a re-join (the server restarted or evicted it) keeps its own."""
+        from the run's state; a re-join (the server restarted or evicted it) keeps its own. In
+        a worker group only rank 0 gets here: it runs the quorums, the group shares the result
+        as after any sync (``GroupSync``)."""
         s = self._session
-        if not isinstance(self._strategy, AllReduceSync):
-            if self._group is not None or self.settings.num_fragments > 1:
+        group = self._strategy if isinstance(self._strategy, GroupSync) else None
+        current = group.inner if group is not None else self._strategy
+        if not isinstance(current, AllReduceSync):
+            if self.settings.num_fragments > 1:
                 raise ValueError(
-                    "the server runs in all-reduce mode, which does not take worker groups or "
-                    "streaming fragments yet (issue 19)"
+                    "the server runs in all-reduce mode, which does not take streaming "
+                    "fragments yet (issue 19): leave num_fragments at 1"
                 )
-            self._strategy = AllReduceSync(s, reply)
+            current = AllReduceSync(s, reply)
+            if group is not None:
+                group.use_inner(current)
+            else:
+                self._strategy = current
         if initial:
-            self._strategy.join()
+            current.join()
             log.info("worker %s joined the all-reduce run at round %d", s.worker_id, s.base_round)
         else:
             self.metrics["reconnections"] += 1
