@@ -49,3 +49,4 @@ def test_demo_runs_in_allreduce_mode(tmp_path: Path) -> None:
     assert [s for s, _ in report["global_curve"]] == [0, 10, 20]
     # Only small JSON goes through the server; the tensors go between the workers.
     assert report["bytes_up"] == 0 and report["bytes_down"] == 0
+    assert report["collective_bytes"] > 0

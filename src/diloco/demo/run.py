@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline_eval_loss": baseline_loss,
         "bytes_up": sum(m["bytes_up"] for m in worker_metrics),
         "bytes_down": sum(m["bytes_down"] for m in worker_metrics),
+        "collective_bytes": sum(m["collective_bytes"] for m in worker_metrics),
         "sync_time_s": [round(m["sync_time_s"], 3) for m in worker_metrics],
         "wall_time_s": round(wall, 1),
         "global_curve": global_curve,

@@ -261,6 +261,10 @@ class AllReduceSync:
                 for acc, (name, p) in zip(self._acc, local.params.items(), strict=True):
                     torch.sub(local.snapshot[name], p.detach().to(acc.device), out=acc)
             total = average(group, self._acc, weight, q.comm)
+            # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it
+            # each way); the HTTP bytes stay in bytes_up/bytes_down.
+            itemsize = torch.empty((), dtype=q.comm).element_size()
+            s.metrics["collective_bytes"] += sum(a.numel() for a in self._acc) * itemsize
             # The commit point: this tiny collective succeeds only once every member holds
             # the same complete average; nothing has changed anywhere before it.
             if not all_equal(group, state_hash(self._acc)):
