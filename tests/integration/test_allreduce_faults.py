@@ -88,7 +88,8 @@ def test_a_worker_killed_inside_the_allreduce_stalls_the_others_one_heartbeat_ti
 def test_a_restarted_server_loses_nothing_the_workers_hold_the_state() -> None:
     """The server is stopped right after round 2 and a new one started on the same port: the
     workers re-register, present the state they hold, and go on from round 2 together (every
-    round both reach, they reach with the same bytes)."""
+    round both reach, they reach with the same bytes): the new server's first quorum waits for
+    both (its heartbeat timeout's grace) rather than letting the first one back go on alone."""
     srv = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
     port = srv.port
     servers = [srv]
@@ -101,9 +102,7 @@ def test_a_restarted_server_loses_nothing_the_workers_hold_the_state() -> None:
         if rank == 0 and w.base_round == 2 and not restarted.is_set():
             servers[-1].stop()
             servers.append(
-                DiLoCoServer(
-                    ServerConfig(port=port, num_workers=2, min_workers=2, allreduce=True)
-                ).start()
+                DiLoCoServer(ServerConfig(port=port, num_workers=2, allreduce=True)).start()
             )
             restarted.set()
 

@@ -379,3 +379,24 @@ def test_when_no_live_worker_holds_the_runs_state_the_best_held_goes_on() -> Non
     run.leave("a")  # the only holders of round 1 are gone
     got = reply(run.ask("b", 0, "h0"))
     assert (got["round"], got["resync"]) == (0, [])
+
+
+def test_a_server_started_into_a_run_waits_for_its_workers_before_one_goes_on_alone() -> None:
+    """Restarted: the first worker back (round 5) does not form a quorum alone while
+    ``resume_grace`` lasts; the second one back forms it with both; after the grace a lone
+    worker goes on."""
+    run = Run("a", num_workers=2, resume_grace=10.0)
+    first = run.ask("a", 5, "h5")
+    assert not first.done
+    run.live.add("b")
+    both = run.ask("b", 5, "h5")
+    assert reply(first)["members"] == reply(both)["members"] == ["a", "b"]
+
+    late = Run("a", num_workers=2, resume_grace=10.0)
+    alone = late.ask("a", 5, "h5")
+    late.clock.now += 9.0
+    late.book.tick()
+    assert not alone.done
+    late.clock.now += 2.0
+    late.book.tick()
+    assert reply(alone)["members"] == ["a"]

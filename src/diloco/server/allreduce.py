@@ -65,6 +65,8 @@ class AllReduce:
             collective_timeout=config.collective_timeout,
             poll_margin=config.poll_timeout,
             save_every=config.save_every,
+            # As the server mode holds a resumed round for the heartbeat timeout.
+            resume_grace=config.heartbeat_timeout,
         )
         membership.left = book.on_leave
         model.round_source = lambda: book.round

@@ -8,7 +8,9 @@ Contract (the routes, ``POST /quorum`` and ``POST /quorum/outcome``: docs/design
 - ``ask`` files a worker's request. A quorum forms when no quorum is open, every live
   registered worker has a request waiting, at least one of them holds state, and there are at
   least ``min_workers`` of them (``num_workers`` for the first quorum of a fresh run, as round 0
-  waits for them in server mode). When some live workers are not asking, the quorum forms with
+  waits for them in server mode; also for the first quorum of a server started into a run under
+  way, a member holding a round above 0, until ``resume_grace`` has passed since the start, so
+  that the workers come back before any goes on alone). When some live workers are not asking, the quorum forms with
   those that are once ``join_timeout`` has passed since the earliest request (counted from the
   last quorum's end at the soonest; 0: never).
 - Ranks follow the worker ids' order. The quorum starts from the highest round any member with
@@ -154,6 +156,7 @@ class QuorumBook:
         poll_margin: float = 30.0,
         save_every: int = 0,
         rendezvous: tuple[str, int] | None = None,
+        resume_grace: float = 0.0,
     ) -> None:
         self.instance = instance
         self._live = live
@@ -179,6 +182,10 @@ class QuorumBook:
         self._ended: OrderedDict[str, Ended] = OrderedDict()
         self._save_requested = False
         self._to_forget: list[str] = []
+        # A server (re)started into a run under way knows none of its workers until they come
+        # back: for this long after the start its first quorum waits for num_workers of them,
+        # so the first to re-register does not go on alone with the run's only copy.
+        self._resume_until = clock() + resume_grace
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -240,7 +247,8 @@ class QuorumBook:
         live = self._live()
         waiting = sorted(w for w in self._pending if w in live)
         fresh = self._formed == 0 and all(self._pending[w].ask.round == 0 for w in waiting)
-        needed = max(self.num_workers, self.min_workers) if fresh else self.min_workers
+        resuming = self._formed == 0 and not fresh and now < self._resume_until
+        needed = max(self.num_workers, self.min_workers) if fresh or resuming else self.min_workers
         if len(waiting) < needed or not any(self._pending[w].ask.holds for w in waiting):
             return
         agreed = self._agreed
