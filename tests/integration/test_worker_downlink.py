@@ -6,6 +6,8 @@ full download; a server without a lossy downlink is never asked for updates."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -35,6 +37,25 @@ def published(address: str) -> tuple[int, dict[str, torch.Tensor]]:
 def assert_bitwise(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), params[name]), name
+
+
+@contextmanager
+def one_step_worker(
+    address: str, seed: int
+) -> Iterator[tuple[torch.nn.Module, DiLoCoWorker, Callable[[], None]]]:
+    """A worker that syncs after every step, and ``step()``: one seeded SGD step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    with DiLoCoWorker(model, opt, address, sync_every=1, heartbeat_interval=0) as w:
+
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            w.report(samples=1)
+
+        yield model, w, step
 
 
 def train(
@@ -99,34 +120,23 @@ def test_workers_stay_bit_identical_to_the_published_parameters(codec: str) -> N
 @pytest.mark.timeout(60)
 def test_a_snapshot_that_differs_is_caught_by_the_checksum_and_downloaded_in_full() -> None:
     config = ServerConfig(port=0, num_workers=1, download_codec="int8")
-    with DiLoCoServer(config) as srv:
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(3)
-        with DiLoCoWorker(model, opt, srv.address, sync_every=1, heartbeat_interval=0) as w:
-
-            def step() -> None:
-                for p in model.parameters():
-                    p.grad = torch.randn(p.shape, generator=gen)
-                opt.step()
-                w.report(samples=1)
-
-            step()  # round 1, as an update
-            assert w.sync_metrics["update_downloads"] == 1
-            # A replica that no longer holds the server's bits (here: one element of its
-            # snapshot changed, as another device's arithmetic or a lost round would).
-            name = next(iter(w._local.snapshot))
-            w._local.snapshot[name].view(-1)[0] += 1.0
-            step()  # round 2: the update applies, the checksum differs, full parameters follow
-            m = w.sync_metrics
-            assert (m["checksum_mismatches"], m["full_downloads"]) == (1, 2)
-            assert m["update_downloads"] == 1 and m["failed_syncs"] == 0
-            assert w.base_round == 2
-            assert_bitwise(model, published(srv.address)[1])
-            step()  # round 3: updates again
-            assert w.sync_metrics["update_downloads"] == 2
-            assert w.sync_metrics["checksum_mismatches"] == 1
-            assert_bitwise(model, published(srv.address)[1])
+    with DiLoCoServer(config) as srv, one_step_worker(srv.address, seed=3) as (model, w, step):
+        step()  # round 1, as an update
+        assert w.sync_metrics["update_downloads"] == 1
+        # A replica that no longer holds the server's bits (here: one element of its
+        # snapshot changed, as another device's arithmetic or a lost round would).
+        name = next(iter(w._local.snapshot))
+        w._local.snapshot[name].view(-1)[0] += 1.0
+        step()  # round 2: the update applies, the checksum differs, full parameters follow
+        m = w.sync_metrics
+        assert (m["checksum_mismatches"], m["full_downloads"]) == (1, 2)
+        assert m["update_downloads"] == 1 and m["failed_syncs"] == 0
+        assert w.base_round == 2
+        assert_bitwise(model, published(srv.address)[1])
+        step()  # round 3: updates again
+        assert w.sync_metrics["update_downloads"] == 2
+        assert w.sync_metrics["checksum_mismatches"] == 1
+        assert_bitwise(model, published(srv.address)[1])
 
 
 @pytest.mark.timeout(60)
@@ -141,28 +151,17 @@ def test_a_full_precision_downlink_sends_full_parameters_every_round() -> None:
 @pytest.mark.timeout(60)
 def test_a_rejoining_worker_gets_full_parameters() -> None:
     config = ServerConfig(port=0, num_workers=1, download_codec="int8")
-    with DiLoCoServer(config) as srv:
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(4)
-        with DiLoCoWorker(model, opt, srv.address, sync_every=1, heartbeat_interval=0) as w:
-
-            def step() -> None:
-                for p in model.parameters():
-                    p.grad = torch.randn(p.shape, generator=gen)
-                opt.step()
-                w.report(samples=1)
-
-            step()
-            assert (w.sync_metrics["full_downloads"], w.sync_metrics["update_downloads"]) == (1, 1)
-            client = DiLoCoClient(srv.address, retries=1, backoff=0.01)
-            assert w.worker_id is not None
-            client.deregister(w.worker_id)  # the server forgets it, as after an eviction
-            client.close()
-            step()  # the upload is refused as unknown: the worker re-joins, then syncs
-            m = w.sync_metrics
-            assert m["reconnections"] == 1
-            assert m["full_downloads"] == 2 and m["checksum_mismatches"] == 0
-            step()  # the progress kept through the re-join goes up; the round comes down
-            assert w.sync_metrics["update_downloads"] >= 2
-            assert_bitwise(model, published(srv.address)[1])
+    with DiLoCoServer(config) as srv, one_step_worker(srv.address, seed=4) as (model, w, step):
+        step()
+        assert (w.sync_metrics["full_downloads"], w.sync_metrics["update_downloads"]) == (1, 1)
+        client = DiLoCoClient(srv.address, retries=1, backoff=0.01)
+        assert w.worker_id is not None
+        client.deregister(w.worker_id)  # the server forgets it, as after an eviction
+        client.close()
+        step()  # the upload is refused as unknown: the worker re-joins, then syncs
+        m = w.sync_metrics
+        assert m["reconnections"] == 1
+        assert m["full_downloads"] == 2 and m["checksum_mismatches"] == 0
+        step()  # the progress kept through the re-join goes up; the round comes down
+        assert w.sync_metrics["update_downloads"] >= 2
+        assert_bitwise(model, published(srv.address)[1])
