@@ -297,3 +297,12 @@ def test_bad_calls_are_refused_on_every_rank_and_the_quorum_forgotten(rendezvous
     assert sorted(refused) == [0, 1]  # a closed group is never used again
     assert rendezvous.forget("threads") == 2  # one address per member
     assert rendezvous.forget("threads") == 0
+
+
+def test_state_hash_takes_strided_and_one_element_views() -> None:
+    """The commit point hashes a strided sample of the average; a sample of one element keeps
+    an odd stride under ``.contiguous()``, which must not stop the hash."""
+    t = torch.arange(10, dtype=torch.float32)
+    assert state_hash([t[::1009]]) == state_hash([t[:1].clone()])
+    assert state_hash([t[::3]]) == state_hash([t[::3].clone()])
+    assert state_hash([t[::3]]) != state_hash([t[::2].clone()])
