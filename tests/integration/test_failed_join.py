@@ -104,14 +104,14 @@ def test_heartbeats_run_during_the_first_download_and_stop_with_a_failed_start(
     seen: list[bool] = []
 
     def fail(*args: Any, **kwargs: Any) -> None:
-        seen.append(w._hb_thread is not None and w._hb_thread.is_alive())
+        seen.append(w._heartbeats.thread is not None and w._heartbeats.thread.is_alive())
         raise Unreachable("download: gave up")
 
     monkeypatch.setattr(w.client, "download", fail)
     with pytest.raises(Unreachable):
         w.start()
     assert seen == [True]
-    assert w._hb_thread is not None and not w._hb_thread.is_alive()
+    assert w._heartbeats.thread is not None and not w._heartbeats.thread.is_alive()
 
 
 def test_waiting_for_the_initial_parameters_is_a_join() -> None:

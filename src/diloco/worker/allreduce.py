@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from diloco.core import adopt_, rebase_, to_progress_
+from diloco.core import rebase_, to_progress_
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import save_checkpoint
@@ -281,10 +281,7 @@ class AllReduceSync:
         # majority's is sent the state at its next quorum.
         if total > 0:
             apply_outer_step(self._outer, self._globals, self._acc)
-            with torch.no_grad():
-                for name, p in local.params.items():
-                    adopt_(p.data, local.snapshot[name])
-            local.settle_copies()
+            local.adopt_all()
             s.base_round = q.round + 1
         new_hash = self._hash = self._state_hash()
         if q.save and q.rank == 0:
@@ -299,9 +296,7 @@ class AllReduceSync:
         s, local = self._s, self._s.local
         receiving = q.rank in q.resync
         if receiving and not self._needs_state:
-            with torch.no_grad():
-                for name, p in local.params.items():
-                    to_progress_(p.data, local.snapshot[name])
+            local.each_param(to_progress_)
             self._needs_state = True  # the model holds progress; the snapshot is about to go
         broadcast(group, [*local.snapshot.values(), *self._momentum], q.source)
         if not receiving:
@@ -309,10 +304,7 @@ class AllReduceSync:
         got = self._state_hash()
         if got != q.hash:
             raise QuorumFailed(q.id, f"state received has hash {got}, expected {q.hash}")
-        with torch.no_grad():
-            for name, p in local.params.items():
-                rebase_(p.data, local.snapshot[name])
-        local.settle_copies()
+        local.each_param(rebase_)
         self._needs_state = False
         s.base_round = q.round
         self._hash = got

@@ -163,8 +163,7 @@ class LocalModel:
         """Make the snapshot from the model's own parameters (fp32, laid out as a full download
         would be): the all-reduce mode's start, where no server holds parameters."""
         specs = [TensorSpec(n, "F32", tuple(p.shape)) for n, p in self.params.items()]
-        memory = self._into_snapshot(build_layout(specs))
-        assert memory is not None
+        self._into_snapshot(build_layout(specs))
         with torch.no_grad():
             for name, p in self.params.items():
                 self.snapshot[name].copy_(p.detach())
@@ -174,7 +173,7 @@ class LocalModel:
 
     def adopt_all(self) -> None:
         """The model takes the snapshot's values (the first download of a join)."""
-        self._each_param(adopt_)
+        self.each_param(adopt_)
 
     def refresh(self, fetch: Fetch, *, counted: bool) -> bool:
         """Fetch global parameters into the snapshot. If ``counted``, the local progress is in
@@ -186,7 +185,7 @@ class LocalModel:
         if self.holds_progress and self.progress_counted:
             counted = True  # a download broke off inside the model: only adoption is left
         if not counted and not self._as_progress:
-            self._each_param(to_progress_)
+            self.each_param(to_progress_)
             self._as_progress = True
         # Counted: the model is overwritten by the adoption, so it need not become progress
         # first (a pass over the model fewer per round). The server sends no byte of a round
@@ -206,7 +205,7 @@ class LocalModel:
         if counted and self.adopted:
             self.settle_copies()  # adopted as the bytes landed
         else:
-            self._each_param(adopt_ if counted else rebase_)
+            self.each_param(adopt_ if counted else rebase_)
         self.holds_progress = self._as_progress = False
         if not counted:
             self._metrics["rebases"] += 1
@@ -216,11 +215,13 @@ class LocalModel:
         """The snapshot is intact: the model takes back its local values, progress on top of
         the snapshot, counted or not (only a round that holds it may replace counted progress)."""
         if self._as_progress:
-            self._each_param(rebase_)
+            self.each_param(rebase_)
             self._as_progress = False
         self.holds_progress = False
 
-    def _each_param(self, fn: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def each_param(self, fn: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """``fn(parameter, its snapshot)`` for every parameter (``adopt_``, ``rebase_``,
+        ``to_progress_``), then wait for the copies to the GPU."""
         with torch.no_grad():
             for name, p in self.params.items():
                 fn(p.data, self.snapshot[name])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -245,10 +244,6 @@ class DiLoCoWorker:
         self._started = True
         s.last_step_at = time.monotonic()
         return self
-
-    @property
-    def _hb_thread(self) -> threading.Thread | None:
-        return self._heartbeats.thread
 
     def _unhook(self) -> None:
         """Stop seeing the optimizer's steps and stop the heartbeats."""
