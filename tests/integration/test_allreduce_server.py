@@ -203,7 +203,6 @@ def test_the_rendezvous_closes_with_the_server(make_server: ServerFactory) -> No
         ({"download_codec": "int8"}, "--download-codec"),
         ({"initial_params": "model.safetensors"}, "--init"),
         ({"save_dir": "ckpt"}, "--save-dir"),
-        ({"num_fragments": 2}, "--num-fragments"),
         ({"trim_fraction": 0.2}, "--trim-fraction"),
     ],
 )

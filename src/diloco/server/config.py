@@ -506,10 +506,6 @@ class ServerConfig:
             "--init": (self.initial_params is not None, none_held),
             "--save-dir": (self.save_dir is not None, none_held),
             "--from-checkpoint": (self.from_checkpoint is not None, none_held),
-            "--num-fragments": (
-                (self.num_fragments or 1) > 1,
-                "streaming fragments are not supported in all-reduce mode yet",
-            ),
             "--clip-norm-factor/--trim-fraction": (
                 self.robust,
                 "a collective average has no robust variant",

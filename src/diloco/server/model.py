@@ -178,13 +178,6 @@ class Model:
             raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
         if pattern not in PATTERNS:
             raise bad_request("bad_field", f"info.fragment_pattern must be one of {PATTERNS}")
-        if num > 1 and self.config.allreduce:
-            raise ApiError(
-                422,
-                "fragments_refused",
-                "this server runs in all-reduce mode, which does not take streaming fragments "
-                "yet: start the worker with num_fragments=1",
-            )
         if num > 1 and self.config.lossy_download:
             codec = self.config.download_codec
             raise ApiError(

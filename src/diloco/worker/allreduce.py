@@ -130,7 +130,7 @@ class AllReduceSync:
                 buf = torch.zeros_like(p)
                 self._outer.state[p]["momentum_buffer"] = buf
                 self._momentum.append(buf)
-        self._acc = [torch.empty_like(t) for t in local.snapshot.values()]
+        self._acc = self._buffers()
         self._samples_weighting = reply.get("weighting") == "samples"
         self._hash = self._state_hash()
         # The model holds progress over a snapshot that is being replaced (a broadcast to this
@@ -189,50 +189,66 @@ class AllReduceSync:
     # --- one sync -----------------------------------------------------------------------------
 
     def _sync(self) -> None:
-        """Average with a quorum. Never raises a network error: when no quorum completes
-        (``MAX_QUORUM_TRIES`` discarded, the wait for one past ``max_barrier_wait``, the server
-        unreachable) training goes on locally and the next sync tries again with the progress
-        made until then; only a worker left without state keeps trying until it gets one."""
+        """Average with a quorum, blocking the training loop (``_attempts``)."""
         s = self._s
         t0 = time.monotonic()
-        wait = s.settings.max_barrier_wait
-        deadline = t0 + wait if wait else None
         s.syncing = True
         try:
-            discarded = 0
-            while True:
-                try:
-                    if s.need_rejoin.is_set():
-                        s.rejoin()  # the server forgot this worker (evicted, restarted)
-                        s.need_rejoin.clear()
-                    outcome = self._one_sync(weighted=True)
-                except UnknownWorker:
-                    s.need_rejoin.set()
-                    continue
-                except SYNC_FAILURES as exc:
-                    s.metrics["failed_syncs"] += 1
-                    log.warning("worker %s: sync failed: %s", s.worker_id, exc)
-                    if self._needs_state:
-                        continue  # the client's retries already waited between attempts
-                    return
-                if outcome == "done":
-                    s.metrics["rounds"] += 1
-                    s.local_step = 0
-                    s.samples = 0.0
-                    return
-                discarded += outcome == "discarded"
-                late = deadline is not None and time.monotonic() > deadline
-                if (discarded >= MAX_QUORUM_TRIES or late) and not self._needs_state:
-                    s.metrics["failed_syncs"] += 1
-                    log.warning(
-                        "worker %s: no quorum completed (%d discarded); training goes on",
-                        s.worker_id,
-                        discarded,
-                    )
-                    return
+            self._attempts()
         finally:
             s.syncing = False
             s.metrics["sync_time_s"] += time.monotonic() - t0
+
+    def _attempts(self) -> bool:
+        """Quorums until one completes: True then. Never raises a network error: when no
+        quorum completes (``MAX_QUORUM_TRIES`` discarded, the wait for one past
+        ``max_barrier_wait``, the server unreachable) False, and training goes on locally; the
+        next sync tries again with the progress made until then. Only a worker left without
+        state keeps trying until it gets one."""
+        s = self._s
+        wait = s.settings.max_barrier_wait
+        deadline = time.monotonic() + wait if wait else None
+        discarded = 0
+        while True:
+            try:
+                if s.need_rejoin.is_set():
+                    s.rejoin()  # the server forgot this worker (evicted, restarted)
+                    s.need_rejoin.clear()
+                outcome = self._one_sync(weighted=True)
+            except UnknownWorker:
+                s.need_rejoin.set()
+                continue
+            except SYNC_FAILURES as exc:
+                s.metrics["failed_syncs"] += 1
+                log.warning("worker %s: sync failed: %s", s.worker_id, exc)
+                if self._needs_state:
+                    continue  # the client's retries already waited between attempts
+                return False
+            if outcome == "done":
+                s.metrics["rounds"] += 1
+                self._synced()
+                return True
+            discarded += outcome == "discarded"
+            late = deadline is not None and time.monotonic() > deadline
+            if (discarded >= MAX_QUORUM_TRIES or late or self._given_up()) and (
+                not self._needs_state
+            ):
+                s.metrics["failed_syncs"] += 1
+                log.warning(
+                    "worker %s: no quorum completed (%d discarded); training goes on",
+                    s.worker_id,
+                    discarded,
+                )
+                return False
+
+    def _synced(self) -> None:
+        """A round completed with this worker's contribution: its counters start again."""
+        self._s.local_step = 0
+        self._s.samples = 0.0
+
+    def _given_up(self) -> bool:
+        """True when the worker stops asking for quorums (it is leaving)."""
+        return False
 
     def _one_sync(self, *, weighted: bool) -> str:
         """Ask for a quorum and run its round: ``"done"``, ``"pending"`` (the long poll ended
@@ -256,37 +272,57 @@ class AllReduceSync:
         return "done"
 
     def _round(self, q: Quorum, weighted: bool) -> tuple[int, str]:
-        s, local = self._s, self._s.local
+        s = self._s
         with QuorumGroup.build(q.host, q.port, q.id, q.rank, q.size, q.timeout) as group:
             if q.resync:
                 self._share_state(group, q)
-            weight = self._weight() if weighted else 0.0
-            with torch.no_grad():
-                for acc, (name, p) in zip(self._acc, local.params.items(), strict=True):
-                    torch.sub(local.snapshot[name], p.detach().to(acc.device), out=acc)
-            total = average(group, self._acc, weight, q.comm)
-            # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it
-            # each way); the HTTP bytes stay in bytes_up/bytes_down.
-            itemsize = torch.empty((), dtype=q.comm).element_size()
-            s.metrics["collective_bytes"] += sum(a.numel() for a in self._acc) * itemsize
-            # The commit point: this tiny collective succeeds only once every member holds
-            # the complete average; nothing has changed anywhere before it. It compares a
-            # sample of the average (every SAMPLE-th element): a full CRC would cost 0.1 s per
-            # 100M parameters, and the full hash of the new state is compared by the server.
-            sample = [a.reshape(-1)[::SAMPLE] for a in self._acc]
-            if not all_equal(group, state_hash(sample)):
-                raise QuorumFailed(q.id, "the members' averages differ")
+            total = self._contribute(group, q, weighted)
         # The group is closed. Every member applies the same step to the same state, so the
         # new hashes agree; the server compares them, and a member whose hash is not the
         # majority's is sent the state at its next quorum.
         if total > 0:
-            apply_outer_step(self._outer, self._globals, self._acc)
-            local.adopt_all()
+            self._step(q)
             s.base_round = q.round + 1
         new_hash = self._hash = self._state_hash()
         if q.save and q.rank == 0:
             self._save(q)
         return s.base_round, new_hash
+
+    def _contribute(self, group: QuorumGroup, q: Quorum, weighted: bool) -> float:
+        """This worker's pseudo-gradient averaged over the quorum into ``self._acc``, checked at
+        the commit point; the sum of the weights."""
+        local = self._s.local
+        weight = self._weight() if weighted else 0.0
+        with torch.no_grad():
+            for acc, (name, p) in zip(self._acc, local.params.items(), strict=True):
+                torch.sub(local.snapshot[name], p.detach().to(acc.device), out=acc)
+        return self._average(group, q, self._acc, weight)
+
+    def _average(
+        self, group: QuorumGroup, q: Quorum, tensors: list[torch.Tensor], weight: float
+    ) -> float:
+        total = average(group, tensors, weight, q.comm)
+        # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
+        # way); the HTTP bytes stay in bytes_up/bytes_down.
+        itemsize = torch.empty((), dtype=q.comm).element_size()
+        self._s.metrics["collective_bytes"] += sum(t.numel() for t in tensors) * itemsize
+        # The commit point: this tiny collective succeeds only once every member holds the
+        # complete average; nothing has changed anywhere before it. It compares a sample of the
+        # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
+        # and the full hash of the new state is compared by the server.
+        sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
+        if not all_equal(group, state_hash(sample)):
+            raise QuorumFailed(q.id, "the members' averages differ")
+        return total
+
+    def _step(self, q: Quorum) -> None:
+        """The outer step on the shared state with the quorum's average; the model adopts it."""
+        apply_outer_step(self._outer, self._globals, self._acc)
+        self._s.local.adopt_all()
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Where the pseudo-gradient is averaged: one model's worth, fp32."""
+        return [torch.empty_like(t) for t in self._s.local.snapshot.values()]
 
     def _share_state(self, group: QuorumGroup, q: Quorum) -> None:
         """The source's state to every member (those that hold it receive the same bytes); a
@@ -325,14 +361,12 @@ class AllReduceSync:
                 s.base_round,
             )
             return
-        state = self._outer.state_dict()
         params = dict(s.local.snapshot)
+        state, layout = self._checkpoint_state()
         extra = {
             "param_order": list(params),
             "mode": "sync",
-            "fragments": [1, SEQUENTIAL],
-            "unit_rounds": [s.base_round],
-            "optimizer_units": [[len(params), len(state["param_groups"])]],
+            **layout,
             "outer_optimizer": type(self._outer).__name__,
             "receipts": [],
             "worker_deaths": 0,
@@ -347,6 +381,16 @@ class AllReduceSync:
             )
             return
         log.info("worker %s saved round %d to %s", s.worker_id, s.base_round, path)
+
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The outer optimizer's state dict and the checkpoint fields that say how it is cut
+        (the server mode's: one unit, the whole model)."""
+        state = self._outer.state_dict()
+        return state, {
+            "fragments": [1, SEQUENTIAL],
+            "unit_rounds": [self._s.base_round],
+            "optimizer_units": [[len(self._globals), len(state["param_groups"])]],
+        }
 
     def _weight(self) -> float:
         s = self._s

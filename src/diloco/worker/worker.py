@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from diloco.worker.allreduce import AllReduceSync
+from diloco.worker.allreduce_streaming import StreamingAllReduceSync
 from diloco.worker.client import Conflict, DiLoCoClient, ServerError, Unreachable
 from diloco.worker.encoder import UploadEncoder, comm_dtype
 from diloco.worker.group import WorkerGroup, find_group
@@ -406,12 +407,15 @@ class DiLoCoWorker:
         group = self._strategy if isinstance(self._strategy, GroupSync) else None
         current = group.inner if group is not None else self._strategy
         if not isinstance(current, AllReduceSync):
-            if self.settings.num_fragments > 1:
+            if self.settings.num_fragments == 1:
+                current = AllReduceSync(s, reply)
+            elif group is None:
+                current = StreamingAllReduceSync(s, reply)
+            else:
                 raise ValueError(
-                    "the server runs in all-reduce mode, which does not take streaming "
-                    "fragments yet (issue 19): leave num_fragments at 1"
+                    "streaming fragments are not supported in a worker group (a torch.distributed "
+                    "group as one worker): leave num_fragments at 1"
                 )
-            current = AllReduceSync(s, reply)
             if group is not None:
                 group.use_inner(current)
             else:
