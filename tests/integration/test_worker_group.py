@@ -165,7 +165,7 @@ def test_diloco_worker_runs_torchrun_as_one_worker(tmp_path: Path) -> None:
         server.stop()
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    assert len(lines) == 2
+    assert len(lines) == 2, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
     ids = {line.split()[3] for line in lines}
     assert len(ids) == 1 and "None" not in ids  # the group's id, on every rank
     assert all(line.endswith("rounds 2") for line in lines)
