@@ -1,8 +1,9 @@
 """All-reduce mode under a fault (issue 19): a worker killed with SIGKILL inside the averaging
 all-reduce. The survivors' collective fails at once, the round is discarded (nobody applies a
-partial average), and once the server has evicted the dead worker (its heartbeat timeout) a
-quorum of the survivors repeats the round with the pseudo-gradients they still hold: they end
-exactly where two workers that never met the third end."""
+partial average), and once the dead worker has been silent for two of its heartbeat intervals
+(long before its heartbeat timeout evicts it) a quorum of the survivors repeats the round with
+the pseudo-gradients they still hold: they end exactly where two workers that never met the
+third end."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ import torch
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from tests.integration.test_allreduce import run_workers
 
-HEARTBEAT_TIMEOUT = 2.0
+HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
 ROUNDS = 3
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_killed_inside_the_allreduce_stalls_the_others_one_heartbeat_timeout() -> None:
+def test_a_worker_killed_inside_the_allreduce_is_left_out_before_its_eviction() -> None:
     config = ServerConfig(
         port=0,
         num_workers=3,
@@ -56,9 +57,13 @@ def test_a_worker_killed_inside_the_allreduce_stalls_the_others_one_heartbeat_ti
         killer = threading.Thread(target=kill_when_inside)
         killer.start()
         synced_at: dict[int, list[float]] = {0: [], 1: []}
+        registered_then: list[bool] = []
 
         def note(rank: int, r: int, w: DiLoCoWorker) -> None:
             synced_at[rank].append(time.monotonic())
+            if killed_at and len(registered_then) < 2:  # a survivor's first sync after the kill
+                ids = [entry["worker_id"] for entry in srv.status()["workers"]]
+                registered_then.append("w9" in ids)
 
         try:
             survivors = run_workers(srv.address, 2, ROUNDS, after_sync=note)
@@ -68,10 +73,11 @@ def test_a_worker_killed_inside_the_allreduce_stalls_the_others_one_heartbeat_ti
             killer.join(10)
         status = srv.status()
     assert killed_at, "the victim never reached the all-reduce"
-    # Stalled no longer than the heartbeat timeout (and a little for the quorum to form).
+    # The survivors' next rounds completed while the victim was still registered: they did not
+    # wait for its eviction.
+    assert registered_then == [True, True]
     for rank in (0, 1):
-        after = [t - killed_at[0] for t in synced_at[rank] if t > killed_at[0]]
-        assert after and after[0] < HEARTBEAT_TIMEOUT + 2.0, after
+        assert any(t > killed_at[0] for t in synced_at[rank])
     for _, metrics in survivors:
         assert metrics["discarded_rounds"] >= 1
         assert metrics["rounds"] == ROUNDS and metrics["failed_syncs"] == 0

@@ -400,3 +400,87 @@ def test_a_server_started_into_a_run_waits_for_its_workers_before_one_goes_on_al
     late.clock.now += 2.0
     late.book.tick()
     assert reply(alone)["members"] == ["a"]
+
+
+# --- members gone silent after a failed quorum (server/suspects.py) --------------------------
+
+
+class Beats:
+    """Each worker's last-seen time and heartbeat interval, as the registry would tell them."""
+
+    def __init__(self, interval: float) -> None:
+        self.clock = FakeClock()  # replaced by the run's
+        self.seen: dict[str, float] = {}
+        self.interval = interval
+
+    def beat(self, worker: str) -> None:
+        self.seen[worker] = self.clock.now
+
+    def __call__(self, worker: str) -> tuple[float, float] | None:
+        return self.seen.get(worker, 0.0), self.interval
+
+
+def silent_member_run(interval: float = 1.0) -> tuple[Run, Beats, str]:
+    """Quorum of a, b, c at round 0; c dies inside it: a reports the failure, b asks again."""
+    beats = Beats(interval)
+    run = Run("a", "b", "c", heartbeat_of=beats)
+    beats.clock = run.clock
+    qid = formed(run, "a", "b", "c")
+    for w in "abc":
+        beats.beat(w)
+    run.clock.now += 0.1
+    run.report("a", qid, ok=False)
+    return run, beats, qid
+
+
+def test_a_member_silent_after_a_failed_quorum_is_not_waited_for_after_two_intervals() -> None:
+    run, beats, _ = silent_member_run(interval=1.0)
+    ta, tb = run.ask("a"), run.ask("b")
+    run.clock.now += 2.4  # within two intervals and the margin: c may still speak
+    run.book.tick()
+    assert not ta.done
+    run.clock.now += 0.2
+    run.book.tick()
+    assert reply(ta)["members"] == reply(tb)["members"] == ["a", "b"]
+    assert "c" in run.live  # not evicted: only left out of this quorum
+
+
+def test_a_member_heard_from_after_the_failure_is_waited_for() -> None:
+    run, beats, qid = silent_member_run(interval=1.0)
+    ta = run.ask("a")
+    run.ask("b")
+    run.clock.now += 0.5
+    beats.beat("c")  # alive (a heartbeat): its collective is only slower to fail
+    run.clock.now += 5.0
+    run.book.tick()
+    assert not ta.done
+    run.report("c", qid, ok=False)  # it failed too, and asks again
+    run.ask("c")
+    assert reply(ta)["members"] == ["a", "b", "c"]
+
+
+def test_a_suspect_that_comes_back_counts_again() -> None:
+    run, beats, _ = silent_member_run(interval=1.0)
+    run.ask("a")
+    tb = run.ask("b")
+    run.clock.now += 3.0
+    run.book.tick()
+    qid = str(reply(tb)["quorum_id"])
+    run.report("a", qid)
+    run.report("b", qid)
+    beats.beat("c")
+    tc, ta2 = run.ask("c", 0, "h0"), run.ask("a", 1, "h1")
+    run.ask("b", 1, "h1")
+    assert reply(tc)["members"] == reply(ta2)["members"] == ["a", "b", "c"]
+    assert reply(tc)["resync"] == [2]  # it receives the state it missed
+
+
+def test_without_heartbeats_a_silent_member_is_waited_for_until_its_eviction() -> None:
+    run, _, _ = silent_member_run(interval=0.0)
+    ta = run.ask("a")
+    run.ask("b")
+    run.clock.now += 10.0  # below join_timeout (15 s)
+    run.book.tick()
+    assert not ta.done
+    run.leave("c")
+    assert reply(ta)["members"] == ["a", "b"]

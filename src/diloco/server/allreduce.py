@@ -67,9 +67,20 @@ class AllReduce:
             save_every=config.save_every,
             # As the server mode holds a resumed round for the heartbeat timeout.
             resume_grace=config.heartbeat_timeout,
+            heartbeat_of=self._heartbeat_of,
         )
         membership.left = book.on_leave
         model.round_source = lambda: book.round
+
+    def _heartbeat_of(self, worker_id: str) -> tuple[float, float] | None:
+        """When the server last heard from the worker and its heartbeat interval (0: none, or
+        a worker too old to say)."""
+        record = self.registry.get(worker_id)
+        if record is None:
+            return None
+        interval = record.info.get("heartbeat_interval", 0)
+        ok = isinstance(interval, int | float) and not isinstance(interval, bool)
+        return record.last_seen, float(interval) if ok and interval > 0 else 0.0
 
     def attach(self, address: tuple[str, int], forget: Callable[[str], object]) -> None:
         """The rendezvous is listening at ``address``; ``forget(quorum_id)`` drops a quorum's

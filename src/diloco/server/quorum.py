@@ -12,7 +12,9 @@ Contract (the routes, ``POST /quorum`` and ``POST /quorum/outcome``: docs/design
   way, a member holding a round above 0, until ``resume_grace`` has passed since the start, so
   that the workers come back before any goes on alone). When some live workers are not asking, the quorum forms with
   those that are once ``join_timeout`` has passed since the earliest request (counted from the
-  last quorum's end at the soonest; 0: never).
+  last quorum's end at the soonest; 0: never). Members of a discarded quorum that stay silent
+  (no report, request or heartbeat) for two of their heartbeat intervals are not waited for
+  (``server/suspects.py``).
 - Ranks follow the worker ids' order. The quorum starts from the highest round any member with
   state holds, at the hash most members hold at that round (the last agreed hash when a member
   holds it; otherwise ties go to the lowest rank). ``source`` is the lowest rank holding it;
@@ -36,6 +38,7 @@ from typing import Any
 
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.server.suspects import HeartbeatOf, Suspects
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,7 @@ class QuorumBook:
         save_every: int = 0,
         rendezvous: tuple[str, int] | None = None,
         resume_grace: float = 0.0,
+        heartbeat_of: HeartbeatOf | None = None,
     ) -> None:
         self.instance = instance
         self._live = live
@@ -186,6 +190,9 @@ class QuorumBook:
         # back: for this long after the start its first quorum waits for num_workers of them,
         # so the first to re-register does not go on alone with the run's only copy.
         self._resume_until = clock() + resume_grace
+        # Members of a failed quorum gone silent: the next quorum does not wait for their
+        # eviction (server/suspects.py).
+        self._suspects = Suspects(heartbeat_of or (lambda worker: None))
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -198,6 +205,7 @@ class QuorumBook:
         q = self.open
         if q is not None and worker in q.members and worker not in q.outcomes:
             self._discard(q, f"member {worker} asked for a new quorum before reporting")
+        self._suspects.heard(worker)
         older = self._pending.pop(worker, None)
         if older is not None:
             older.settle(None)
@@ -244,7 +252,8 @@ class QuorumBook:
             self.tick()
 
     def _try_form(self, now: float) -> None:
-        live = self._live()
+        silent = self._suspects.silent(now)
+        live = self._live() - silent
         waiting = sorted(w for w in self._pending if w in live)
         fresh = self._formed == 0 and all(self._pending[w].ask.round == 0 for w in waiting)
         resuming = self._formed == 0 and not fresh and now < self._resume_until
@@ -267,6 +276,12 @@ class QuorumBook:
             start = max(min(self._since[w] for w in waiting), self._closed_at)
             if self.join_timeout <= 0 or now < start + self.join_timeout:
                 return
+        if silent:
+            log.warning(
+                "quorum forms without %s: silent since their last quorum failed (not evicted; "
+                "they count again once heard from)",
+                ", ".join(sorted(silent)),
+            )
         self._form(tuple(waiting), now)
 
     def _form(self, members: tuple[str, ...], now: float) -> None:
@@ -321,6 +336,7 @@ class QuorumBook:
         worker, qid = outcome.worker_id, outcome.quorum_id
         if worker not in self._live():
             raise unknown_worker(worker)
+        self._suspects.heard(worker)
         q = self.open
         if q is None or q.id != qid:
             ended = self._ended.get(qid)
@@ -382,6 +398,7 @@ class QuorumBook:
         self.rounds_discarded += 1
         self._save_requested = self._save_requested or q.save_requested
         log.warning("quorum %s (round %d) discarded: %s", q.id, q.start.round, reason)
+        self._suspects.failed(q.members, q.outcomes, self._clock())
         self._end(q, Ended(q.members, "discarded", reason))
 
     def _end(self, q: Quorum, ended: Ended) -> None:
@@ -410,6 +427,7 @@ class QuorumBook:
         if ticket is not None:
             ticket.settle(gone=True)
         self._since.pop(worker_id, None)
+        self._suspects.heard(worker_id)
         q = self.open
         if q is not None and worker_id in q.members and worker_id not in q.outcomes:
             self._discard(q, f"member {worker_id} left or was evicted")

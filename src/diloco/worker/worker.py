@@ -444,6 +444,9 @@ class DiLoCoWorker:
                 "pid": os.getpid(),
                 "device": str(self._local.device),
                 "sync_every": self.settings.sync_every,
+                # All-reduce mode leaves a member of a failed quorum that stops heartbeating out
+                # of the next quorum after two intervals, before its eviction.
+                "heartbeat_interval": self.settings.heartbeat_interval,
                 "num_fragments": self.settings.num_fragments,
                 "fragment_pattern": self.settings.fragment_pattern,
                 "codec": self._encoder.metadata,
