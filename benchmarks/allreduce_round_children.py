@@ -41,8 +41,10 @@ def server_main(
     heartbeat_timeout: float,
     collective_timeout: float,
     threads: int,
+    host: str = "127.0.0.1",
 ) -> None:
-    """``mode``: "server" or "allreduce". Answers "status" and "stop" on ``conn``."""
+    """``mode``: "server" or "allreduce"; ``host``: the address to bind (netns_links.py binds the
+    server namespace's). Answers "status" and "stop" on ``conn``."""
     import torch
 
     if threads > 0:
@@ -52,7 +54,7 @@ def server_main(
     base = base_rss()
     allreduce = mode == "allreduce"
     config = ServerConfig(
-        host="127.0.0.1",
+        host=host,
         port=0,
         num_workers=num_workers,
         initial_params=None if allreduce else params_path,

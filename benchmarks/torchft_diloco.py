@@ -649,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "torchft_lighthouse binary's default; 0: LighthouseServer's own default, 100 ms)",
     )
     ap.add_argument("--no-ours", action="store_true", help="torchft only")
+    ap.add_argument("--no-torchft", action="store_true", help="ours only")
     ap.add_argument("--kill-only", action="store_true", help="only the kill runs (needs --kill)")
     args = ap.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
@@ -672,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     skipped: list[str] = []
     for n in [] if args.kill_only else sorted(set(args.workers)):
-        runs: list[tuple[str, Any]] = [("torchft fp32", None)]
+        runs: list[tuple[str, Any]] = [] if args.no_torchft else [("torchft fp32", None)]
         if not args.no_ours:
             runs += [
                 ("ours", ours.Config("allreduce", False, proxied=False)),
@@ -708,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     our_kill: list[dict[str, Any]] | None = None
     if args.kill:
         kshape = choose_shape(args.kill_params or args.params, args.max_dim)
-        for jt in args.torchft_join_timeouts:
+        for jt in [] if args.no_torchft else args.torchft_join_timeouts:
             join = None if jt <= 0 else jt
             for i in range(args.kill_repeats):
                 print(
