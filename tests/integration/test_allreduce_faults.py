@@ -15,11 +15,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.worker import allreduce, quorum_group
 from tests.integration.test_allreduce import run_workers
 
 HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
@@ -129,3 +131,42 @@ def test_a_restarted_server_loses_nothing_the_workers_hold_the_state() -> None:
             assert torch.equal(states[0][r][k], states[1][r][k]), (r, k)
     # The new server counts on from the workers' state, not from 0.
     assert status["round"] >= max(after)
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_it_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two generals: the commit point's collective completes everywhere, but rank 2 (w2)
+    takes it for failed (its group breaks right after) while the others apply the round. w2
+    reports the failure and asks again; its next quorum hands it the state the others made,
+    naming the quorum that made it, which is the one w2 contributed to: w2 takes that state
+    instead of keeping its (already counted) progress on top, so it adds nothing (weight 0) to
+    the next average, where a rebase would add its pseudo-gradient a second time."""
+    original = quorum_group.QuorumGroup.collective
+    original_average = allreduce.average
+    checks: list[int] = []
+    weights_after: list[float] = []  # w2's weights in the averages after the fault
+
+    def collective(self: quorum_group.QuorumGroup, what: str, start: Any) -> None:
+        original(self, what, start)
+        if what == "hash check" and self.rank == 2:
+            checks.append(1)
+            if len(checks) == 3:  # the join, round 0, then round 1's commit point
+                self.close()
+                raise quorum_group.QuorumFailed(self.quorum_id, "hash check failed: injected")
+
+    def average(group: quorum_group.QuorumGroup, tensors: Any, weight: float, *a: Any) -> float:
+        if group.rank == 2 and len(checks) >= 3:
+            weights_after.append(weight)
+        return original_average(group, tensors, weight, *a)
+
+    monkeypatch.setattr(quorum_group.QuorumGroup, "collective", collective)
+    monkeypatch.setattr(allreduce, "average", average)
+    with DiLoCoServer(ServerConfig(port=0, num_workers=3, allreduce=True)) as srv:
+        results = run_workers(srv.address, 3, ROUNDS)
+        status = srv.status()
+    assert len(checks) >= 3 and status["rounds_discarded"] == 1
+    w2 = results[2][1]
+    assert w2["rebases"] == 1 and w2["dropped_steps"] == 0
+    assert weights_after and weights_after[0] == 0.0

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from diloco.server.errors import ApiError
-from diloco.server.quorum import Choice, QuorumBook, Ticket, choose
+from diloco.server.quorum import QuorumBook, Ticket
 from diloco.server.quorum_bodies import Ask, Outcome, read_ask, read_outcome
+from diloco.server.quorum_records import Choice, choose
 from tests.unit.test_health import FakeClock
 
 RENDEZVOUS = ("127.0.0.1", 29400)
@@ -484,3 +485,19 @@ def test_without_heartbeats_a_silent_member_is_waited_for_until_its_eviction() -
     assert not ta.done
     run.leave("c")
     assert reply(ta)["members"] == ["a", "b"]
+
+
+def test_the_next_quorum_names_the_quorum_that_made_its_starting_state() -> None:
+    """b's commit point failed after a's passed: a reports its new state to the quorum already
+    discarded by b's failure; the next quorum starts from a's state and names that quorum, so b
+    knows its own contribution is in it."""
+    run = Run("a", "b")
+    qid = formed(run, "a", "b")
+    run.report("b", qid, ok=False)
+    assert run.report("a", qid, round_=1, hash_="h1")["status"] == "discarded"
+    ta, tb = run.ask("a", 1, "h1"), run.ask("b", 0, "h0")
+    assert reply(tb)["made_by"] == reply(ta)["made_by"] == qid
+    assert reply(tb)["resync"] == [1]
+    # A start no member reported making (a fresh run's) names none.
+    fresh = Run("a")
+    assert reply(fresh.ask("a"))["made_by"] == ""

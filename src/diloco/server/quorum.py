@@ -32,96 +32,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.server.quorum_records import (
+    AllreduceStatus,
+    Ended,
+    Quorum,
+    QuorumStatus,
+    choose,
+)
 from diloco.server.suspects import HeartbeatOf, Suspects
 
 log = logging.getLogger(__name__)
 
 FINISHED_KEPT = 256
 """Ended quorums remembered, so a late or retried outcome gets its answer and not a 404."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Where a quorum starts: the state ``round`` and ``hash``, the rank that holds them
-    (``source``) and the ranks that must receive them (``resync``)."""
-
-    round: int
-    hash: str
-    source: int
-    resync: tuple[int, ...]
-
-
-def choose(asks: Sequence[Ask], agreed: tuple[int, str] | None = None) -> Choice:
-    """The start of a quorum whose members (by rank) asked with ``asks``; at least one holds
-    state. ``agreed``: the last state a quorum completed with, preferred when a member holds it
-    (a member whose hash diverged then loses even where it is not outnumbered)."""
-    holders = [(rank, a) for rank, a in enumerate(asks) if a.holds]
-    assert holders, "a quorum needs a member with state"
-    top = max(a.round for _, a in holders)
-    at_top = [(rank, a.hash) for rank, a in holders if a.round == top]
-    counts = Counter(h for _, h in at_top)
-    if agreed is not None and agreed[0] == top and agreed[1] in counts:
-        chosen = agreed[1]
-    else:  # the most common; among equals the lowest rank's
-        chosen = next(h for _, h in at_top if counts[h] == max(counts.values()))
-    source = next(rank for rank, h in at_top if h == chosen)
-    resync = tuple(
-        rank for rank, a in enumerate(asks) if not (a.holds and a.round == top and a.hash == chosen)
-    )
-    return Choice(top, chosen, source, resync)
-
-
-@dataclass
-class Quorum:
-    """An open quorum and the outcomes reported so far."""
-
-    id: str
-    members: tuple[str, ...]  # by rank
-    start: Choice
-    save: bool
-    save_requested: bool  # an operator's request rides on it (renewed if it is discarded)
-    deadline: float
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Ended:
-    """A quorum that completed or was discarded (``reason``)."""
-
-    members: tuple[str, ...]
-    status: str  # "recorded" (it completed) or "discarded"
-    reason: str
-
-
-@dataclass(frozen=True)
-class QuorumStatus:
-    """The open quorum in ``GET /status``."""
-
-    id: str
-    members: tuple[str, ...]
-    round: int
-
-
-@dataclass(frozen=True)
-class AllreduceStatus:
-    """What ``GET /status`` shows of the all-reduce mode (``server/status.py`` copies it)."""
-
-    instance: str | None
-    round: int
-    quorum: QuorumStatus | None
-    rounds_completed: int
-    rounds_discarded: int
-    pending_quorum: tuple[str, ...]
-
-
-IDLE = AllreduceStatus(None, 0, None, 0, 0, ())
-"""The all-reduce part of a server-mode status."""
 
 
 class Ticket:
@@ -184,6 +112,10 @@ class QuorumBook:
         self._formed = 0
         self._agreed: tuple[int, str] | None = None
         self._ended: OrderedDict[str, Ended] = OrderedDict()
+        # Which quorum's step made each state members reported: a member whose commit point
+        # failed after the others' passed learns from it that its contribution is in the state
+        # it receives (worker/allreduce.py, "the two generals").
+        self._made_by: OrderedDict[tuple[int, str], str] = OrderedDict()
         self._save_requested = False
         self._to_forget: list[str] = []
         # A server (re)started into a run under way knows none of its workers until they come
@@ -318,6 +250,7 @@ class QuorumBook:
                     "rendezvous": {"host": host, "port": port},
                     "timeout": self.collective_timeout,
                     "save": q.save,
+                    "made_by": self._made_by.get((start.round, start.hash), ""),
                 }
             )
         log.info(
@@ -349,6 +282,7 @@ class QuorumBook:
                     f"no quorum {qid!r} here (the server restarted?): ask for a new quorum",
                 )
             self._member(worker, qid, ended.members)
+            self._note_made(outcome, ended.start_round)  # it applied the step all the same
             extra = {"detail": ended.reason} if ended.reason else {}
             return {"status": ended.status, "quorum_id": qid, "round": self.round, **extra}
         self._member(worker, qid, q.members)
@@ -360,12 +294,20 @@ class QuorumBook:
             )
         if worker not in q.outcomes:  # a retried report: the first one stands
             q.outcomes[worker] = outcome
+            self._note_made(outcome, q.start.round)
             if not outcome.ok:
                 self._discard(q, f"member {worker} failed: {outcome.error or 'no reason given'}")
             elif len(q.outcomes) == len(q.members):
                 self._complete(q)
             self.tick()
         return {"status": "recorded", "quorum_id": qid, "round": self.round}
+
+    def _note_made(self, outcome: Outcome, start_round: int) -> None:
+        """A member applied its quorum's step: the state it reports was made by that quorum."""
+        if outcome.ok and outcome.round == start_round + 1 and outcome.hash:
+            self._made_by[(outcome.round, outcome.hash)] = outcome.quorum_id
+            while len(self._made_by) > FINISHED_KEPT:
+                self._made_by.popitem(last=False)
 
     @staticmethod
     def _member(worker: str, qid: str, members: tuple[str, ...]) -> None:
@@ -394,14 +336,14 @@ class QuorumBook:
         if new_round > q.start.round:
             self.rounds_completed += 1
         log.info("quorum %s completed: round %d, hash %s", q.id, new_round, new_hash)
-        self._end(q, Ended(q.members, "recorded", ""))
+        self._end(q, Ended(q.members, "recorded", "", q.start.round))
 
     def _discard(self, q: Quorum, reason: str) -> None:
         self.rounds_discarded += 1
         self._save_requested = self._save_requested or q.save_requested
         log.warning("quorum %s (round %d) discarded: %s", q.id, q.start.round, reason)
         self._suspects.failed(q.members, q.outcomes, self._clock())
-        self._end(q, Ended(q.members, "discarded", reason))
+        self._end(q, Ended(q.members, "discarded", reason, q.start.round))
 
     def _end(self, q: Quorum, ended: Ended) -> None:
         self.open = None

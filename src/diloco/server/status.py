@@ -24,7 +24,7 @@ from diloco.server.aggregator import State
 from diloco.server.allreduce import AllReduce
 from diloco.server.config import ServerConfig
 from diloco.server.params import ParamStore
-from diloco.server.quorum import IDLE, QuorumStatus
+from diloco.server.quorum_records import IDLE, QuorumStatus
 from diloco.server.registry import WorkerRegistry
 from diloco.server.units import F32_BYTES, Unit
 

@@ -20,12 +20,12 @@ buffer for the pseudo-gradient being averaged. One quorum round (``_round``):
 
 A failure before the commit point (a member died, a timeout) raises ``QuorumFailed``: the
 snapshot and the model are as they were, the failure is reported, and the next quorum repeats
-the round with a freshly computed pseudo-gradient. The one window left is the commit collective
-itself succeeding on some members and failing on others (two generals): those that applied it
-are one round ahead, the others receive their state at the next quorum and keep their progress
-on top, which then counts a second time. A quorum whose weights are all 0 (a
-start: every worker joins by one such round, receiving the state if its own differs) takes no
-step. Memory: the model, the snapshot, the momentum and the averaging buffer (4 models fp32).
+the round with a freshly computed pseudo-gradient. The commit collective itself may succeed on
+some members and fail on others (two generals): those that passed apply the round, the others
+remember the quorum, and when a later quorum hands them the state that quorum made (the server
+names it, ``made_by``), they take it without keeping their already counted progress on top.
+A quorum whose weights are all 0 (a start: every worker joins by one such round, receiving the
+state if its own differs) takes no step. Memory: the model, the snapshot, the momentum and the averaging buffer (4 models fp32).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from diloco.core import rebase_, to_progress_
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import OuterSGD, apply_outer_step
-from diloco.persistence import save_checkpoint
+from diloco.worker.allreduce_checkpoint import save_shared_state
 from diloco.worker.client import SYNC_FAILURES, UnknownWorker
 from diloco.worker.quorum_group import (
     QuorumFailed,
@@ -55,9 +55,6 @@ from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer
 
 log = logging.getLogger(__name__)
-
-KEEP_CHECKPOINTS = 3
-"""Checkpoints rank 0 keeps in its ``save_dir`` (the server's ``--keep`` default)."""
 
 SAMPLE = 1009
 """The commit point hashes every SAMPLE-th element of the average (a prime: no stride of a
@@ -83,6 +80,7 @@ class Quorum:
     timeout: float
     comm: torch.dtype  # what the quorum's all-reduce carries (bf16 when every member sends it)
     save: bool  # rank 0 writes a checkpoint after the round
+    made_by: str  # the quorum whose step made the starting state ("" when unknown)
 
     @classmethod
     def of(cls, reply: Mapping[str, Any]) -> Quorum:
@@ -100,6 +98,7 @@ class Quorum:
             timeout=float(reply.get("timeout", 30.0)),
             comm=torch.bfloat16 if reply.get("comm") == "bf16" else torch.float32,
             save=bool(reply.get("save")),
+            made_by=str(reply.get("made_by") or ""),
         )
 
 
@@ -136,6 +135,9 @@ class AllReduceSync:
         # The model holds progress over a snapshot that is being replaced (a broadcast to this
         # worker broke off): it presents no state and syncs until it receives one.
         self._needs_state = False
+        # A quorum whose commit point failed here after this worker's pseudo-gradient was in
+        # its complete average, and the total steps then: the others may have applied it.
+        self._uncertain: tuple[str, int] | None = None
         self._s.base_round = 0
 
     # --- SyncStrategy -------------------------------------------------------------------------
@@ -311,8 +313,15 @@ class AllReduceSync:
         # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
         # and the full hash of the new state is compared by the server.
         sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
-        if not all_equal(group, state_hash(sample)):
+        try:
+            same = all_equal(group, state_hash(sample))
+        except QuorumFailed:
+            if weight > 0:  # the others may have passed it and applied this worker's part
+                self._uncertain = (q.id, self._s.total_steps)
+            raise
+        if not same:
             raise QuorumFailed(q.id, "the members' averages differ")
+        self._uncertain = None  # the last quorum settled it either way
         return total
 
     def _step(self, q: Quorum) -> None:
@@ -340,47 +349,38 @@ class AllReduceSync:
         got = self._state_hash()
         if got != q.hash:
             raise QuorumFailed(q.id, f"state received has hash {got}, expected {q.hash}")
-        local.each_param(rebase_)
+        uncertain, self._uncertain = self._uncertain, None
+        if uncertain is not None and uncertain[0] == q.made_by:
+            # The state received was made by the quorum whose commit point failed here: this
+            # worker's pseudo-gradient is in it, so its progress up to then must not count
+            # again (rebasing it would). Steps taken since are dropped with it.
+            self._settle_counted(q, uncertain[1])
+        else:
+            local.each_param(rebase_)
         self._needs_state = False
         s.base_round = q.round
         self._hash = got
         s.metrics["rebases"] += 1
 
-    def _save(self, q: Quorum) -> None:
-        """Rank 0: the run's state in the server mode's checkpoint layout (``diloco.persistence``:
-        parameters, the outer optimizer's state, the fields a server checks when it resumes), so
-        ``diloco server --save-dir`` can go on from it. Blocking (the write of the snapshot and
-        the momentum); a failure is logged, never raised into training."""
+    def _settle_counted(self, q: Quorum, steps_then: int) -> None:
+        """After a resync into a state holding this worker's last contribution (made by the
+        round before ``q``'s): the model takes the state (its progress was counted)."""
         s = self._s
-        folder = s.settings.save_dir
-        if folder is None:
-            log.warning(
-                "worker %s: the server asked rank 0 to save round %d, but this worker has no "
-                "save_dir (DILOCO_SAVE_DIR, diloco worker --save-dir)",
-                s.worker_id,
-                s.base_round,
-            )
-            return
-        params = dict(s.local.snapshot)
+        s.local.adopt_all()
+        s.local_step, s.samples = 0, 0.0  # nothing left to contribute: weight 0 next
+        dropped = s.total_steps - steps_then
+        log.warning(
+            "worker %s: its contribution to the quorum whose commit point failed here is in "
+            "the run's state; the model takes that state%s",
+            s.worker_id,
+            f" ({dropped} local steps since are dropped)" if dropped else "",
+        )
+        s.metrics["dropped_steps"] += dropped
+
+    def _save(self, q: Quorum) -> None:
+        """Rank 0: the run's state as a checkpoint of the server mode's layout."""
         state, layout = self._checkpoint_state()
-        extra = {
-            "param_order": list(params),
-            "mode": "sync",
-            **layout,
-            "outer_optimizer": type(self._outer).__name__,
-            "receipts": [],
-            "worker_deaths": 0,
-            "instance": q.id,
-            "written_by": f"all-reduce rank 0 ({s.worker_id})",
-        }
-        try:
-            path = save_checkpoint(folder, s.base_round, params, state, extra, KEEP_CHECKPOINTS)
-        except OSError as exc:
-            log.error(
-                "worker %s: checkpoint of round %d failed: %s", s.worker_id, s.base_round, exc
-            )
-            return
-        log.info("worker %s saved round %d to %s", s.worker_id, s.base_round, path)
+        save_shared_state(self._s, q.id, state, layout, type(self._outer).__name__)
 
     def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The outer optimizer's state dict and the checkpoint fields that say how it is cut

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from diloco.core import rebase_
 from diloco.core.fragments import Piece, plan
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import merge_states
@@ -298,6 +299,25 @@ class StreamingAllReduceSync(AllReduceSync):
             except TimeoutError as exc:
                 raise QuorumFailed(q.id, str(exc)) from exc
         super()._share_state(group, q)
+
+    def _settle_counted(self, q: Quorum, steps_then: int) -> None:
+        """Only the fragment of the round that made the state was counted: its progress goes,
+        the other fragments keep theirs (a rebase)."""
+        s = self._s
+        s.local.each_param(rebase_)
+        k = (q.round - 1) % len(self._plan)
+        self._marks[k] = (s.total_steps, s.samples)  # its progress is counted
+        with torch.no_grad():
+            for piece in self._plan[k]:
+                mine, snapshot = s.local.slices(piece)
+                mine.copy_(snapshot.to(mine.device, non_blocking=True))
+            s.local.settle_copies()
+        log.warning(
+            "worker %s: its part of fragment %d's failed round is in the run's state; the "
+            "fragment takes that state",
+            s.worker_id,
+            k,
+        )
 
     def _contribute(self, group: QuorumGroup, q: Quorum, weighted: bool) -> float:
         k = q.round % len(self._plan)
