@@ -1,0 +1,326 @@
+"""The suite's named experiments, one per claim or group of claims (issue 20, a-m), each with a
+default scale (the docs' figures) and a fast one (the test's).
+
+Not run on its own: ``python benchmarks/quality/run.py NAME [--fast]``. An experiment is a list
+of configurations; ``run_config`` runs one, through the real server and worker threads
+(``experiment_common.run_trial``) or, for the baselines, a single model with no server
+(``protocol.run_single``). Rows are cached by their full settings, so a configuration shared by
+several experiments (DiLoCo M=4 at H=20 is the reference of most) runs once per seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from experiment_common import Trial, run_trial
+from quality.protocol import Profile, cache_key, pretrained, run_single
+
+# The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
+ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big an experiment runs: the default for the docs, ``FAST`` for the test."""
+
+    steps: int = 300  # inner steps per worker (the "equal steps per worker" budget)
+    sweep_steps: int = 500  # the H sweep's (a multiple of its largest H)
+    sync_every: int = 20  # H, a multiple of every fragment count used
+    workers: int = 4  # M where an experiment does not vary it
+    worker_counts: tuple[int, ...] = (1, 2, 4, 8)
+    sweep: tuple[int, ...] = (10, 50, 100, 250)  # H values of claim c
+    taus: tuple[int, ...] = (1, 2, 4)  # overlaps of claim i
+    fragments: tuple[int, ...] = (2, 4)
+    pretrain_steps: int = 300
+    warmup: int = 30
+    async_unit: float = 0.01  # seconds; async workers sleep unit x ASYNC_RATIO per step
+    async_slow_unit: float = 0.05  # the same with sleeps that dwarf a step's compute
+    curve_windows: int = 128  # held-out windows of 64 bytes per curve point
+    eval_windows: int = 256  # held-out windows of the final model
+
+
+DEFAULT = Scale()
+FAST = Scale(
+    steps=12,
+    sweep_steps=12,
+    sync_every=4,
+    workers=2,
+    worker_counts=(1, 2),
+    sweep=(4, 12),
+    taus=(1,),
+    fragments=(2,),
+    pretrain_steps=5,
+    warmup=2,
+    async_unit=0.0,
+    async_slow_unit=0.001,
+    curve_windows=8,
+    eval_windows=16,
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of an experiment (run once per seed)."""
+
+    name: str
+    kind: str = "diloco"  # "diloco" (server and workers), "adamw" (one model), "dp"
+    workers: int = 4
+    sync_every: int = 20
+    steps: int = 300  # inner steps per worker (async: the run's total over the workers)
+    split: str = "non-iid"
+    server: dict[str, Any] = field(default_factory=dict)
+    worker: dict[str, Any] = field(default_factory=dict)
+    delays: tuple[float, ...] | None = None
+    shared_budget: bool = False
+    drop_prob: float = 0.0
+    replicas: int = 1  # "dp": batches per step, one from each of this many shards
+
+
+def run_config(
+    config: Config, profile: Profile, seed: int, scale: Scale, cache_dir: Path
+) -> dict[str, Any]:
+    """One row: run ``config`` for ``seed`` (or read it from the row cache)."""
+    # The name is left out of the key: the same settings under two names run once.
+    settings = {k: v for k, v in asdict(config).items() if k != "name"}
+    key = cache_key(
+        config=settings,
+        profile=asdict(profile),
+        seed=seed,
+        pretrain=scale.pretrain_steps,
+        warmup=scale.warmup,
+        windows=(scale.curve_windows, scale.eval_windows),
+    )
+    path = cache_dir / "rows" / f"{key}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "name": config.name}
+    t0 = time.monotonic()
+    init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
+    if config.kind == "diloco":
+        trial = Trial(
+            config.name,
+            seed,
+            workers=config.workers,
+            sync_every=config.sync_every,
+            server=dict(config.server),
+            worker=dict(config.worker),
+            delays=list(config.delays) if config.delays else None,
+            total_steps=config.steps if config.shared_budget else config.steps * config.workers,
+            shared_budget=config.shared_budget,
+            batch_size=profile.batch_size,
+            seq_len=profile.seq_len,
+            lr=profile.lr,
+            init=init,
+            warmup=scale.warmup,
+            cosine=True,
+            corpus=profile.corpus(config.workers, config.split),
+            model_fn=profile.model,
+            device=profile.device,
+            curve=True,
+            drop_prob=config.drop_prob,
+            curve_windows=scale.curve_windows,
+            eval_windows=scale.eval_windows,
+        )
+        row = run_trial(trial)
+        row["steps_per_worker"] = row["steps"] / config.workers
+        row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
+    else:
+        corpus = profile.corpus(config.replicas, config.split)
+        row = run_single(
+            config.name,
+            profile,
+            seed,
+            init,
+            corpus,
+            steps=config.steps,
+            warmup=scale.warmup,
+            replicas=config.replicas,
+            curve_every=config.sync_every,
+            curve_windows=scale.curve_windows,
+            eval_windows=scale.eval_windows,
+        )
+    row["kind"] = config.kind
+    row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
+    row["config"] = asdict(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(row))
+    os.replace(tmp, path)
+    return row
+
+
+def plain(s: Scale, name: str = "", **changes: Any) -> Config:
+    """DiLoCo with M = ``s.workers`` at H = ``s.sync_every``, outer Nesterov 0.7 / 0.9."""
+    base = Config(
+        name or f"DiLoCo M={s.workers}", workers=s.workers, sync_every=s.sync_every, steps=s.steps
+    )
+    return replace(base, **changes)
+
+
+def adamw(s: Scale, steps: int, name: str) -> Config:
+    """Plain AdamW on one worker with all the training text (no server)."""
+    return Config(name, kind="adamw", workers=1, sync_every=s.sync_every, steps=steps)
+
+
+def scaling(s: Scale) -> list[Config]:
+    """Claims a, b: M workers at equal steps per worker, against one worker at equal steps and
+    at equal total tokens (M times the steps)."""
+    out = [adamw(s, s.steps, "AdamW, 1 worker (equal steps)")]
+    out += [plain(s, f"DiLoCo M={m}", workers=m) for m in s.worker_counts]
+    for m in s.worker_counts[1:]:
+        out.append(adamw(s, s.steps * m, f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"))
+    return out
+
+
+def sync_every(s: Scale) -> list[Config]:
+    """Claim c: the sync interval H swept with M workers (the default M) over a longer run
+    (a multiple of the largest H), beside AdamW on one worker for the same steps."""
+    out = [plain(s, f"H={h}", sync_every=h, steps=s.sweep_steps) for h in s.sweep]
+    out.append(adamw(s, s.sweep_steps, "AdamW, 1 worker (equal steps)"))
+    return out
+
+
+def outer(s: Scale) -> list[Config]:
+    """Claim d: outer Nesterov against plain averaging (SGD lr 1, no momentum) and SGD with
+    (heavy-ball) momentum at the same lr and momentum as Nesterov."""
+    return [
+        plain(s, "Nesterov (lr 0.7, momentum 0.9)"),
+        plain(
+            s, "averaging (SGD lr 1, no momentum)", server={"outer_lr": 1.0, "outer_momentum": 0.0}
+        ),
+        plain(s, "SGD momentum (lr 0.7, 0.9, not Nesterov)", server={"nesterov": False}),
+    ]
+
+
+def single_worker(s: Scale) -> list[Config]:
+    """Claim e: DiLoCo with one worker (an outer Nesterov step on its own pseudo-gradient every H
+    steps) against plain AdamW on the same data for the same steps."""
+    return [adamw(s, s.steps, "AdamW, 1 worker (equal steps)"), plain(s, "DiLoCo M=1", workers=1)]
+
+
+def asynchronous(s: Scale, unit: float | None = None) -> list[Config]:
+    """Claims f, g: four workers at the paper's speed ratios (each sleeps 0.58, 0.75, 1.51 or
+    3.33 times a 10 ms unit after every step); the same total inner steps for all (sync splits
+    them evenly, async lets fast workers take more)."""
+    unit = s.async_unit if unit is None else unit
+    delays = tuple(unit * r for r in ASYNC_RATIO)
+    common = {"workers": len(ASYNC_RATIO), "delays": delays}
+    total = s.steps * len(ASYNC_RATIO)
+    shared = {"steps": total, "shared_budget": True}
+    dn = {"mode": "async", "delayed_nesterov": True}
+    return [
+        plain(s, "sync", **common),
+        plain(s, "async (naive)", server={"mode": "async"}, **common, **shared),
+        plain(s, "async + DN", server=dn, **common, **shared),
+        plain(
+            s,
+            "async + DN + DyLU",
+            server={**dn, "dylu": True},
+            worker={"dylu": True},
+            **common,
+            **shared,
+        ),
+    ]
+
+
+def asynchronous_slow(s: Scale) -> list[Config]:
+    """Claims f, g again with a 50 ms unit, so that the sleeps, not the shared CPU, set the
+    workers' speeds (run after the 10 ms runs showed CPU-bound workers; not used for the
+    verdicts)."""
+    return asynchronous(s, s.async_slow_unit)
+
+
+def streaming(s: Scale) -> list[Config]:
+    """Claim h: P fragments, sequential and strided, no overlap (tau 0, alpha 0: each fragment
+    is replaced by its global value, as plain DiLoCo replaces the model)."""
+    out = [plain(s)]
+    for p in s.fragments:
+        for pattern in ("sequential", "strided"):
+            worker = {"num_fragments": p, "fragment_pattern": pattern, "merge_alpha": 0.0}
+            out.append(plain(s, f"P={p} {pattern}", worker=worker))
+    return out
+
+
+def overlap(s: Scale) -> list[Config]:
+    """Claim i: the largest fragment count P, strided, with overlap tau (a fragment's result is
+    merged tau inner steps after it was sent, training going on meanwhile) and merge factor alpha
+    0.5, against the same fragments without overlap (tau 0, alpha 0). Two controls separate the
+    two changes: tau 0 with alpha 0.5, and tau 1 with alpha 0."""
+    p = max(s.fragments)
+    base = {"num_fragments": p, "fragment_pattern": "strided"}
+    out = [plain(s, f"P={p} strided", worker={**base, "merge_alpha": 0.0})]
+    for tau in s.taus:
+        worker = {**base, "overlap_steps": tau, "merge_alpha": 0.5}
+        out.append(plain(s, f"P={p} strided, tau={tau}, alpha=0.5", worker=worker))
+    for tau, alpha in ((0, 0.5), (1, 0.0)):
+        worker = {**base, "overlap_steps": tau, "merge_alpha": alpha}
+        out.append(plain(s, f"P={p} strided, tau={tau}, alpha={alpha} (control)", worker=worker))
+    return out
+
+
+def codecs(s: Scale) -> list[Config]:
+    """Claim j: uplink codecs fp32 (reference), bf16 (the default), int8 and int4 with error
+    feedback; the downlink full fp32 parameters."""
+    out = [plain(s, "fp32", worker={"codec": "fp32"}), plain(s, "bf16 (default)")]
+    out += [plain(s, f"{c} + error feedback", worker={"codec": c}) for c in ("int8", "int4")]
+    return out
+
+
+def dropped(s: Scale) -> list[Config]:
+    """Claim k: each worker's upload of each round lost with probability 0.5."""
+    return [plain(s, "no uploads lost"), plain(s, "50% of uploads lost", drop_prob=0.5)]
+
+
+def iid(s: Scale) -> list[Config]:
+    """Claim l: the topic (non-iid) split against an iid split of the same text."""
+    return [plain(s, "non-iid (by topic)"), plain(s, "iid", split="iid")]
+
+
+def data_parallel(s: Scale) -> list[Config]:
+    """Claim m: DiLoCo M workers against data-parallel training with M times the batch (one
+    batch from each worker's shard per step), at equal steps and equal tokens."""
+    dp = Config(
+        f"data-parallel, {s.workers}x batch",
+        kind="dp",
+        workers=1,
+        sync_every=s.sync_every,
+        steps=s.steps,
+        replicas=s.workers,
+    )
+    return [plain(s), dp]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    claims: str
+    configs: Callable[[Scale], list[Config]]
+    what: str  # "equal steps per worker", "equal total tokens", ...
+    # The first configuration is the reference the others are compared with, paired by seed.
+
+
+EQUAL_STEPS = "equal steps per worker"
+EXPERIMENTS = {
+    e.name: e
+    for e in [
+        Experiment("scaling", "ab", scaling, EQUAL_STEPS + "; equal tokens in the 'Nx steps' rows"),
+        Experiment("sync_every", "c", sync_every, EQUAL_STEPS),
+        Experiment("outer", "d", outer, EQUAL_STEPS),
+        Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
+        Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),
+        Experiment(
+            "async_slow", "fg", asynchronous_slow, "equal total inner steps over all workers"
+        ),
+        Experiment("streaming", "h", streaming, EQUAL_STEPS),
+        Experiment("overlap", "i", overlap, EQUAL_STEPS),
+        Experiment("codecs", "j", codecs, EQUAL_STEPS),
+        Experiment("dropped", "k", dropped, EQUAL_STEPS),
+        Experiment("iid", "l", iid, EQUAL_STEPS),
+        Experiment("data_parallel", "m", data_parallel, "equal steps and equal tokens"),
+    ]
+}
