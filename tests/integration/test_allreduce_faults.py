@@ -170,3 +170,54 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
     w2 = results[2][1]
     assert w2["rebases"] == 1 and w2["dropped_steps"] == 0
     assert weights_after and weights_after[0] == 0.0
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll the server's state until ``condition()`` holds (the event is the server's)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+def test_a_server_restarted_while_a_worker_waits_to_join_is_registered_with_again() -> None:
+    """w0 registered and waits in its joining quorum's long poll when the server restarts: the
+    new server answers 410 unknown_worker; w0 registers again and joins once w1 comes, instead
+    of failing its start (found by the streaming chaos run)."""
+    srv = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
+    servers = [srv]
+    errors: list[BaseException] = []
+    joined: list[str] = []
+
+    def join(worker_id: str, address: str) -> None:
+        try:
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with DiLoCoWorker(
+                model, opt, address, sync_every=2, heartbeat_interval=0.2, worker_id=worker_id
+            ) as w:
+                joined.append(worker_id)
+                assert w.sync_metrics["reconnections"] >= (worker_id == "w0")
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    first = threading.Thread(target=join, args=("w0", srv.address))
+    second: threading.Thread | None = None
+    try:
+        first.start()
+        wait_for(lambda: "w0" in srv.status()["pending_quorum"], "w0 to wait for its quorum")
+        srv.stop()
+        new = DiLoCoServer(ServerConfig(port=srv.port, num_workers=2, allreduce=True)).start()
+        servers.append(new)
+        registered = lambda: any(w["worker_id"] == "w0" for w in new.status()["workers"])  # noqa: E731
+        wait_for(registered, "w0 to register with the new server")
+        second = threading.Thread(target=join, args=("w1", new.address))
+        second.start()
+        second.join(30)
+        first.join(30)
+    finally:
+        for s in servers:
+            s.stop()
+    assert not errors, errors
+    assert sorted(joined) == ["w0", "w1"]

@@ -158,15 +158,21 @@ class AllReduceSync:
 
     def join(self) -> None:
         """The start: one quorum round without a contribution, so this worker trains from the
-        run's state (received from a member when its own differs). Waits for the quorum."""
+        run's state (received from a member when its own differs). Waits for the quorum; a
+        server that forgot this worker meanwhile (it restarted, or evicted it) is registered
+        with again, and the wait goes on."""
+        s = self._s
         while True:
             try:
+                if s.need_rejoin.is_set():
+                    s.rejoin()
+                    s.need_rejoin.clear()
                 if self._one_sync(weighted=False) == "done":
                     return
             except UnknownWorker:
-                raise
+                s.need_rejoin.set()
             except SYNC_FAILURES as exc:
-                log.warning("worker %s: waiting to join a quorum: %s", self._s.worker_id, exc)
+                log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
 
     def rejoined(self, answer: JoinAnswer) -> str:
         return "kept locally (the workers hold the state in all-reduce mode)"
