@@ -39,6 +39,13 @@ parameters) and the strategy's hash of parameters and outer momentum. The driver
   up to the moment it was killed), the highest round any worker reached, and the rounds a
   restarted server let a quorum complete before every running worker had re-registered.
 
+Streaming fragments (``--fragments P`` > 1, with ``--overlap`` tau and ``--alpha``, passed to
+every worker's ``DiLoCoWorker`` and ``--num-fragments`` to the server): round ``r`` averages
+fragment ``r mod P``, on a background thread when tau > 0. The workers' models then differ by
+design (each keeps its local progress on the fragments not just merged), so the checks above
+compare the shared state instead: the strategy's hash of snapshot and outer momentum, and its
+round. A sync is reported once a round completed and its fragment was merged (``SyncWatch``).
+
 The children import ``diloco`` from a copy of ``src/`` taken at the start (``PYTHONPATH``), so
 edits to the working tree during a run cannot reach them.
 
@@ -77,6 +84,32 @@ MAJORITY_DIFFERS = "ended with another state than the majority's"
 
 
 # --- the worker process --------------------------------------------------------------------------
+
+
+class SyncWatch:
+    """Whether the inner step just taken completed a sync: the moment the worker reports its
+    round and state, which the members of the quorum that completed it must share.
+
+    Plain (``streaming`` False): ``local_step == 0`` after ``opt.step()``; the model then holds
+    the run's parameters. Streaming: ``local_step`` is the schedule's phase and a round completes
+    on the round's thread, so a sync is a round completed since the last one reported
+    (``sync_metrics["rounds"]`` grew) with none in flight: its fragment is merged, and the
+    round's thread, the only writer of the state while a round runs, has ended. A round is in
+    flight for ``--overlap`` of the ``sync_every / P`` steps between two rounds (the driver
+    keeps tau below that), so the check sees every completed round one step after its merge."""
+
+    def __init__(self, worker: Any, streaming: bool) -> None:
+        self.worker, self.streaming = worker, streaming
+        self.rounds = int(worker.sync_metrics["rounds"])  # joining completes none
+
+    def __call__(self) -> bool:
+        if not self.streaming:
+            return bool(self.worker.local_step == 0)
+        if getattr(self.worker._strategy, "_inflight", None) is not None:
+            return False
+        rounds = int(self.worker.sync_metrics["rounds"])
+        done, self.rounds = rounds > self.rounds, rounds
+        return done
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -136,6 +169,9 @@ def worker_main(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         heartbeat_interval=1.0,
         client=client,
+        num_fragments=args.fragments,
+        overlap_steps=args.overlap,
+        merge_alpha=args.alpha,
     )
 
     def state_hash() -> str | None:
@@ -145,6 +181,7 @@ def worker_main(args: argparse.Namespace) -> int:
     stopping_since: float | None = None
     final: dict[str, Any] = {}
     with worker:
+        synced = SyncWatch(worker, streaming=args.fragments > 1)
         say(
             event="joined",
             round=worker.base_round,
@@ -158,7 +195,7 @@ def worker_main(args: argparse.Namespace) -> int:
             loss.backward()
             opt.step()  # the worker's hook runs the sync every sync_every steps
             opt.zero_grad()
-            if worker.local_step == 0:
+            if synced():
                 say(
                     event="sync",
                     round=worker.base_round,
@@ -180,6 +217,7 @@ def worker_main(args: argparse.Namespace) -> int:
         event="final",
         round=worker.base_round,
         crc=tensor_checksum(model.parameters()),
+        state=state_hash(),
         **final,
         metrics={k: v for k, v in metrics.items() if isinstance(v, int | float)},
     )
@@ -209,6 +247,13 @@ def snapshot_source(dest: Path, tries: int = 10) -> dict[str, Any]:
             return {"source_sha256": digest.hexdigest()[:16], "git_head": head}
         time.sleep(5)  # someone is editing the tree: try again
     raise RuntimeError(f"the source does not import: {ok.stderr.decode()[-2000:]}")
+
+
+def compared(crc: str | None, state: str | None, fragments: int) -> tuple[str | None, str | None]:
+    """What the members of one completed quorum must share, and what tells one round's states
+    apart: the model's CRC and the state's hash; with streaming fragments the state's hash alone
+    (the models differ by design, each keeping its progress on the fragments not just merged)."""
+    return (crc if fragments == 1 else None), state
 
 
 def short_reason(reason: str) -> str:
@@ -251,6 +296,8 @@ class Server:
             *["--collective-timeout", str(c["collective_timeout"])],
             *["--join-timeout", str(c["join_timeout"])],
         ]
+        if c["fragments"] > 1:
+            args += ["--num-fragments", str(c["fragments"])]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=c["env"]
         )
@@ -405,6 +452,8 @@ class Run:
             *["--seed", str(c["seed"]), "--incarnation", str(slot * 1000 + incarnation)],
             *["--sync-every", str(c["sync_every"]), "--lr", str(c["lr"])],
             *["--final-wait", str(c["final_wait"])],
+            *["--fragments", str(c["fragments"]), "--overlap", str(c["overlap"])],
+            *["--alpha", str(c["alpha"])],
         ]
         proc = subprocess.Popen(
             args,
@@ -648,8 +697,9 @@ class Run:
         # run's state was lost, every worker holding it left, and the run went on from older).
         by_round: dict[int, dict[tuple[str, str | None], set[str]]] = {}
         for w in self.workers:
-            for t, r, crc, state, qid in w.syncs:
+            for t, r, model_crc, state, qid in w.syncs:
                 key = qid or f"?{w.name}@{t}"
+                crc, state = compared(model_crc, state, self.cfg["fragments"])
                 by_quorum.setdefault(key, {}).setdefault((r, crc, state), []).append(w.name)
                 by_round.setdefault(r, {}).setdefault((crc, state), set()).add(key)
         diverged = {
@@ -726,6 +776,12 @@ class Run:
         }
 
 
+def what_differs(cfg: dict[str, Any]) -> str:
+    """What tells the workers' replicas apart in the report: CRCs of the models (plain) or
+    states (streaming fragments)."""
+    return "CRCs" if cfg["fragments"] == 1 else "states"
+
+
 def report(res: dict[str, Any]) -> str:
     c = res["config"]
     lines = [
@@ -737,11 +793,18 @@ def report(res: dict[str, Any]) -> str:
         f"{c['server_share']:.0%} of them the server, {c['fresh_share']:.0%} of worker "
         f"replacements under a fresh id, {c['aim_share']:.0%} aimed at an open quorum "
         f"(+0-{c['aim_delay']} s)",
-        "",
     ]
+    if c["fragments"] > 1:
+        lines.append(
+            f"streaming: {c['fragments']} fragments, overlap {c['overlap']} steps, alpha "
+            f"{c['alpha']}; replicas compared by their state (hash of snapshot and momentum) "
+            "and its round, not their models"
+        )
+    lines.append("")
     ends = [w["final"] for w in res["workers_detail"] if w["final"] and w["final"]["at_sync"]]
     rounds = sorted({f["round"] for f in ends})
-    finals = f"{len(ends)} at {','.join(map(str, rounds))} / {len({f['crc'] for f in ends})}"
+    held = {compared(f["crc"], f.get("state"), c["fragments"]) for f in ends}
+    finals = f"{len(ends)} at {','.join(map(str, rounds))} / {len(held)}"
     rows = [
         ("rounds completed (server log, all lives)", res["rounds_completed"]),
         ("rounds completed (last /status of each life)", res["rounds_completed_status"]),
@@ -759,7 +822,7 @@ def report(res: dict[str, Any]) -> str:
         ("server: a member's hash not the majority's", len(res["majority_differs"])),
         ("forked rounds (a round reached twice, differently)", len(res["forked_rounds"])),
         ("final eval loss (nats/byte)", res["final_eval_loss"]),
-        ("workers at the end: at round / distinct CRCs", finals),
+        (f"workers at the end: at round / distinct {what_differs(c)}", finals),
         ("wall time, s", res["wall_s"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -805,6 +868,9 @@ def main() -> int:
             p.add_argument(name, type=int, required=True)
         p.add_argument("--lr", type=float, default=3e-3)
         p.add_argument("--final-wait", type=float, default=60.0)
+        p.add_argument("--fragments", type=int, default=1)
+        p.add_argument("--overlap", type=int, default=0)
+        p.add_argument("--alpha", type=float, default=0.5)
         return worker_main(p.parse_args())
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -844,10 +910,23 @@ def main() -> int:
         help="added to the hang limit: a sync period, process start, a server restart",
     )
     parser.add_argument("--final-wait", type=float, default=60.0)
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="streaming fragments P (1: plain all-reduce)"
+    )
+    parser.add_argument(
+        "--overlap", type=int, default=0, help="streaming: overlap tau, inner steps"
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=0.5, help="streaming: local share alpha in merges"
+    )
     parser.add_argument("--logs", help="folder for the logs (default: a temporary one)")
     parser.add_argument("--json")
     parser.add_argument("--txt")
     args = parser.parse_args()
+    if args.fragments > 1 and args.overlap >= args.sync_every // args.fragments:
+        parser.error(  # SyncWatch needs steps with no round in flight
+            f"--overlap must be below sync_every / fragments = {args.sync_every // args.fragments}"
+        )
     cfg = {
         "workers": args.workers,
         "duration": args.duration,
@@ -870,6 +949,9 @@ def main() -> int:
         "join_timeout": args.join_timeout,
         "stall_slack": args.stall_slack,
         "final_wait": args.final_wait,
+        "fragments": args.fragments,
+        "overlap": args.overlap,
+        "alpha": args.alpha,
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="chaos_allreduce_"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from diloco.server.rendezvous import Rendezvous
+from diloco.worker import quorum_connect
 from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, state_hash
 from tests.quorum_member import member_tensors, mixed_tensors
 
@@ -260,6 +261,37 @@ def test_a_member_alone_gives_up_joining_within_the_timeout(rendezvous):
         QuorumGroup.build(*rendezvous.address(), "alone", 0, 2, 1.0)
     assert time.monotonic() - began < 1.0 + MARGIN
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(30)
+def test_a_join_that_overruns_its_own_timeouts_is_given_up_at_the_hard_limit(
+    rendezvous, monkeypatch
+):
+    """Gloo's connects are bounded one by one, not as a whole (a chaos run saw 50 s with a
+    10 s timeout): a backend construction that hangs past twice the timeout plus the margin is
+    given up on, and shut down by its thread once it ends."""
+    release, shut = threading.Event(), threading.Event()
+
+    class Hung:
+        def abort(self) -> None:
+            shut.set()
+
+        def shutdown(self) -> None:
+            pass
+
+    def hanging_gloo(*args: Any) -> Hung:
+        release.wait(30)
+        return Hung()
+
+    monkeypatch.setattr(quorum_connect, "_gloo", hanging_gloo)
+    limit = 2 * 0.5 + quorum_connect.BUILD_MARGIN_S
+    began = time.monotonic()
+    with pytest.raises(QuorumFailed, match="longer than"):
+        QuorumGroup.build(*rendezvous.address(), "hung", 0, 2, 0.5)
+    assert limit <= time.monotonic() - began < limit + MARGIN
+    assert not shut.is_set()
+    release.set()  # the construction ends late: what it built is shut down, not leaked
+    assert shut.wait(10)
 
 
 @pytest.mark.timeout(30)

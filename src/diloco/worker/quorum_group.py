@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -36,6 +35,7 @@ import torch.distributed as dist
 
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
+from diloco.worker.quorum_connect import connect, shut
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ class QuorumGroup:
         interface: str | None = None,
     ) -> QuorumGroup:
         """Join quorum ``quorum_id`` as ``rank`` of ``size`` through the rendezvous at
-        ``host:port``. Returns once every member has joined; takes at most about twice
-        ``timeout`` seconds (connecting, then meeting the others), else raises ``QuorumFailed``.
+        ``host:port``. Returns once every member has joined; takes at most twice ``timeout`` plus
+        ``quorum_connect.BUILD_MARGIN_S`` seconds (connecting, then meeting the others), else raises
+        ``QuorumFailed``.
 
         ``device``: CPU builds gloo, CUDA builds NCCL (untested here). ``interface``: the local
         address gloo listens on for its peers; by default the one this machine routes to the
@@ -110,17 +111,9 @@ class QuorumGroup:
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"quorum groups run on cpu (gloo) or cuda (NCCL), not {device}")
-        limit = timedelta(seconds=timeout)
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=limit)
-            # PrefixStore joins with "/": keys land under quorum/<id>/, the rendezvous' layout.
-            prefixed = dist.PrefixStore(f"quorum/{quorum_id}", store)
-            if device.type == "cuda":
-                backend = _nccl(prefixed, rank, size, limit, device)
-            else:
-                address = interface or _route_address(host, port)
-                backend = _gloo(prefixed, rank, size, limit, address)
-        except RuntimeError as err:  # torch's DistError family and gloo's errors
+            backend, store = connect(host, port, quorum_id, rank, size, timeout, device, interface)
+        except (RuntimeError, OSError) as err:  # torch's DistError family, gloo's, the deadline
             raise QuorumFailed(quorum_id, f"rank {rank} could not join: {err}") from err
         log.debug("joined quorum %s as rank %d of %d", quorum_id, rank, size)
         return cls(
@@ -159,13 +152,8 @@ class QuorumGroup:
         """Abort pending collectives and connections, shut the backend down, drop it and the
         store connection. Idempotent; the group is never used again."""
         backend, self._backend, self._store = self._backend, None, None
-        if backend is None:
-            return
-        for stop in ("abort", "shutdown"):
-            try:
-                getattr(backend, stop)()
-            except Exception as err:  # a backend already broken may refuse; nothing to keep
-                log.debug("quorum %s: %s: %s", self.quorum_id, stop, err)
+        if backend is not None:
+            shut(backend, self.quorum_id)
 
     def __enter__(self) -> QuorumGroup:
         return self
@@ -276,38 +264,6 @@ def state_hash(tensors: Iterable[torch.Tensor]) -> str:
             yield byte_view(t)
 
     return checksum(buffers())
-
-
-def _gloo(store: Any, rank: int, size: int, limit: timedelta, address: str) -> Any:
-    # torch 2.13: the (store, rank, size, timeout) form picks gloo's default device (the
-    # hostname's address); an explicit device needs the _Options form.
-    gloo: Any = dist.ProcessGroupGloo  # the stubs leave out _Options
-    options = gloo._Options()
-    options._timeout = limit
-    options._devices = [gloo.create_device(hostname=address)]
-    return gloo(store, rank, size, options)
-
-
-def _nccl(store: Any, rank: int, size: int, limit: timedelta, device: torch.device) -> Any:
-    # Untested: this project's tests have no GPU. getattr: CPU builds of torch lack the class.
-    nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None or not torch.cuda.is_available():
-        raise ValueError("this torch build has no NCCL or no CUDA device")
-    options = nccl.Options()
-    options._timeout = limit
-    options.is_high_priority_stream = False
-    backend = nccl(store, rank, size, options)
-    # NCCL forms its communicator at the first collective by default; forming it now makes a
-    # missing member fail build(), as with gloo, rather than the round's first all-reduce.
-    backend.eager_connect_single_device(device)
-    return backend
-
-
-def _route_address(host: str, port: int) -> str:
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.connect(sockaddr)  # a UDP connect sends nothing: it only chooses the route
-        return str(probe.getsockname()[0])
 
 
 def _contiguous(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
