@@ -64,7 +64,7 @@ def run_streaming(
                     for p in model.parameters():
                         p.grad = torch.randn(p.shape, generator=gen)
                     opt.step()
-                    w.report(samples=1)
+                    w.report(samples=rank + 1)  # unequal: samples weighting must use them
                     strategy: Any = w._strategy
                     if hasattr(strategy, "_momentum") and strategy._inflight is None:
                         states[w.base_round] = [
@@ -92,24 +92,27 @@ def run_streaming(
 
 
 STREAMING = [
-    pytest.param({"num_fragments": 3, "overlap_steps": 0}, id="P3-sequential-tau0"),
+    pytest.param({"num_fragments": 3, "overlap_steps": 0}, "equal", id="P3-sequential-tau0"),
     pytest.param(
         {"num_fragments": 2, "fragment_pattern": "strided", "overlap_steps": 1, "merge_alpha": 0.5},
-        id="P2-strided-tau1-alpha0.5",
+        "samples",
+        id="P2-strided-tau1-alpha0.5-samples",
     ),
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("streaming", STREAMING)
+@pytest.mark.parametrize(("streaming", "weighting"), STREAMING)
 def test_streaming_allreduce_ends_where_the_server_modes_streaming_ends(
-    streaming: dict[str, Any],
+    streaming: dict[str, Any], weighting: str
 ) -> None:
     n = 3
     init = {k: v.detach().clone() for k, v in make_model().named_parameters()}
-    with DiLoCoServer(ServerConfig(port=0, num_workers=n), initial_params=init) as srv:
+    config = ServerConfig(port=0, num_workers=n, weighting=weighting)
+    with DiLoCoServer(config, initial_params=init) as srv:
         server_mode = run_streaming(srv.address, n, **streaming)
-    with DiLoCoServer(ServerConfig(port=0, num_workers=n, allreduce=True)) as srv:
+    config = ServerConfig(port=0, num_workers=n, allreduce=True, weighting=weighting)
+    with DiLoCoServer(config) as srv:
         allreduce = run_streaming(srv.address, n, **streaming)
         status = srv.status()
     fragments = streaming["num_fragments"]

@@ -238,10 +238,12 @@ class StreamingAllReduceSync(AllReduceSync):
                 torch.sub(snapshot, local.to(flat.device), out=out)
                 offset += piece.numel
         new_steps = s.total_steps - steps
-        if self._samples_weighting and s.samples > samples:
-            self._fill_weight = s.samples - samples
+        if new_steps <= 0:
+            self._fill_weight = 0.0  # nothing since its last contribution
+        elif self._samples_weighting:  # as the plain strategy: steps when no samples reported
+            self._fill_weight = s.samples - samples if s.samples > samples else float(new_steps)
         else:
-            self._fill_weight = 1.0 if new_steps > 0 else 0.0
+            self._fill_weight = 1.0
         self._fill_mark = (s.total_steps, s.samples)
         self._filled = k
 
@@ -280,7 +282,8 @@ class StreamingAllReduceSync(AllReduceSync):
         self._marks[k] = self._fill_mark
         if not self._background:  # inline: merge before training goes on
             self._merge(k)
-        self._s.samples = 0.0
+        # ``samples`` stays cumulative here: each fragment's weight is its difference since
+        # that fragment's last contribution (``_marks``).
 
     def _given_up(self) -> bool:
         return self._leaving.is_set()
