@@ -229,9 +229,9 @@ def asynchronous(s: Scale, unit: float | None = None) -> list[Config]:
 
 
 def asynchronous_slow(s: Scale) -> list[Config]:
-    """Claims f, g again with a 50 ms unit, so that the sleeps, not the shared CPU, set the
-    workers' speeds (run after the 10 ms runs showed CPU-bound workers; not used for the
-    verdicts)."""
+    """Claims f, g again with a 50 ms unit, so that the sleeps, not the CPU, set the workers'
+    speeds (added after the suite's first run, on a machine shared with other jobs, showed
+    CPU-bound workers at 10 ms; not used for the verdicts)."""
     return asynchronous(s, s.async_slow_unit)
 
 

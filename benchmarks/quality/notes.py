@@ -119,9 +119,8 @@ largest H. A longer run (more rounds at H = 250) was not tried within the time b
     "f": """
 *Why not reproduced.* Naive async (a full Nesterov step per arrival) diverges in every seed, so
 "naive is worse" holds, but Delayed Nesterov with or without DyLU stays well above sync at equal
-total inner steps. With the 10 ms unit the workers were CPU-bound (see g), so speeds were nearly
-equal; in the 50 ms rerun below (`async_slow`), where the speeds differ, Delayed Nesterov with
-and without DyLU is still well above sync.
+total inner steps. In the 50 ms variant below (`async_slow`), where the sleeps dominate each step
+and the speeds differ more, Delayed Nesterov with and without DyLU is still well above sync.
 Believed reasons, not tested: the shards are non-iid, and asynchrony lets the faster workers'
 topics dominate the updates; Delayed Nesterov averages N arrivals with equal weight, so with DyLU
 a slow worker's short pseudo-gradient counts as much as a fast worker's long one.
