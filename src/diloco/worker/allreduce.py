@@ -25,7 +25,8 @@ some members and fail on others (two generals): those that passed apply the roun
 remember the quorum, and when a later quorum hands them the state that quorum made (the server
 names it, ``made_by``), they take it without keeping their already counted progress on top.
 A quorum whose weights are all 0 (a start: every worker joins by one such round, receiving the
-state if its own differs) takes no step. Memory: the model, the snapshot, the momentum and the averaging buffer (4 models fp32).
+state if its own differs) takes no step. Memory: the model, the snapshot, the momentum and the
+averaging buffer (4 models fp32).
 """
 
 from __future__ import annotations
@@ -164,9 +165,7 @@ class AllReduceSync:
         s = self._s
         while True:
             try:
-                if s.need_rejoin.is_set():
-                    s.rejoin()
-                    s.need_rejoin.clear()
+                self._rejoin_if_forgotten()
                 if self._one_sync(weighted=False) == "done":
                     return
             except UnknownWorker:
@@ -219,9 +218,7 @@ class AllReduceSync:
         discarded = 0
         while True:
             try:
-                if s.need_rejoin.is_set():
-                    s.rejoin()  # the server forgot this worker (evicted, restarted)
-                    s.need_rejoin.clear()
+                self._rejoin_if_forgotten()
                 outcome = self._one_sync(weighted=True)
             except UnknownWorker:
                 s.need_rejoin.set()
@@ -248,6 +245,13 @@ class AllReduceSync:
                     discarded,
                 )
                 return False
+
+    def _rejoin_if_forgotten(self) -> None:
+        """Register again when the server forgot this worker (evicted, restarted: a 410)."""
+        s = self._s
+        if s.need_rejoin.is_set():
+            s.rejoin()
+            s.need_rejoin.clear()
 
     def _synced(self) -> None:
         """A round completed with this worker's contribution: its counters start again."""

@@ -223,7 +223,7 @@ class StreamingAllReduceSync(AllReduceSync):
             s.metrics["stall_time_s"] += time.monotonic() - t0
         self._inflight = None
         if job.completed:
-            self._merge(job.fragment)
+            self._merge(job.fragment, self.alpha)
 
     def _fill(self, k: int) -> None:
         """Fragment ``k``'s pseudo-gradient into the buffer, with its weight (training thread,
@@ -247,17 +247,17 @@ class StreamingAllReduceSync(AllReduceSync):
         self._fill_mark = (s.total_steps, s.samples)
         self._filled = k
 
-    def _merge(self, k: int) -> None:
-        """``local = alpha * local + (1 - alpha) * global`` on fragment ``k``."""
+    def _merge(self, k: int, alpha: float) -> None:
+        """``local = alpha * local + (1 - alpha) * global`` on fragment ``k`` (0: adopt)."""
         local = self._s.local
         with torch.no_grad():
             for piece in self._plan[k]:
                 mine, snapshot = local.slices(piece)
                 fresh = snapshot.to(mine.device, non_blocking=True)
-                if self.alpha == 0:
+                if alpha == 0:
                     mine.copy_(fresh)
                 else:
-                    mine.mul_(self.alpha).add_(fresh.to(mine.dtype), alpha=1 - self.alpha)
+                    mine.mul_(alpha).add_(fresh.to(mine.dtype), alpha=1 - alpha)
             local.settle_copies()
 
     # --- the round (training thread when tau is 0, else the round's thread) -------------------
@@ -281,7 +281,7 @@ class StreamingAllReduceSync(AllReduceSync):
         k = self._filled
         self._marks[k] = self._fill_mark
         if not self._background:  # inline: merge before training goes on
-            self._merge(k)
+            self._merge(k, self.alpha)
         # ``samples`` stays cumulative here: each fragment's weight is its difference since
         # that fragment's last contribution (``_marks``).
 
@@ -310,11 +310,7 @@ class StreamingAllReduceSync(AllReduceSync):
         s.local.each_param(rebase_)
         k = (q.round - 1) % len(self._plan)
         self._marks[k] = (s.total_steps, s.samples)  # its progress is counted
-        with torch.no_grad():
-            for piece in self._plan[k]:
-                mine, snapshot = s.local.slices(piece)
-                mine.copy_(snapshot.to(mine.device, non_blocking=True))
-            s.local.settle_copies()
+        self._merge(k, 0.0)
         log.warning(
             "worker %s: its part of fragment %d's failed round is in the run's state; the "
             "fragment takes that state",
