@@ -21,6 +21,8 @@ from diloco.server.server import DiLoCoServer
 from diloco.wire import spec_of
 from diloco.worker.client import DiLoCoClient
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 TOKEN = "browser-token-123"

@@ -7,14 +7,8 @@ third end."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,74 +16,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker import allreduce, quorum_group
-from tests.integration.test_allreduce import run_workers
-
-HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
-ROUNDS = 3
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.timeout(120)
-def test_a_worker_killed_inside_the_allreduce_is_left_out_before_its_eviction() -> None:
-    config = ServerConfig(
-        port=0,
-        num_workers=3,
-        allreduce=True,
-        heartbeat_timeout=HEARTBEAT_TIMEOUT,
-        collective_timeout=10.0,
-    )
-    with DiLoCoServer(config) as srv:
-        victim = subprocess.Popen(
-            [sys.executable, "-m", "tests.allreduce_victim", srv.address, "w9"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        killed_at: list[float] = []
-
-        def kill_when_inside() -> None:
-            assert victim.stdout is not None
-            for line in victim.stdout:
-                if json.loads(line).get("inside"):
-                    victim.send_signal(signal.SIGKILL)
-                    killed_at.append(time.monotonic())
-                    return
-
-        killer = threading.Thread(target=kill_when_inside)
-        killer.start()
-        synced_at: dict[int, list[float]] = {0: [], 1: []}
-        registered_then: list[bool] = []
-
-        def note(rank: int, r: int, w: DiLoCoWorker) -> None:
-            synced_at[rank].append(time.monotonic())
-            if killed_at and len(registered_then) < 2:  # a survivor's first sync after the kill
-                ids = [entry["worker_id"] for entry in srv.status()["workers"]]
-                registered_then.append("w9" in ids)
-
-        try:
-            survivors = run_workers(srv.address, 2, ROUNDS, after_sync=note)
-        finally:
-            victim.kill()
-            victim.wait(10)
-            killer.join(10)
-        status = srv.status()
-    assert killed_at, "the victim never reached the all-reduce"
-    # The survivors' next rounds completed while the victim was still registered: they did not
-    # wait for its eviction.
-    assert registered_then == [True, True]
-    for rank in (0, 1):
-        assert any(t > killed_at[0] for t in synced_at[rank])
-    for _, metrics in survivors:
-        assert metrics["discarded_rounds"] >= 1
-        assert metrics["rounds"] == ROUNDS and metrics["failed_syncs"] == 0
-    for k in survivors[0][0]:
-        assert torch.equal(survivors[0][0][k], survivors[1][0][k]), k
-    assert status["rounds_discarded"] >= 1
-    # The discarded round left no trace: two workers that never met the third end the same.
-    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
-        clean = run_workers(srv.address, 2, ROUNDS)
-    torch.testing.assert_close(survivors[0][0], clean[0][0])
+from tests.helpers.allreduce import ROUNDS, run_workers
 
 
 @pytest.mark.timeout(120)

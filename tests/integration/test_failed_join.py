@@ -10,7 +10,7 @@ import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker.client import Unreachable
-from tests.integration.conftest import ServerFactory
+from tests.helpers.servers import ServerFactory
 
 
 def registered(server: DiLoCoServer) -> list[str]:

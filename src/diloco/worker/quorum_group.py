@@ -181,7 +181,7 @@ def average(
 
     ``dtype`` is the communication dtype (bf16 halves the bytes); results are written back in
     the tensors' own dtype. Every member ends with bit-identical tensors: gloo's all-reduce
-    hands every rank the same bytes (checked by tests/integration/test_quorum_group.py).
+    hands every rank the same bytes (checked by tests/processes/test_quorum_group.py).
     If every weight is 0 the tensors are zeroed (the same on every rank) and 0.0 returned.
     Raises ``ValueError`` on every rank together if a weight is negative or not finite, or the
     members' tables, ``dtype`` or ``bucket_bytes`` differ: nothing mismatched is ever summed.

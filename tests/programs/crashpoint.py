@@ -1,6 +1,6 @@
 """``diloco server`` that kills itself (SIGKILL) at one exact moment of its checkpointing.
 
-    python -m tests.crashpoint MOMENT -- server ARGS...
+    python -m tests.programs.crashpoint MOMENT -- server ARGS...
 
 Moments, each counted over this process's checkpoints (``@N``: the N-th, 1-based):
 - ``checkpoint_write@N``: the first file of the N-th checkpoint is on disk, the rest is not;
@@ -83,7 +83,7 @@ def install(moment: str) -> None:
 
 def main() -> int:
     moment, sep, *rest = sys.argv[1:]
-    assert sep == "--", "usage: python -m tests.crashpoint MOMENT -- server ARGS..."
+    assert sep == "--", "usage: python -m tests.programs.crashpoint MOMENT -- server ARGS..."
     install(moment)
     from diloco.cli.main import main as cli
 

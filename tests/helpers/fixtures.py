@@ -1,4 +1,6 @@
-"""Fixtures shared by the integration tests."""
+"""Fixtures that tests of more than one lane use, imported into tests/conftest.py so that
+every test module sees them: servers started in-process on 127.0.0.1 port 0, stopped after
+the test."""
 
 from __future__ import annotations
 
@@ -10,14 +12,7 @@ import torch
 
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
-
-
-def initial_params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
-
-
-ServerFactory = Callable[..., DiLoCoServer]
+from tests.helpers.servers import ServerFactory, initial_params
 
 
 @pytest.fixture
@@ -38,3 +33,17 @@ def make_server() -> Iterator[ServerFactory]:
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def server_of() -> Iterator[Callable[[int], DiLoCoServer]]:
+    started: list[DiLoCoServer] = []
+
+    def make(num_workers: int) -> DiLoCoServer:
+        srv = DiLoCoServer(ServerConfig(port=0, num_workers=num_workers, outer_momentum=0.0))
+        started.append(srv.start())
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

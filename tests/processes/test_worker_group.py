@@ -1,5 +1,5 @@
 """Worker groups: the ranks of a torch.distributed group (gloo, spawned processes) are one DiLoCo
-worker. Rank-side code and references are in ``tests/group_ranks.py``."""
+worker. Rank-side code and references are in ``tests/programs/group_ranks.py``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, ServerConfig
-from tests import group_ranks as gr
+from tests.helpers import ranks
+from tests.programs import group_ranks as gr
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def _server(num_workers: int) -> DiLoCoServer:
@@ -37,26 +38,26 @@ def test_two_ddp_groups_match_single_process_reference(tmp_path: Path) -> None:
     server = _server(num_workers=2)
     try:
         groups = [
-            gr.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
+            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
         ]
         for ctx in groups:
-            gr.join(ctx, timeout=90)
+            ranks.join(ctx, timeout=90)
         status = server.status()
         got = server.global_params()
     finally:
         server.stop()
-    assert status["round"] == gr.ROUNDS
+    assert status["round"] == ranks.ROUNDS
     assert status["registrations"] == 2  # one per group, made by its rank 0
     for g in range(2):
         r0, r1 = (torch.load(tmp_path / f"g{g}r{r}.pt") for r in range(2))
         _assert_ranks_identical(r0, r1)
-        syncs = r0[gr.SYNC_EVERY :: gr.SYNC_EVERY]
-        assert [s["outcome"] for s in syncs] == ["adopted"] * gr.ROUNDS
+        syncs = r0[ranks.SYNC_EVERY :: ranks.SYNC_EVERY]
+        assert [s["outcome"] for s in syncs] == ["adopted"] * ranks.ROUNDS
         assert r0[0]["outcome"] == "joined" and r0[0]["worker_id"] is not None
     # After the last sync every rank holds the server's parameters, bit for bit.
     for name, value in r0[-1]["params"].items():
         assert torch.equal(value, got[name]), name
-    expected = gr.reference_groups(2)
+    expected = ranks.reference_groups(2)
     assert set(got) == set(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
@@ -65,7 +66,7 @@ def test_two_ddp_groups_match_single_process_reference(tmp_path: Path) -> None:
 def test_pipeline_split_group_matches_unsplit_model(tmp_path: Path) -> None:
     split, unsplit = _server(num_workers=1), _server(num_workers=1)
     try:
-        gr.join(gr.spawn(gr.pipeline_rank, (split.address, str(tmp_path))), timeout=60)
+        ranks.join(ranks.spawn(gr.pipeline_rank, (split.address, str(tmp_path))), timeout=60)
         gr.train_unsplit(unsplit.address)
         assert split.status()["registrations"] == 1
         got, expected = split.global_params(), unsplit.global_params()
@@ -86,13 +87,13 @@ def test_pipeline_split_group_matches_unsplit_model(tmp_path: Path) -> None:
 def test_faults_on_rank_0_leave_every_rank_in_the_same_state(tmp_path: Path) -> None:
     server = _server(num_workers=1)
     try:
-        gr.join(gr.spawn(gr.ddp_rank, (server.address, 0, str(tmp_path), True)), timeout=60)
+        ranks.join(ranks.spawn(gr.ddp_rank, (server.address, 0, str(tmp_path), True)), timeout=60)
         got = server.global_params()
     finally:
         server.stop()
     r0, r1 = (torch.load(tmp_path / f"g0r{r}.pt") for r in range(2))
     _assert_ranks_identical(r0, r1)
-    syncs = r0[gr.SYNC_EVERY :: gr.SYNC_EVERY]
+    syncs = r0[ranks.SYNC_EVERY :: ranks.SYNC_EVERY]
     # 2nd: unreachable, kept locally; 4th: the server forgot the worker (410), re-join, rebase.
     assert [s["outcome"] for s in syncs] == [
         "adopted",
@@ -109,7 +110,7 @@ def test_faults_on_rank_0_leave_every_rank_in_the_same_state(tmp_path: Path) -> 
 def test_ranks_that_disagree_fail_at_start_naming_rank_and_difference(tmp_path: Path) -> None:
     server = _server(num_workers=1)
     try:
-        gr.join(gr.spawn(gr.disagreeing_rank, (server.address, str(tmp_path))), timeout=60)
+        ranks.join(ranks.spawn(gr.disagreeing_rank, (server.address, str(tmp_path))), timeout=60)
         assert server.status()["registrations"] == 0  # nothing was sent
     finally:
         server.stop()
@@ -127,18 +128,18 @@ TRAIN_SCRIPT = """
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from diloco import DiLoCoWorker
-from tests import group_ranks as gr
+from tests.helpers import ranks
 
 dist.init_process_group("gloo")
-ddp = DistributedDataParallel(gr.make_model())
-opt = gr.make_inner(ddp.parameters())
+ddp = DistributedDataParallel(ranks.make_model())
+opt = ranks.make_inner(ddp.parameters())
 with DiLoCoWorker(ddp, opt) as worker:  # every setting from the DILOCO_* variables
-    for x, y in gr.batches(dist.get_rank(), 8):
+    for x, y in ranks.batches(dist.get_rank(), 8):
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
 print("rank", dist.get_rank(), "worker", worker.worker_id, "rounds", worker.sync_metrics["rounds"])
-gr.leave()
+ranks.leave()
 """
 
 
@@ -153,7 +154,7 @@ def test_diloco_worker_runs_torchrun_as_one_worker(tmp_path: Path) -> None:
             [sys.executable, "-m", "diloco", "worker", "--server", server.address]
             + ["--sync-every", "4", "--no-bf16", "--heartbeat-interval", "0", "--"]
             + [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-            + ["--master-addr", "127.0.0.1", "--master-port", str(gr.free_port()), str(script)],
+            + ["--master-addr", "127.0.0.1", "--master-port", str(ranks.free_port()), str(script)],
             env=env,
             cwd=root,
             capture_output=True,
@@ -179,22 +180,49 @@ def test_two_ddp_groups_in_allreduce_mode_match_the_server_mode_reference(tmp_pa
     server = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
     try:
         groups = [
-            gr.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
+            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
         ]
         for ctx in groups:
-            gr.join(ctx, timeout=90)
+            ranks.join(ctx, timeout=90)
         status = server.status()
     finally:
         server.stop()
-    assert status["rounds_completed"] == gr.ROUNDS
+    assert status["rounds_completed"] == ranks.ROUNDS
     records = {(g, r): torch.load(tmp_path / f"g{g}r{r}.pt") for g in range(2) for r in range(2)}
     for g in range(2):
         _assert_ranks_identical(records[(g, 0)], records[(g, 1)])
-        syncs = records[(g, 0)][gr.SYNC_EVERY :: gr.SYNC_EVERY]
-        assert [s["outcome"] for s in syncs] == ["adopted"] * gr.ROUNDS
+        syncs = records[(g, 0)][ranks.SYNC_EVERY :: ranks.SYNC_EVERY]
+        assert [s["outcome"] for s in syncs] == ["adopted"] * ranks.ROUNDS
     final = [records[(g, 0)][-1]["params"] for g in range(2)]
     for name in final[0]:
         assert torch.equal(final[0][name], final[1][name]), name
-    expected = gr.reference_groups(2)
+    expected = ranks.reference_groups(2)
     for name in expected:
         torch.testing.assert_close(final[0][name], expected[name])
+
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_group_encodes_on_rank_0_and_its_ranks_stay_identical(tmp_path: Path) -> None:
+    """Two DDP ranks, int8, with rank 0's scripted faults (an unreachable server, then a 410
+    and a rebase): rank 0 encodes and keeps the residual, the verdicts carry its metrics, and
+    every rank ends with the server's parameters."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as srv:
+        ranks.join(ranks.spawn(gr.ddp_rank, (srv.address, 0, str(tmp_path), True, "int8")), timeout=90)
+        got = srv.global_params()
+    r0, r1 = (torch.load(tmp_path / f"g0r{r}.pt") for r in range(2))
+    assert len(r0) == len(r1)
+    for x, y in zip(r0, r1, strict=True):
+        assert x["outcome"] == y["outcome"] and x["metrics"] == y["metrics"]
+        assert all(torch.equal(x["params"][n], y["params"][n]) for n in x["params"])
+    syncs = r0[ranks.SYNC_EVERY :: ranks.SYNC_EVERY]
+    assert [s["outcome"] for s in syncs] == [
+        "adopted",
+        "kept_local",
+        "adopted",
+        "rebased",
+        "adopted",
+    ]
+    assert syncs[-1]["metrics"]["residual_norm"] > 0
+    for name, value in r0[-1]["params"].items():
+        assert torch.equal(value, got[name]), name

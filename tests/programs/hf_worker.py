@@ -2,7 +2,7 @@
 state (the gradient-accumulation boundary among it) per process, so two Trainers in threads of
 one process would step each other's optimizers.
 
-    python -m tests.hf_worker ADDRESS OUT_DIR SYNC_EVERY STEPS
+    python -m tests.programs.hf_worker ADDRESS OUT_DIR SYNC_EVERY STEPS
 
 Writes OUT_DIR/log_history.json and OUT_DIR/params.safetensors (the model after training)."""
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tests.hf_setup import FAST, DiLoCoCallback, hf_trainer, tiny_gpt2
+from diloco.integrations.transformers import DiLoCoCallback
+from tests.helpers.hf_setup import FAST, hf_trainer, tiny_gpt2
 
 
 def main() -> None:

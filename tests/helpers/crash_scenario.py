@@ -1,6 +1,6 @@
 """One worker, one server killed (SIGKILL) at one chosen moment, restarted from its save dir.
 
-Shared by ``tests/integration/test_crash_moments.py`` (every moment once, asserted) and
+Shared by ``tests/processes/test_crash_moments.py`` (every moment once, asserted) and
 ``benchmarks/crash_moments.py`` (every moment many times, tallied).
 
 The ledger: the worker trains with a constant gradient (SGD, lr 1), so each inner step moves
@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from diloco import DiLoCoClient, DiLoCoWorker
-from tests.faultproxy import Fault, FaultProxy
-from tests.procs import ServerProcess
+from tests.helpers.faultproxy import Fault, FaultProxy
+from tests.helpers.procs import ServerProcess
 
 G = 0.125  # every element moves by -G per inner step
 SYNC_EVERY = 3
@@ -42,7 +42,7 @@ MOMENTS = (
 
 
 def crashpoint(moment: str, kill_round: int) -> str | None:
-    """The server-side hook (tests/crashpoint.py) of a moment killed in upload ``kill_round``. A
+    """The server-side hook (tests/programs/crashpoint.py) of a moment killed in upload ``kill_round``. A
     download is cut (and the server killed) while that round's checkpoint takes a second to
     write, as a large model's does: a round whose bytes left before its checkpoint was on disk
     would then be lost."""

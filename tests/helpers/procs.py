@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerProcess:
@@ -22,10 +22,10 @@ class ServerProcess:
         *,
         crash_at: str | None = None,
     ) -> None:
-        """``crash_at``: a moment at which the server kills itself (``tests/crashpoint.py``)."""
+        """``crash_at``: a moment at which the server kills itself (``tests/programs/crashpoint.py``)."""
         self.log_path = log_path
         self._log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
-        launcher = ["diloco"] if crash_at is None else ["tests.crashpoint", crash_at, "--"]
+        launcher = ["diloco"] if crash_at is None else ["tests.programs.crashpoint", crash_at, "--"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", *launcher, "server", "--host", "127.0.0.1", *args],
             stdout=subprocess.DEVNULL,

@@ -10,6 +10,8 @@ import pytest
 
 from diloco.demo import run as demo
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(240)
 def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

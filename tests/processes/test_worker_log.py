@@ -10,6 +10,8 @@ import pytest
 
 from diloco.cli.main import main
 
+pytestmark = pytest.mark.slow
+
 # A training script that sets up no logging (or, with SETUP, its own): a server and one worker
 # in one process, two rounds.
 SCRIPT = """

@@ -16,7 +16,9 @@ from safetensors.torch import save_file
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.core import apply_outer_step, default_outer_optimizer
-from tests.procs import ServerProcess
+from tests.helpers.procs import ServerProcess
+
+pytestmark = pytest.mark.slow
 
 
 def initial() -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ variables torchrun sets, are ONE DiLoCo worker (a worker group) under the Huggin
 under Lightning's DDP strategy; a checkpoint written by the group and a resume from it keep it the
 same worker. Each framework runs once (a module fixture: train with checkpoints, then resume in
 the same processes) and the tests below read what its ranks and the server recorded. The ranks'
-code is tests/hf_group.py and tests/lightning_ddp.py."""
+code is tests/programs/hf_group.py and tests/programs/lightning_ddp.py."""
 
 from __future__ import annotations
 
@@ -23,15 +23,16 @@ from safetensors.torch import load_file
 import diloco.server.coordinator as coordinator
 from diloco import DiLoCoServer, ServerConfig
 from diloco.worker import resume
-from tests.group_ranks import free_port
+from tests.helpers.ranks import free_port
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
 
-from tests import hf_group, lightning_ddp  # noqa: E402
-from tests.hf_setup import BATCH, logged  # noqa: E402
+from tests.helpers import lightning as lightning_helpers  # noqa: E402
+from tests.helpers.hf_setup import BATCH, logged  # noqa: E402
+from tests.programs import hf_group, lightning_ddp  # noqa: E402
 
-pytestmark = pytest.mark.timeout(75)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(75)]
 ROOT = Path(__file__).resolve().parents[2]
 RANKS = 2
 LAUNCH_TIMEOUT_S = 50  # a launch takes about 8 s
@@ -124,12 +125,12 @@ def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch("tests.hf_group", tmp_path_factory.mktemp("hf"))
+    return launch("tests.programs.hf_group", tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch("tests.lightning_ddp", tmp_path_factory.mktemp("lightning"))
+    return launch("tests.programs.lightning_ddp", tmp_path_factory.mktemp("lightning"))
 
 
 # --- Hugging Face Trainer --------------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_lightning_ddp_ranks_are_one_worker(lightning_run: Run) -> None:
     train = [(s["step"], s["round"], s["local_step"]) for s in r0["train"]["steps"]]
     assert train == [(s, s // g.SYNC_EVERY, s % g.SYNC_EVERY) for s in range(1, g.TRAIN_STEPS + 1)]
     # Both ranks' batches weigh in: 2 ranks x 2 steps x 8, then the final sync's one step.
-    per_step = RANKS * g.BATCH
+    per_step = RANKS * lightning_helpers.BATCH
     assert [w for _, w in lightning_run.uploads] == [2 * per_step, 2 * per_step, per_step] * 2
     assert lightning_run.status["round"] == 6
     _assert_identical(r0["resume"]["params"], r1["resume"]["params"])
@@ -235,7 +236,7 @@ def test_lightning_ddp_resumes_as_the_same_worker(lightning_run: Run) -> None:
         "round": 1,
         "local_step": 1,
         "total_steps": g.SAVE_AT,
-        "samples": RANKS * g.BATCH,
+        "samples": RANKS * lightning_helpers.BATCH,
     }
     now = r0["train"]["params"]  # the final sync's round, as the server served it
     expected = {n: now[n] + (checkpoint["state_dict"][n] - s) for n, s in saved["snapshot"].items()}

@@ -13,6 +13,8 @@ import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 BRIEF = ["--max-steps", "12", "--sync-every", "4", "--batch-size", "8"]
 

@@ -2,7 +2,7 @@
 the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so the
 Trainer (Accelerate) initialises the gloo group itself and the ranks are one DiLoCo worker.
 
-    python -m tests.hf_group ADDRESS OUT_DIR
+    python -m tests.programs.hf_group ADDRESS OUT_DIR
 
 ``train``: TRAIN_STEPS real optimizer steps of ACCUMULATION micro-batches, syncing every
 SYNC_EVERY, a checkpoint every SAVE_STEPS. ``resume``: a new Trainer, in the same processes,
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from tests.group_ranks import leave
-from tests.hf_setup import FAST, DiLoCoCallback, Peek, hf_trainer, tiny_gpt2
+from diloco.integrations.transformers import DiLoCoCallback
+from tests.helpers.hf_setup import FAST, Peek, hf_trainer, tiny_gpt2
+from tests.helpers.ranks import leave
 
 SYNC_EVERY = 3
 TRAIN_STEPS = 4

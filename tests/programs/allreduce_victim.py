@@ -1,7 +1,7 @@
 """A worker of an all-reduce run that stops inside its first averaging collective, as a real
 process for tests/integration/test_allreduce_faults.py to kill there.
 
-Run as ``python -m tests.allreduce_victim ADDRESS WORKER_ID [JSON]`` (JSON: more DiLoCoWorker
+Run as ``python -m tests.programs.allreduce_victim ADDRESS WORKER_ID [JSON]`` (JSON: more DiLoCoWorker
 arguments, e.g. streaming fragments). It joins the run, trains, and at
 the first all-reduce of a weighted sync prints ``{"inside": true}`` and blocks without issuing
 it: the other members are then inside that all-reduce, waiting for this worker's bytes, which is
@@ -19,7 +19,7 @@ import torch
 
 from diloco import DiLoCoWorker
 from diloco.worker import quorum_group
-from tests.integration.test_allreduce import make_model
+from tests.helpers.allreduce import make_model
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""One quorum member as a real process, driven by tests/integration/test_quorum_group.py.
+"""One quorum member as a real process, driven by tests/processes/test_quorum_group.py.
 
-Run as ``python -m tests.quorum_member``. It reads one JSON command per line on stdin and
+Run as ``python -m tests.programs.quorum_member``. It reads one JSON command per line on stdin and
 answers one JSON line on stdout (plain data; tensors go to safetensors files the test names).
 Ops: ``build`` (join a quorum, closing the previous group), ``average``, ``broadcast``.
 A member's tensors are a pure function of (seed, rank, shapes): ``member_tensors``, which the
@@ -23,23 +23,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, broadcast, state_hash
+from tests.helpers.quorum import member_tensors, mixed_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def member_tensors(seed: int, rank: int, shapes: list[list[int]]) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [torch.randn(shape, generator=gen) for shape in shapes]
 
 
-def mixed_tensors(seed: int, rank: int) -> list[torch.Tensor]:
-    """fp32, int64 and bf16 tensors: a broadcast must move every dtype bit for bit."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return [
-        torch.randn(1000, 3, generator=gen),
-        torch.randint(-(2**40), 2**40, (17,), generator=gen),
-        torch.randn(50_001, generator=gen).to(torch.bfloat16),
-    ]
 
 
 def _send(message: dict[str, Any]) -> None:

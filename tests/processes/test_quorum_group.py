@@ -1,4 +1,4 @@
-"""Quorum groups between real processes (tests/quorum_member.py): weighted averages that are
+"""Quorum groups between real processes (tests/programs/quorum_member.py): weighted averages that are
 bit-identical on every rank, a broadcast, and peers that die or freeze mid all-reduce."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from safetensors.torch import load_file
 from diloco.server.rendezvous import Rendezvous
 from diloco.worker import quorum_connect
 from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, state_hash
-from tests.quorum_member import member_tensors, mixed_tensors
+from tests.helpers.quorum import member_tensors, mixed_tensors
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0  # the groups' timeout, seconds
@@ -38,7 +40,7 @@ class Member:
         self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.log_path = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.quorum_member"],
+            [sys.executable, "-m", "tests.programs.quorum_member"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -17,9 +17,9 @@ from diloco.core.accumulate import WeightedSum
 from diloco.server.errors import ApiError
 from diloco.server.first_write import FirstWrite, Stages
 from diloco.wire import WireError, build_layout, spec_of
-from tests.aio import let_loop_run
-from tests.unit.test_health import FakeClock
-from tests.unit.test_upload_waits import WAIT, HeldBody, coordinator, submit, upload
+from tests.helpers.aio import let_loop_run
+from tests.helpers.clock import FakeClock
+from tests.helpers.coordinator import WAIT, HeldBody, coordinator, submit, upload
 
 LR, MOMENTUM = 0.7, 0.9
 
