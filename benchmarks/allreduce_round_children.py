@@ -14,7 +14,7 @@ store traffic is counted as well.
 Workers (``worker_main``): a round is the sync-round benchmark's: perturb every weight a little
 (standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for
 the other workers, report. Around the library's calls, stamps of where the time goes (wrappers
-installed on the worker's client and on module attributes of ``diloco.worker.allreduce`` in the
+installed on the worker's client and on module attributes of ``diloco.worker.allreduce.quorum_sync`` in the
 child; the library's code is unchanged). ``kill`` mode: no barrier, the workers sync one round
 after another; one victim blocks inside a chosen round's all-reduce until the parent kills it.
 """
@@ -137,7 +137,7 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         worker._local._into_snapshot = timed_into
         return
 
-    import diloco.worker.allreduce as ar
+    import diloco.worker.allreduce.quorum_sync as ar
 
     quorum = client.quorum
     outcome = client.quorum_outcome
@@ -262,7 +262,7 @@ def _worker_body(
 
     torch.set_num_threads(1)
     from diloco import DiLoCoWorker
-    from diloco.worker import quorum_group
+    from diloco.worker.allreduce.collective import QuorumGroup
 
     base = base_rss()
     model = build_model(shape)
@@ -273,7 +273,7 @@ def _worker_body(
     current = {"round": -1, "said": False}
 
     if kill is not None:
-        original = quorum_group.QuorumGroup.collective
+        original = QuorumGroup.collective
 
         def collective(self: Any, what: str, start: Any) -> None:
             if what == "all-reduce" and current["round"] == kill["round"] and not current["said"]:
@@ -281,7 +281,7 @@ def _worker_body(
                 say_inside(out, idx, kill)
             original(self, what, start)
 
-        quorum_group.QuorumGroup.collective = collective  # type: ignore[method-assign]
+        QuorumGroup.collective = collective  # type: ignore[method-assign]
 
     heartbeat = 0.0 if kill is None else float(kill["heartbeat_interval"])
     with DiLoCoWorker(

@@ -231,7 +231,9 @@ def snapshot_source(dest: Path, tries: int = 10) -> dict[str, Any]:
     """Copy ``src/diloco`` to ``dest/diloco`` and check that it imports: the children run from
     this copy (``PYTHONPATH``), so edits to the working tree during a run cannot reach them."""
     src = Path(__file__).resolve().parent.parent / "src" / "diloco"
-    check = "import diloco, diloco.server.server, diloco.worker.allreduce, diloco.demo.data"
+    check = (
+        "import diloco, diloco.server.server, diloco.worker.allreduce.quorum_sync, diloco.demo.data"
+    )
     for _ in range(tries):
         shutil.rmtree(dest / "diloco", ignore_errors=True)
         shutil.copytree(src, dest / "diloco", ignore=shutil.ignore_patterns("__pycache__"))

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker import group as group_mod
-from diloco.worker.group_sync import GroupSync
+from diloco.worker.groups import group as group_mod
+from diloco.worker.groups.group_sync import GroupSync
 
 WIDTH = 1000
 PHASES = {

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import DiLoCoClient, DiLoCoWorker
-from diloco.worker.client import Unreachable
+from diloco.worker.transport.client import Unreachable
 
 SYNC_EVERY = 4
 ROUNDS = 3

@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, broadcast, state_hash
+from diloco.worker.allreduce.collective import (
+    QuorumFailed,
+    QuorumGroup,
+    average,
+    broadcast,
+    state_hash,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from diloco.server.rendezvous import Rendezvous
-from diloco.worker import quorum_connect
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, state_hash
+from diloco.worker.allreduce import connect as quorum_connect
+from diloco.worker.allreduce.collective import QuorumFailed, QuorumGroup, average, state_hash
 from tests.quorum_member import member_tensors, mixed_tensors
 
 ROOT = Path(__file__).resolve().parents[2]

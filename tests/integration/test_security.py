@@ -19,8 +19,8 @@ from diloco.server import security
 from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
 from diloco.wire import spec_of
-from diloco.worker import client as client_module
-from diloco.worker.client import DiLoCoClient, Unreachable
+from diloco.worker.transport import client as client_module
+from diloco.worker.transport.client import DiLoCoClient, Unreachable
 from tests.integration.test_server_http import (
     AUTH,
     CLIENT,

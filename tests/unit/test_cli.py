@@ -10,8 +10,8 @@ import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.cli.main import main
-from diloco.worker.client import DiLoCoClient
 from diloco.worker.settings import DEFAULT_PORT, server_url
+from diloco.worker.transport.client import DiLoCoClient
 
 
 @pytest.fixture(scope="module")

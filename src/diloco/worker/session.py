@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 from diloco.wire import WireError
-from diloco.worker.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
-from diloco.worker.downlink import lossy_downlink
-from diloco.worker.encoder import UploadEncoder
-from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.state.encoder import UploadEncoder
+from diloco.worker.state.local_model import LocalModel
+from diloco.worker.state.update_buffer import lossy_downlink
+from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Session:
         False if ``deadline`` passes first. With ``adopt``, the model takes each parameter's new
         values as its bytes land (``local.adopted`` says whether all of them did).
 
-        With a compressed downlink (``worker/downlink.py``) a clean snapshot asks for the next
+        With a compressed downlink (``worker/state/update_buffer.py``) a clean snapshot asks for the next
         round as an update; an update whose checksum does not match, or that cannot be
         applied, is followed by one full download of that round."""
         t0 = time.monotonic()

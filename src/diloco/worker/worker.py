@@ -9,7 +9,7 @@ server forgot it, and leaves. How it syncs is a ``SyncStrategy`` (``worker/strat
 Memory: besides the model, the worker keeps one fp32 snapshot of the global parameters, laid
 out exactly like the server's download body so new parameters are read straight into it.
 Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists
-but a lossy codec's error-feedback residual (``worker/encoder.py``).
+but a lossy codec's error-feedback residual (``worker/state/encoder.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ from typing import Any
 
 import torch
 
-from diloco.worker.allreduce import AllReduceSync
-from diloco.worker.allreduce_streaming import StreamingAllReduceSync
-from diloco.worker.client import Conflict, DiLoCoClient, ServerError, Unreachable
-from diloco.worker.encoder import UploadEncoder, comm_dtype
-from diloco.worker.group import WorkerGroup, find_group
-from diloco.worker.group_sync import GroupSync
+from diloco.worker.allreduce.fragment_rounds import StreamingAllReduceSync
+from diloco.worker.allreduce.quorum_sync import AllReduceSync
+from diloco.worker.groups.group import WorkerGroup, find_group
+from diloco.worker.groups.group_sync import GroupSync
 from diloco.worker.heartbeats import Heartbeats
-from diloco.worker.local_model import LocalModel
 from diloco.worker.logs import show_worker_log
-from diloco.worker.plain import PlainSync
+from diloco.worker.server_mode.plain import PlainSync
+from diloco.worker.server_mode.streaming import StreamingSync
 from diloco.worker.session import Session, initial_metrics
 from diloco.worker.settings import WorkerSettings, chosen_codec, refused_codec, resolve
+from diloco.worker.state.encoder import UploadEncoder, comm_dtype
+from diloco.worker.state.local_model import LocalModel
 from diloco.worker.strategy import JoinAnswer, SyncStrategy
-from diloco.worker.streaming import StreamingSync
+from diloco.worker.transport.client import Conflict, DiLoCoClient, ServerError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +77,11 @@ class DiLoCoWorker:
 
     Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
     (see ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses
-    uploads, with error feedback (``worker/encoder.py``; ``error_feedback=False``: without); None:
+    uploads, with error feedback (``worker/state/encoder.py``; ``error_feedback=False``: without); None:
     bf16, or fp32 without ``bf16_comm``.
 
     Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group
-    are one worker: rank 0 talks to the server, the others follow (``worker/group.py``).
+    are one worker: rank 0 talks to the server, the others follow (``worker/groups/group.py``).
     ``partitioned`` says each rank owns different parameters (pipeline stages); None detects it.
     """
 
@@ -150,7 +150,7 @@ class DiLoCoWorker:
             retries=self.settings.retries,
         )
         self.metrics = initial_metrics(self.settings.sync_every)
-        #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/encoder.py``).
+        #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/state/encoder.py``).
         self.codec = chosen_codec(self.settings)
         self._local = LocalModel(model, comm_dtype(self.codec), self.metrics)
         self._encoder = UploadEncoder(
@@ -398,7 +398,7 @@ class DiLoCoWorker:
         )
 
     def _join_allreduce(self, reply: dict[str, Any], initial: bool) -> None:
-        """All-reduce mode (``worker/allreduce.py``): the workers hold the state. At the first
+        """All-reduce mode (``worker/allreduce/quorum_sync.py``): the workers hold the state. At the first
         join this worker takes part in one quorum round without a contribution, so it trains
         from the run's state; a re-join (the server restarted or evicted it) keeps its own. In
         a worker group only rank 0 gets here: it runs the quorums, the group shares the result

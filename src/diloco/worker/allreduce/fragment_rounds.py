@@ -41,9 +41,9 @@ from diloco.core import rebase_
 from diloco.core.fragments import Piece, plan
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import merge_states
-from diloco.worker.allreduce import AllReduceSync, Quorum
-from diloco.worker.fragment_plan import Schedule
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup
+from diloco.worker.allreduce.collective import QuorumFailed, QuorumGroup
+from diloco.worker.allreduce.quorum_sync import AllReduceSync, Quorum
+from diloco.worker.server_mode.fragment_plan import Schedule
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)

@@ -42,9 +42,7 @@ import torch
 from diloco.core import rebase_, to_progress_
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import OuterSGD, apply_outer_step
-from diloco.worker.allreduce_checkpoint import save_shared_state
-from diloco.worker.client import SYNC_FAILURES, UnknownWorker
-from diloco.worker.quorum_group import (
+from diloco.worker.allreduce.collective import (
     QuorumFailed,
     QuorumGroup,
     all_equal,
@@ -52,8 +50,10 @@ from diloco.worker.quorum_group import (
     broadcast,
     state_hash,
 )
+from diloco.worker.allreduce.shared_state import save_shared_state
 from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer
+from diloco.worker.transport.client import SYNC_FAILURES, UnknownWorker
 
 log = logging.getLogger(__name__)
 

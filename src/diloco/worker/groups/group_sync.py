@@ -1,14 +1,14 @@
 """The ``SyncStrategy`` of a worker group (docs/design.md, "Worker groups"): every rank runs it at
 the same steps; rank 0 wraps the plain (or all-reduce) strategy and talks to the server, the
 other ranks follow the verdict it broadcasts. The collectives themselves are ``WorkerGroup``'s
-(worker/group.py)."""
+(worker/groups/group.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diloco.worker.group import Verdict, WorkerGroup
+from diloco.worker.groups.group import Verdict, WorkerGroup
 from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer, SyncStrategy
 

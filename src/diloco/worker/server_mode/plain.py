@@ -19,10 +19,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
-from diloco.worker.encoder import Upload
 from diloco.worker.session import Session
+from diloco.worker.state.encoder import Upload
 from diloco.worker.strategy import JoinAnswer, note_lost_adoption
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Each member calls ``QuorumGroup.build`` with the rendezvous address, the quorum'
 and the quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on a
 ``PrefixStore`` of that quorum. ``torch.distributed.init_process_group`` is never called: a
 broken quorum cannot poison the default group, the next round's group, or a worker group
-(``worker/group.py``) living in the same process.
+(``worker/groups/group.py``) living in the same process.
 
 Faults: every wait is bounded by the group's ``timeout`` (connecting to the rendezvous, meeting
 the other members, each collective). A peer killed outright fails the collective at once (its
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
-from diloco.worker.quorum_connect import connect, shut
+from diloco.worker.allreduce.connect import connect, shut
 
 log = logging.getLogger(__name__)
 

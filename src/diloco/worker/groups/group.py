@@ -21,7 +21,7 @@ the same steps; at a sync all ranks enter the same sequence of collectives on th
 
 Nothing here is home-made transport: broadcast, gather, scatter and all_reduce of
 ``torch.distributed`` (gloo on CPU, NCCL on CUDA). Small values (the agreement facts, verdicts)
-travel as JSON bytes in those tensor collectives (``worker/collectives.py``), never pickled.
+travel as JSON bytes in those tensor collectives (``worker/groups/json_collectives.py``), never pickled.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from diloco.core.fragments import numel
-from diloco.worker.collectives import all_gather_json, broadcast_json
-from diloco.worker.local_model import LocalModel
+from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.state.local_model import LocalModel
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class WorkerGroup:
         return Verdict(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
 
     def broadcast_json(self, value: Any) -> Any:
-        """Rank 0's JSON ``value`` on every rank (``worker/collectives.py``: no pickle)."""
+        """Rank 0's JSON ``value`` on every rank (``worker/groups/json_collectives.py``: no pickle)."""
         return broadcast_json(value, self.pg, src=self.leader, device=self._comm_device())
 
     # --- the streamed broadcast (replicated) ----------------------------------------------------

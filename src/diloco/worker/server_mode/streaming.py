@@ -29,11 +29,11 @@ import torch
 from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece, plan
 from diloco.core.pseudo_gradient import PIECE
-from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
-from diloco.worker.fragment_exchange import Exchange, FragmentSender
-from diloco.worker.fragment_plan import Schedule, plan_from_server
+from diloco.worker.server_mode.fragment_exchange import Exchange, FragmentSender
+from diloco.worker.server_mode.fragment_plan import Schedule, plan_from_server
 from diloco.worker.session import Session
 from diloco.worker.strategy import JoinAnswer, note_lost_adoption
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 
