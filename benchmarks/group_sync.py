@@ -40,8 +40,8 @@ WIDTH = 1000
 PHASES = {
     "pool_samples": "samples all_reduce",
     "collect": "gather (partitioned)",
-    "send_verdict": "verdict broadcast",
-    "receive_verdict": "verdict broadcast",
+    "send_report": "report broadcast",
+    "receive_report": "report broadcast",
     "share": "parameters broadcast/scatter",
     "stream_end": "rest of streamed broadcast",
     "stream_receive": "streamed broadcast received",

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from diloco.worker.allreduce.collective import (
+    QuorumCollective,
     QuorumFailed,
-    QuorumGroup,
     average,
     broadcast,
     state_hash,
@@ -53,7 +53,7 @@ def _send(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _trip_at(group: QuorumGroup, k: int) -> None:
+def _trip_at(group: QuorumCollective, k: int) -> None:
     """From the group's k-th collective on: issue it, announce it, never wait for it."""
     calls = 0
     real = group.collective
@@ -75,7 +75,7 @@ def _trip_at(group: QuorumGroup, k: int) -> None:
     group.collective = tripped  # type: ignore[method-assign]
 
 
-def _failure(err: QuorumFailed, group: QuorumGroup | None) -> dict[str, Any]:
+def _failure(err: QuorumFailed, group: QuorumCollective | None) -> dict[str, Any]:
     return {
         "ok": False,
         "error": type(err).__name__,
@@ -85,12 +85,12 @@ def _failure(err: QuorumFailed, group: QuorumGroup | None) -> dict[str, Any]:
     }
 
 
-def _handle(cmd: dict[str, Any], group: QuorumGroup | None) -> tuple[dict[str, Any], Any]:
+def _handle(cmd: dict[str, Any], group: QuorumCollective | None) -> tuple[dict[str, Any], Any]:
     op = cmd["op"]
     if op == "build":
         if group is not None:
             group.close()
-        group = QuorumGroup.build(
+        group = QuorumCollective.build(
             cmd["host"], cmd["port"], cmd["quorum"], cmd["rank"], cmd["size"], cmd["timeout"]
         )
         return {"ok": True}, group
@@ -117,7 +117,7 @@ def _handle(cmd: dict[str, Any], group: QuorumGroup | None) -> tuple[dict[str, A
 
 def main() -> None:
     torch.set_num_threads(1)  # the tests run several members on a small machine
-    group: QuorumGroup | None = None
+    group: QuorumCollective | None = None
     _send({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -22,7 +22,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker.allreduce import quorum_sync
-from diloco.worker.allreduce.collective import QuorumFailed, QuorumGroup
+from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed
 from tests.integration.test_allreduce import run_workers
 
 HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
@@ -144,12 +144,12 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
     naming the quorum that made it, which is the one w2 contributed to: w2 takes that state
     instead of keeping its (already counted) progress on top, so it adds nothing (weight 0) to
     the next average, where a rebase would add its pseudo-gradient a second time."""
-    original = QuorumGroup.collective
+    original = QuorumCollective.collective
     original_average = quorum_sync.average
     checks: list[int] = []
     weights_after: list[float] = []  # w2's weights in the averages after the fault
 
-    def collective(self: QuorumGroup, what: str, start: Any) -> None:
+    def collective(self: QuorumCollective, what: str, start: Any) -> None:
         original(self, what, start)
         if what == "hash check" and self.rank == 2:
             checks.append(1)
@@ -157,12 +157,12 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
                 self.close()
                 raise QuorumFailed(self.quorum_id, "hash check failed: injected")
 
-    def average(group: QuorumGroup, tensors: Any, weight: float, *a: Any) -> float:
+    def average(group: QuorumCollective, tensors: Any, weight: float, *a: Any) -> float:
         if group.rank == 2 and len(checks) >= 3:
             weights_after.append(weight)
         return original_average(group, tensors, weight, *a)
 
-    monkeypatch.setattr(QuorumGroup, "collective", collective)
+    monkeypatch.setattr(QuorumCollective, "collective", collective)
     monkeypatch.setattr(quorum_sync, "average", average)
     with DiLoCoServer(ServerConfig(port=0, num_workers=3, allreduce=True)) as srv:
         results = run_workers(srv.address, 3, ROUNDS)

@@ -10,7 +10,7 @@ import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.cli.main import main
-from diloco.worker.settings import DEFAULT_PORT, server_url
+from diloco.worker.transport.address import DEFAULT_PORT, server_url
 from diloco.worker.transport.client import DiLoCoClient
 
 

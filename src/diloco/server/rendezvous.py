@@ -64,7 +64,7 @@ class Rendezvous:
         log.info("rendezvous store listening on %s:%d", host, self.port)
 
     def address(self) -> tuple[str, int]:
-        """(host, port) for the workers' ``QuorumGroup.build``."""
+        """(host, port) for the workers' ``QuorumCollective.build``."""
         return self.host, self.port
 
     def forget(self, quorum_id: str) -> int:

@@ -30,7 +30,7 @@ from diloco.wire import (
 )
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
-from diloco.worker.settings import server_url
+from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
 log = logging.getLogger(__name__)
