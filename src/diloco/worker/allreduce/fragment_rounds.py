@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from diloco.core import rebase_
-from diloco.core.fragments import Piece, plan
+from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import merge_states
 from diloco.worker.allreduce.assignment import Assignment
@@ -46,7 +46,6 @@ from diloco.worker.allreduce.collective import QuorumFailed
 from diloco.worker.allreduce.park import Park
 from diloco.worker.allreduce.payload import Rounds
 from diloco.worker.allreduce.shared_state import SharedState
-from diloco.worker.server_mode.fragment_plan import Schedule
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)

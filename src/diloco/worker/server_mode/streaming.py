@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
-from diloco.core.fragments import Piece, plan
+from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.pseudo_gradient import PIECE
 from diloco.worker.server_mode.fragment_exchange import Exchange, FragmentSender
-from diloco.worker.server_mode.fragment_plan import Schedule, plan_from_server
+from diloco.worker.server_mode.fragment_plan import plan_from_server
 from diloco.worker.server_mode.joining import (
     JoinAnswer,
     join_server,
