@@ -1,8 +1,8 @@
 """What a worker's lifecycle and its sync strategy share: one object, handed to the strategy.
 
 ``DiLoCoWorker`` owns the lifecycle (the optimizer hook, heartbeats, joining and leaving); a
-sync strategy (``PlainSync``, ``StreamingSync``) decides when and how the model is exchanged.
-Both read and write the state here, and nothing else of each other: the run's identity (worker
+sync strategy (``PlainSync``, ``StreamingSync``, ``QuorumSync``) decides when and how the model
+is exchanged. Both read and write the state here, and nothing else of each other: the run's identity (worker
 id, the round the snapshot holds), the training loop's counters, the flag the heartbeat thread
 raises when the server forgot this worker, and the one full download into the snapshot.
 """
@@ -192,6 +192,16 @@ class Session:
                     self.worker_id,
                     exc,
                 )
+
+    def stall(self, wait: Callable[[], object]) -> None:
+        """The training loop waits (``wait()``) for a fragment's exchange or round still in
+        flight: a stall, counted with its time; the heartbeats see the loop syncing meanwhile."""
+        self.metrics["stalls"] += 1
+        t0 = time.monotonic()
+        self.syncing = True
+        wait()
+        self.syncing = False
+        self.metrics["stall_time_s"] += time.monotonic() - t0
 
     def drop_steps(self, steps: int, message: str, *args: object, error: bool = False) -> None:
         """Count ``steps`` local steps as dropped (the server holds the progress they are mixed

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,12 +149,7 @@ class FragmentRounds:
         """Wait for the round (a stall if it is not done), then merge its fragment."""
         s = self._s
         if not job.done.is_set():
-            s.metrics["stalls"] += 1
-            t0 = time.monotonic()
-            s.syncing = True
-            self._park.wait(job.done)
-            s.syncing = False
-            s.metrics["stall_time_s"] += time.monotonic() - t0
+            s.stall(lambda: self._park.wait(job.done))
         self._inflight = None
         if job.completed:
             self._merge(job.fragment, self.alpha)

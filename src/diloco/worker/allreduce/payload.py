@@ -51,9 +51,10 @@ class Payload(Protocol):
 
     def after_step(self, rounds: Rounds) -> None:
         """One inner step was taken (``session.total_steps`` counted it): run a round through
-        ``rounds`` if one is due (or ``session.need_rejoin`` asks for one, where the payload
-        re-joins through rounds), and settle one that ended. Sets ``session.local_step`` to the
-        steps counted toward the next round. Never raises a network error."""
+        ``rounds`` when one is due, and settle one that ended; keep ``session.local_step`` at
+        the steps counted toward the next round. A re-registration the heartbeats asked for
+        (``session.need_rejoin``) happens at the start of the next round (``WholeModel`` runs
+        one at once for it). Never raises a network error."""
         ...
 
     def sync_now(self, rounds: Rounds) -> None:

@@ -2,8 +2,9 @@
 (docs/design.md, "Worker groups").
 
 Rank 0 of the group is the only one that talks to the server: it registers, sends heartbeats,
-uploads and downloads, through the ordinary ``PlainSync``. Every rank's optimizer hook fires at
-the same steps; at a sync all ranks enter the same sequence of collectives on the group:
+uploads and downloads, through the strategy chosen for it (``PlainSync``, or ``QuorumSync`` in
+all-reduce mode). Every rank's optimizer hook fires at the same steps; at a sync all ranks enter
+the same sequence of collectives on the group:
 
 1. the samples reported since the last sync are summed onto rank 0 (the upload's weight);
 2. partitioned models only: every rank's parameters are gathered into rank 0's mirrors of them,
@@ -41,7 +42,7 @@ from diloco.worker.state.local_model import LocalModel
 
 log = logging.getLogger(__name__)
 
-BUCKET_BYTES = 32 << 20
+SHARE_BUCKET_BYTES = 32 << 20
 """Small parameters are broadcast together in flat buckets of at most this size."""
 
 STREAM_BUCKET_BYTES = 4 << 20
@@ -250,7 +251,7 @@ class WorkerGroup:
         size = 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
-            if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+            if bucket and (size + nbytes > SHARE_BUCKET_BYTES or t.dtype != bucket[0].dtype):
                 self._broadcast_bucket(bucket)
                 bucket, size = [], 0
             bucket.append(t)

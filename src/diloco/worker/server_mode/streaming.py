@@ -272,12 +272,7 @@ class StreamingSync:
         """Wait for the exchange (a stall if it is not back yet), then apply its outcome."""
         s = self._s
         if not job.done.is_set():
-            s.metrics["stalls"] += 1
-            t0 = time.monotonic()
-            s.syncing = True
-            job.done.wait()
-            s.syncing = False
-            s.metrics["stall_time_s"] += time.monotonic() - t0
+            s.stall(job.done.wait)
         self._inflight = None
         self._apply(job)
 
