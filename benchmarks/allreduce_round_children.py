@@ -12,11 +12,11 @@ front of it, the server child hands out the proxy's address instead of the store
 store traffic is counted as well.
 
 Workers (``worker_main``): a round is the sync-round benchmark's: perturb every weight a little
-(standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for
-the other workers, report. Around the library's calls, stamps of where the time goes (wrappers
-installed on the worker's client and on module attributes of ``diloco.worker.allreduce``'s loop
-and payloads in the child; the library's code is unchanged). ``kill`` mode: no barrier, the workers sync one round
-after another; one victim blocks inside a chosen round's all-reduce until the parent kills it.
+(standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for the
+other workers, report. Around the library's calls, stamps of where the time goes (wrappers installed
+on the worker's client and on module attributes of ``diloco.worker.allreduce``'s loop and payloads
+in the child; the library's code is unchanged). ``kill`` mode: no barrier, the workers sync one
+round after another; one victim blocks inside a chosen round's all-reduce until the parent kills it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Streaming DiLoCo in all-reduce mode (issue 19, ``worker/allreduce/fragment_rounds.py``): workers in
-threads of this process, a real server with ``allreduce=True`` on loopback. Round ``r`` averages
+"""Streaming DiLoCo in all-reduce mode (issue 19, ``worker/allreduce/fragment_rounds.py``): workers
+in threads of this process, a real server with ``allreduce=True`` on loopback. Round ``r`` averages
 fragment ``r mod P``; with fp32 communication the workers end where the server mode's streaming
 workers end, and every worker holds the same state (snapshot and outer momentum) after every
 round."""

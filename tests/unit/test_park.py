@@ -1,4 +1,4 @@
-"""``Park`` (worker/allreduce/fragment_rounds.py): the round's thread stops the training thread between
+"""``Park`` (worker/allreduce/park.py): the round's thread stops the training thread between
 two steps, only while it holds it, and gives up with a clear error when no step comes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco.worker.allreduce.fragment_rounds import Park
+from diloco.worker.allreduce.park import Park
 
 
 @pytest.mark.timeout(10)

@@ -1,10 +1,10 @@
 """What a worker's lifecycle and its sync strategy share: one object, handed to the strategy.
 
-``DiLoCoWorker`` owns the lifecycle (the optimizer hook, heartbeats, joining and leaving); a
-sync strategy (``PlainSync``, ``StreamingSync``, ``QuorumSync``) decides when and how the model
-is exchanged. Both read and write the state here, and nothing else of each other: the run's identity (worker
-id, the round the snapshot holds), the training loop's counters, the flag the heartbeat thread
-raises when the server forgot this worker, and the one full download into the snapshot.
+``DiLoCoWorker`` owns the lifecycle (the optimizer hook, heartbeats, joining and leaving); a sync
+strategy (``PlainSync``, ``StreamingSync``, ``QuorumSync``) decides when and how the model is
+exchanged. Both read and write the state here, and nothing else of each other: the run's identity
+(worker id, the round the snapshot holds), the training loop's counters, the flag the heartbeat
+thread raises when the server forgot this worker, and the one full download into the snapshot.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class Session:
         False if ``deadline`` passes first. With ``adopt``, the model takes each parameter's new
         values as its bytes land (``local.adopted`` says whether all of them did).
 
-        With a compressed downlink (``worker/state/update_buffer.py``) a clean snapshot asks for the next
-        round as an update; an update whose checksum does not match, or that cannot be
-        applied, is followed by one full download of that round."""
+        With a compressed downlink (``worker/state/update_buffer.py``) a clean snapshot asks for the
+        next round as an update; an update whose checksum does not match, or that cannot be applied,
+        is followed by one full download of that round."""
         t0 = time.monotonic()
         receiver = self.local.receiver(adopt)
         have = self._have_round()

@@ -74,9 +74,9 @@ class DiLoCoWorker:
     ...         loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
     ...         w.report(loss=loss.item(), samples=len(batch))
 
-    Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
-    (see ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses
-    uploads, with error feedback (``worker/state/encoder.py``; ``error_feedback=False``: without); None:
+    Arguments left as None come from ``DILOCO_*`` environment variables, then defaults (see
+    ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses uploads,
+    with error feedback (``worker/state/encoder.py``; ``error_feedback=False``: without); None:
     bf16, or fp32 without ``bf16_comm``.
 
     Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group

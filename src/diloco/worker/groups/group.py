@@ -22,7 +22,8 @@ the same sequence of collectives on the group:
 
 Nothing here is home-made transport: broadcast, gather, scatter and all_reduce of
 ``torch.distributed`` (gloo on CPU, NCCL on CUDA). Small values (the agreement facts, reports)
-travel as JSON bytes in those tensor collectives (``worker/groups/json_collectives.py``), never pickled.
+travel as JSON bytes in those tensor collectives (``worker/groups/json_collectives.py``), never
+pickled.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class WorkerGroup:
         return LeaderReport(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
 
     def broadcast_json(self, value: Any) -> Any:
-        """Rank 0's JSON ``value`` on every rank (``worker/groups/json_collectives.py``: no pickle)."""
+        """Rank 0's JSON ``value`` on every rank (``worker/groups/json_collectives.py``: no
+        pickle)."""
         return broadcast_json(value, self.pg, src=self.leader, device=self._comm_device())
 
     # --- the streamed broadcast (replicated) ----------------------------------------------------
