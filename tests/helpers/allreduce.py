@@ -124,16 +124,17 @@ def run_streaming(
                     opt.step()
                     w.report(samples=rank + 1)  # unequal: samples weighting must use them
                     strategy: Any = w._strategy
-                    if hasattr(strategy, "_momentum") and strategy._inflight is None:
+                    if hasattr(strategy, "_state") and strategy._payload._inflight is None:
                         states[w.base_round] = [
-                            t.clone() for t in [*w._local.snapshot.values(), *strategy._momentum]
+                            t.clone()
+                            for t in [*w._local.snapshot.values(), *strategy._state.momentum]
                         ]
                 params = {k: v.detach().clone() for k, v in model.named_parameters()}
                 metrics = dict(w.sync_metrics)
             # After leaving: the round that was in flight has ended.
-            if hasattr(strategy, "_momentum"):
+            if hasattr(strategy, "_state"):
                 states[w.base_round] = [
-                    t.clone() for t in [*w._local.snapshot.values(), *strategy._momentum]
+                    t.clone() for t in [*w._local.snapshot.values(), *strategy._state.momentum]
                 ]
             out[rank] = {"params": params, "metrics": metrics, "states": states}
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker import allreduce, quorum_group
+from diloco.worker.allreduce import quorum_sync
+from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed
 from tests.helpers.allreduce import ROUNDS, run_workers
 
 
@@ -70,26 +71,26 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
     naming the quorum that made it, which is the one w2 contributed to: w2 takes that state
     instead of keeping its (already counted) progress on top, so it adds nothing (weight 0) to
     the next average, where a rebase would add its pseudo-gradient a second time."""
-    original = quorum_group.QuorumGroup.collective
-    original_average = allreduce.average
+    original = QuorumCollective.collective
+    original_average = quorum_sync.average
     checks: list[int] = []
     weights_after: list[float] = []  # w2's weights in the averages after the fault
 
-    def collective(self: quorum_group.QuorumGroup, what: str, start: Any) -> None:
+    def collective(self: QuorumCollective, what: str, start: Any) -> None:
         original(self, what, start)
         if what == "hash check" and self.rank == 2:
             checks.append(1)
             if len(checks) == 3:  # the join, round 0, then round 1's commit point
                 self.close()
-                raise quorum_group.QuorumFailed(self.quorum_id, "hash check failed: injected")
+                raise QuorumFailed(self.quorum_id, "hash check failed: injected")
 
-    def average(group: quorum_group.QuorumGroup, tensors: Any, weight: float, *a: Any) -> float:
+    def average(group: QuorumCollective, tensors: Any, weight: float, *a: Any) -> float:
         if group.rank == 2 and len(checks) >= 3:
             weights_after.append(weight)
         return original_average(group, tensors, weight, *a)
 
-    monkeypatch.setattr(quorum_group.QuorumGroup, "collective", collective)
-    monkeypatch.setattr(allreduce, "average", average)
+    monkeypatch.setattr(QuorumCollective, "collective", collective)
+    monkeypatch.setattr(quorum_sync, "average", average)
     with DiLoCoServer(ServerConfig(port=0, num_workers=3, allreduce=True)) as srv:
         results = run_workers(srv.address, 3, ROUNDS)
         status = srv.status()

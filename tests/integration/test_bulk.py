@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from diloco.wire import Layout, WireError, byte_view, encode, tensor_views
-from diloco.worker.bulk import BulkConnections, Continue, _await_continue
-from diloco.worker.client import DiLoCoClient, Download, ServerError, UnknownWorker
+from diloco.worker.transport.bulk import BulkConnections, Continue, _await_continue
+from diloco.worker.transport.client import DiLoCoClient, Download, ServerError, UnknownWorker
 
 
 @dataclass
@@ -247,7 +247,7 @@ def test_a_late_100_does_not_stop_a_body_already_on_its_way(
 ) -> None:
     """The client waited in vain and sends; the 100 then arrives mid-body. That is no early
     final answer: the body must go on, or both sides wait for each other."""
-    from diloco.worker import bulk
+    from diloco.worker.transport import bulk
 
     monkeypatch.setattr(bulk, "CONTINUE_WAIT", 0.01)
     size = 32 * 1024 * 1024  # more than the socket buffers: the 100 lands mid-body

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker.client import Unreachable
+from diloco.worker.transport.client import Unreachable
 from tests.helpers.servers import ServerFactory
 
 

@@ -11,7 +11,7 @@ import torch
 from diloco.server.loss_history import LossHistory
 from diloco.server.status import Status
 from diloco.wire import encode, spec_of
-from diloco.worker.client import DiLoCoClient
+from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.clock import FakeClock
 from tests.helpers.http import TIMEOUT, submit, url, wait_round
 from tests.helpers.servers import ServerFactory

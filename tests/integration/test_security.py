@@ -16,7 +16,7 @@ from diloco.server import security
 from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
 from diloco.wire import encode
-from diloco.worker import client as client_module
+from diloco.worker.transport import client as client_module
 from tests.helpers.http import (
     AUTH,
     CLIENT,

@@ -20,7 +20,7 @@ import torch
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.wire import TensorSpec, encode, spec_of
-from diloco.worker.client import Conflict, DiLoCoClient, UnknownWorker
+from diloco.worker.transport.client import Conflict, DiLoCoClient, UnknownWorker
 from tests.helpers.http import (
     AUTH,
     CLIENT,

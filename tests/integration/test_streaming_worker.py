@@ -15,10 +15,10 @@ import torch
 
 from diloco import DiLoCoWorker
 from diloco.core import merge_
-from diloco.core.fragments import Piece, split_sequential
+from diloco.core.fragments import Piece, Schedule, split_sequential
 from diloco.wire import TensorSpec, build_layout, byte_view
-from diloco.worker.client import Conflict, Download, Unreachable
-from diloco.worker.fragment_plan import Schedule, plan_from_server
+from diloco.worker.server_mode.fragment_plan import plan_from_server
+from diloco.worker.transport.client import Conflict, Download, Unreachable
 
 D = 0.25  # every element moves by D per inner step (SGD lr 1 on a constant gradient -D)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker.client import Unreachable
+from diloco.worker.transport.client import Unreachable
 from tests.helpers.workers import fake_step, make_model, params_of
 
 
@@ -63,7 +63,7 @@ def test_a_counted_sync_adopts_the_download_as_it_lands(
 ) -> None:
     """After an accepted upload the model takes the new values during the download (in
     slices), not in a pass over the model after it; the result is the same."""
-    import diloco.worker.local_model as worker_mod
+    import diloco.worker.state.local_model as worker_mod
 
     decode_mod = importlib.import_module("diloco.wire.decode")  # the package exports decode()
     monkeypatch.setattr(decode_mod, "PROGRESS_BYTES", 8)  # report every two floats

@@ -23,7 +23,7 @@ from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.core.codecs import codec_from_metadata, decode_named
 from diloco.wire import iter_body
 from diloco.worker import resume
-from diloco.worker.client import DiLoCoClient
+from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.faultproxy import Fault, FaultProxy
 
 CONTINUE = len(b"HTTP/1.1 100 Continue\r\n\r\n")  # an upload's interim answer

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from diloco.server.rendezvous import Rendezvous
-from diloco.worker import quorum_connect
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, state_hash
+from diloco.worker.allreduce import connect as quorum_connect
+from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed, average, state_hash
 from tests.helpers.quorum import member_tensors, mixed_tensors
 
 pytestmark = pytest.mark.slow
@@ -260,7 +260,7 @@ def test_a_frozen_peer_fails_the_quorum_within_the_timeout(spawn, rendezvous, tm
 def test_a_member_alone_gives_up_joining_within_the_timeout(rendezvous):
     began = time.monotonic()
     with pytest.raises(QuorumFailed, match="could not join"):
-        QuorumGroup.build(*rendezvous.address(), "alone", 0, 2, 1.0)
+        QuorumCollective.build(*rendezvous.address(), "alone", 0, 2, 1.0)
     assert time.monotonic() - began < 1.0 + MARGIN
     assert not dist.is_initialized()
 
@@ -289,7 +289,7 @@ def test_a_join_that_overruns_its_own_timeouts_is_given_up_at_the_hard_limit(
     limit = 2 * 0.5 + quorum_connect.BUILD_MARGIN_S
     began = time.monotonic()
     with pytest.raises(QuorumFailed, match="longer than"):
-        QuorumGroup.build(*rendezvous.address(), "hung", 0, 2, 0.5)
+        QuorumCollective.build(*rendezvous.address(), "hung", 0, 2, 0.5)
     assert limit <= time.monotonic() - began < limit + MARGIN
     assert not shut.is_set()
     release.set()  # the construction ends late: what it built is shut down, not leaked
@@ -305,7 +305,7 @@ def test_bad_calls_are_refused_on_every_rank_and_the_quorum_forgotten(rendezvous
     refused: list[int] = []
 
     def member(rank: int) -> None:
-        with QuorumGroup.build(*rendezvous.address(), "threads", rank, 2, TIMEOUT) as group:
+        with QuorumCollective.build(*rendezvous.address(), "threads", rank, 2, TIMEOUT) as group:
             for weight, tensors in [
                 (-1.0 if rank else 1.0, [torch.ones(3)]),
                 (1.0, [torch.ones(3 + rank)]),

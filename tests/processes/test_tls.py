@@ -13,7 +13,7 @@ import requests
 import torch
 
 from diloco.wire import spec_of
-from diloco.worker.client import DiLoCoClient, Unreachable
+from diloco.worker.transport.client import DiLoCoClient, Unreachable
 from tests.helpers.http import (
     AUTH,
     TIMEOUT,

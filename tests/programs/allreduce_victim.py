@@ -18,22 +18,22 @@ from typing import Any
 import torch
 
 from diloco import DiLoCoWorker
-from diloco.worker import quorum_group
+from diloco.worker.allreduce.collective import QuorumCollective
 from tests.helpers.allreduce import make_model
 
 
 def main() -> None:
     address, worker_id = sys.argv[1], sys.argv[2]
     extra: dict[str, Any] = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    original = quorum_group.QuorumGroup.collective
+    original = QuorumCollective.collective
 
-    def collective(self: quorum_group.QuorumGroup, what: str, start: Any) -> None:
+    def collective(self: QuorumCollective, what: str, start: Any) -> None:
         if what == "all-reduce":
             print(json.dumps({"inside": True}), flush=True)
             threading.Event().wait()  # until killed
         original(self, what, start)
 
-    quorum_group.QuorumGroup.collective = collective  # type: ignore[method-assign]
+    QuorumCollective.collective = collective  # type: ignore[method-assign]
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(999)

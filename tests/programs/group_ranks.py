@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import DiLoCoClient, DiLoCoWorker
-from diloco.worker.client import Unreachable
+from diloco.worker.transport.client import Unreachable
 from tests.helpers.ranks import (
     BATCH,
     ROUNDS,

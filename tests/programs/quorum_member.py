@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, broadcast, state_hash
+from diloco.worker.allreduce.collective import (
+    QuorumCollective,
+    QuorumFailed,
+    average,
+    broadcast,
+    state_hash,
+)
 from tests.helpers.quorum import member_tensors, mixed_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,7 +43,7 @@ def _send(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _trip_at(group: QuorumGroup, k: int) -> None:
+def _trip_at(group: QuorumCollective, k: int) -> None:
     """From the group's k-th collective on: issue it, announce it, never wait for it."""
     calls = 0
     real = group.collective
@@ -59,7 +65,7 @@ def _trip_at(group: QuorumGroup, k: int) -> None:
     group.collective = tripped  # type: ignore[method-assign]
 
 
-def _failure(err: QuorumFailed, group: QuorumGroup | None) -> dict[str, Any]:
+def _failure(err: QuorumFailed, group: QuorumCollective | None) -> dict[str, Any]:
     return {
         "ok": False,
         "error": type(err).__name__,
@@ -69,12 +75,12 @@ def _failure(err: QuorumFailed, group: QuorumGroup | None) -> dict[str, Any]:
     }
 
 
-def _handle(cmd: dict[str, Any], group: QuorumGroup | None) -> tuple[dict[str, Any], Any]:
+def _handle(cmd: dict[str, Any], group: QuorumCollective | None) -> tuple[dict[str, Any], Any]:
     op = cmd["op"]
     if op == "build":
         if group is not None:
             group.close()
-        group = QuorumGroup.build(
+        group = QuorumCollective.build(
             cmd["host"], cmd["port"], cmd["quorum"], cmd["rank"], cmd["size"], cmd["timeout"]
         )
         return {"ok": True}, group
@@ -101,7 +107,7 @@ def _handle(cmd: dict[str, Any], group: QuorumGroup | None) -> tuple[dict[str, A
 
 def main() -> None:
     torch.set_num_threads(1)  # the tests run several members on a small machine
-    group: QuorumGroup | None = None
+    group: QuorumCollective | None = None
     _send({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -6,8 +6,8 @@ import pytest
 
 from diloco import ServerConfig
 from diloco.cli.main import main
-from diloco.worker.client import DiLoCoClient
-from diloco.worker.settings import DEFAULT_PORT, server_url
+from diloco.worker.transport.address import DEFAULT_PORT, server_url
+from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.cli import captured_config
 
 

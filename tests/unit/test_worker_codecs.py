@@ -12,9 +12,9 @@ from diloco import DiLoCoWorker
 from diloco.core.codecs import Int4Codec, Int8Codec, LowRankCodec, codec_by_name, codec_names
 from diloco.core.fragments import Piece
 from diloco.wire import build_layout, iter_body
-from diloco.worker.encoder import UploadEncoder, comm_dtype
-from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings, parse_codec, resolve, to_env
+from diloco.worker.state.encoder import UploadEncoder, comm_dtype
+from diloco.worker.state.local_model import LocalModel
 from tests.helpers.codecs import make_model, worker
 
 # --- choosing the codec -------------------------------------------------------------------------

@@ -27,13 +27,18 @@ from typing import Any
 import torch
 
 from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
-from diloco.core.fragments import Piece, plan
+from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.pseudo_gradient import PIECE
-from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
-from diloco.worker.fragment_exchange import Exchange, FragmentSender
-from diloco.worker.fragment_plan import Schedule, plan_from_server
+from diloco.worker.server_mode.fragment_exchange import Exchange, FragmentSender
+from diloco.worker.server_mode.fragment_plan import plan_from_server
+from diloco.worker.server_mode.joining import (
+    JoinAnswer,
+    join_server,
+    note_lost_adoption,
+    rejoin_server,
+)
 from diloco.worker.session import Session
-from diloco.worker.strategy import JoinAnswer, note_lost_adoption
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ class StreamingSync:
         self.pattern = settings.fragment_pattern
         self.plan: list[list[Piece]] = []
         self.rounds: list[int] = []
-        self.schedule = Schedule(session.sync_every, settings.num_fragments)
+        self.schedule = Schedule(settings.sync_every, settings.num_fragments)
         self._sender = FragmentSender(session)
         self._sent_step: list[int] = []  # total step count when each fragment was last sent
         self._sent_samples: list[float] = []
@@ -77,6 +82,14 @@ class StreamingSync:
     @property
     def round(self) -> int:
         return min(self.rounds) if self.rounds else self._s.base_round  # the furthest behind
+
+    def join(self, reply: Mapping[str, Any]) -> None:
+        join_server(self._s, self, reply)
+
+    def rejoin(self, reply: Mapping[str, Any]) -> str:
+        return rejoin_server(self._s, self, reply)
+
+    # --- Joining (server_mode/joining.py) -----------------------------------------------------
 
     def configure(self, reply: Mapping[str, Any]) -> None:
         if reply.get("mode"):
@@ -259,12 +272,7 @@ class StreamingSync:
         """Wait for the exchange (a stall if it is not back yet), then apply its outcome."""
         s = self._s
         if not job.done.is_set():
-            s.metrics["stalls"] += 1
-            t0 = time.monotonic()
-            s.syncing = True
-            job.done.wait()
-            s.syncing = False
-            s.metrics["stall_time_s"] += time.monotonic() - t0
+            s.stall(job.done.wait)
         self._inflight = None
         self._apply(job)
 

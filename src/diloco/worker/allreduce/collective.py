@@ -1,23 +1,24 @@
-"""The all-reduce mode's data plane: a process group for ONE quorum, and the collectives a round
-needs on it (a weighted average of pseudo-gradients, a broadcast for a joiner, a state hash).
+"""The all-reduce mode's data plane: a process group for ONE quorum (``QuorumCollective``), and
+the collectives a round needs on it (a weighted average of pseudo-gradients, a broadcast for a
+joiner, a state hash).
 
 A quorum is the set of live workers the server picked for a round (``server/rendezvous.py``).
-Each member calls ``QuorumGroup.build`` with the rendezvous address, the quorum's id, its rank
+Each member calls ``QuorumCollective.build`` with the rendezvous address, the quorum's id, its rank
 and the quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on a
 ``PrefixStore`` of that quorum. ``torch.distributed.init_process_group`` is never called: a
 broken quorum cannot poison the default group, the next round's group, or a worker group
-(``worker/group.py``) living in the same process.
+(``worker/groups/group.py``) living in the same process.
 
-Faults: every wait is bounded by the group's ``timeout`` (connecting to the rendezvous, meeting
+Faults: every wait is bounded by the collective's ``timeout`` (connecting to the rendezvous, meeting
 the other members, each collective). A peer killed outright fails the collective at once (its
 sockets are reset: about 30 ms measured); a peer that stops answering without closing its
 sockets (SIGSTOP, a frozen host) fails it when the timeout runs out. Either way, and on any
-other error of a collective, the caller gets ``QuorumFailed`` and the group is closed for good:
+other error of a collective, the caller gets ``QuorumFailed`` and the collective is closed for good:
 the round is discarded and a new quorum (a new id) repeats it.
 
 Gloo and NCCL here are not authenticated; see the security note in ``server/rendezvous.py``.
 The NCCL path is written to the same contract but untested (no GPU in this project's tests).
-A group is used by one thread at a time.
+A ``QuorumCollective`` is used by one thread at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
-from diloco.worker.quorum_connect import connect, shut
+from diloco.worker.allreduce.connect import connect, shut
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,14 @@ _QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule (server/re
 class QuorumFailed(RuntimeError):
     """A quorum could not form or one of its collectives failed (a peer died or stopped
     answering within the timeout, the rendezvous was unreachable). The cause is chained
-    (``__cause__``). The group is closed; results of the interrupted call must not be used."""
+    (``__cause__``). The collective is closed; results of the interrupted call must not be used."""
 
     def __init__(self, quorum_id: str, message: str) -> None:
         super().__init__(f"quorum {quorum_id}: {message}")
         self.quorum_id = quorum_id
 
 
-class QuorumGroup:
+class QuorumCollective:
     """One member's handle on a quorum's process group. Made by ``build``; closed by ``close``
     (or a failed collective), after which every call raises ``QuorumFailed``."""
 
@@ -91,7 +92,7 @@ class QuorumGroup:
         device: torch.device | str = "cpu",
         *,
         interface: str | None = None,
-    ) -> QuorumGroup:
+    ) -> QuorumCollective:
         """Join quorum ``quorum_id`` as ``rank`` of ``size`` through the rendezvous at
         ``host:port``. Returns once every member has joined; takes at most twice ``timeout`` plus
         ``quorum_connect.BUILD_MARGIN_S`` seconds (connecting, then meeting the others), else raises
@@ -110,7 +111,7 @@ class QuorumGroup:
             raise ValueError(f"timeout must be positive, got {timeout}")
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"quorum groups run on cpu (gloo) or cuda (NCCL), not {device}")
+            raise ValueError(f"quorum collectives run on cpu (gloo) or cuda (NCCL), not {device}")
         try:
             backend, store = connect(host, port, quorum_id, rank, size, timeout, device, interface)
         except (RuntimeError, OSError) as err:  # torch's DistError family, gloo's, the deadline
@@ -132,11 +133,11 @@ class QuorumGroup:
 
     def collective(self, what: str, start: Callable[[Any], Any]) -> None:
         """Run one collective: ``start(backend)`` issues it and returns its ``Work``, which is
-        waited for at most ``timeout``. On any failure the group is closed and ``QuorumFailed``
+        waited for at most ``timeout``. On any failure the collective is closed and ``QuorumFailed``
         (naming ``what``) is raised; the tensors it touched hold unspecified values then."""
         backend = self._backend
         if backend is None:
-            raise QuorumFailed(self.quorum_id, f"{what} on a closed group")
+            raise QuorumFailed(self.quorum_id, f"{what} on a closed collective")
         try:
             work = start(backend)
             # Bounded twice: the backend's per-operation timeout (gloo enforces it on every
@@ -150,12 +151,12 @@ class QuorumGroup:
 
     def close(self) -> None:
         """Abort pending collectives and connections, shut the backend down, drop it and the
-        store connection. Idempotent; the group is never used again."""
+        store connection. Idempotent; the collective is never used again."""
         backend, self._backend, self._store = self._backend, None, None
         if backend is not None:
             shut(backend, self.quorum_id)
 
-    def __enter__(self) -> QuorumGroup:
+    def __enter__(self) -> QuorumCollective:
         return self
 
     def __exit__(
@@ -168,7 +169,7 @@ class QuorumGroup:
 
 
 def average(
-    group: QuorumGroup,
+    quorum: QuorumCollective,
     tensors: Sequence[torch.Tensor],
     weight: float,
     dtype: torch.dtype = torch.float32,
@@ -191,8 +192,8 @@ def average(
     if not dtype.is_floating_point:
         raise ValueError(f"the communication dtype must be floating point, not {dtype}")
     flats = _flat_views(tensors)
-    _agree(group, f"average {dtype} {bucket_bytes};" + _table(tensors))
-    total = _weight_sum(group, weight)
+    _check_tables(quorum, f"average {dtype} {bucket_bytes};" + _table(tensors))
+    total = _weight_sum(quorum, weight)
     if total == 0.0:
         for flat in flats:
             flat.zero_()
@@ -200,17 +201,17 @@ def average(
     # Each rank scales by w_i / sum(w) before the sum, not after: one pass fewer over the model,
     # and bf16 carries values of the result's size whatever the weights' magnitude.
     scale = weight / total
-    for bucket, pieces in _packed(flats, dtype, bucket_bytes, group.device):
+    for bucket, pieces in _packed(flats, dtype, bucket_bytes, quorum.device):
         for own, part in pieces:
             _scaled_copy(part, own, scale)
-        group.collective("all-reduce", _allreduce(bucket, group.timeout))
+        quorum.collective("all-reduce", _allreduce(bucket, quorum.timeout))
         for own, part in pieces:
             own.copy_(part)
     return total
 
 
 def broadcast(
-    group: QuorumGroup,
+    quorum: QuorumCollective,
     tensors: Sequence[torch.Tensor],
     src: int,
     *,
@@ -220,28 +221,28 @@ def broadcast(
     every member's, bit for bit: how a joiner catches up from a live member. A collective.
     Raises ``ValueError`` on every rank together if the tables differ. On ``QuorumFailed`` the
     receivers' tensors are partly overwritten and must be fetched again."""
-    if not 0 <= src < group.size:
-        raise ValueError(f"src must be a rank in [0, {group.size}), got {src}")
+    if not 0 <= src < quorum.size:
+        raise ValueError(f"src must be a rank in [0, {quorum.size}), got {src}")
     # Bytes, not values: a bucket of one dtype carries any mix of dtypes without conversion.
     flats = [t.detach().reshape(-1).view(torch.uint8) for t in _contiguous(tensors)]
-    _agree(group, f"broadcast {src} {bucket_bytes};" + _table(tensors))
-    sending = group.rank == src
-    for bucket, pieces in _packed(flats, torch.uint8, bucket_bytes, group.device):
+    _check_tables(quorum, f"broadcast {src} {bucket_bytes};" + _table(tensors))
+    sending = quorum.rank == src
+    for bucket, pieces in _packed(flats, torch.uint8, bucket_bytes, quorum.device):
         if sending:
             for own, part in pieces:
                 part.copy_(own)
-        group.collective("broadcast", _broadcast(bucket, src, group.timeout))
+        quorum.collective("broadcast", _broadcast(bucket, src, quorum.timeout))
         if not sending:
             for own, part in pieces:
                 own.copy_(part)
 
 
-def all_equal(group: QuorumGroup, value: str) -> bool:
+def all_equal(quorum: QuorumCollective, value: str) -> bool:
     """Whether every member holds the same hex hash ``value`` (``state_hash``'s): one MAX
     all-reduce of ``[v, -v]`` gives the largest and the smallest value held. A collective."""
     v = float(int(value, 16))  # 32 bits: exact in fp64
     t = torch.tensor([v, -v], dtype=torch.float64)
-    group.collective("hash check", _allreduce(t, group.timeout, dist.ReduceOp.MAX))
+    quorum.collective("hash check", _allreduce(t, quorum.timeout, dist.ReduceOp.MAX))
     return bool(t[0].item() == v and -t[1].item() == v)
 
 
@@ -284,29 +285,29 @@ def _table(tensors: Sequence[torch.Tensor]) -> str:
     return ";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors)
 
 
-def _agree(group: QuorumGroup, layout: str) -> None:
+def _check_tables(quorum: QuorumCollective, layout: str) -> None:
     """Every rank raises ValueError together unless all ranks describe the same ``layout``:
     one tiny all-reduce (MAX of the fingerprint and of its negation gives max and -min)."""
     mark = int(checksum([layout.encode()]), 16)
-    pair = torch.tensor([mark, -mark], dtype=torch.int64, device=group.device)
-    group.collective("table check", _allreduce(pair, group.timeout, dist.ReduceOp.MAX))
+    pair = torch.tensor([mark, -mark], dtype=torch.int64, device=quorum.device)
+    quorum.collective("table check", _allreduce(pair, quorum.timeout, dist.ReduceOp.MAX))
     if int(pair[0]) != -int(pair[1]):
         raise ValueError(
-            f"quorum {group.quorum_id}: the members' tensor tables (or call arguments) differ"
+            f"quorum {quorum.quorum_id}: the members' tensor tables (or call arguments) differ"
         )
 
 
-def _weight_sum(group: QuorumGroup, weight: float) -> float:
+def _weight_sum(quorum: QuorumCollective, weight: float) -> float:
     # A bad weight is reported through the sum, so every rank refuses together instead of one
     # rank raising while the others wait for it until the timeout.
     bad = not (math.isfinite(weight) and weight >= 0)
     pair = torch.tensor(
-        [0.0 if bad else weight, 1.0 if bad else 0.0], dtype=torch.float64, device=group.device
+        [0.0 if bad else weight, 1.0 if bad else 0.0], dtype=torch.float64, device=quorum.device
     )
-    group.collective("weight sum", _allreduce(pair, group.timeout))
+    quorum.collective("weight sum", _allreduce(pair, quorum.timeout))
     if pair[1].item() > 0:
         raise ValueError(
-            f"quorum {group.quorum_id}: {int(pair[1].item())} member(s) gave a negative or "
+            f"quorum {quorum.quorum_id}: {int(pair[1].item())} member(s) gave a negative or "
             f"non-finite weight (this rank's: {weight})"
         )
     return float(pair[0].item())

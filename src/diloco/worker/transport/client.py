@@ -30,8 +30,8 @@ from diloco.wire import (
 )
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
-from diloco.worker.bulk import BulkConnections
-from diloco.worker.settings import server_url
+from diloco.worker.transport.address import server_url
+from diloco.worker.transport.bulk import BulkConnections
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from diloco.core.codecs import (
 from diloco.core.fragments import Piece
 from diloco.core.pseudo_gradient import PIECE
 from diloco.wire import CODE_OF_DTYPE, TensorSpec
-from diloco.worker.local_model import LocalModel
+from diloco.worker.state.local_model import LocalModel
 
 log = logging.getLogger(__name__)
 

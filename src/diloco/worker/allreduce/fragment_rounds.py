@@ -1,5 +1,6 @@
-"""Streaming DiLoCo in all-reduce mode (docs/design.md, "All-reduce mode"): the quorum averages
-one fragment at a time, ``sync_every / P`` inner steps apart, while training goes on.
+"""Streaming DiLoCo in all-reduce mode (docs/design.md, "All-reduce mode"), the quorum loop's
+second payload: the quorum averages one fragment at a time, ``sync_every / P`` inner steps apart,
+while training goes on.
 
 Every member of a quorum must average the same fragment, so the fragment follows from the run's
 round, not from each worker's own schedule: round ``r`` averages fragment ``r mod P`` (the
@@ -30,85 +31,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diloco.core import rebase_
-from diloco.core.fragments import Piece, plan
+from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import merge_states
-from diloco.worker.allreduce import AllReduceSync, Quorum
-from diloco.worker.fragment_plan import Schedule
-from diloco.worker.quorum_group import QuorumFailed, QuorumGroup
+from diloco.worker.allreduce.assignment import Assignment
+from diloco.worker.allreduce.collective import QuorumFailed
+from diloco.worker.allreduce.park import Park
+from diloco.worker.allreduce.payload import Rounds
+from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
-
-
-class Park:
-    """Lets the round's thread stop the training thread between two inner steps.
-
-    ``hold`` (round's thread) waits until the training thread is parked; ``release`` lets it go.
-    ``serve`` (training thread, between steps) parks while a hold is asked for; ``wait`` is
-    where the training thread waits for a round to end, parking too if asked meanwhile."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._wanted = False
-        self._parked = False
-
-    @property
-    def held(self) -> bool:
-        return self._wanted
-
-    def hold(self, timeout: float) -> None:
-        """Wait until the training thread is parked; ``QuorumFailed``-worthy ``TimeoutError``
-        if it does not come within ``timeout`` seconds (a step longer than that)."""
-        with self._cond:
-            if self._wanted:
-                return
-            self._wanted = True
-            self._cond.notify_all()
-            if not self._cond.wait_for(lambda: self._parked, timeout):
-                self._wanted = False
-                self._cond.notify_all()
-                raise TimeoutError(f"the training loop did not pause within {timeout:.0f} s")
-
-    def release(self) -> None:
-        with self._cond:
-            self._wanted = False
-            self._cond.notify_all()
-
-    def serve(self) -> None:
-        """Park here while the round's thread holds the model."""
-        with self._cond:
-            self._park_if_asked()
-
-    def wait(self, done: threading.Event) -> None:
-        """Until ``done`` is set (the round's thread sets it through ``notify``), parking
-        whenever asked."""
-        with self._cond:
-            while not done.is_set():
-                if not self._park_if_asked():
-                    self._cond.wait()
-
-    def notify(self, done: threading.Event) -> None:
-        with self._cond:
-            done.set()
-            self._cond.notify_all()
-
-    def _park_if_asked(self) -> bool:
-        if not self._wanted:
-            return False
-        self._parked = True
-        self._cond.notify_all()
-        self._cond.wait_for(lambda: not self._wanted)
-        self._parked = False
-        return True
 
 
 @dataclass
@@ -121,24 +60,24 @@ class Round:
     completed: bool = False  # a quorum averaged this worker's contribution
 
 
-class StreamingAllReduceSync(AllReduceSync):
-    """The ``SyncStrategy`` of all-reduce mode with ``num_fragments > 1``."""
+class FragmentRounds:
+    """The ``Payload`` of ``num_fragments > 1``: one outer optimizer per fragment."""
 
-    def __init__(self, session: Session, reply: Mapping[str, Any]) -> None:
+    def __init__(self, session: Session, state: SharedState) -> None:
         settings = session.settings
+        self._s = session
         self._plan: list[list[Piece]] = plan(
             session.local.table(), settings.num_fragments, settings.fragment_pattern
         )
-        super().__init__(session, reply)
+        self._by_samples = state.rules.by_samples
         self.alpha = settings.merge_alpha
         self.tau = settings.overlap_steps
         self.schedule = Schedule(session.sync_every, len(self._plan))
-        snapshot, momentum = session.local.snapshot, self._momentum
+        snapshot, momentum = state.snapshot, state.momentum
         names = list(snapshot)
         # One outer optimizer per fragment over views of the state (the server's units).
         self._views: list[list[torch.nn.Parameter]] = []
         self._outers: list[OuterSGD] = []
-        group = self._outer.param_groups[0]
         for pieces in self._plan:
             views = [
                 torch.nn.Parameter(
@@ -147,28 +86,28 @@ class StreamingAllReduceSync(AllReduceSync):
                 )
                 for p in pieces
             ]
-            outer = OuterSGD(
-                views, lr=group["lr"], momentum=group["momentum"], nesterov=group["nesterov"]
-            )
-            if momentum:
-                for view, p in zip(views, pieces, strict=True):
-                    buf = momentum[names.index(p.param)].view(-1)[p.start : p.stop]
-                    outer.state[view]["momentum_buffer"] = buf.view(p.shape)
+            buffers = [
+                momentum[names.index(p.param)].view(-1)[p.start : p.stop].view(p.shape)
+                for p in pieces
+                if momentum
+            ]
             self._views.append(views)
-            self._outers.append(outer)
+            self._outers.append(state.outer(views, buffers))
+        # One buffer of the largest fragment's size, fp32, where a fragment is averaged.
+        largest = max(sum(p.numel for p in frag) for frag in self._plan)
+        self._acc = torch.zeros(largest, dtype=torch.float32)
         self._park = Park()
         self._inflight: Round | None = None
         self._thread: threading.Thread | None = None
-        self._leaving = threading.Event()
         self._filled = -1  # the fragment whose pseudo-gradient the buffer holds (-1: none)
         self._fill_weight = 0.0
         self._fill_mark = (0, 0.0)
         # Per fragment: the total steps and samples when its last contribution was taken.
         self._marks = [(session.total_steps, session.samples)] * len(self._plan)
 
-    # --- SyncStrategy -------------------------------------------------------------------------
+    # --- the schedule (training thread) -------------------------------------------------------
 
-    def after_step(self) -> None:
+    def after_step(self, rounds: Rounds) -> None:
         s = self._s
         self._park.serve()
         job = self._inflight
@@ -177,37 +116,32 @@ class StreamingAllReduceSync(AllReduceSync):
         due = self.schedule.advance()
         s.local_step = self.schedule.phase
         if due is not None:
-            self._start()
+            self._start(rounds)
 
-    def sync_now(self) -> None:
+    def sync_now(self, rounds: Rounds) -> None:
         """The next round at once, blocking (after the one in flight, if any)."""
         if self._inflight is not None:
             self._finish(self._inflight)
         self._fill(self._s.base_round % len(self._plan))
-        self._sync()
+        rounds.sync()
 
-    def finish(self, *, submit: bool) -> None:
-        """Let the round in flight end and merge it; nothing is handed in after that (only a
-        quorum averages)."""
-        self._leaving.set()
+    def leave(self) -> None:
+        """Let the round in flight end and merge it."""
         if self._inflight is not None:
             self._finish(self._inflight)
-        super().finish(submit=submit)
 
-    # --- the training thread ------------------------------------------------------------------
-
-    def _start(self) -> None:
+    def _start(self, rounds: Rounds) -> None:
         s = self._s
         if self._inflight is not None:  # at most one round in flight
             self._finish(self._inflight)
         self._fill(s.base_round % len(self._plan))
         if self.tau == 0:
-            self._sync()
+            rounds.sync()
             return
         job = Round(self._filled, s.total_steps + self.tau)
         self._inflight = job
         self._thread = threading.Thread(
-            target=self._run, args=(job,), name="diloco-allreduce-round", daemon=True
+            target=self._run, args=(job, rounds), name="diloco-allreduce-round", daemon=True
         )
         self._thread.start()
 
@@ -215,12 +149,7 @@ class StreamingAllReduceSync(AllReduceSync):
         """Wait for the round (a stall if it is not done), then merge its fragment."""
         s = self._s
         if not job.done.is_set():
-            s.metrics["stalls"] += 1
-            t0 = time.monotonic()
-            s.syncing = True
-            self._park.wait(job.done)
-            s.syncing = False
-            s.metrics["stall_time_s"] += time.monotonic() - t0
+            s.stall(lambda: self._park.wait(job.done))
         self._inflight = None
         if job.completed:
             self._merge(job.fragment, self.alpha)
@@ -230,7 +159,7 @@ class StreamingAllReduceSync(AllReduceSync):
         or the round's thread while the training thread is parked)."""
         s = self._s
         steps, samples = self._marks[k]
-        flat, offset = self._acc[0], 0
+        flat, offset = self._acc, 0
         with torch.no_grad():
             for piece in self._plan[k]:
                 local, snapshot = s.local.slices(piece)
@@ -240,7 +169,7 @@ class StreamingAllReduceSync(AllReduceSync):
         new_steps = s.total_steps - steps
         if new_steps <= 0:
             self._fill_weight = 0.0  # nothing since its last contribution
-        elif self._samples_weighting:  # as the plain strategy: steps when no samples reported
+        elif self._by_samples:  # as the plain strategy: steps when no samples reported
             self._fill_weight = s.samples - samples if s.samples > samples else float(new_steps)
         else:
             self._fill_weight = 1.0
@@ -260,16 +189,16 @@ class StreamingAllReduceSync(AllReduceSync):
                     mine.mul_(alpha).add_(fresh.to(mine.dtype), alpha=1 - alpha)
             local.settle_copies()
 
-    # --- the round (training thread when tau is 0, else the round's thread) -------------------
+    # --- one round (training thread when tau is 0, else the round's thread) -------------------
 
     @property
     def _background(self) -> bool:
         """This code runs on the round's thread (the training thread may be stepping)."""
         return threading.current_thread() is self._thread
 
-    def _run(self, job: Round) -> None:
+    def _run(self, job: Round, rounds: Rounds) -> None:
         try:
-            job.completed = self._attempts()
+            job.completed = rounds.attempts()
         except Exception:  # a bug must not leave the training loop waiting forever
             log.exception("worker %s: all-reduce round crashed", self._s.worker_id)
         finally:
@@ -277,7 +206,46 @@ class StreamingAllReduceSync(AllReduceSync):
                 self._park.release()
             self._park.notify(job.done)
 
-    def _synced(self) -> None:
+    def _hold_model(self, q: Assignment) -> None:
+        """On the round's thread: park the training thread (``QuorumFailed`` if it does not
+        come within the quorum's timeout). On the training thread: nothing to wait for."""
+        if self._background:
+            try:
+                self._park.hold(q.timeout)
+            except TimeoutError as exc:
+                raise QuorumFailed(q.id, str(exc)) from exc
+
+    def receiving_state(self, q: Assignment) -> None:
+        self._hold_model(q)  # the rebase changes the model: the training loop waits meanwhile
+
+    def contribution(self, q: Assignment, weighted: bool) -> tuple[list[torch.Tensor], float]:
+        k = q.round % len(self._plan)
+        if k != self._filled or q.receiving:
+            # The state changed under the buffer (a rebase) or the run is at another round
+            # than this worker was: the pseudo-gradient is taken again, the model parked.
+            self._hold_model(q)
+            self._fill(k)
+        size = sum(p.numel for p in self._plan[k])
+        flat = self._acc[:size]
+        weight = self._fill_weight if weighted else 0.0
+        if weight == 0.0:
+            flat.zero_()  # nothing to add; finite bytes whatever the buffer held
+        return [flat], weight
+
+    def step(self, q: Assignment) -> None:
+        k = q.round % len(self._plan)
+        flat, offset = self._acc, 0
+        grads = []
+        for piece in self._plan[k]:
+            grads.append(flat[offset : offset + piece.numel].view(piece.shape))
+            offset += piece.numel
+        apply_outer_step(self._outers[k], self._views[k], grads)
+
+    def round_ended(self, *, has_state: bool) -> None:
+        if self._park.held and has_state:
+            self._park.release()
+
+    def completed(self) -> None:
         k = self._filled
         self._marks[k] = self._fill_mark
         if not self._background:  # inline: merge before training goes on
@@ -285,25 +253,7 @@ class StreamingAllReduceSync(AllReduceSync):
         # ``samples`` stays cumulative here: each fragment's weight is its difference since
         # that fragment's last contribution (``_marks``).
 
-    def _given_up(self) -> bool:
-        return self._leaving.is_set()
-
-    def _round(self, q: Quorum, weighted: bool) -> tuple[int, str]:
-        try:
-            return super()._round(q, weighted)
-        finally:
-            if self._park.held and not self._needs_state:
-                self._park.release()
-
-    def _share_state(self, group: QuorumGroup, q: Quorum) -> None:
-        if q.rank in q.resync and self._background:
-            try:  # the rebase changes the model: the training loop waits meanwhile
-                self._park.hold(q.timeout)
-            except TimeoutError as exc:
-                raise QuorumFailed(q.id, str(exc)) from exc
-        super()._share_state(group, q)
-
-    def _settle_counted(self, q: Quorum, steps_then: int) -> None:
+    def settle_counted(self, q: Assignment, steps_then: int) -> None:
         """Only the fragment of the round that made the state was counted: its progress goes,
         the other fragments keep theirs (a rebase)."""
         s = self._s
@@ -318,39 +268,7 @@ class StreamingAllReduceSync(AllReduceSync):
             k,
         )
 
-    def _contribute(self, group: QuorumGroup, q: Quorum, weighted: bool) -> float:
-        k = q.round % len(self._plan)
-        if k != self._filled or q.rank in q.resync:
-            # The state changed under the buffer (a rebase) or the run is at another round
-            # than this worker was: the pseudo-gradient is taken again, the model parked.
-            if self._background:
-                try:
-                    self._park.hold(q.timeout)
-                except TimeoutError as exc:
-                    raise QuorumFailed(q.id, str(exc)) from exc
-            self._fill(k)
-        size = sum(p.numel for p in self._plan[k])
-        flat = self._acc[0][:size]
-        weight = self._fill_weight if weighted else 0.0
-        if weight == 0.0:
-            flat.zero_()  # nothing to add; finite bytes whatever the buffer held
-        return self._average(group, q, [flat], weight)
-
-    def _step(self, q: Quorum) -> None:
-        k = q.round % len(self._plan)
-        flat, offset = self._acc[0], 0
-        grads = []
-        for piece in self._plan[k]:
-            grads.append(flat[offset : offset + piece.numel].view(piece.shape))
-            offset += piece.numel
-        apply_outer_step(self._outers[k], self._views[k], grads)
-
-    def _buffers(self) -> list[torch.Tensor]:
-        """One buffer of the largest fragment's size, fp32."""
-        largest = max(sum(p.numel for p in frag) for frag in self._plan)
-        return [torch.zeros(largest, dtype=torch.float32)]
-
-    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The server mode's streaming layout: one unit per fragment, each with its round (the
         rounds of the run that averaged it) and its optimizer's state."""
         state, shape = merge_states(list(self._outers))

@@ -1,4 +1,4 @@
-"""Connecting one member to a quorum's process group (``QuorumGroup.build``): the rendezvous
+"""Connecting one member to a quorum's process group (``QuorumCollective.build``): the rendezvous
 store, then gloo (CPU) or NCCL (CUDA) built directly on a ``PrefixStore`` of the quorum, on the
 local address this machine routes to the rendezvous from; the whole under a hard time limit."""
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 BUILD_MARGIN_S = 1.0
 """Added to twice the timeout (connecting to the rendezvous, then meeting the others) for the
-hard limit on ``QuorumGroup.build``."""
+hard limit on ``QuorumCollective.build``."""
 
 
 def connect(

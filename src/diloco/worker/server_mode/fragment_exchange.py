@@ -18,8 +18,8 @@ import torch
 
 from diloco.core.fragments import Piece
 from diloco.wire import Layout, WireError, byte_view, check_against, tensor_views
-from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
 from diloco.worker.session import Session
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class FragmentSender:
             job.bytes_up = s.client.bytes_up - before
         job.counted = True
         job.duplicate = job.resent and reply.get("status") == "duplicate"
-        if not job.duplicate:  # this body counted: the residual moves (worker/encoder.py)
+        if not job.duplicate:  # this body counted: the residual moves (worker/state/encoder.py)
             body.commit()
         counted_round = int(reply["round"])
         # Sync: wait for the fragment's round to close. Async: the reply names the new version.

@@ -1,7 +1,7 @@
-"""Which elements a streaming worker sends together, and when.
+"""Which elements a streaming worker sends together.
 
 The server plans the fragments (``core.fragments.plan``) and sends its plan; the worker checks it
-against its own model here. ``Schedule`` says after which inner step each fragment is due.
+against its own model here. When each fragment is due is ``core.fragments.Schedule``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from diloco.core.fragments import Piece, numel, sync_offsets
+from diloco.core.fragments import Piece, numel
 
 
 def plan_from_server(
@@ -53,27 +53,3 @@ def plan_from_server(
         if pos != sizes[name]:
             raise ValueError(f"the server's fragments do not cover all of {name!r}")
     return plan
-
-
-class Schedule:
-    """Which fragment is due after each inner step: every fragment exactly once per period."""
-
-    def __init__(self, sync_every: int, num_fragments: int) -> None:
-        self.num_fragments = num_fragments
-        self.phase = 0  # inner steps taken in the current period
-        self.retime(sync_every)
-
-    def retime(self, sync_every: int) -> None:
-        """A new period length; takes effect at the start of a period (phase 0)."""
-        assert self.phase == 0, "the schedule changes only between periods"
-        self.sync_every = sync_every
-        offsets = sync_offsets(sync_every, self.num_fragments)
-        self._due = {step: f for f, step in enumerate(offsets)}
-
-    def advance(self) -> int | None:
-        """Count one inner step; the fragment due after it, or None."""
-        self.phase += 1
-        due = self._due.get(self.phase)
-        if self.phase >= self.sync_every:
-            self.phase = 0
-        return due

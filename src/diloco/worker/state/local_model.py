@@ -31,9 +31,9 @@ from diloco.wire import (
     check_against,
     tensor_views,
 )
-from diloco.worker.adoption import StreamedAdoption
-from diloco.worker.client import SYNC_FAILURES
-from diloco.worker.downlink import UpdateBuffer, is_update
+from diloco.worker.state.adoption import StreamedAdoption
+from diloco.worker.state.update_buffer import UpdateBuffer, is_update
+from diloco.worker.transport.client import SYNC_FAILURES
 
 Fetch = Callable[[bool], bool]
 """``fetch(adopt)``: download global parameters into ``receiver(adopt)``; False if the wait gave

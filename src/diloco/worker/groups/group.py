@@ -2,8 +2,9 @@
 (docs/design.md, "Worker groups").
 
 Rank 0 of the group is the only one that talks to the server: it registers, sends heartbeats,
-uploads and downloads, through the ordinary ``PlainSync``. Every rank's optimizer hook fires at
-the same steps; at a sync all ranks enter the same sequence of collectives on the group:
+uploads and downloads, through the strategy chosen for it (``PlainSync``, or ``QuorumSync`` in
+all-reduce mode). Every rank's optimizer hook fires at the same steps; at a sync all ranks enter
+the same sequence of collectives on the group:
 
 1. the samples reported since the last sync are summed onto rank 0 (the upload's weight);
 2. partitioned models only: every rank's parameters are gathered into rank 0's mirrors of them,
@@ -11,17 +12,18 @@ the same steps; at a sync all ranks enter the same sequence of collectives on th
 3. rank 0 syncs with the server. Replicated: its parameters are broadcast bucket by bucket
    (a fixed plan every rank knows) into the other ranks' receive buffers, each bucket as soon as
    the download has adopted it (overlapping the download) and the rest once rank 0's sync ends;
-4. rank 0 broadcasts a verdict (the outcome, the round, the next ``sync_every``, its metrics, or
+4. rank 0 broadcasts its report (the outcome, the round, the next ``sync_every``, its metrics, or
    the error that ended it, and whether the buckets hold its final parameters). Other ranks wait
-   for the verdict only, never on the network: rank 0's retries and ``max_barrier_wait`` bound
+   for the report only, never on the network: rank 0's retries and ``max_barrier_wait`` bound
    the wait;
-5. the other ranks copy their receive buffers into their parameters, or, if the verdict says a
+5. the other ranks copy their receive buffers into their parameters, or, if the report says a
    bucket went out before a download broke off or was redone, rank 0's parameters are broadcast
    again (partitioned: always scattered), so all ranks end the sync bit-identical to rank 0.
 
 Nothing here is home-made transport: broadcast, gather, scatter and all_reduce of
-``torch.distributed`` (gloo on CPU, NCCL on CUDA). Small values (the agreement facts, verdicts)
-travel as JSON bytes in those tensor collectives (``worker/collectives.py``), never pickled.
+``torch.distributed`` (gloo on CPU, NCCL on CUDA). Small values (the agreement facts, reports)
+travel as JSON bytes in those tensor collectives (``worker/groups/json_collectives.py``), never
+pickled.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from diloco.core.fragments import numel
-from diloco.worker.collectives import all_gather_json, broadcast_json
-from diloco.worker.local_model import LocalModel
+from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.state.local_model import LocalModel
 
 log = logging.getLogger(__name__)
 
-BUCKET_BYTES = 32 << 20
+SHARE_BUCKET_BYTES = 32 << 20
 """Small parameters are broadcast together in flat buckets of at most this size."""
 
 STREAM_BUCKET_BYTES = 4 << 20
@@ -63,7 +65,7 @@ def find_group(process_group: Any) -> Any:
 
 
 @dataclass
-class Verdict:
+class LeaderReport:
     """What rank 0 tells every rank after a join or a sync."""
 
     ok: bool
@@ -73,12 +75,12 @@ class Verdict:
     base_round: int = 0
     sync_every: int = 0
     metrics: dict[str, float] | None = None
-    streamed: bool = False  # the buckets broadcast before this verdict hold rank 0's parameters
+    streamed: bool = False  # the buckets broadcast before this report hold rank 0's parameters
 
 
 class WorkerGroup:
     """The ranks of ``pg`` as one worker: the agreement check at construction and the
-    collectives that move parameters and verdicts."""
+    collectives that move parameters and rank 0's reports."""
 
     def __init__(
         self,
@@ -149,16 +151,17 @@ class WorkerGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
         return bool(t.item())
 
-    def send_verdict(self, verdict: Verdict) -> None:
+    def send_report(self, report: LeaderReport) -> None:
         assert self.leader
-        broadcast_json(asdict(verdict), self.pg, src=True, device=self._comm_device())
+        broadcast_json(asdict(report), self.pg, src=True, device=self._comm_device())
 
-    def receive_verdict(self) -> Verdict:
+    def receive_report(self) -> LeaderReport:
         assert not self.leader
-        return Verdict(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
+        return LeaderReport(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
 
     def broadcast_json(self, value: Any) -> Any:
-        """Rank 0's JSON ``value`` on every rank (``worker/collectives.py``: no pickle)."""
+        """Rank 0's JSON ``value`` on every rank (``worker/groups/json_collectives.py``: no
+        pickle)."""
         return broadcast_json(value, self.pg, src=self.leader, device=self._comm_device())
 
     # --- the streamed broadcast (replicated) ----------------------------------------------------
@@ -181,7 +184,7 @@ class WorkerGroup:
 
     def stream_receive(self) -> None:
         """The other ranks: receive every bucket of the plan into the receive buffers (the
-        parameters are untouched until the verdict says what to do with them)."""
+        parameters are untouched until the report says what to do with them)."""
         if not self._plan:
             return
         if not self._inbox:
@@ -250,7 +253,7 @@ class WorkerGroup:
         size = 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
-            if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+            if bucket and (size + nbytes > SHARE_BUCKET_BYTES or t.dtype != bucket[0].dtype):
                 self._broadcast_bucket(bucket)
                 bucket, size = [], 0
             bucket.append(t)
@@ -317,7 +320,7 @@ class _BucketStream:
 
     def body(self) -> None:
         if self._sent:
-            self._stale = True  # a retry rewrites what went out: the verdict asks for it again
+            self._stale = True  # a retry rewrites what went out: the report asks for it again
         self._adopted.clear()
         self._seen = 0
 

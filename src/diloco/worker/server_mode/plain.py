@@ -19,10 +19,15 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diloco.worker.client import SYNC_FAILURES, Conflict, UnknownWorker
-from diloco.worker.encoder import Upload
+from diloco.worker.server_mode.joining import (
+    JoinAnswer,
+    join_server,
+    note_lost_adoption,
+    rejoin_server,
+)
 from diloco.worker.session import Session
-from diloco.worker.strategy import JoinAnswer, note_lost_adoption
+from diloco.worker.state.encoder import Upload
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,14 @@ class PlainSync:
     def round(self) -> int:
         return self._s.base_round
 
+    def join(self, reply: Mapping[str, Any]) -> None:
+        join_server(self._s, self, reply)
+
+    def rejoin(self, reply: Mapping[str, Any]) -> str:
+        return rejoin_server(self._s, self, reply)
+
+    # --- Joining (server_mode/joining.py) -----------------------------------------------------
+
     def configure(self, reply: Mapping[str, Any]) -> None:
         pass  # the whole model is one unit: nothing to plan
 
@@ -79,6 +92,8 @@ class PlainSync:
         if counted:
             return "counted"
         return "held by the server, sent again at the next sync" if resend else "kept locally"
+
+    # --- SyncStrategy: syncing ----------------------------------------------------------------
 
     def after_step(self) -> None:
         s = self._s
