@@ -40,8 +40,8 @@ PATHS = [
 # Request targets all start with "/" (or are absolute URLs): an authority-form target (CONNECT)
 # or the asterisk form ("OPTIONS *") matches no route at all, and for such a request with an
 # Expect header that is not UTF-8, aiohttp's built-in handler answers a plain 500 before any
-# middleware runs (the server keeps serving; docs/design.md, "Limits"). Every routed request,
-# unknown paths included, has its own Expect handler and is covered.
+# middleware runs (the server keeps serving; docs/design/security.md, "Known limits"). Every
+# routed request, unknown paths included, has its own Expect handler and is covered.
 METHODS = ["GET", "POST", "PUT", "DELETE", "OPTIONS", "HEAD", "PATCH", "TRACE"]
 CONTENT_TYPES = [
     "application/json", "application/octet-stream", "text/plain",

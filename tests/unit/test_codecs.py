@@ -326,7 +326,7 @@ def test_metadata_names_the_codec(codec: Codec) -> None:
     meta = codec_metadata(codec)
     assert meta["codec"] == codec.name and all(isinstance(v, str) for v in meta.values())
     if isinstance(codec, Fp4Codec):
-        return  # implemented and measured, not registered: docs/design.md, "Codecs"
+        return  # implemented and measured, not registered: docs/design/codecs.md
     assert codec_from_metadata({**meta, "worker_id": "w1"}) == codec
 
 

@@ -1,5 +1,5 @@
 """The streamed broadcast of a replicated worker group (rank 0's side): which buckets go out
-when, and when the verdict must ask for the parameters again (docs/design.md, "Worker groups")."""
+when, and when the verdict must ask for the parameters again (docs/design/groups.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ PIECE = 1 << 20
 fp32 whatever the model's size) and by OuterSGD (pieces of parameter, gradient and momentum stay
 in cache across the update's in-place operations, so each tensor crosses memory about once per
 step instead of once per operation. For a 100M model on two cores, run in an executor thread as
-the server runs it: about 0.12 s -> 0.10 s (docs/design.md). Smaller pieces were slower there:
+the server runs it: about 0.12 s -> 0.10 s (docs/design/data-path.md). Smaller pieces were slower there:
 each operation's thread-pool hand-off then costs more than the cache saves)."""
 
 

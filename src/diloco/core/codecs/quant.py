@@ -6,7 +6,7 @@ element the integer code ``k = round(x / s)`` (round half to even: deterministic
 enough once error feedback carries each round's rounding into the next, so stochastic rounding
 buys nothing). Decoding is ``k * s``.
 
-Why these choices (figures in docs/design.md, "Codecs"):
+Why these choices (figures in docs/design/codecs.md, "Choices, with their measurements"):
 
 - bf16 scales: no measurable error difference from fp32 scales, half their bytes; and ``k * s``
   is then *exact* in fp32 (at most 7 + 8 significant bits), so a decoded value has the same bits

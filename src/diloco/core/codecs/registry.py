@@ -19,7 +19,7 @@ from diloco.core.codecs.lowrank import LowRankCodec
 from diloco.core.codecs.quant import Int8Codec
 
 FOUR_BIT = "int4"
-"""The registered 4-bit codec (uniform int4 over E2M1 ``fp4``: docs/design.md, "Codecs")."""
+"""The registered 4-bit codec (uniform int4 over E2M1 ``fp4``: docs/design/codecs.md)."""
 
 CODECS: dict[str, Callable[..., Codec]] = {
     "fp32": Fp32Codec,

@@ -1,5 +1,5 @@
-"""A worker's place in one quorum round: the server's answer to ``POST /quorum`` (docs/design.md,
-"All-reduce mode"), read once here into a typed record the quorum loop and its payload share."""
+"""A worker's place in one quorum round: the server's answer to ``POST /quorum`` (docs/design/
+allreduce.md), read once here into a typed record the quorum loop and its payload share."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo in all-reduce mode (docs/design.md, "All-reduce mode"), the quorum loop's
+"""Streaming DiLoCo in all-reduce mode (docs/design/allreduce.md), the quorum loop's
 second payload: the quorum averages one fragment at a time, ``sync_every / P`` inner steps apart,
 while training goes on.
 

@@ -1,5 +1,5 @@
-"""All-reduce mode on the worker (``diloco server --allreduce``; docs/design.md, "All-reduce
-mode"): the workers average their pseudo-gradients among themselves and each applies the same
+"""All-reduce mode on the worker (``diloco server --allreduce``; docs/design/allreduce.md): the
+workers average their pseudo-gradients among themselves and each applies the same
 outer step; the server only forms a quorum per round and records its outcome.
 
 The worker holds the run's shared state (``SharedState``: the snapshot and the outer

@@ -1,5 +1,5 @@
 """Worker groups: the ranks of a ``torch.distributed`` group are ONE DiLoCo worker
-(docs/design.md, "Worker groups").
+(docs/design/groups.md).
 
 Rank 0 of the group is the only one that talks to the server: it registers, sends heartbeats,
 uploads and downloads, through the strategy chosen for it (``PlainSync``, or ``QuorumSync`` in
@@ -388,7 +388,7 @@ def _agree(infos: list[Mapping[str, Any]]) -> bool:
         if info["sharded"]:
             raise ValueError(
                 f"worker group: rank {r} holds sharded parameters (FSDP/DTensor), which a worker "
-                "group does not sync yet (docs/design.md, 'Worker groups')"
+                "group does not sync yet (docs/design/groups.md)"
             )
     tables: list[Table] = [info["table"] for info in infos]
     partitioned = first["partitioned"]

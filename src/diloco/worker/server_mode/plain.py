@@ -1,8 +1,8 @@
 """Plain DiLoCo on the worker: the whole model is exchanged every ``sync_every`` inner steps.
 
 A sync uploads ``snapshot - local`` piece by piece, waits for the round that counts it and
-adopts its result. Failure handling follows one rule (docs/design.md, "Worker state and
-rebasing"): local progress is never thrown away while the server may not hold it. An accepted
+adopts its result. Failure handling follows one rule (docs/design/durability.md,
+"Worker state and rebasing"): local progress is never thrown away while the server may not hold it. An accepted
 upload is held by the server only in memory until its round closes, so its progress stays in the
 model until a round that holds it has arrived; if that round does not come, the upload is handed
 in again under the same submission id (the server answers "duplicate" if it still holds it) or,

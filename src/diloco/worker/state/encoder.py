@@ -1,5 +1,5 @@
 """How a worker's pseudo-gradients go on the wire: its codec, and error feedback for a lossy one
-(docs/design.md, "Codecs, worker side").
+(docs/design/codecs.md, "Worker side").
 
 ``fp32`` and ``bf16`` are sent as today: ``LocalModel.produce`` streams ``snapshot - local`` from a
 reused scratch, with no residual (bf16's rounding is what every release sent). Any other codec
