@@ -24,7 +24,7 @@ from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker import allreduce, quorum_group
 from tests.integration.test_allreduce import run_workers
 
-HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
+HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/allreduce/suspects.py)
 ROUNDS = 3
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from diloco.server.rendezvous import Rendezvous
+from diloco.server.allreduce.rendezvous import Rendezvous
 from diloco.worker import quorum_connect
 from diloco.worker.quorum_group import QuorumFailed, QuorumGroup, average, state_hash
 from tests.quorum_member import member_tensors, mixed_tensors

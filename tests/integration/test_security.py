@@ -15,9 +15,9 @@ import pytest
 import requests
 import torch
 
-from diloco.server import security
-from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
+from diloco.server.web import security
+from diloco.server.web.app import OPEN_PATHS, build_app
 from diloco.wire import spec_of
 from diloco.worker import client as client_module
 from diloco.worker.client import DiLoCoClient, Unreachable
@@ -110,7 +110,7 @@ def send(server: DiLoCoServer, key: tuple[str, str], headers: dict[str, str]) ->
 def test_every_route_is_listed_here(make_server: ServerFactory) -> None:
     """A new route must be added to REQUESTS (and so to the 401 tests) or be open on purpose."""
     server = make_server()
-    app = build_app(server.coordinator)
+    app = build_app(server.front)
     routes = {
         (r.method, r.resource.canonical)
         for r in app.router.routes()
@@ -126,7 +126,7 @@ def test_every_route_is_listed_here(make_server: ServerFactory) -> None:
 
 
 def security_open_paths() -> frozenset[str]:
-    from diloco.server import dashboard
+    from diloco.server.web import dashboard
 
     return dashboard.PATHS
 

@@ -1,4 +1,4 @@
-"""/status of a running server, key for key against the status dataclasses (server/status.py):
+"""/status of a running server, key for key against the status dataclasses (server/observe/status.py):
 a field renamed on one side fails here, and the JSON parses back to itself."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import requests
 import torch
 
+from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
-from diloco.server.status import Status
 from tests.integration.conftest import ServerFactory
 from tests.integration.test_server_http import (
     EXACT,
