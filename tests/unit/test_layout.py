@@ -131,6 +131,21 @@ def test_the_server_rules_catch_a_forbidden_import(module: str, target: str) -> 
     ]
 
 
+def test_only_the_factory_asks_which_mode_runs() -> None:
+    """Each mode is one front: ``config.allreduce`` is read by ``make_front`` (server.py) and the
+    config's own validation, nowhere else in the server."""
+    readers = set()
+    for file in (SRC / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "allreduce":
+                readers.add(file.relative_to(SRC).as_posix())
+            elif isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == "allreduce" for c in node.comparators
+            ):
+                readers.add(file.relative_to(SRC).as_posix())
+    assert readers == {"server/server.py", "server/config.py"}
+
+
 def test_server_folders_are_small_and_say_what_they_own() -> None:
     """A folder per concern, at most about 15 modules, its ``__init__`` saying what it owns."""
     for folder in [SRC / "server", *(p.parent for p in (SRC / "server").rglob("__init__.py"))]:

@@ -29,7 +29,7 @@ from diloco.server.members.membership import Membership
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.loss_history import LossHistory
 from diloco.server.observe.metrics import QUORUM_FAMILIES
-from diloco.server.observe.records import AllreduceStatus, Saves
+from diloco.server.observe.records import QuorumSummary, Saves
 from diloco.server.observe.run_log import RunLog
 from diloco.server.observe.status import Status, build_status
 from diloco.server.quorum_bodies import Ask, Outcome
@@ -220,5 +220,5 @@ class AllReduceFront:
     def saves(self) -> Saves:
         return Saves()
 
-    def quorum_state(self) -> AllreduceStatus:
+    def quorum_state(self) -> QuorumSummary:
         return self.book.public()

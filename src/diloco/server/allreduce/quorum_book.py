@@ -38,7 +38,7 @@ from typing import Any
 from diloco.server.allreduce.quorum_records import Ended, QuorumRecord, choose
 from diloco.server.allreduce.suspects import HeartbeatOf, Suspects
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
-from diloco.server.observe.records import AllreduceStatus, QuorumStatus
+from diloco.server.observe.records import QuorumStatus, QuorumSummary
 from diloco.server.quorum_bodies import Ask, Outcome
 
 log = logging.getLogger(__name__)
@@ -391,9 +391,9 @@ class QuorumBook:
             "collective_timeout": self.collective_timeout,
         }
 
-    def public(self) -> AllreduceStatus:
+    def public(self) -> QuorumSummary:
         q = self.open
-        return AllreduceStatus(
+        return QuorumSummary(
             instance=self.instance,
             round=self.round,
             quorum=QuorumStatus(q.id, q.members, q.start.round) if q is not None else None,

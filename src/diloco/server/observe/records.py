@@ -167,7 +167,7 @@ class QuorumStatus:
 
 
 @dataclass(frozen=True)
-class AllreduceStatus:
+class QuorumSummary:
     """What ``GET /status`` shows of the all-reduce mode's quorums
     (``server/allreduce/quorum_book.py``)."""
 
@@ -179,5 +179,5 @@ class AllreduceStatus:
     pending_quorum: tuple[str, ...]
 
 
-IDLE = AllreduceStatus(None, 0, None, 0, 0, ())
+IDLE = QuorumSummary(None, 0, None, 0, 0, ())
 """The quorum part of a status where no quorum is formed (the parameter server's)."""

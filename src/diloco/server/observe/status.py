@@ -28,11 +28,11 @@ from diloco.server.config import ServerConfig
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.records import (
     OMIT,
-    AllreduceStatus,
     DelayedNesterovSettings,
     FragmentStatus,
     OuterOptimizer,
     QuorumStatus,
+    QuorumSummary,
     Refusal,
     RobustAggregation,
     RoundLoss,
@@ -215,7 +215,7 @@ class Observed(Protocol):
     def shown_round(self) -> int: ...
     def outer_optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
     def saves(self) -> Saves: ...
-    def quorum_state(self) -> AllreduceStatus: ...
+    def quorum_state(self) -> QuorumSummary: ...
 
 
 def build_status(coord: Observed, history_since: int = 0) -> Status:

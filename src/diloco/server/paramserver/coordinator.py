@@ -39,10 +39,10 @@ from diloco.server.intake.upload_body import UploadBody
 from diloco.server.members.membership import Membership
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.loss_history import LossHistory
-from diloco.server.observe.records import IDLE, AllreduceStatus, Saves
+from diloco.server.observe.records import IDLE, QuorumSummary, Saves
 from diloco.server.observe.run_log import RunLog
 from diloco.server.observe.status import Status, build_status
-from diloco.server.params.store import ParamStore, Snapshot
+from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.downloads import Downloads
 from diloco.server.paramserver.roster import UnitRoster
 from diloco.server.rounds.aggregator import Aggregator, Verdict
@@ -99,6 +99,8 @@ class Coordinator:
             self.intake.sum_free,
         )
         self.downloads = Downloads(config, self.model, self.registry, self.run_log)
+        #: ``GET /global_params`` is the downloads' (paramserver/downloads.py).
+        self.download = self.downloads.download
         self._closing_tasks: set[asyncio.Task[None]] = set()
         if store is not None:
             self._adopt_store(store)
@@ -341,17 +343,6 @@ class Coordinator:
             raise
         self._maybe_close()
 
-    # --- downloads (paramserver/downloads.py) ---------------------------------------------------
-
-    async def download(
-        self,
-        worker_id: str | None,
-        raw_fragment: str | None,
-        min_round: Callable[[], int],
-        have_round: int | None = None,
-    ) -> Snapshot | dict[str, Any]:
-        return await self.downloads.download(worker_id, raw_fragment, min_round, have_round)
-
     # --- control --------------------------------------------------------------------------------
 
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -390,7 +381,7 @@ class Coordinator:
         cp = self.checkpoints
         return Saves(cp.last_save, cp.last_save_error, cp.resumed_from)
 
-    def quorum_state(self) -> AllreduceStatus:
+    def quorum_state(self) -> QuorumSummary:
         return IDLE
 
 
