@@ -111,7 +111,8 @@ def test_two_concurrent_asks_get_one_quorum_and_outcomes_complete_the_round(
     assert qa["quorum_id"] == qb["quorum_id"]
     assert (qa["rank"], qb["rank"], qa["size"]) == (0, 1, 2)
     assert qa["members"] == ["w-a", "w-b"]
-    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": two.front.rendezvous.port}  # type: ignore[union-attr]
+    port = two.front.rendezvous.port  # type: ignore[attr-defined]
+    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": port}
     assert (qa["round"], qa["hash"], qa["source"], qa["resync"]) == (0, "h0", 0, [])
     st = two.status()
     assert st["mode"] == "allreduce" and st["opened"] is True

@@ -1,5 +1,6 @@
-"""/status of a running server, key for key against the status dataclasses (server/observe/status.py):
-a field renamed on one side fails here, and the JSON parses back to itself."""
+"""/status of a running server, key for key against the status dataclasses
+(server/observe/status.py): a field renamed on one side fails here, and the JSON parses back to
+itself."""
 
 from __future__ import annotations
 

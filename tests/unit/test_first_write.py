@@ -1,7 +1,7 @@
-"""The round's first upload goes straight into the running sum (server/intake/first_write.py): it takes
-no upload slot, an add waits for it, and one that fails midway leaves a sum that counts nothing,
-so the next upload is the first again. Driven through the coordinator with in-memory bodies and
-two-element stages, so every body here spans several stretches."""
+"""The round's first upload goes straight into the running sum (server/intake/first_write.py): it
+takes no upload slot, an add waits for it, and one that fails midway leaves a sum that counts
+nothing, so the next upload is the first again. Driven through the coordinator with in-memory bodies
+and two-element stages, so every body here spans several stretches."""
 
 from __future__ import annotations
 

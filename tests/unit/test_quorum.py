@@ -1,5 +1,6 @@
-"""All-reduce mode's quorums (server/allreduce/quorum_book.py) with a fake clock: when a quorum forms, where it
-starts (round, hash, source, resync), how outcomes complete or discard it, and the errors."""
+"""All-reduce mode's quorums (server/allreduce/quorum_book.py) with a fake clock: when a quorum
+forms, where it starts (round, hash, source, resync), how outcomes complete or discard it, and the
+errors."""
 
 from __future__ import annotations
 
@@ -403,7 +404,7 @@ def test_a_server_started_into_a_run_waits_for_its_workers_before_one_goes_on_al
     assert reply(alone)["members"] == ["a"]
 
 
-# --- members gone silent after a failed quorum (server/allreduce/suspects.py) --------------------------
+# --- members gone silent after a failed quorum (server/allreduce/suspects.py) ---------------
 
 
 class Beats:

@@ -1,5 +1,5 @@
-"""The typed status (server/observe/status.py): its JSON keys, its parsing, and the keys the dashboard
-reads. A renamed field must break one of these tests, not show ``-`` on a page."""
+"""The typed status (server/observe/status.py): its JSON keys, its parsing, and the keys the
+dashboard reads. A renamed field must break one of these tests, not show ``-`` on a page."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The server's reading of a codec upload (server/intake/upload_body.py) and the running sum's encoded
-entries (core/accumulate.py): the add decodes a chunk at a time, never a whole upload (measured
-with the profiler's allocation records), frees the receive buffer in payload order, and lands the
-same bits as decoding first."""
+"""The server's reading of a codec upload (server/intake/upload_body.py) and the running sum's
+encoded entries (core/accumulate.py): the add decodes a chunk at a time, never a whole upload
+(measured with the profiler's allocation records), frees the receive buffer in payload order, and
+lands the same bits as decoding first."""
 
 from __future__ import annotations
 

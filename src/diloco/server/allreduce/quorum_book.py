@@ -176,7 +176,8 @@ class QuorumBook:
     async def tick_loop(self) -> None:
         steps = [self.collective_timeout, self.join_timeout or self.collective_timeout]
         # Often enough that a deadline, a join timeout or a silent member's grace
-        # (server/allreduce/suspects.py) is acted on within a quarter second; each tick is a dict scan.
+        # (server/allreduce/suspects.py) is acted on within a quarter second; each tick is a dict
+        # scan.
         interval = max(0.05, min(0.25, *(s / 4 for s in steps)))
         while True:
             await asyncio.sleep(interval)

@@ -11,7 +11,8 @@ quorum forms without suspects; a suspect is not evicted, and counts again as soo
 hears from it (it then receives the state at its next quorum, keeping its progress on top). A
 worker without heartbeats (interval 0) is never a suspect: only its eviction leaves it out.
 
-Pure state with an injected clock, like ``server/allreduce/quorum_book.py``, which owns the instance.
+Pure state with an injected clock, like ``server/allreduce/quorum_book.py``, which owns the
+instance.
 """
 
 from __future__ import annotations

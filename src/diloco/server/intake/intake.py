@@ -1,14 +1,14 @@
 """Receiving upload bodies: the one owner of the upload slots, the first write's stages, the
 first write in progress and the adds not yet finished.
 
-An accepted upload lands here in one of two ways. The round's first upload may be written into
-its unit's running sum as it arrives (server/intake/first_write.py), when the aggregator allows it,
-nothing else owns that sum and the body carries plain values (raw, or the fp32/bf16 codecs).
-Every other upload, a lossy codec's among them, is received whole into an upload slot
-(server/intake/upload_slots.py), checked, and handed to the aggregator with an ``add`` that queues its
-addition on the tensor lock behind any first write (encoded tensors decode a chunk at a time
-inside it: server/intake/upload_body.py). Either way the body is checked (finite values and scales, its
-worker still registered and current) before the aggregator counts it.
+An accepted upload lands here in one of two ways. The round's first upload may be written into its
+unit's running sum as it arrives (server/intake/first_write.py), when the aggregator allows it,
+nothing else owns that sum and the body carries plain values (raw, or the fp32/bf16 codecs). Every
+other upload, a lossy codec's among them, is received whole into an upload slot
+(server/intake/upload_slots.py), checked, and handed to the aggregator with an ``add`` that queues
+its addition on the tensor lock behind any first write (encoded tensors decode a chunk at a time
+inside it: server/intake/upload_body.py). Either way the body is checked (finite values and scales,
+its worker still registered and current) before the aggregator counts it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``GET /metrics``: the server's state in the Prometheus text format (version 0.0.4).
 
-Built from the typed ``Status`` (``server/observe/status.py``) plus the few counters only the HTTP
-layer sees (requests by status, refused authentications, ``server/web/counters.py``). Fields are read as attributes, so a
+Built from the typed ``Status`` (``server/observe/status.py``) plus the few counters only the
+HTTP layer sees (requests by status, refused authentications, ``server/web/counters.py``), and a
+mode's own families (``Family``, listed by its front). Fields are read as attributes, so a
 renamed one fails mypy and the tests; a value that is ``None`` or not finite drops its line.
 """
 

@@ -125,8 +125,8 @@ class Status:
     checksum: str | None = None
     full_downloads: int = 0
     update_downloads: int = 0
-    # All-reduce mode (server/allreduce/quorum_book.py): the open quorum, quorums that completed a round or
-    # were discarded, workers waiting for a quorum. Defaults, as above.
+    # All-reduce mode (server/allreduce/quorum_book.py): the open quorum, quorums that completed a
+    # round or were discarded, workers waiting for a quorum. Defaults, as above.
     quorum: QuorumStatus | None = None
     rounds_completed: int = 0
     rounds_discarded: int = 0

@@ -6,8 +6,8 @@ waiting connection streams the same immutable bytes. Immutability is kept by cop
 outer step runs in place when nobody is downloading, and on a fresh copy when a slow reader still
 holds the current buffer (the reader keeps its round; memory returns when it finishes).
 
-With a lossy download codec (server/params/update_bodies.py) the outer optimizer's parameters move to a
-buffer of their own (``keep_true``: the *true* copy) and the payload holds what was published,
+With a lossy download codec (server/params/update_bodies.py) the outer optimizer's parameters move
+to a buffer of their own (``keep_true``: the *true* copy) and the payload holds what was published,
 which the downlink writes after each step; copy-on-write then guards the payload alone.
 
 Each published payload has a checksum (``wire.checksum``), computed once per round off the

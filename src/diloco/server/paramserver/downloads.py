@@ -38,8 +38,8 @@ class Downloads:
         a published round >= ``min_round()``, or the 202 reply when none came within
         ``poll_timeout``. The snapshot's ``sent`` counts the bytes once they are sent.
 
-        With a lossy download codec, a worker that says it holds round ``have_round`` gets the
-        kept update when it leads from there to the published round (server/params/update_bodies.py);
+        With a lossy download codec, a worker that says it holds round ``have_round`` gets the kept
+        update when it leads from there to the published round (server/params/update_bodies.py);
         anyone else (a joiner, a worker that missed a round) gets full parameters."""
         # A worker waiting (503) for another's initial upload has joined as well as one served.
         self.registry.fetching(worker_id)

@@ -1,13 +1,14 @@
 """What every mode of combining the workers' pseudo-gradients promises the rest of the server.
 
-A unit (the whole model, or one fragment) holds exactly one ``Aggregator``. The coordinator and
-the intake talk to it only through this protocol, so a new mode (an all-reduce mode, a codec that
+A unit (the whole model, or one fragment) holds exactly one ``Aggregator``. The coordinator and the
+intake talk to it only through this protocol, so a new mode (a new outer rule, a codec that
 decodes compressed uploads before they count) is one new class here, not a branch elsewhere.
 ``SyncAggregator`` (server/rounds/sync_aggregator.py) closes a round when its expected workers have
-submitted; ``AsyncAggregator`` (server/rounds/async_aggregator.py) applies each submission as it lands.
+submitted; ``AsyncAggregator`` (server/rounds/async_aggregator.py) applies each submission as it
+lands.
 
-The state machines behind them (server/rounds/barrier.py, server/rounds/async_gate.py) stay free of tensors and
-I/O; an aggregator adds the running sum, the outer step and its publication.
+The state machines behind them (server/rounds/barrier.py, server/rounds/async_gate.py) stay free of
+tensors and I/O; an aggregator adds the running sum, the outer step and its publication.
 """
 
 from __future__ import annotations

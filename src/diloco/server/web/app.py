@@ -187,8 +187,8 @@ async def initial_params(request: web.Request) -> web.Response:
 async def global_params(request: web.Request) -> web.StreamResponse:
     """The global parameters, or with ``?fragment=k`` one fragment's pieces. Long-polls until
     ``min_round`` is published. ``have_round=R``: the round the worker holds, so that a lossy
-    download codec can send the round's update instead (server/params/update_bodies.py). No lock is held
-    while the bytes stream: the snapshot pins them and an outer step meanwhile writes to a
+    download codec can send the round's update instead (server/params/update_bodies.py). No lock
+    is held while the bytes stream: the snapshot pins them and an outer step meanwhile writes to a
     copy."""
     params = request.app[FRONT].parameters("the server holds no parameters to send")
     worker_id = request.query.get("worker_id")
