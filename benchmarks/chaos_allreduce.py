@@ -105,7 +105,8 @@ class SyncWatch:
     def __call__(self) -> bool:
         if not self.streaming:
             return bool(self.worker.local_step == 0)
-        if getattr(self.worker._strategy, "_inflight", None) is not None:
+        payload = getattr(self.worker._strategy, "_payload", None)  # QuorumSync's
+        if getattr(payload, "_inflight", None) is not None:
             return False
         rounds = int(self.worker.sync_metrics["rounds"])
         done, self.rounds = rounds > self.rounds, rounds
@@ -175,7 +176,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )
 
     def state_hash() -> str | None:
-        strategy = getattr(worker, "_strategy", None)  # AllReduceSync's hash of its state
+        strategy = getattr(worker, "_strategy", None)  # QuorumSync's hash of its state
         return getattr(strategy, "_hash", None)
 
     stopping_since: float | None = None
@@ -231,7 +232,9 @@ def snapshot_source(dest: Path, tries: int = 10) -> dict[str, Any]:
     """Copy ``src/diloco`` to ``dest/diloco`` and check that it imports: the children run from
     this copy (``PYTHONPATH``), so edits to the working tree during a run cannot reach them."""
     src = Path(__file__).resolve().parent.parent / "src" / "diloco"
-    check = "import diloco, diloco.server.server, diloco.worker.allreduce, diloco.demo.data"
+    check = (
+        "import diloco, diloco.server.server, diloco.worker.allreduce.quorum_sync, diloco.demo.data"
+    )
     for _ in range(tries):
         shutil.rmtree(dest / "diloco", ignore_errors=True)
         shutil.copytree(src, dest / "diloco", ignore=shutil.ignore_patterns("__pycache__"))

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/crash_moments.py --reps 5 --json benchmarks/results/crash_moments.json
 
-Each run is the scenario of ``tests/crash_scenario.py``: one worker trains 15 steps (a sync every
+Each run is the scenario of ``tests/helpers/crash_scenario.py``: one worker trains 15 steps (a sync every
 3) against a server with ``--save-every 1 --keep 1``; the server is killed at one moment of the
 worker's k-th upload (k cycles through 2, 3, 4; cuts inside an upload or a download move too),
 restarted from its save dir, and the worker finishes. The ledger (constant gradients, outer SGD
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.crash_scenario import MOMENTS, SYNC_EVERY, run  # noqa: E402
+from tests.helpers.crash_scenario import MOMENTS, SYNC_EVERY, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

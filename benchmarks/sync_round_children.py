@@ -59,7 +59,7 @@ def build_model(shape: ModelShape, seed: int = 0) -> Any:
 
 # --- communication configurations ------------------------------------------------------------
 
-#: Upload codecs that keep no error-feedback residual (``worker/encoder.py``).
+#: Upload codecs that keep no error-feedback residual (``worker/state/encoder.py``).
 RAW_CODECS = ("fp32", "bf16")
 
 

@@ -11,15 +11,8 @@ from diloco.persistence import latest_checkpoint
 from diloco.server.config import ServerConfig
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import SyncCoordinator
-from tests.aio import let_loop_run
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.aio import let_loop_run
+from tests.helpers.clock import FakeClock
 
 
 def make(clock: FakeClock, **cfg: object) -> SyncCoordinator:
@@ -76,12 +69,9 @@ def test_stuck_loop_is_evicted_even_with_heartbeats() -> None:
         coord = make(clock, heartbeat_timeout=120.0, stuck_timeout=300.0)
         coord.membership.register("a", "h", {})
         coord.membership.register("b", "h", {})
-        coord.membership.heartbeat(
-            "a", {"step_age_s": 301.0, "syncing": False}
-        )  # alive thread, hung loop
-        coord.membership.heartbeat(
-            "b", {"step_age_s": 900.0, "syncing": True}
-        )  # waiting at the barrier: fine
+        # a: its thread is alive, its loop hung; b: waiting at the barrier, fine.
+        coord.membership.heartbeat("a", {"step_age_s": 301.0, "syncing": False})
+        coord.membership.heartbeat("b", {"step_age_s": 900.0, "syncing": True})
         assert coord.membership.check_health() == ["a"]
         assert coord.registry.deaths == 1
 
@@ -113,7 +103,7 @@ def test_num_workers_grows_with_late_joiners() -> None:
 
 async def _resumed(tmp_path: Path, clock: FakeClock) -> SyncCoordinator:
     """A run of two workers that closed round 0 and saved, then restarted with nobody back."""
-    from tests.unit.test_upload_waits import HeldBody, submit, upload  # it imports this module
+    from tests.helpers.coordinator import HeldBody, submit, upload  # it imports this module
 
     config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=60.0, save_dir=str(tmp_path))
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
@@ -133,7 +123,7 @@ def test_a_resumed_round_opens_with_the_workers_that_came_back(tmp_path: Path) -
     """b finished (or died) while the server was down. The resumed round waits for both workers
     as long as a worker may stay silent, then opens with a alone and closes with its upload."""
 
-    from tests.unit.test_upload_waits import HeldBody, submit, upload
+    from tests.helpers.coordinator import HeldBody, submit, upload
 
     async def scenario() -> None:
         clock = FakeClock()
