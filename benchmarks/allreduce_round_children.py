@@ -66,7 +66,7 @@ def server_main(
     server = DiLoCoServer(config).start()
     store_port = None
     if allreduce:
-        book = server.coordinator.allreduce.book  # type: ignore[union-attr]
+        book = server.front.book  # type: ignore[attr-defined]
         store_port = int(book.rendezvous[1])
         if store_proxy is not None:
             book.rendezvous = (str(store_proxy[0]), int(store_proxy[1]))

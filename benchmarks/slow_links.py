@@ -87,8 +87,8 @@ PHASE_TARGETS = [
     ("diloco.worker.state.local_model", "LocalModel", "apply_update", "apply"),
     ("diloco.core.accumulate", "WeightedSum", "add", "server_add"),
     ("diloco.core.accumulate", "WeightedSum", "write_first", "server_add"),
-    ("diloco.server.sync_aggregator", "SyncAggregator", "close", "close"),
-    ("diloco.server.downlink", "Downlink", "encode", "downlink_encode"),
+    ("diloco.server.rounds.sync_aggregator", "SyncAggregator", "close", "close"),
+    ("diloco.server.params.update_bodies", "Downlink", "encode", "downlink_encode"),
 ]
 
 

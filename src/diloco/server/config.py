@@ -254,7 +254,7 @@ class ServerConfig:
     """How rounds reach the workers. ``fp32``: full parameters, as always. ``bf16``, ``int8``,
     ``int4``: a worker that holds the previous round downloads the round's change, quantized
     with the server's error feedback, and applies it with the same arithmetic as the server, so
-    every replica stays bit-identical to ``GET /global_params`` (docs/design.md, "Codecs").
+    every replica stays bit-identical to ``GET /global_params`` (docs/design/codecs.md).
     The server then keeps one more fp32 copy of the model. Sync mode only, without fragments."""
 
     max_initial_bytes: int = 64 * 1024**3
@@ -337,10 +337,10 @@ class ServerConfig:
         group=_ALLREDUCE,
     )
     """All-reduce mode: the workers average their pseudo-gradients with collectives and each
-    applies the outer step; the server keeps membership, forms one quorum per round (ranks and
-    a rendezvous it hosts) and records outcomes (``server/quorum.py``). It holds no parameters,
-    so it refuses ``initial_params``, checkpoints of its own, async mode, fragments, robust
-    aggregation and a lossy ``download_codec``."""
+    applies the outer step; the server keeps membership, forms one quorum per round (ranks and a
+    rendezvous it hosts) and records outcomes (``server/allreduce/quorum_book.py``). It holds no
+    parameters, so it refuses ``initial_params``, checkpoints of its own, async mode, fragments,
+    robust aggregation and a lossy ``download_codec``."""
 
     collective_timeout: float = _flag(
         30.0, "bound on each collective of a quorum, s", group=_ALLREDUCE

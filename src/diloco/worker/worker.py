@@ -158,7 +158,7 @@ class DiLoCoWorker:
         self._session = Session(
             self.settings, self.client, self._local, self.metrics, self._rejoin, self._encoder
         )
-        # A worker group (torch.distributed ranks, docs/design.md "Worker groups"): every rank
+        # A worker group (torch.distributed ranks, docs/design/groups.md): every rank
         # builds it here, and ranks that disagree fail here, before anything is sent.
         pg = find_group(process_group)
         self._group = (

@@ -1,5 +1,5 @@
-"""How the ranks of a worker group go through a join or a sync together (docs/design.md, "Worker
-groups"): ``Lockstep`` runs the same sequence of collectives on every rank around rank 0's work
+"""How the ranks of a worker group go through a join or a sync together (docs/design/
+groups.md): ``Lockstep`` runs the same sequence of collectives on every rank around rank 0's work
 with the server, and ``GroupSync`` is the group's ``SyncStrategy``, which every rank runs at the
 same steps, rank 0 wrapping whichever strategy ``worker/choose.py`` picked. The collectives
 themselves are ``WorkerGroup``'s (``worker/groups/group.py``).

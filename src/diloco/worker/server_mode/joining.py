@@ -1,4 +1,5 @@
-"""How a server-mode strategy joins and re-joins (docs/design.md, "Worker state and rebasing"):
+"""How a server-mode strategy joins and re-joins (docs/design/durability.md, "Worker state and
+rebasing"):
 the server's parameters, seeded from this worker's own when it has none, fetched into the
 snapshot; on a re-join, the local progress kept on top unless the server says it holds it.
 

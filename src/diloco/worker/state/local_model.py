@@ -1,5 +1,5 @@
-"""The worker's model and its fp32 snapshot of the global parameters (docs/design.md, "Worker
-state and rebasing").
+"""The worker's model and its fp32 snapshot of the global parameters (docs/design/
+durability.md, "Worker state and rebasing").
 
 The snapshot is laid out exactly like a full download's body, so new parameters are received
 straight into it. Between syncs the model holds parameters; while a refresh is under way it may
