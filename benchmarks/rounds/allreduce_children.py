@@ -1,15 +1,11 @@
-"""What runs inside allreduce_round.py's spawned processes: the server (either mode) and workers.
+"""What runs inside allreduce_round's spawned workers.
 
-The model is the sync-round benchmark's (``sync_round_children.choose_shape`` / ``build_model``:
-square bias-free ``nn.Linear`` layers, seed 0 on every worker, so that all-reduce workers start
-from the same state and no broadcast happens at the start).
-
-Server (``server_main``): ``DiLoCoServer`` on 127.0.0.1 in server mode (initial parameters from
-a safetensors file, so no worker uploads them) or in all-reduce mode (no parameters). In
-all-reduce mode the quorum replies name a rendezvous store: when a counting proxy stands in
-front of it, the server child hands out the proxy's address instead of the store's own
-(``book.rendezvous``, benchmark-side instrumentation; the library is untouched), so that the
-store traffic is counted as well.
+The model is ``harness.model``'s (square bias-free ``nn.Linear`` layers, seed 0 on every worker,
+so that all-reduce workers start from the same state and no broadcast happens at the start). The
+server is ``harness.server_child``'s, in server mode (initial parameters from a safetensors file,
+so no worker uploads them) or in all-reduce mode (no parameters; when a counting proxy stands in
+front of its rendezvous store, the quorum replies name the proxy, so that the store traffic is
+counted as well).
 
 Workers (``worker_main``): a round is the sync-round benchmark's: perturb every weight a little
 (standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for
@@ -26,74 +22,9 @@ import threading
 import time
 from typing import Any
 
-from harness.rss import base_rss, maxrss, rss
-from sync_round_children import ModelShape, build_model
-
-# --- server ----------------------------------------------------------------------------------
-
-
-def server_main(
-    conn: Any,
-    mode: str,
-    num_workers: int,
-    params_path: str | None,
-    store_proxy: tuple[str, int] | None,
-    heartbeat_timeout: float,
-    collective_timeout: float,
-    threads: int,
-    host: str = "127.0.0.1",
-) -> None:
-    """``mode``: "server" or "allreduce"; ``host``: the address to bind (netns_links.py binds the
-    server namespace's). Answers "status" and "stop" on ``conn``."""
-    import torch
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-    from diloco.server import DiLoCoServer, ServerConfig
-
-    base = base_rss()
-    allreduce = mode == "allreduce"
-    config = ServerConfig(
-        host=host,
-        port=0,
-        num_workers=num_workers,
-        initial_params=None if allreduce else params_path,
-        allreduce=allreduce,
-        heartbeat_timeout=heartbeat_timeout,
-        stuck_timeout=0,
-        collective_timeout=collective_timeout,
-    )
-    server = DiLoCoServer(config).start()
-    store_port = None
-    if allreduce:
-        book = server.coordinator.allreduce.book  # type: ignore[union-attr]
-        store_port = int(book.rendezvous[1])
-        if store_proxy is not None:
-            book.rendezvous = (str(store_proxy[0]), int(store_proxy[1]))
-    conn.send(
-        {
-            "address": server.address,
-            "port": server.port,
-            "store_port": store_port,
-            "base_rss": base,
-            "rss_started": rss(),
-            "pid": os.getpid(),
-        }
-    )
-    try:
-        while True:
-            try:
-                cmd = conn.recv()
-            except EOFError:
-                return
-            if cmd == "status":
-                conn.send(server.status())
-            elif cmd == "stop":
-                conn.send({"status": server.status(), "maxrss": maxrss(), "rss_end": rss()})
-                return
-    finally:
-        server.stop(timeout=10)
-
+from benchmarks.harness.model import ModelShape, build_model, checksum, noise_buffer, perturb
+from benchmarks.harness.rss import base_rss, maxrss, rss
+from benchmarks.rounds.sync_children import stamp_server_sync
 
 # --- workers ---------------------------------------------------------------------------------
 
@@ -121,20 +52,7 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
     begun and done, the commit collective done, the outer step done, the outcome reported."""
     client = worker.client
     if mode == "server":
-        submit = client.submit_pseudogradients
-        into = worker._local._into_snapshot
-
-        def timed_submit(*a: Any, **k: Any) -> Any:
-            reply = submit(*a, **k)
-            stamps.mark("submitted")
-            return reply
-
-        def timed_into(layout: Any) -> Any:
-            stamps.mark("body")
-            return into(layout)
-
-        client.submit_pseudogradients = timed_submit
-        worker._local._into_snapshot = timed_into
+        stamp_server_sync(worker, stamps.mark)
         return
 
     import diloco.worker.allreduce as ar
@@ -206,21 +124,13 @@ def phases(s: dict[str, float], t0: float, t1: float, mode: str) -> dict[str, fl
         return None
 
 
-def perturb(model: Any, optimizer: Any, noise: Any, gen: Any) -> None:
-    """Stand-in for H local steps: a small change to every weight (as sync_round_children),
-    and one ``optimizer.step()`` without gradients (it changes nothing) so that the worker
-    counts a local step: an all-reduce worker with no step since its last sync contributes
-    with weight 0, and a quorum whose weights are all 0 averages nothing."""
-    import torch
-
+def step_and_perturb(model: Any, optimizer: Any, noise: Any, gen: Any) -> None:
+    """Stand-in for H local steps (``harness.model.perturb``), after one ``optimizer.step()``
+    without gradients (it changes nothing) so that the worker counts a local step: an
+    all-reduce worker with no step since its last sync contributes with weight 0, and a quorum
+    whose weights are all 0 averages nothing."""
     optimizer.step()
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.view(-1)
-            for start in range(0, flat.numel(), noise.numel()):
-                part = flat[start : start + noise.numel()]
-                noise.normal_(0.0, 1e-3, generator=gen)
-                part.add_(noise[: part.numel()])
+    perturb(model, noise, gen)
 
 
 def say_inside(out: Any, idx: int, kill: dict[str, Any]) -> None:
@@ -268,7 +178,7 @@ def _worker_body(
     model = build_model(shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1000 + idx)
-    noise = torch.empty(min(shape.dim * shape.dim, 1 << 20))
+    noise = noise_buffer(shape)
     stamps = Stamps()
     current = {"round": -1, "said": False}
 
@@ -297,7 +207,7 @@ def _worker_body(
         out.put(("ready", idx, {"base_rss": base, "rss_joined": rss(), "pid": os.getpid()}))
         log = []
         for r in range(total_rounds):
-            perturb(model, optimizer, noise, gen)
+            step_and_perturb(model, optimizer, noise, gen)
             before = worker.sync_metrics
             if kill is None:
                 out.put(("prepared", idx, {"round": r}))
@@ -322,8 +232,7 @@ def _worker_body(
                 "delta": delta,
             }
             if kill is None:
-                with torch.no_grad():  # equal fp32 sums: every worker holds the same parameters
-                    entry["checksum"] = sum(float(p.sum()) for p in model.parameters())
+                entry["checksum"] = checksum(model)  # equal: every worker holds the same state
                 out.put(("round", idx, entry))
             else:
                 log.append(entry)

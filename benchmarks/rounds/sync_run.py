@@ -1,6 +1,6 @@
 """The parent's side of the sync-round benchmark's DiLoCo rounds: ``DiLoCoRun``.
 
-It starts the server process and N worker processes (``sync_round_children``), then drives them
+It starts the server process and N worker processes (``sync_children``), then drives them
 one round at a time, so that ``sync_round.run_pair`` can put a raw-socket round beside each one.
 It asks the server for its status between rounds: the byte counters then bracket one round. A
 round's wall time runs from the earliest worker start after the barrier to the last adoption
@@ -16,24 +16,16 @@ import argparse
 import statistics
 from typing import Any
 
-import psutil
-
-from harness.processes import (
-    Environ,
-    Inbox,
-    check_alive,
-    reap,
-    start_and_collect,
-    start_profilers,
-    stop_profilers,
-)
-from harness.report import cpu_median, summary
-from harness.rss import RssPoller
-from sync_round_children import Comm, ModelShape, server_main, worker_main
+from benchmarks.harness.model import ModelShape
+from benchmarks.harness.processes import start_profilers, stop_profilers
+from benchmarks.harness.report import cpu_median, summary
+from benchmarks.harness.server_child import server_main
+from benchmarks.harness.session import Session
+from benchmarks.rounds.sync_children import Comm, worker_main
 
 
 class DiLoCoRun:
-    """A server process and N worker processes, driven one round at a time."""
+    """A server process and N worker processes (a ``Session``), driven one round at a time."""
 
     def __init__(
         self,
@@ -48,13 +40,18 @@ class DiLoCoRun:
         self.comm = comm
         self.total_rounds = args.warmup + args.rounds
         self.setup_timeout = args.setup_timeout + 15 * n
-        self.procs: list[Any] = []
+        self.session = Session(
+            ctx,
+            n,
+            total_rounds=self.total_rounds,
+            setup_timeout=self.setup_timeout,
+            round_timeout=args.round_timeout,
+        )
         self.rounds: list[dict[str, Any]] = []
-        self.poller = RssPoller()
-        self._polling = False
         self._profilers: list[Any] = []
 
     def __enter__(self) -> DiLoCoRun:
+        self.session.__enter__()
         try:
             self._start()
         except BaseException:
@@ -63,99 +60,72 @@ class DiLoCoRun:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._polling:
-            self.poller.__exit__()
         stop_profilers(self._profilers)
-        reap(self.procs)
+        self.session.__exit__()
+
+    def _server_config(self) -> dict[str, Any]:
+        codec = self.comm.down
+        return {
+            "num_workers": self.n,
+            "initial_params": self.params_path,
+            # The benchmark's workers send no heartbeats; setup of 16 workers can take minutes.
+            "heartbeat_timeout": 0,
+            "stuck_timeout": 0,
+            # Durable rounds: each checkpoint written before its round is sent (keep 1: one on
+            # disk; a temporary save dir is made when saving).
+            "save_every": self.args.save_every,
+            "keep_checkpoints": 1,
+            # Named only when compressed, so that a --server-src checkout from before codecs
+            # still runs.
+            **({"download_codec": codec} if codec != "fp32" else {}),
+        }
 
     def _start(self) -> None:
-        ctx, n, args = self.ctx, self.n, self.args
-        self.parent_conn, child_conn = ctx.Pipe()
-        self.server = ctx.Process(
-            target=server_main,
-            args=(
-                child_conn,
-                n,
-                self.params_path,
-                args.server_threads,
-                args.save_every,
-                args.server_src,
-                self.comm.down,
-            ),
-            name="diloco-server",
-            daemon=True,
+        args, s = self.args, self.session
+        self.hello = s.start_hub(
+            server_main,
+            (self._server_config(), args.server_threads, args.server_src),
+            "diloco-server",
+            env=args.server_env,
         )
-        self.procs.append(self.server)
-        self.poller.__enter__()
-        self._polling = True
-        with Environ(args.server_env):
-            self.server.start()
-        if not self.parent_conn.poll(self.setup_timeout):
-            raise TimeoutError("server did not report its address")
-        self.hello = self.parent_conn.recv()
-        self.poller.watch(self.hello["pid"])
-        self.server_proc = psutil.Process(self.hello["pid"])
-        self.barrier = ctx.Barrier(n + 1)  # the workers, and the parent (reads status in between)
-        # Workers only: a worker that has adopted the new parameters waits here for the
-        # others before its checksum and the next round's perturbation, so that benchmark
+        # Workers only (``finished``): a worker that has adopted the new parameters waits for
+        # the others before its checksum and the next round's perturbation, so that benchmark
         # bookkeeping never competes for the cores with a download still in progress.
-        # Held here for the run: a multiprocessing barrier the parent drops is torn down.
-        self.finished = finished = ctx.Barrier(n)
-        self.inbox = Inbox(ctx.Queue())
-        self.workers = [
-            ctx.Process(
-                target=worker_main,
-                args=(
-                    i,
-                    self.inbox.q,
-                    self.hello["address"],
-                    self.shape,
-                    self.comm.up,
-                    self.total_rounds,
-                    self.barrier,
-                    finished,
-                    self.setup_timeout + args.round_timeout,  # the first wait spans setup
-                ),
-                name=f"worker-{i}",
-                daemon=True,
-            )
-            for i in range(n)
-        ]
-        self.procs.extend(self.workers)
-        for w in self.workers:
-            w.start()
-            self.poller.watch(w.pid)
-        self.ready = self.inbox.collect("ready", n, self.setup_timeout, f"N={n} worker setup")
+        self.ready = s.start_members(
+            worker_main,
+            lambda i: (
+                self.hello["address"],
+                self.shape,
+                self.comm.up,
+                self.total_rounds,
+                s.barrier,
+                s.finished,
+                self.setup_timeout + args.round_timeout,  # the first wait spans setup
+            ),
+            "worker",
+        )
+        self.workers = s.members
         self.status = self._server_status()
-        self._prepared = -1  # the last round for which every worker said it is prepared
 
     def settle(self) -> None:
         """Wait until every worker has done its between-round work (checksum, perturbation) and
-        sits idle at the start barrier, so that nothing of it overlaps a raw round. After the
-        last round there is no next one to prepare: the workers are shutting down."""
-        r = len(self.rounds)
-        if self._prepared < r < self.total_rounds:
-            self.inbox.collect("prepared", self.n, self.args.round_timeout, f"N={self.n} round {r}")
-            self._prepared = r
+        sits idle at the start barrier, so that nothing of it overlaps a raw round."""
+        self.session.settle()
 
     def _server_status(self) -> dict[str, Any]:
-        self.parent_conn.send("status")
-        if not self.parent_conn.poll(60):
-            raise TimeoutError("server status timed out")
-        return self.parent_conn.recv()
+        status: dict[str, Any] = self.session.call_hub("status")
+        return status
 
     def round(self) -> dict[str, Any]:
-        n, args = self.n, self.args
+        n, args, s = self.n, self.args, self.session
         r = len(self.rounds)
-        check_alive(self.procs, f"N={n} round {r}")
-        self.settle()
+        s.check(f"N={n} round {r}")
+        s.settle()
         if args.profile and r == args.warmup:
             self._profilers = start_profilers(
                 args.profile, n, {"server": self.hello["pid"], "worker0": self.workers[0].pid}
             )
-        msgs, cpu = start_and_collect(
-            self.barrier, self.inbox, self.server_proc, n, args.round_timeout, f"N={n} round {r}"
-        )
+        msgs, cpu = s.run_round(f"N={n} round {r}")
         if r == self.total_rounds - 1:
             stop_profilers(self._profilers)
             self._profilers = []
@@ -221,17 +191,11 @@ class DiLoCoRun:
         return int(up), int(down)
 
     def finish(self) -> dict[str, Any]:
-        n = self.n
-        done = self.inbox.collect("done", n, self.setup_timeout, f"N={n} worker shutdown")
-        self.parent_conn.send("stop")
-        if not self.parent_conn.poll(60):
-            raise TimeoutError("server did not answer stop")
-        final = self.parent_conn.recv()
-        self.server.join(30)
-        for w in self.workers:
-            w.join(30)
-        server_polled = self.poller.peaks.get(self.hello["pid"], 0)
-        worker_polled = max((self.poller.peaks.get(w.pid, 0) for w in self.workers), default=0)
+        n, s = self.n, self.session
+        done = s.finish_members("worker shutdown")
+        final = s.stop_hub()
+        s.join_members()
+        server_polled = s.poller.peaks.get(self.hello["pid"], 0)
         rounds = self.rounds
         measured = [r for r in rounds if not r["warmup"]]
         up, down = self.bytes_per_worker(measured=True)
@@ -287,11 +251,5 @@ class DiLoCoRun:
                 "rss_after_load": self.hello["rss_loaded"],
                 "rss_end": final["rss_end"],
             },
-            "worker": {
-                "maxrss": max(d["maxrss"] for d in done.values()),
-                "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
-                "polled_peak_rss": worker_polled,
-                "base_rss": max(r["base_rss"] for r in self.ready.values()),
-                "rss_after_join": max(r["rss_joined"] for r in self.ready.values()),
-            },
+            "worker": s.member_memory(done),
         }

@@ -5,16 +5,16 @@ runs DiLoCo as ``torchft.local_sgd.DiLoCo`` over a ``torchft.manager.Manager`` p
 ``torchft.coordination.LighthouseServer`` that forms quorums, and a reconfigurable
 ``torchft.process_group.ProcessGroupGloo``. Here each replica is one spawned process (a replica
 group of world size 1 with its own ``TCPStore``), the lighthouse another; the model is the
-sync-round benchmark's (``sync_round_children.build_model``, seed 0 everywhere, so
+sync-round benchmark's (``harness.model.build_model``, seed 0 everywhere, so
 ``init_sync=False``: no checkpoint transfer at the start); inner optimizer SGD, outer SGD
 (lr 0.7, momentum 0.9, Nesterov) as this project's defaults; ``sync_every=1``, so that every
 ``optimizer.step()`` is one sync (its SGD part is a no-op: no gradients).
 
-A round is measured as allreduce_round.py measures ours: each replica perturbs its weights
+A round is measured as allreduce_round measures ours: each replica perturbs its weights
 (outside the round), all meet at a barrier with the parent, each times ``optimizer.step()``
 (torchft's sync: the quorum, the pseudo-gradients, one gloo all-reduce per parameter in fp32,
 ``should_commit``, the outer step), and the round is the latest end minus the earliest start.
-The same run then measures our all-reduce mode (``allreduce_round.Session``, fp32 as torchft
+The same run then measures our all-reduce mode (``allreduce_run.ConfigRun``, fp32 as torchft
 sends, and bf16, today's default) on the same model and worker counts. Peak RSS: ``ru_maxrss``
 of each replica at its end, against the fp32 model size and above the RSS after importing torch.
 
@@ -26,18 +26,20 @@ each lighthouse join timeout in ``--torchft-join-timeouts`` (default 10 s, and 6
 ``torchft_lighthouse`` binary's default; the Python ``LighthouseServer`` defaults to 100 ms, with
 which quorums form without a replica that asks a moment late), with min_replicas N-1 and the
 lighthouse's default heartbeat timeout (5 s). Ours: the
-same through allreduce_round.py's kill run (``ServerConfig(heartbeat_timeout=5)``).
+same through allreduce_round's kill run (``ServerConfig(heartbeat_timeout=5)``).
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/torchft_diloco.py --params 5e6 --workers 2 4 --kill
-    .venv/bin/python benchmarks/torchft_diloco.py --params 100e6 --workers 2 4 --kill \\
+    .venv/bin/python -m benchmarks.rounds.torchft_diloco --params 5e6 --workers 2 4 --kill
+    .venv/bin/python -m benchmarks.rounds.torchft_diloco --params 100e6 --workers 2 4 --kill \\
         --json benchmarks/results/torchft_diloco_100M.json
+    .venv/bin/python -m benchmarks.rounds.torchft_diloco --smoke  # without torchft: ours only
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -46,218 +48,20 @@ import sys
 import time
 from typing import Any
 
-import psutil
-
-import allreduce_round as ours
-from harness.processes import Inbox, check_alive, reap, start_and_collect
-from harness.report import fmt_mb, machine_info, print_table, summary, write_json
-from harness.rss import RssPoller, base_rss, maxrss, rss
-from sync_round_children import ModelShape, build_model, choose_shape
-
-# --- children --------------------------------------------------------------------------------
-
-
-def lighthouse_main(
-    conn: Any, min_replicas: int, join_timeout_ms: int | None, heartbeat_timeout_ms: int | None
-) -> None:
-    from torchft.coordination import LighthouseServer
-
-    kw: dict[str, Any] = {}
-    if join_timeout_ms is not None:
-        kw["join_timeout_ms"] = join_timeout_ms
-    if heartbeat_timeout_ms is not None:
-        kw["heartbeat_timeout_ms"] = heartbeat_timeout_ms
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, **kw)
-    conn.send({"address": server.address(), "pid": os.getpid()})
-    try:
-        conn.recv()  # "stop", or EOF when the parent goes
-    except EOFError:
-        pass
-    finally:
-        server.shutdown()
-
-
-def replica_main(idx: int, out: Any, *rest: Any) -> None:
-    try:
-        _replica_body(idx, out, *rest)
-    except BaseException as exc:
-        import traceback
-
-        out.put(("error", idx, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
-
-
-def _replica_body(
-    idx: int,
-    out: Any,
-    lighthouse: str,
-    shape: ModelShape,
-    min_replicas: int,
-    timeout_s: float,
-    quorum_timeout_s: float,
-    total_rounds: int,
-    barrier: Any,
-    finished: Any,
-    barrier_timeout: float,
-    kill: dict[str, Any] | None,
-) -> None:
-    import logging
-    from datetime import timedelta
-
-    import torch
-    from torch.distributed import TCPStore
-
-    torch.set_num_threads(1)
-    logging.getLogger("torchft").setLevel(logging.WARNING)
-    from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    from allreduce_round_children import perturb, say_inside
-
-    base = base_rss()
-    model = build_model(shape)
-    inner = torch.optim.SGD(model.parameters(), lr=0.01)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=timeout_s)
-    pg = ProcessGroupGloo(timeout=timeout)
-    manager = Manager(
-        pg=pg,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), None)[1],
-        state_dict=lambda: {"model": model.state_dict()},
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout_s),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"replica_{idx}",
-        hostname="127.0.0.1",
-        init_sync=False,
-    )
-    stamps: dict[str, float] = {}
-    current = {"round": -1, "said": False}
-
-    def mark(what: str) -> None:
-        stamps.setdefault(what, time.monotonic())
-
-    allreduce = pg.allreduce
-
-    def timed_allreduce(*a: Any, **k: Any) -> Any:
-        mark("allreduce_issued")
-        if kill is not None and current["round"] == kill["round"] and not current["said"]:
-            current["said"] = True
-            say_inside(out, idx, kill)
-        return allreduce(*a, **k)
-
-    pg.allreduce = timed_allreduce  # type: ignore[method-assign]
-    start_quorum, should_commit = manager.start_quorum, manager.should_commit
-
-    def timed_start_quorum(*a: Any, **k: Any) -> Any:
-        result = start_quorum(*a, **k)
-        mark("quorum")
-        return result
-
-    def timed_should_commit(*a: Any, **k: Any) -> Any:
-        mark("commit_asked")
-        result = should_commit(*a, **k)
-        mark("commit_answered")
-        return result
-
-    manager.start_quorum = timed_start_quorum  # type: ignore[method-assign]
-    manager.should_commit = timed_should_commit  # type: ignore[method-assign]
-    noise = torch.empty(min(shape.dim * shape.dim, 1 << 20))
-    gen = torch.Generator().manual_seed(1000 + idx)
-    out.put(("ready", idx, {"base_rss": base, "rss_joined": rss(), "pid": os.getpid()}))
-    log = []
-    try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=1, pin_memory=False):
-            if kill is not None:
-                # Every replica's manager heartbeats to the lighthouse before any asks for a
-                # quorum: with min_replicas N-1, a replica still starting would be left out.
-                barrier.wait(barrier_timeout)
-            for r in range(total_rounds):
-                with torch.no_grad():
-                    perturb(model, _NoStep(), noise, gen)
-                if kill is None:
-                    out.put(("prepared", idx, {"round": r}))
-                    barrier.wait(barrier_timeout)
-                stamps.clear()
-                current["round"], current["said"] = r, False
-                step0 = manager.current_step()
-                t0, c0 = time.monotonic(), time.process_time()
-                error = None
-                try:
-                    inner.step()  # no gradients: only torchft's hooks do anything (the sync)
-                except Exception as exc:  # kill runs: a survivor's failure is a result
-                    if kill is None:
-                        raise
-                    error = f"{type(exc).__name__}: {exc}"
-                t1, c1 = time.monotonic(), time.process_time()
-                if kill is None:
-                    finished.wait(barrier_timeout)
-                committed = manager.current_step() - step0
-                s = dict(stamps)
-                ph = None
-                if {"quorum", "allreduce_issued", "commit_asked", "commit_answered"} <= s.keys():
-                    ph = {
-                        "quorum_s": s["quorum"] - t0,
-                        "pseudograd_issue_s": s["allreduce_issued"] - s["quorum"],
-                        "allreduce_wait_restore_s": s["commit_asked"] - s["allreduce_issued"],
-                        "should_commit_s": s["commit_answered"] - s["commit_asked"],
-                        "outer_step_s": t1 - s["commit_answered"],
-                    }
-                entry = {
-                    "round": r,
-                    "t0": t0,
-                    "t1": t1,
-                    "cpu_s": c1 - c0,
-                    "committed": committed,
-                    "phases": ph,
-                    "stamps": s,
-                    "error": error,
-                    "participants": participants(manager),
-                }
-                if kill is None:
-                    with torch.no_grad():
-                        entry["checksum"] = sum(float(p.sum()) for p in model.parameters())
-                    out.put(("round", idx, entry))
-                else:
-                    log.append(entry)
-                    if error is not None:
-                        break  # the training loop would have died here
-    finally:
-        manager.shutdown(wait=False)
-    out.put(("done", idx, {"maxrss": maxrss(), "rss_end": rss(), "log": log}))
-
-
-def participants(manager: Any) -> int | None:
-    """The quorum's size; None when the quorum itself failed (asking re-raises its error)."""
-    try:
-        return int(manager.num_participants())
-    except Exception:
-        return None
-
-
-class _NoStep:
-    """``perturb`` steps an optimizer so that our worker counts a local step; torchft's sync
-    must not run while perturbing, so its optimizer is not stepped there."""
-
-    def step(self) -> None:
-        pass
-
+from benchmarks.harness import smoke
+from benchmarks.harness.model import ModelShape, choose_shape
+from benchmarks.harness.report import fmt_mb, machine_info, print_table, summary, write_json
+from benchmarks.harness.session import Session, wait_inside
+from benchmarks.harness.source import use_src
+from benchmarks.rounds import allreduce_round, allreduce_run
+from benchmarks.rounds.torchft_children import lighthouse_main, replica_main
 
 # --- the parent's side -----------------------------------------------------------------------
 
 
-class TorchftSession:
-    """A lighthouse process and N replica processes, driven one round at a time (or, with
-    ``kill``, left to run until the victim is killed)."""
+class TorchftRun:
+    """A lighthouse process and N replica processes (a ``Session``), driven one round at a time
+    (or, with ``kill``, left to run until the victim is killed)."""
 
     def __init__(
         self,
@@ -275,12 +79,17 @@ class TorchftSession:
         self.join_timeout_s = join_timeout_s
         self.min_replicas = n - 1 if kill is not None else n
         self.setup_timeout = args.setup_timeout + 15 * n
-        self.procs: list[Any] = []
-        self.poller = RssPoller()
+        self.session = Session(
+            ctx,
+            n,
+            total_rounds=rounds,
+            setup_timeout=self.setup_timeout,
+            round_timeout=args.round_timeout,
+        )
         self.rounds: list[dict[str, Any]] = []
 
-    def __enter__(self) -> TorchftSession:
-        self.poller.__enter__()
+    def __enter__(self) -> TorchftRun:
+        self.session.__enter__()
         try:
             self._start()
         except BaseException:
@@ -289,76 +98,44 @@ class TorchftSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.poller.__exit__()
-        if getattr(self, "conn", None) is not None:
-            try:
-                self.conn.send("stop")
-            except OSError:
-                pass
-        reap(self.procs)
+        self.session.tell_hub("stop")
+        self.session.__exit__()
 
     def _start(self) -> None:
-        ctx, n, args = self.ctx, self.n, self.args
-        self.conn, child = ctx.Pipe()
+        ctx, n, args, s = self.ctx, self.n, self.args, self.session
         join_ms = None if self.join_timeout_s is None else int(self.join_timeout_s * 1000)
-        self.lighthouse = ctx.Process(
-            target=lighthouse_main,
-            args=(child, self.min_replicas, join_ms, None),
-            name="lighthouse",
-            daemon=True,
-        )
-        self.procs.append(self.lighthouse)
-        self.lighthouse.start()
-        if not self.conn.poll(self.setup_timeout):
-            raise TimeoutError("the lighthouse did not start")
-        self.hello = self.conn.recv()
-        self.lighthouse_proc = psutil.Process(self.hello["pid"])
-        self.barrier = ctx.Barrier(n + 1)
-        self.finished = ctx.Barrier(n)
-        self.inbox = Inbox(ctx.Queue())
-        self.replicas = []
+        self.hello = s.start_hub(lighthouse_main, (self.min_replicas, join_ms, None), "lighthouse")
         self.victim_conn, victim_end = ctx.Pipe(duplex=False)
-        for i in range(n):
-            kill = None
-            if self.kill is not None:
-                victim = i == n - 1
-                kill = {**self.kill, "victim": victim, "conn": victim_end if victim else None}
-            self.replicas.append(
-                ctx.Process(
-                    target=replica_main,
-                    args=(
-                        i,
-                        self.inbox.q,
-                        self.hello["address"],
-                        self.shape,
-                        self.min_replicas,
-                        args.torchft_timeout,
-                        args.torchft_quorum_timeout,
-                        self.total_rounds,
-                        self.barrier,
-                        self.finished,
-                        self.setup_timeout + args.round_timeout,
-                        kill,
-                    ),
-                    name=f"replica-{i}",
-                    daemon=True,
-                )
-            )
-        self.procs.extend(self.replicas)
-        for p in self.replicas:
-            p.start()
-            self.poller.watch(p.pid)
-        self.ready = self.inbox.collect("ready", n, self.setup_timeout, f"N={n} replica setup")
+
+        def kill_of(i: int) -> dict[str, Any] | None:
+            if self.kill is None:
+                return None
+            victim = i == n - 1
+            return {**self.kill, "victim": victim, "conn": victim_end if victim else None}
+
+        self.ready = s.start_members(
+            replica_main,
+            lambda i: (
+                self.hello["address"],
+                self.shape,
+                self.min_replicas,
+                args.torchft_timeout,
+                args.torchft_quorum_timeout,
+                self.total_rounds,
+                s.barrier,
+                s.finished,
+                self.setup_timeout + args.round_timeout,
+                kill_of(i),
+            ),
+            "replica",
+        )
+        self.replicas = s.members
 
     def round(self) -> dict[str, Any]:
         n, args = self.n, self.args
         r = len(self.rounds)
         what = f"N={n} torchft round {r}"
-        check_alive(self.procs, what)
-        self.inbox.collect("prepared", n, args.round_timeout, what)
-        msgs, cpu = start_and_collect(
-            self.barrier, self.inbox, self.lighthouse_proc, n, args.round_timeout, what
-        )
+        msgs, cpu = self.session.start_round(what)
         ph = [m["phases"] for m in msgs.values()]
         result = {
             "round": r,
@@ -381,7 +158,7 @@ class TorchftSession:
 
     def finish(self) -> dict[str, Any]:
         n = self.n
-        done = self.inbox.collect("done", n, self.setup_timeout, f"N={n} replica shutdown")
+        done = self.session.finish_members("replica shutdown")
         measured = [r for r in self.rounds if not r["warmup"]]
         keys = list(measured[0]["phases"]) if measured[0]["phases"] else []
         return {
@@ -401,24 +178,18 @@ class TorchftSession:
             "all_rounds_ok": all(
                 r["consistent"] and all(c == 1 for c in r["committed"]) for r in self.rounds
             ),
-            "worker": {
-                "maxrss": max(d["maxrss"] for d in done.values()),
-                "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
-                "base_rss": max(r["base_rss"] for r in self.ready.values()),
-                "rss_after_join": max(r["rss_joined"] for r in self.ready.values()),
-                "polled_peak_rss": max(self.poller.peaks.get(p.pid, 0) for p in self.replicas),
-            },
+            "worker": self.session.member_memory(done),
         }
 
     def kill_inside(self) -> dict[str, Any]:
-        n, args = self.n, self.args
+        n, args, s = self.n, self.args, self.session
         victim = self.replicas[-1]
         wait = self.setup_timeout + args.round_timeout
-        self.barrier.wait(wait)  # all replicas ready: they start together
-        inside, late = ours.wait_inside(self.inbox, self.victim_conn, n, wait)
+        s.barrier.wait(wait)  # all replicas ready: they start together
+        inside, late = wait_inside(s.inbox, self.victim_conn, n, wait)
         os.kill(victim.pid, signal.SIGKILL)
         t_kill = time.monotonic()
-        done = self.inbox.collect("done", n - 1, wait, "the survivors after the kill")
+        done = s.inbox.collect("done", n - 1, wait, "the survivors after the kill")
         survivors = []
         for i in sorted(done):
             log = done[i]["log"]
@@ -484,7 +255,7 @@ class TorchftSession:
 
 
 def run_torchft(ctx: Any, n: int, shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
-    with TorchftSession(ctx, n, shape, args, rounds=args.warmup + args.rounds) as s:
+    with TorchftRun(ctx, n, shape, args, rounds=args.warmup + args.rounds) as s:
         for _ in range(args.warmup + args.rounds):
             s.round()
         return s.finish()
@@ -495,7 +266,7 @@ def run_torchft_kill(
 ) -> dict[str, Any]:
     kill = {"round": args.kill_round}
     rounds = args.kill_round + 1 + args.kill_after
-    with TorchftSession(
+    with TorchftRun(
         ctx, args.kill_workers, shape, args, rounds=rounds, kill=kill, join_timeout_s=join_timeout_s
     ) as s:
         res = s.kill_inside()
@@ -623,7 +394,7 @@ def print_kill_summary(kills: list[dict[str, Any]], our_kill: list[dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ours.add_args(ap)
+    allreduce_run.add_args(ap)
     ap.set_defaults(workers=[2, 4])
     ap.add_argument(
         "--torchft-timeout",
@@ -651,16 +422,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ours", action="store_true", help="torchft only")
     ap.add_argument("--no-torchft", action="store_true", help="ours only")
     ap.add_argument("--kill-only", action="store_true", help="only the kill runs (needs --kill)")
+    smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    have_torchft = importlib.util.find_spec("torchft") is not None
+    if args.smoke:  # N=2, one measured round, torchft beside our fp32; kills only with torchft
+        args.params, args.workers, args.rounds, args.warmup = 1e5, [2], 1, 1
+        if have_torchft:
+            args.kill, args.kill_workers, args.kill_round, args.kill_after = True, 2, 1, 1
+            args.kill_repeats, args.torchft_join_timeouts = 1, [0.0]
+        else:
+            smoke.skip("torchft's side", "torchft is not installed (pip install torchft==0.2.0)")
+            args.no_torchft = True
+    elif not have_torchft and not args.no_torchft:
+        ap.error("torchft is not installed (pip install torchft==0.2.0), or run --no-torchft")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
-    code = ours.use_src(args.src)
+    code = use_src(args.src)
     shape = choose_shape(args.params, args.max_dim)
     model_bytes = shape.nbytes
     info = machine_info()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     from importlib.metadata import version  # the parent never imports torch
 
-    versions = {k: version(k) for k in ("torchft", "torch")}
+    versions = {k: version(k) for k in ("torchft", "torch") if k != "torchft" or have_torchft}
     print(
         f"{started}; model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
         f"{shape.numel:,} params, {fmt_mb(model_bytes)} MB fp32; rounds {args.warmup} warm-up "
@@ -676,17 +459,19 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[tuple[str, Any]] = [] if args.no_torchft else [("torchft fp32", None)]
         if not args.no_ours:
             runs += [
-                ("ours", ours.Config("allreduce", False, proxied=False)),
-                ("ours", ours.Config("allreduce", True, proxied=False)),
+                ("ours", allreduce_run.Config("allreduce", False, proxied=False)),
+                ("ours", allreduce_run.Config("allreduce", True, proxied=False)),
             ]
+        if args.smoke:
+            runs = [(label, cfg) for label, cfg in runs if cfg is None or not cfg.bf16]
         for label, cfg in runs:
             need = (
-                int(n * (8.5 * model_bytes + ours.OVERHEAD))
+                int(n * (8.5 * model_bytes + allreduce_run.OVERHEAD))
                 if cfg is None
-                else ours.estimate_bytes(n, model_bytes, cfg)
+                else allreduce_run.estimate_bytes(n, model_bytes, cfg)
             )
             tag = f"N={n} {label if cfg is None else cfg.label}"
-            msg = ours.fits(need, tag, args.force)
+            msg = allreduce_run.fits(need, tag, args.force)
             if msg:
                 print(msg, flush=True)
                 skipped.append(msg)
@@ -696,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg is None:
                 d = run_torchft(ctx, n, shape, args)
             else:
-                d = ours.run_config(ctx, cfg, n, shape, "", args)
+                d = allreduce_round.run_config(ctx, cfg, n, shape, "", args)
                 d["config"] = "ours " + d["config"]
             print(
                 f"{tag}: sync median {d['round_s']['median']:.3f} s; phases "
@@ -722,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             our_kill = []
             for i in range(args.kill_repeats):
                 print(f"our kill run {i + 1}/{args.kill_repeats} ...", flush=True)
-                our_kill.append(ours.run_kill(ctx, kshape, args))
+                our_kill.append(allreduce_round.run_kill(ctx, kshape, args))
     print()
     if results:
         print_tables(results, model_bytes)
@@ -730,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in kills:
         print_torchft_kill(k)
     for k in our_kill or []:
-        ours.print_kill(k)
+        allreduce_round.print_kill(k)
     if kills or our_kill:
         print_kill_summary(kills, our_kill or [])
     if args.json:
@@ -752,8 +537,30 @@ def main(argv: list[str] | None = None) -> int:
                 "skipped": skipped,
             },
         )
+    if args.smoke:
+        check_smoke(results, kills, our_kill or [], have_torchft)
     return 0
+
+
+def check_smoke(
+    results: list[dict[str, Any]],
+    kills: list[dict[str, Any]],
+    our_kill: list[dict[str, Any]],
+    have_torchft: bool,
+) -> None:
+    """Every configuration (ours, and torchft's where installed) ran consistent rounds, and
+    after a kill every survivor synced again."""
+    configs = {d["config"] for d in results}
+    smoke.require("ours allreduce fp32 (direct)" in configs, f"our side ran (got {configs})")
+    smoke.require(not have_torchft or "torchft fp32" in configs, "torchft's side ran")
+    for d in results:
+        smoke.require(d["all_rounds_ok"], f"{d['config']}: every round consistent")
+    for k in kills + our_kill:
+        for s in k["survivors"]:
+            smoke.require(s.get("blocked_s") is not None, f"survivor {s['worker']} went on")
+    smoke.passed("torchft_diloco")
 
 
 if __name__ == "__main__":
     sys.exit(main())
+

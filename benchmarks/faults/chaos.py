@@ -1,6 +1,7 @@
 """Chaos run: train the demo model while killing (SIGKILL) and restarting workers and the server.
 
-    python benchmarks/chaos.py --workers 3 --steps 600 --seed 0
+    python -m benchmarks.faults.chaos --workers 3 --steps 600 --seed 0
+    python -m benchmarks.faults.chaos --smoke     # 2 workers, a few kills, checked
 
 Runs the same training twice: once fault-free, once with random kills (seeded), and prints rounds
 completed, worker deaths seen by the server, worker reconnections, restarts, and the held-out loss
@@ -10,86 +11,19 @@ of the final global model in both runs. Not part of the test suite: it takes min
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
-
-
-class Server:
-    """``diloco server`` as a child process that can be killed and restarted on its port."""
-
-    def __init__(self, save_dir: Path, init: Path, workers: int, log: Path) -> None:
-        self.save_dir, self.init, self.workers, self.log = save_dir, init, workers, log
-        self.port = 0
-        self.proc: subprocess.Popen[str] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        args = [
-            sys.executable,
-            "-m",
-            "diloco",
-            "server",
-            "--port",
-            str(self.port),
-            "--num-workers",
-            str(self.workers),
-            "--save-dir",
-            str(self.save_dir),
-            "--save-every",
-            "1",
-            "--heartbeat-timeout",
-            "6",
-            "--poll-timeout",
-            "5",
-        ]
-        if self.starts == 0:
-            args += ["--init", str(self.init)]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.starts += 1
-        found = threading.Event()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stderr is not None
-            with open(self.log, "a") as fh:
-                for line in self.proc.stderr:
-                    fh.write(line)
-                    m = LISTENING.search(line)
-                    if m and not found.is_set():
-                        self.port = int(m.group(1))
-                        found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(60):
-            raise RuntimeError(f"server did not start; see {self.log}")
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.server_process import ServerProcess
 
 
 def _worker(rank: int, cfg: dict[str, Any], address: str, progress: Any, out: Any) -> None:
@@ -141,8 +75,17 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
     model = build_model(cfg["seed"])
     init = workdir / "init.safetensors"
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(init))
-    server = Server(workdir / "ckpt", init, cfg["workers"], workdir / "server.log")
-    server.start()
+    # Every life names the initial parameters: a life that finds a checkpoint in the save dir
+    # resumes from it (a checkpoint wins over --init), one killed before the first checkpoint
+    # starts over from them instead of waiting for a worker to upload parameters.
+    server = ServerProcess(
+        [
+            *["--num-workers", str(cfg["workers"]), "--save-dir", str(workdir / "ckpt")],
+            *["--save-every", "1", "--heartbeat-timeout", "6", "--poll-timeout", "5"],
+            *["--init", str(init)],
+        ],
+        workdir / "server.log",
+    )
     ctx = mp.get_context("spawn")
     progress = ctx.Array("i", cfg["workers"])
     out = ctx.Queue()
@@ -207,7 +150,7 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=600, help="inner steps per worker slot")
@@ -223,7 +166,11 @@ def main() -> int:
         "--server-share", type=float, default=0.4, help="share of faults that kill the server"
     )
     parser.add_argument("--json")
-    args = parser.parse_args()
+    smoke.add_flag(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:  # 2 workers, 8 rounds each run, a fault every 4-5 s
+        args.workers, args.steps, args.sync_every = 2, 80, 10
+        args.fault_min, args.fault_max, args.server_share = 4.0, 5.0, 0.5
     cfg = {
         "workers": args.workers,
         "steps": args.steps,
@@ -251,17 +198,37 @@ def main() -> int:
         "wall_s",
     ]
     print(
-        f"\nchaos run: {args.workers} workers x {args.steps} steps, sync every {args.sync_every}, seed {args.seed}"
+        f"\nchaos run: {args.workers} workers x {args.steps} steps, sync every "
+        f"{args.sync_every}, seed {args.seed}"
     )
-    print(f"{'':>12}" + "".join(f"{k:>14}" for k in keys))
-    for r in results:
-        cells = "".join(
-            f"{r[k]:>14.3f}" if isinstance(r[k], float) else f"{r[k]:>14}" for k in keys
-        )
-        print(f"{'faults' if r['chaos'] else 'fault-free':>12}{cells}")
+    print_table(
+        ["run", *keys],
+        [
+            [
+                "faults" if r["chaos"] else "fault-free",
+                *(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys),
+            ]
+            for r in results
+        ],
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
+    if args.smoke:
+        check_smoke(results, args)
     return 0
+
+
+def check_smoke(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Both runs finished on their own (every worker slot trained to its last step): the
+    fault-free one with every round, the other with faults injected (how many rounds survive
+    them depends on where the clock put the kills); both global models evaluate to a finite
+    loss."""
+    calm, chaos = results
+    smoke.require(calm["rounds"] == args.steps // args.sync_every, "the fault-free run's rounds")
+    smoke.require(chaos["worker_kills"] + chaos["server_kills"] >= 1, "faults were injected")
+    for r in results:
+        smoke.require(0 < r["eval_loss"] < 10, f"a finite held-out loss ({r['eval_loss']})")
+    smoke.passed("chaos")
 
 
 if __name__ == "__main__":

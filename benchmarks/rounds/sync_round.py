@@ -43,15 +43,16 @@ RSS from the parent at ~20 Hz (can miss spikes shorter than the period). The par
 torch, so the fork-before-exec copy of it that every spawned child briefly is stays small.
 
 Code: this file is the command line, the pairing of DiLoCo and raw rounds, and the tables;
-``sync_round_children.py`` runs inside the spawned server and workers, ``sync_round_run.py``
-drives them from here, and ``harness/`` (processes, RSS, the raw-socket limit, reporting) holds
-what any process-level benchmark can reuse.
+``sync_children.py`` runs inside the spawned workers, ``sync_run.py`` drives them and the
+server from here, and ``benchmarks/harness/`` (sessions, the server child, the model, RSS, the
+raw-socket limit, reporting) holds what every process-level benchmark shares.
 
-Usage (from the repository root)::
+Usage (from the repository root; ``./dev bench`` runs the first)::
 
-    .venv/bin/python benchmarks/sync_round.py                      # 100M params; 1, 4, 16 workers
-    .venv/bin/python benchmarks/sync_round.py --params 5e6 --workers 1 2 --json out.json
-    .venv/bin/python benchmarks/sync_round.py --workers 4 --comm bf16/fp32 int8/int8 int4/int8
+    .venv/bin/python -m benchmarks.rounds.sync_round              # 100M params; 1, 4, 16 workers
+    .venv/bin/python -m benchmarks.rounds.sync_round --params 5e6 --workers 1 2 --json out.json
+    .venv/bin/python -m benchmarks.rounds.sync_round --workers 4 --comm bf16/fp32 int8/int8 int4/int8
+    .venv/bin/python -m benchmarks.rounds.sync_round --smoke      # seconds: 1 worker, 2 rounds
 
 MB below means 10**6 bytes. The targets printed next to the figures: 4 workers within 2x the
 loopback limit (efficiency >= 0.5); server peak RSS <= 4.5x the fp32 model size; worker peak RSS
@@ -73,19 +74,13 @@ from typing import Any
 
 import psutil
 
-from harness.loopback import LoopbackRun, estimate_loopback_bytes
-from harness.processes import reap
-from harness.report import fmt_mb, machine_info, print_table, write_json
-from sync_round_children import (
-    Comm,
-    ModelShape,
-    check_comms_main,
-    choose_shape,
-    estimate_bytes,
-    parse_comm,
-    write_params_main,
-)
-from sync_round_run import DiLoCoRun
+from benchmarks.harness import smoke
+from benchmarks.harness.loopback import LoopbackRun, estimate_loopback_bytes
+from benchmarks.harness.model import ModelShape, choose_shape, write_params_main
+from benchmarks.harness.processes import ask_child, run_child
+from benchmarks.harness.report import fmt_mb, machine_info, print_table, write_json
+from benchmarks.rounds.sync_children import Comm, check_comms_main, estimate_bytes, parse_comm
+from benchmarks.rounds.sync_run import DiLoCoRun
 
 TARGET_EFFICIENCY = 0.5  # for 4 workers: round time within 2x the loopback limit
 TARGET_SERVER_X = 4.5
@@ -380,17 +375,27 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int, multi: bool = 
 def _check_comms(ctx: Any, comms: list[Comm], timeout: float) -> list[str]:
     """What this checkout's worker or server would refuse of ``comms`` (checked in a child: the
     parent never imports torch or diloco)."""
-    parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=check_comms_main, args=(child_conn, comms), daemon=True)
-    try:
-        proc.start()
-        if not parent_conn.poll(timeout):
-            raise TimeoutError("checking the --comm configurations timed out")
-        errors: list[str] = parent_conn.recv()
-        proc.join(30)
-    finally:
-        reap([proc])
+    errors: list[str] = ask_child(
+        ctx, check_comms_main, (comms,), timeout, "checking the --comm configurations"
+    )
     return errors
+
+
+def check_smoke(results: list[dict[str, Any]], workers: list[int]) -> None:
+    """A smoke run's figures: every worker count ran, every round was consistent (one round per
+    sync, N contributions, equal checksums), bytes moved and the raw limit was measured."""
+    smoke.require(
+        sorted(r["diloco"]["workers"] for r in results) == sorted(set(workers)), "every N ran"
+    )
+    for res in results:
+        d, lb = res["diloco"], res["loopback"]
+        smoke.require(d["all_rounds_ok"], f"N={d['workers']}: every round consistent")
+        smoke.require(d["upload_bytes_per_worker"] > 0, "bytes went up")
+        smoke.require(d["download_bytes_per_worker"] > 0, "bytes came down")
+        smoke.require(d["round_s"]["median"] > 0, "rounds took time")
+        smoke.require(d["server"]["maxrss"] > d["server"]["base_rss"] > 0, "server RSS read")
+        smoke.require(lb is not None and lb["round_s"]["median"] > 0, "the raw limit ran")
+    smoke.passed("sync_round")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,7 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="record the server and worker 0 with py-spy during the measured rounds",
     )
+    smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # a 100k-parameter model, one worker, one warm-up and one measured round
+        args.params, args.workers, args.rounds, args.warmup = 1e5, [1], 1, 1
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
     if args.comm and args.no_bf16:
@@ -484,14 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         if errors:
             ap.error("--comm: " + "; ".join(errors))
         params_path = os.path.join(tmp, "init.safetensors")
-        writer = ctx.Process(target=write_params_main, args=(params_path, shape), daemon=True)
-        try:
-            writer.start()
-            writer.join(args.setup_timeout)
-            if writer.exitcode != 0:
-                raise RuntimeError(f"writing the initial parameters failed ({writer.exitcode})")
-        finally:
-            reap([writer])
+        run_child(
+            ctx,
+            write_params_main,
+            (params_path, shape),
+            args.setup_timeout,
+            "writing the initial parameters",
+        )
         for n in sorted(set(args.workers)):
             need = max(estimate_bytes(n, model_bytes, c) for c in comms)
             avail = psutil.virtual_memory().available
@@ -571,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": skipped,
         }
         write_json(args.json, doc)
+    if args.smoke:
+        check_smoke(results, args.workers)
     return 0
 
 

@@ -50,7 +50,7 @@ from diloco.core.codecs import (
 )
 from diloco.core.codecs.downlink import apply_update, encode_update
 from diloco.wire.checksum import checksum
-from harness.report import machine_info, print_table
+from benchmarks.harness.report import machine_info, print_table
 from sync_round_children import choose_shape
 
 

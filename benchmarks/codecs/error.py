@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from diloco.core.codecs import Bf16Codec, Codec, Fp4Codec, Int4Codec, Int8Codec, LowRankCodec
-from harness.report import print_table
+from benchmarks.harness.report import print_table
 
 Data = dict[str, torch.Tensor]
 
