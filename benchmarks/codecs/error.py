@@ -14,11 +14,13 @@ the 4-bit format of Streaming DiLoCo's outer gradients), computed here in plain 
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/codec_error.py
+    .venv/bin/python -m benchmarks.codecs.error
+    .venv/bin/python -m benchmarks.codecs.error --smoke   # 2**14 values, 5 demo steps
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import sys
@@ -26,8 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.core.codecs import Bf16Codec, Codec, Fp4Codec, Int4Codec, Int8Codec, LowRankCodec
+from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table
+from diloco.core.codecs import Bf16Codec, Codec, Fp4Codec, Int4Codec, Int8Codec, LowRankCodec
 
 Data = dict[str, torch.Tensor]
 
@@ -76,14 +79,17 @@ def through(codec: Codec) -> Callable[[str, torch.Tensor], torch.Tensor]:
     return lambda name, t: codec.decode(codec.encode(t, name), t.shape)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    smoke.add_flag(ap)
+    args = ap.parse_args(argv)
     torch.manual_seed(0)  # StudentT samples from the global generator
     gen = torch.Generator().manual_seed(0)
-    n = 1 << 20
+    n = 1 << 14 if args.smoke else 1 << 20
     datasets: dict[str, Data] = {
         "gauss": {"g": torch.randn(n, generator=gen)},
         "t3": {"g": torch.distributions.StudentT(3.0).sample((n,))},
-        "demo": demo_pseudo_gradient(),
+        "demo": demo_pseudo_gradient(steps=5 if args.smoke else 50),
     }
     demo = datasets["demo"]
     demo_n = sum(v.numel() for v in demo.values())
@@ -110,6 +116,14 @@ def main() -> int:
         ]
         table.append([label, f"{nbytes:.3f}", *errs])
     print_table(["codec", "bytes/element", *datasets], table)
+    if args.smoke:
+        gauss = {row[0]: float(row[2]) for row in table if row[2] != "-"}
+        smoke.require(all(0 <= e < 1.5 for e in gauss.values()), f"relative errors: {gauss}")
+        smoke.require(
+            gauss["bf16"] < gauss["int8, block 64"] < gauss["int4, block 64"],
+            "more bits, less error",
+        )
+        smoke.passed("codecs.error")
     return 0
 
 

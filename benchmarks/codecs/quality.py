@@ -1,9 +1,10 @@
 """Fewer bytes at equal loss? Eval loss and bytes per round of each uplink codec on the demo model.
 
-    python benchmarks/codec_quality.py --seeds 0 1 2
+    python -m benchmarks.codecs.quality --seeds 0 1 2
+    python -m benchmarks.codecs.quality --smoke     # 2 workers, 2 rounds, 2 configurations
 
 Four workers, a sync server, the same inner steps per worker in every configuration (the
-streaming experiment's set-up: ``experiment_common.run_trial``, worker threads training the demo
+streaming experiment's set-up: ``harness.trials.run_trial``, worker threads training the demo
 model on their own non-iid shard). Configurations: the uplink codec (fp32, bf16, int8, int4,
 low rank) with error feedback, and the lossy ones once more without it, all with today's fp32
 downlink; then compressed downlinks (bf16, int8, int4 updates) beside the smaller uplinks. Reported per configuration: eval loss of the final global model (mean ± standard
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from experiment_common import Trial, run_trial, summarise, write_results
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.trials import Trial, run_trial, summarise
 
 REFERENCE = "up bf16, down fp32"
 DOWNLINKS = [
@@ -83,10 +87,7 @@ def table(rows: list[dict[str, Any]]) -> None:
         else float("nan")
     )
     ref_sd = statistics.stdev(r["eval_loss"] for r in ref.values()) if len(ref) > 1 else 0.0
-    print(
-        f"\n{'configuration':<34} {'eval loss':>17} {'vs ref, paired':>17} {'up kB':>7} "
-        f"{'down kB':>8} {'fewer bytes':>11}"
-    )
+    out = []
     for name in names:
         group = [r for r in rows if r["name"] == name]
         up = statistics.mean(r["up_per_round"] for r in group)
@@ -97,14 +98,24 @@ def table(rows: list[dict[str, Any]]) -> None:
             if len(diffs) > 1
             else "n/a"
         )
-        print(
-            f"{name:<34} {summarise(group, 'eval_loss'):>17} {paired:>17} {up / 1e3:7.1f} "
-            f"{down / 1e3:8.1f} {ref_bytes / (up + down):10.2f}x"
+        out.append(
+            [
+                name,
+                summarise(group, "eval_loss"),
+                paired,
+                f"{up / 1e3:.1f}",
+                f"{down / 1e3:.1f}",
+                f"{ref_bytes / (up + down):.2f}x",
+            ]
         )
+    print()
+    print_table(
+        ["configuration", "eval loss", "vs ref, paired", "up kB", "down kB", "fewer bytes"], out
+    )
     print(f"\nreference ({REFERENCE}) spread over seeds: standard deviation {ref_sd:.4f}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--workers", type=int, default=4)
@@ -113,7 +124,11 @@ def main() -> int:
     p.add_argument("--only", nargs="*", help="run only configurations with these names")
     p.add_argument("--out", default="benchmarks/results/codec_quality.json")
     p.add_argument("--summarise", metavar="JSON", help="print the table of an earlier run's file")
-    args = p.parse_args()
+    smoke.add_flag(p)
+    args = p.parse_args(argv)
+    if args.smoke:  # the reference and int8 both ways: 2 workers, 2 rounds, one seed
+        args.seeds, args.workers, args.steps, args.sync_every = [0], 2, 20, 10
+        args.only, args.out = [REFERENCE, "up int8, down int8"], None
     if args.summarise:
         table(json.loads(Path(args.summarise).read_text())["rows"])
         return 0
@@ -132,8 +147,24 @@ def main() -> int:
                 flush=True,
             )
     table(rows)
-    write_results(args.out, args, rows)
+    if args.out:
+        write_json(args.out, {"args": vars(args), "rows": rows})
+    if args.smoke:
+        check_smoke(rows)
     return 0
+
+
+def check_smoke(rows: list[dict[str, Any]]) -> None:
+    """Both configurations trained to a finite loss, and int8 moved fewer bytes each way."""
+    by = {r["name"]: r for r in rows}
+    smoke.require(set(by) == {REFERENCE, "up int8, down int8"}, f"both ran: {set(by)}")
+    for r in rows:
+        smoke.require(math.isfinite(r["eval_loss"]) and r["eval_loss"] > 0, "a finite loss")
+        smoke.require(r["updates"] >= 1, f"{r['name']}: outer updates happened")
+    ref, int8 = by[REFERENCE], by["up int8, down int8"]
+    smoke.require(int8["up_per_round"] < ref["up_per_round"], "int8 uploads fewer bytes")
+    smoke.require(int8["down_per_round"] < ref["down_per_round"], "int8 downloads fewer bytes")
+    smoke.passed("codecs.quality")
 
 
 if __name__ == "__main__":

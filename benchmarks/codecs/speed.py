@@ -4,7 +4,7 @@ The issue's target (issue 18): encode and decode of a 100M-parameter pseudo-grad
 side by side with the plain conversion of the same tensors in the same run: int8 and 4-bit each
 at most 3x that conversion's time.
 
-The model is the sync-round benchmark's (``sync_round_children.choose_shape``: 24 bias-free
+The model is the sync-round benchmark's (``harness.model.choose_shape``: 24 bias-free
 2048 x 2048 layers for 100M), its pseudo-gradient Gaussian (the codecs' speed does not depend on
 the values). Every operation runs over all tensors; the operations take turns, ``--repeats``
 times, and each row is the median (so a drift in the machine's speed hits every row alike).
@@ -22,8 +22,9 @@ times, and each row is the median (so a drift in the machine's speed hits every 
 
 Usage (from the repository root)::
 
-    .venv/bin/python benchmarks/codec_speed.py                 # 100M parameters, 5 repeats
-    .venv/bin/python benchmarks/codec_speed.py --params 10e6   # quicker
+    .venv/bin/python -m benchmarks.codecs.speed                 # 100M parameters, 5 repeats
+    .venv/bin/python -m benchmarks.codecs.speed --params 10e6   # quicker
+    .venv/bin/python -m benchmarks.codecs.speed --smoke         # 100k parameters, once
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.harness import smoke
+from benchmarks.harness.model import choose_shape
+from benchmarks.harness.report import machine_info, print_table
 from diloco.core.codecs import (
     Bf16Codec,
     BlockCodec,
@@ -50,8 +54,6 @@ from diloco.core.codecs import (
 )
 from diloco.core.codecs.downlink import apply_update, encode_update
 from diloco.wire.checksum import checksum
-from benchmarks.harness.report import machine_info, print_table
-from sync_round_children import choose_shape
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -116,14 +118,17 @@ def _encode_pieces(
     return lambda: [codec.encode_piece(t.view(-1), o) for t, o in zip(tensors, outs, strict=True)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6, help="model size (default 100e6)")
     ap.add_argument("--max-dim", type=int, default=2048, help="widest square layer (default 2048)")
     ap.add_argument("--repeats", type=int, default=5, help="timed turns per operation (default 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--rank", type=int, default=4, help="low-rank codec's rank (default 4)")
-    args = ap.parse_args()
+    smoke.add_flag(ap)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.params, args.repeats = 1e5, 1
     torch.set_num_threads(args.threads)
     shape = choose_shape(args.params, args.max_dim)
     gen = torch.Generator().manual_seed(0)
@@ -156,6 +161,10 @@ def main() -> int:
         for key in ops
     ]
     print_table(["operation", "median ms", "min ms", "vs cast", "vs .to(bf16)"], rows)
+    if args.smoke:
+        smoke.require(len(median) == len(ops), "every operation was timed")
+        smoke.require(all(0 < t < 60 for t in median.values()), f"sane times: {median}")
+        smoke.passed("codecs.speed")
     return 0
 
 

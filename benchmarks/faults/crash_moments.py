@@ -1,6 +1,8 @@
 """Chaos at the moments that matter: kill -9 the server many times at each one, and count.
 
-    .venv/bin/python benchmarks/crash_moments.py --reps 5 --json benchmarks/results/crash_moments.json
+    .venv/bin/python -m benchmarks.faults.crash_moments --reps 5 \
+        --json benchmarks/results/crash_moments.json
+    .venv/bin/python -m benchmarks.faults.crash_moments --smoke   # one moment, once
 
 Each run is the scenario of ``tests/crash_scenario.py``: one worker trains 15 steps (a sync every
 3) against a server with ``--save-every 1 --keep 1``; the server is killed at one moment of the
@@ -14,16 +16,16 @@ dropped and counted by the worker, hangs, and restarts that found no checkpoint 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.crash_scenario import MOMENTS, SYNC_EVERY, run
 
-from tests.crash_scenario import MOMENTS, SYNC_EVERY, run  # noqa: E402
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="kills per moment (default 5)")
     ap.add_argument("--moments", nargs="+", default=list(MOMENTS), choices=MOMENTS)
     ap.add_argument("--json", metavar="PATH", help="write every run's outcome as JSON")
+    smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # one kill from inside the server (a crash point), restarted, tallied
+        args.reps, args.moments = 1, ["round_folder"]
     outcomes = []
     for moment in args.moments:
         for rep in range(args.reps):
@@ -48,26 +53,41 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print()
-    print(
-        "| moment | kills | steps lost uncounted (accepted uploads) | steps dropped, counted | "
-        "hangs | restarts without a loadable checkpoint | worker out of step | median s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for moment in args.moments:
         mine = [o for o in outcomes if o.moment == moment]
         lost = sum(o.missing for o in mine if o.killed and o.missing == o.missing)
-        print(
-            f"| {moment} | {sum(o.killed for o in mine)}/{len(mine)} | "
-            f"{lost:.0f} ({lost / SYNC_EVERY:.0f}) | {sum(o.dropped for o in mine)} | "
-            f"{sum(o.hung or bool(o.errors) for o in mine)} | "
-            f"{sum(o.killed and not o.resumed for o in mine)} | "
-            f"{sum(o.killed and not (o.exact and o.in_sync) for o in mine)} | "
-            f"{statistics.median(o.seconds for o in mine):.1f} |"
+        rows.append(
+            [
+                moment,
+                f"{sum(o.killed for o in mine)}/{len(mine)}",
+                f"{lost:.0f} ({lost / SYNC_EVERY:.0f})",
+                str(sum(o.dropped for o in mine)),
+                str(sum(o.hung or bool(o.errors) for o in mine)),
+                str(sum(o.killed and not o.resumed for o in mine)),
+                str(sum(o.killed and not (o.exact and o.in_sync) for o in mine)),
+                f"{statistics.median(o.seconds for o in mine):.1f}",
+            ]
         )
+    print_table(
+        [
+            "moment",
+            "kills",
+            "steps lost uncounted (accepted uploads)",
+            "steps dropped, counted",
+            "hangs",
+            "restarts without a loadable checkpoint",
+            "worker out of step",
+            "median s",
+        ],
+        rows,
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(o) for o in outcomes], indent=1) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, [asdict(o) for o in outcomes])
     bad = [o for o in outcomes if not o.killed or o.hung or o.errors or not o.exact]
+    if args.smoke:
+        smoke.require(not bad, f"every kill hit, resumed and kept the ledger exact: {bad}")
+        smoke.passed("crash_moments")
     return 1 if bad else 0
 
 

@@ -36,6 +36,12 @@ def choose_shape(params: float, max_dim: int) -> ModelShape:
     return ModelShape(dim, layers)
 
 
+def width_shape(params: float, dim: int = 1024) -> ModelShape:
+    """Layers of a fixed width ``dim``: about ``params`` parameters, at least one layer (the
+    links and utilization benchmarks' model)."""
+    return ModelShape(dim, max(1, round(params / (dim * dim))))
+
+
 def build_model(shape: ModelShape, seed: int = 0) -> Any:
     import torch
 

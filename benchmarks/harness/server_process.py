@@ -3,7 +3,7 @@
 The one server process of the benchmarks and the tests' process helpers. A life is
 ``python -m diloco server --host 127.0.0.1 --port P ARGS`` (or another launcher module that
 ends by running the CLI, e.g. the tests' crash points); its port is read from the
-``listening on 127.0.0.1:PORT`` line of its log, so the first life can take port 0 and every
+``diloco server listening on 127.0.0.1:PORT`` line of its log, so the first life can take port 0 and every
 later life (``start`` again after ``kill9``) listens on the same port, under the same address.
 A thread per life copies the child's stderr into the log file (a banner line first) and hands
 every line to ``on_line``, so that a benchmark can count what the server logs as it happens.
@@ -24,7 +24,8 @@ from typing import Any
 
 from benchmarks.harness.source import ROOT
 
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+# The HTTP port's line: in all-reduce mode the rendezvous store logs a "listening on" of its own.
+LISTENING = re.compile(r"diloco server listening on 127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:

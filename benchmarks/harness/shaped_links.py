@@ -5,8 +5,8 @@ server (``point_at``), port i forwards to it through two token buckets of ``rate
 per direction) shared by all of worker i's connections: worker i's link. ``raw_round`` measures
 the wire time of a synchronous round's bytes through such links with plain sockets.
 
-Used by ``slow_links.py`` (which re-exports these names) and by other benchmarks that need
-workers behind slow links. MB = 10**6 bytes.
+Used by ``links/slow_links`` and ``training/compute_utilization``, and by any benchmark that
+needs workers behind slow links. MB = 10**6 bytes.
 """
 
 from __future__ import annotations

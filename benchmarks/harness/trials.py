@@ -1,17 +1,17 @@
-"""Shared harness of the training experiments: an in-process server and worker threads training
-the demo model (or a model the caller supplies), each with its own shard, optional per-step
-delays, a step budget, an optional learning-rate schedule and an optional eval curve.
+"""Training trials: an in-process server and worker threads training the demo model (or a
+model the caller supplies), each with its own shard, optional per-step delays, a step budget,
+an optional learning-rate schedule and an optional eval curve.
 
 Threads, not processes: the simulated step delays (sleeps) dominate each step, torch releases
-the GIL in its kernels, and one process keeps the budget counter and the results simple.
+the GIL in its kernels, and one process keeps the budget counter and the results simple. Unlike
+the process-level modules of this package, it imports torch and diloco at the top.
 
-Used by ``async_experiment.py``, ``streaming_experiment.py``, ``codec_quality.py`` and the
-quality suite (``benchmarks/quality/``); not run on its own.
+Used by ``training/async_experiment``, ``training/streaming_experiment``, ``codecs/quality``
+and the quality suite (``benchmarks/quality/``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -317,14 +316,8 @@ def _evaluate_curve(
     return out
 
 
-def write_results(path: str, args: Any, rows: list[dict[str, Any]]) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"\nwrote {out}")
-
-
 def summarise(rows: list[dict[str, Any]], key: str) -> str:
+    """``key`` over the seeds' rows: the value, or mean ± standard deviation."""
     values = [r[key] for r in rows]
     if len(values) == 1:
         return f"{values[0]:.4f}"

@@ -1,7 +1,7 @@
 """Synchronous rounds when every worker sits behind its own slow link, for 1, 2, ... upload slots
 and for one or more ways of putting the bytes on the wire (``--comm UP/DOWN``).
 
-The loopback benchmark (``sync_round.py``) measures CPU overhead: on loopback the bytes move at
+The loopback benchmark (``rounds/sync_round``) measures CPU overhead: on loopback the bytes move at
 memory speed. Real workers reach the server over links of their own (a 1 Gbit office line, a
 cloud region's egress), often slower than the server's. Then what matters is how many uploads
 the server takes in at once: it receives an upload whole into a receive buffer before any of it
@@ -10,7 +10,7 @@ round arrive one after the other, each at one link's speed.
 
 Here each worker reaches the server through a shaping proxy (a child process, token buckets of
 ``--rate`` MB/s per worker and direction, shared by all of that worker's connections: its link;
-``shaped_links.py``). The server and the workers run in this process (threads; torch releases
+``harness/shaped_links.py``). The server and the workers run in this process (threads; torch releases
 the GIL in its kernels and the links, not the CPU, set the pace). For each ``--comm`` config and
 slot count a fresh server is started and the round time is compared with the wire time: the
 same bytes through the same proxies with plain sockets (N clients upload, then each gets its
@@ -26,8 +26,9 @@ and the codecs give. A compressed config moves fewer bytes, so the CPU work that
 hides for bf16/fp32 (encoding, the server's decode-add, step and downlink encode, the workers'
 apply) shows: each row's phases, timed around the library's calls, say where the time goes.
 
-    .venv/bin/python benchmarks/slow_links.py --params 25e6 --workers 4 --rate 50 --slots 1 2 4
-    .venv/bin/python benchmarks/slow_links.py --slots 4 --comm bf16/fp32 int8/int8 int4/int8
+    .venv/bin/python -m benchmarks.links.slow_links --params 25e6 --workers 4 --rate 50 --slots 1 2 4
+    .venv/bin/python -m benchmarks.links.slow_links --slots 4 --comm bf16/fp32 int8/int8 int4/int8
+    .venv/bin/python -m benchmarks.links.slow_links --smoke
 
 MB = 10**6 bytes.
 """
@@ -36,35 +37,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import importlib
-import inspect
-import json
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-from shaped_links import CHUNK, MB, Bucket, Links, raw_round, raw_rounds
-
-__all__ = [
-    "CHUNK",
-    "MB",
-    "BASELINE",
-    "Bucket",
-    "Links",
-    "PhaseClock",
-    "build_model",
-    "diloco_rounds",
-    "expected_bytes",
-    "main",
-    "parse_comm",
-    "raw_round",
-    "raw_rounds",
-]
+from benchmarks.harness import smoke
+from benchmarks.harness.model import build_model, width_shape
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.shaped_links import MB, Links, raw_rounds
+from benchmarks.links.phase_clock import PhaseClock
 
 BASELINE = "bf16/fp32"
 """What a worker sends (bf16 pseudo-gradients) and gets (fp32 parameters) by default."""
@@ -72,129 +56,7 @@ SIZE_TOLERANCE = 0.05
 """Measured bytes (headers included) may exceed the model's payload by this fraction."""
 
 
-# --- where the time goes: wall time of the library's calls, by thread --------------------------
-
-# (module, class, method, phase). Worker threads are named ``link-<i>``; every other thread is
-# the server's. Nested phases overlap: ``encode`` is inside ``upload``, ``apply`` inside
-# ``fetch``, ``fetch`` inside ``refresh``, ``downlink_encode`` inside ``close``.
-PHASE_TARGETS = [
-    ("diloco.worker.plain", "PlainSync", "upload", "upload"),
-    ("diloco.worker.encoder", "_ModelBody", "encode", "encode"),
-    ("diloco.worker.local_model", "LocalModel", "produce", "encode"),
-    ("diloco.worker.encoder", "_ModelBody", "commit", "commit"),
-    ("diloco.worker.local_model", "LocalModel", "refresh", "refresh"),
-    ("diloco.worker.session", "Session", "fetch", "fetch"),
-    ("diloco.worker.local_model", "LocalModel", "apply_update", "apply"),
-    ("diloco.core.accumulate", "WeightedSum", "add", "server_add"),
-    ("diloco.core.accumulate", "WeightedSum", "write_first", "server_add"),
-    ("diloco.server.sync_aggregator", "SyncAggregator", "close", "close"),
-    ("diloco.server.downlink", "Downlink", "encode", "downlink_encode"),
-]
-
-
-class PhaseClock:
-    """Wraps the methods of ``PHASE_TARGETS`` while installed, recording ``(thread, phase, start,
-    end)`` of every call (a generator's time is that of its ``next`` calls: ``LocalModel.produce``
-    computes bf16 pieces as the upload streams them). A target missing from the library is
-    skipped and named in ``missing``."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, float, float]] = []
-        self.missing: list[str] = []
-        self._saved: list[tuple[type, str, Any]] = []
-
-    def _note(self, phase: str, t0: float) -> None:
-        self.events.append((threading.current_thread().name, phase, t0, time.monotonic()))
-
-    def _wrap(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
-        clock = self
-
-        def timed_iter(it: Iterator[Any]) -> Iterator[Any]:
-            while True:
-                t0 = time.monotonic()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    clock._note(phase, t0)
-                    return
-                clock._note(phase, t0)
-                yield item
-
-        if inspect.iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def run_async(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.monotonic()
-                try:
-                    return await fn(*args, **kwargs)
-                finally:
-                    clock._note(phase, t0)
-
-            return run_async
-
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.monotonic()
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                clock._note(phase, t0)
-            return timed_iter(out) if inspect.isgenerator(out) else out
-
-        return run
-
-    def __enter__(self) -> PhaseClock:
-        for module, cls_name, method, phase in PHASE_TARGETS:
-            cls = getattr(importlib.import_module(module), cls_name, None)
-            fn = None if cls is None else cls.__dict__.get(method)
-            if fn is None:
-                self.missing.append(f"{module}.{cls_name}.{method}")
-                continue
-            self._saved.append((cls, method, fn))
-            setattr(cls, method, self._wrap(fn, phase))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for cls, method, fn in reversed(self._saved):
-            setattr(cls, method, fn)
-        self._saved.clear()
-
-    def round_phases(self, start: float, end: float, workers: list[str]) -> dict[str, float]:
-        """One round's phases (calls that began in ``[start, end]``), in seconds: worker phases
-        the most any worker spent in them, server phases summed; ``*_at`` are offsets from
-        ``start`` (the last upload answered, the server's round close ended)."""
-        evs = [e for e in self.events if start <= e[2] <= end]
-        out: dict[str, float] = {}
-
-        def per_worker(phase: str) -> float:
-            return max(
-                (sum(b - a for th, ph, a, b in evs if th == w and ph == phase) for w in workers),
-                default=0.0,
-            )
-
-        for phase in ("encode", "upload", "commit", "refresh", "fetch", "apply"):
-            out[phase] = per_worker(phase)
-        mine = set(workers)
-        for phase in ("server_add", "close", "downlink_encode"):
-            out[phase] = sum(b - a for th, ph, a, b in evs if th not in mine and ph == phase)
-        uploads = [b for th, ph, _, b in evs if ph == "upload" and th in mine]
-        closes = [b for th, ph, _, b in evs if ph == "close" and th not in mine]
-        out["uploads_done_at"] = max(uploads) - start if uploads else math.nan
-        out["close_done_at"] = max(closes) - start if closes else math.nan
-        out["after_close"] = end - max(closes) if closes else math.nan
-        return out
-
-
 # --- DiLoCo rounds ----------------------------------------------------------------------------
-
-
-def build_model(params: float) -> Any:
-    import torch
-
-    dim = 1024
-    layers = max(1, round(params / (dim * dim)))
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
 
 
 def parse_comm(spec: str) -> tuple[str, str]:
@@ -211,7 +73,7 @@ def expected_bytes(params: float, up: str, down: str) -> tuple[int, int]:
     from diloco.core.codecs import codec_by_name
     from diloco.worker.settings import parse_codec
 
-    shapes = [tuple(p.shape) for p in build_model(params).parameters()]
+    shapes = [tuple(p.shape) for p in build_model(width_shape(params)).parameters()]
 
     def nbytes(codec: Any) -> int:
         return sum(part.numel * part.dtype.itemsize for s in shapes for part in codec.parts(s))
@@ -239,7 +101,7 @@ def diloco_rounds(
     from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 
     n = len(links.ports)
-    initial = {name: p.detach().clone() for name, p in build_model(params).named_parameters()}
+    initial = {name: p.detach().clone() for name, p in build_model(width_shape(params)).named_parameters()}
     server = DiLoCoServer(
         ServerConfig(
             port=0,
@@ -262,7 +124,7 @@ def diloco_rounds(
 
     def worker(i: int) -> None:
         try:
-            model = build_model(params)
+            model = build_model(width_shape(params))
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             gen = torch.Generator().manual_seed(100 + i)
             with DiLoCoWorker(
@@ -373,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-phases", action="store_true", help="do not time the library's calls (phases)"
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # 1M parameters, 2 workers, 1 slot, one measured round, bf16/fp32 and int8/int8
+        args.params, args.workers, args.slots, args.rounds = 1e6, 2, [1], 1
+        args.comm = [parse_comm(BASELINE), parse_comm("int8/int8")]
 
     import torch
 
@@ -460,18 +326,33 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         r["vs_baseline"] = r["round_s"] / base[r["slots"]] if r["slots"] in base else None
     print()
-    print(
-        "| config (up/down) | workers | slots | round s, median | wire time s | round / wire "
-        f"| MB up / worker / round | MB down / worker / round | round vs {BASELINE} |"
+    print_table(
+        [
+            "config (up/down)",
+            "workers",
+            "slots",
+            "round s, median",
+            "wire time s",
+            "round / wire",
+            "MB up / worker / round",
+            "MB down / worker / round",
+            f"round vs {BASELINE}",
+        ],
+        [
+            [
+                r["comm"],
+                str(r["workers"]),
+                str(r["slots"]),
+                f"{r['round_s']:.2f}",
+                f"{r['wire_s']:.2f}",
+                f"{r['ratio']:.2f}",
+                f"{r['up_mb']:.2f}",
+                f"{r['down_mb']:.2f}",
+                "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.2f}x",
+            ]
+            for r in results
+        ],
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        vs = "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.2f}x"
-        print(
-            f"| {r['comm']} | {r['workers']} | {r['slots']} | {r['round_s']:.2f} | "
-            f"{r['wire_s']:.2f} | {r['ratio']:.2f} | {r['up_mb']:.2f} | {r['down_mb']:.2f} "
-            f"| {vs} |"
-        )
     if any(r["phases"] for r in results):
         print()
         print(
@@ -481,32 +362,40 @@ def main(argv: list[str] | None = None) -> int:
             "own outer_step_s) and ends at 'close done'; then downloads, apply and adoption."
         )
         print()
-        print(
-            "| config | slots | encode | upload | last upload answered | server add | commit "
-            "| close | step | downlink encode | close done | after close | apply | round |"
+        keys = (
+            "encode", "upload", "uploads_done_at", "server_add", "commit", "close",
+            "outer_step", "downlink_encode", "close_done_at", "after_close", "apply",
+        )  # fmt: skip
+        print_table(
+            [
+                "config", "slots", "encode", "upload", "last upload answered", "server add",
+                "commit", "close", "step", "downlink encode", "close done", "after close",
+                "apply", "round",
+            ],  # fmt: skip
+            [
+                [r["comm"], str(r["slots"]), *(f"{r['phases'][k]:.2f}" for k in keys)]
+                + [f"{r['round_s']:.2f}"]
+                for r in results
+                if r["phases"]
+            ],
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in results:
-            p = r["phases"]
-            if not p:
-                continue
-            cells = [
-                p[k]
-                for k in (
-                    "encode", "upload", "uploads_done_at", "server_add", "commit", "close",
-                    "outer_step", "downlink_encode", "close_done_at", "after_close", "apply",
-                )
-            ]  # fmt: skip
-            print(
-                f"| {r['comm']} | {r['slots']} | "
-                + " | ".join(f"{c:.2f}" for c in cells)
-                + f" | {r['round_s']:.2f} |"
-            )
     if args.json:
         args_out = {**vars(args), "comm": [f"{u}/{d}" for u, d in args.comm]}
-        with open(args.json, "w") as f:
-            json.dump({"args": args_out, "results": results}, f, indent=1)
+        write_json(args.json, {"args": args_out, "results": results})
+    if args.smoke:
+        check_smoke(results)
     return 0 if all(math.isfinite(r["round_s"]) for r in results) else 1
+
+
+def check_smoke(results: list[dict[str, Any]]) -> None:
+    """Every row ran rounds that moved bytes (``check_sizes`` held them to the payload) and
+    took at least about their wire time, which was measured."""
+    smoke.require(len(results) == 2, "both configurations ran")
+    for r in results:
+        smoke.require(math.isfinite(r["round_s"]) and r["round_s"] > 0, f"{r['comm']}: a round")
+        smoke.require(r["wire_s"] > 0 and r["up_bytes"] > 0, f"{r['comm']}: the wire time")
+        smoke.require(r["ratio"] > 0.8, f"{r['comm']}: a round takes its wire time at least")
+    smoke.passed("slow_links")
 
 
 def _phase_line(p: dict[str, float]) -> str:

@@ -1,7 +1,8 @@
 """Heterogeneous workers: sync DiLoCo, naive async, async with Delayed Nesterov, and async with
 Delayed Nesterov and DyLU, on the demo model (arXiv 2401.09135, section 4's setting in small).
 
-    python benchmarks/async_experiment.py --seeds 0 1 2 --unit 0.02
+    python -m benchmarks.training.async_experiment --seeds 0 1 2 --unit 0.02
+    python -m benchmarks.training.async_experiment --smoke   # sync and async + DN, 40 steps
 
 Four workers sleep after every step for ``unit`` times 0.58, 0.75, 1.51 and 3.33 seconds (the
 paper's ratio), on top of the step's compute. Every configuration gets the same total number of
@@ -14,11 +15,14 @@ mean staleness. Results are printed and written as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from typing import Any
 
-from experiment_common import Trial, run_trial, summarise, write_results
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.trials import Trial, run_trial, summarise
 
 RATIO = (0.58, 0.75, 1.51, 3.33)
 
@@ -52,7 +56,7 @@ def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
     ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--unit", type=float, default=0.02, help="seconds; delays are unit * ratio")
@@ -61,7 +65,11 @@ def main() -> int:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--only", nargs="*", help="run only configurations with these names")
     p.add_argument("--out", default="benchmarks/results/async_experiment.json")
-    args = p.parse_args()
+    smoke.add_flag(p)
+    args = p.parse_args(argv)
+    if args.smoke:  # sync and async with Delayed Nesterov, 10 steps per worker, 1 ms units
+        args.seeds, args.unit, args.total_steps, args.sync_every = [0], 0.001, 40, 5
+        args.only, args.out = ["sync", "async + DN"], None
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
         for trial in configurations(args, seed):
@@ -76,18 +84,30 @@ def main() -> int:
                 f"mean staleness {row['staleness']['mean']}",
                 flush=True,
             )
-    print(
-        f"\n{'configuration':<20} {'eval loss':>18} {'wall s':>16} {'updates':>8} {'staleness':>9}"
-    )
+    table = []
     for name in dict.fromkeys(r["name"] for r in rows):
         group = [r for r in rows if r["name"] == name]
         stale = [r["staleness"]["mean"] for r in group if r["staleness"]["mean"] is not None]
-        print(
-            f"{name:<20} {summarise(group, 'eval_loss'):>18} {summarise(group, 'wall_s'):>16} "
-            f"{statistics.mean(r['updates'] for r in group):8.1f} "
-            f"{(statistics.mean(stale) if stale else 0):9.2f}"
+        table.append(
+            [
+                name,
+                summarise(group, "eval_loss"),
+                summarise(group, "wall_s"),
+                f"{statistics.mean(r['updates'] for r in group):.1f}",
+                f"{(statistics.mean(stale) if stale else 0):.2f}",
+            ]
         )
-    write_results(args.out, args, rows)
+    print()
+    print_table(["configuration", "eval loss", "wall s", "updates", "staleness"], table)
+    if args.out:
+        write_json(args.out, {"args": vars(args), "rows": rows})
+    if args.smoke:
+        for r in rows:
+            smoke.require(math.isfinite(r["eval_loss"]), f"{r['name']}: a finite loss")
+            smoke.require(r["updates"] >= 1, f"{r['name']}: outer updates happened")
+            smoke.require(r["steps"] == args.total_steps, f"{r['name']}: the budget was spent")
+        smoke.require(len(rows) == 2, "both configurations ran")
+        smoke.passed("async_experiment")
     return 0
 
 

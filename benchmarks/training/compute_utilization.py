@@ -28,8 +28,9 @@ Streaming hides the link only while a round's exchanges fit into a round of trai
 exchange in flight). At 25M parameters and 5 s rounds that holds at 50 and 100 MB/s but not at
 12.5 MB/s (100 MB down alone take 8 s); there, longer rounds (``--sync-every 200``) restore it.
 
-    .venv/bin/python benchmarks/compute_utilization.py --params 25e6 --workers 2 \\
+    .venv/bin/python -m benchmarks.training.compute_utilization --params 25e6 --workers 2 \\
         --sync-every 50 --step-time 0.1 --rates 100 50 --rounds 4
+    .venv/bin/python -m benchmarks.training.compute_utilization --smoke
 
 MB = 10**6 bytes.
 """
@@ -37,21 +38,17 @@ MB = 10**6 bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-try:  # the shaping proxy may live in shaped_links.py; slow_links.py re-exports it either way
-    from shaped_links import Links
-except ImportError:
-    from slow_links import Links
-
-MB = 1e6
+from benchmarks.harness import smoke
+from benchmarks.harness.model import build_model, width_shape
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.shaped_links import MB, Links
 
 DEFAULT_CONFIGS = [
     "block:bf16/fp32",
@@ -80,16 +77,6 @@ def parse_config(spec: str) -> Config:
     return Config(spec, mode == "stream", up, down)
 
 
-def build_model(params: float) -> Any:
-    """Square bias-free linear layers of 1024: about ``params`` parameters (at least one layer)."""
-    import torch
-
-    dim = 1024
-    layers = max(1, round(params / (dim * dim)))
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)])
-
-
 def overlap_for(args: argparse.Namespace) -> int:
     """Tau: the given one, or the smallest spacing between two fragments' sync steps (a larger
     tau would make the next fragment wait for the previous one's result anyway)."""
@@ -110,7 +97,7 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
 
     n, period = args.workers, args.sync_every
     streaming = {"num_fragments": args.fragments, "fragment_pattern": args.pattern}
-    initial = {name: p.detach().clone() for name, p in build_model(args.params).named_parameters()}
+    initial = {name: p.detach().clone() for name, p in build_model(width_shape(args.params)).named_parameters()}
     server = DiLoCoServer(
         ServerConfig(
             port=0,
@@ -133,7 +120,7 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
 
     def worker(i: int) -> None:
         try:
-            model = build_model(args.params)
+            model = build_model(width_shape(args.params))
             gen = torch.Generator().manual_seed(100 + i)
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-2
@@ -288,14 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.95, help="utilization to reach")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--log-level", default="WARNING", help="of the server's and workers' logs")
+    smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # 1M parameters, rounds of 8 x 10 ms steps, blocking and streaming
+        args.params, args.workers, args.sync_every, args.step_time = 1e6, 2, 8, 0.01
+        args.rates, args.rounds, args.fragments = [100.0], 1, 2
+        args.configs = [parse_config("block:bf16/fp32"), parse_config("stream:int8/fp32")]
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("diloco").setLevel(args.log_level.upper())
 
     import torch
 
     torch.set_num_threads(1)
-    model_params = sum(p.numel() for p in build_model(args.params).parameters())
+    model_params = sum(p.numel() for p in build_model(width_shape(args.params)).parameters())
     print(
         f"{args.workers} workers, {model_params / 1e6:.1f}M parameters, {args.sync_every} steps of "
         f"{args.step_time:g} s per round ({args.sync_every * args.step_time:g} s of compute); "
@@ -316,17 +308,31 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print()
-    print(
-        "| link MB/s | configuration | utilization | sleep / wall | round s | sync s / round "
-        "| MB up / round | MB down / round |"
+    print_table(
+        [
+            "link MB/s",
+            "configuration",
+            "utilization",
+            "sleep / wall",
+            "round s",
+            "sync s / round",
+            "MB up / round",
+            "MB down / round",
+        ],
+        [
+            [
+                f"{r['rate_mb_s']:g}",
+                r["config"],
+                f"{r['utilization']:.1%}",
+                f"{r['gpu']:.1%}",
+                f"{r['round_s']:.2f}",
+                f"{r['sync_s_per_round']:.2f}",
+                f"{r['mb_up_per_round']:.1f}",
+                f"{r['mb_down_per_round']:.1f}",
+            ]
+            for r in results
+        ],
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(
-            f"| {r['rate_mb_s']:g} | {r['config']} | {r['utilization']:.1%} | {r['gpu']:.1%} "
-            f"| {r['round_s']:.2f} | {r['sync_s_per_round']:.2f} | {r['mb_up_per_round']:.1f} "
-            f"| {r['mb_down_per_round']:.1f} |"
-        )
     print()
     reference = DEFAULT_CONFIGS[0]
     for rate in args.rates:
@@ -341,12 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         out = {"args": {**vars(args), "configs": [c.spec for c in args.configs]}}
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            json.dumps({**out, "model_params": model_params, "results": results}, indent=1)
-        )
-        print(f"wrote {path}")
+        write_json(args.json, {**out, "model_params": model_params, "results": results})
+    if args.smoke:
+        smoke.require(len(results) == 2, "both configurations ran")
+        for r in results:
+            smoke.require(0 < r["utilization"] <= 1.0, f"{r['config']}: a utilization")
+            smoke.require(r["round_s"] > 0 and r["mb_up_per_round"] > 0, "rounds moved bytes")
+        smoke.passed("compute_utilization")
     return 0
 
 

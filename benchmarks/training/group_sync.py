@@ -15,7 +15,8 @@ back in training) is printed beside it. The group's phases are timed by wrapping
 ``WorkerGroup``'s collectives and rank 0's HTTP sync (which includes the part of the streamed
 broadcast sent while the download lands): where the extra time goes.
 
-Usage: ``.venv/bin/python benchmarks/group_sync.py [--params 25e6] [--repeats 5]``.
+Usage: ``.venv/bin/python -m benchmarks.training.group_sync [--params 25e6] [--repeats 5]``;
+``--smoke``: 2M parameters, one sync per set-up, checked.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker import group as group_mod
 from diloco.worker.group_sync import GroupSync
@@ -139,28 +142,43 @@ def run(mode: str, params: float, repeats: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def _phases(phases: dict[str, float]) -> str:
+    """A rank's phases, longest first, in ms."""
+    return ", ".join(
+        f"{'HTTP sync (rank 0)' if name == 'http' else PHASES.get(name, name)} {sec * 1000:.1f}"
+        for name, sec in sorted(phases.items(), key=lambda kv: -kv[1])
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=25e6)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", nargs="+", default=["single", "replicated", "partitioned"])
-    args = ap.parse_args()
+    smoke.add_flag(ap)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.params, args.repeats = 2e6, 1
     results = {mode: run(mode, args.params, args.repeats) for mode in args.modes}
     base = statistics.median(results["single"]["walls"]) if "single" in results else None
     print(f"model: {results[args.modes[0]]['params'] / 1e6:.1f}M fp32 parameters, bf16 uploads")
+    rows = []
     for mode, r in results.items():
         median = statistics.median(r["walls"])
-        ratio = f"  {median / base:.2f}x single" if base else ""
-        print(f"{mode:12s} sync median {median * 1000:7.0f} ms over {len(r['walls'])}{ratio}")
-        for name, seconds in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
-            label = "HTTP sync (rank 0)" if name == "http" else PHASES.get(name, name)
-            print(f"    {label:32s} {seconds * 1000:7.1f} ms")
+        ratio = f"{median / base:.2f}x" if base else "-"
+        rows.append([mode, "0", f"{median * 1000:.0f}", ratio, _phases(r["phases"])])
         for other in r["others"]:
             rank_median = statistics.median(other["walls"]) * 1000
-            print(f"  rank {other['rank']} sync median {rank_median:7.0f} ms, of which:")
-            for name, seconds in sorted(other["phases"].items(), key=lambda kv: -kv[1]):
-                print(f"    {PHASES.get(name, name):32s} {seconds * 1000:7.1f} ms")
+            rows.append([mode, str(other["rank"]), f"{rank_median:.0f}", "", _phases(other["phases"])])
+    print_table(["set-up", "rank", "sync median ms", "vs single", "where the time goes, ms"], rows)
+    if args.smoke:
+        smoke.require(set(results) == set(args.modes), "every set-up ran")
+        for mode, r in results.items():
+            smoke.require(len(r["walls"]) == args.repeats, f"{mode}: every sync timed")
+            smoke.require(all(w > 0 for w in r["walls"]), f"{mode}: syncs took time")
+        smoke.passed("group_sync")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

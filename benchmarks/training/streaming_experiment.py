@@ -1,6 +1,7 @@
 """Streaming DiLoCo against plain DiLoCo on the demo model (arXiv 2501.18512 in small).
 
-    python benchmarks/streaming_experiment.py --seeds 0 1 2 --fragments 4
+    python -m benchmarks.training.streaming_experiment --seeds 0 1 2 --fragments 4
+    python -m benchmarks.training.streaming_experiment --smoke   # plain and one streaming row
 
 Four workers, sync server, the same inner steps per worker in every configuration. Plain DiLoCo
 sends the whole model every ``sync_every`` steps; streaming sends one of P fragments every
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import sys
 from typing import Any
 
-from experiment_common import Trial, run_trial, summarise, write_results
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.trials import Trial, run_trial, summarise
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
@@ -57,7 +61,7 @@ def peak_sync_bytes(row: dict[str, Any]) -> float:
     return max(peaks) if peaks else float("nan")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--workers", type=int, default=4)
@@ -67,7 +71,11 @@ def main() -> int:
     p.add_argument("--fp32", action="store_true", help="send fp32 pseudo-gradients")
     p.add_argument("--only", nargs="*", help="run only configurations with these names")
     p.add_argument("--out", default="benchmarks/results/streaming_experiment.json")
-    args = p.parse_args()
+    smoke.add_flag(p)
+    args = p.parse_args(argv)
+    if args.smoke:  # plain and one streaming configuration: 2 workers, 2 rounds of 4 fragments
+        args.seeds, args.workers, args.steps, args.sync_every, args.fragments = [0], 2, 16, 8, 4
+        args.only, args.out = ["plain", "P=4 str tau=1 alpha=0.5"], None
     rows: list[dict[str, Any]] = []
     for seed in args.seeds:
         for trial in configurations(args, seed):
@@ -83,18 +91,32 @@ def main() -> int:
                 f"up {row['bytes_up'] / 1e6:6.2f} MB  wall {row['wall_s']:5.1f} s",
                 flush=True,
             )
-    print(
-        f"\n{'configuration':<32} {'eval loss':>18} {'peak kB/sync':>12} {'MB up':>7} {'wall s':>16}"
-    )
+    table = []
     for name in dict.fromkeys(r["name"] for r in rows):
         group = [r for r in rows if r["name"] == name]
-        print(
-            f"{name:<32} {summarise(group, 'eval_loss'):>18} "
-            f"{statistics.mean(r['peak_sync_bytes'] for r in group) / 1e3:12.1f} "
-            f"{statistics.mean(r['bytes_up'] for r in group) / 1e6:7.2f} "
-            f"{summarise(group, 'wall_s'):>16}"
+        table.append(
+            [
+                name,
+                summarise(group, "eval_loss"),
+                f"{statistics.mean(r['peak_sync_bytes'] for r in group) / 1e3:.1f}",
+                f"{statistics.mean(r['bytes_up'] for r in group) / 1e6:.2f}",
+                summarise(group, "wall_s"),
+            ]
         )
-    write_results(args.out, args, rows)
+    print()
+    print_table(["configuration", "eval loss", "peak kB/sync", "MB up", "wall s"], table)
+    if args.out:
+        write_json(args.out, {"args": vars(args), "rows": rows})
+    if args.smoke:
+        by = {r["name"]: r for r in rows}
+        smoke.require(len(by) == 2, f"both configurations ran: {list(by)}")
+        for r in rows:
+            smoke.require(math.isfinite(r["eval_loss"]), f"{r['name']}: a finite loss")
+        plain, stream = by["plain"], by["P=4 str tau=1 alpha=0.5"]
+        smoke.require(
+            stream["peak_sync_bytes"] < plain["peak_sync_bytes"] / 2, "fragments send less per sync"
+        )
+        smoke.passed("streaming_experiment")
     return 0
 
 

@@ -26,23 +26,26 @@ after the same number of inner steps), measured through ``transformers.Trainer``
   of the held-out text) of the server's global model after the last round and of the baseline
   after its last step; also at each round (global) and every ``sync_every`` steps (baseline).
 
-Usage: ``.venv/bin/python benchmarks/trainer_quality.py [--model char|gpt2] [--workers 2]
-[--steps 500] [--sync-every 50] [--seed 0] [--out benchmarks/results/trainer_quality.json]``.
+Usage: ``.venv/bin/python -m benchmarks.training.trainer_quality [--model char|gpt2]
+[--workers 2] [--steps 500] [--sync-every 50] [--seed 0]
+[--out benchmarks/results/trainer_quality.json]``; ``--smoke``: 20 steps, 2 rounds, checked.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import multiprocessing as mp
 import queue
 import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.harness import smoke
+from benchmarks.harness.report import print_table, write_json
 
 
 def build_gpt2(seed: int, n_positions: int, dropout: float = 0.1, tied: bool = True) -> Any:
@@ -186,7 +189,7 @@ def _train(rank: int, cfg: dict[str, Any], address: str | None, events: Any) -> 
     events.put(("done", rank, {"train_time_s": wall, "train_losses": losses}, final))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=500, help="optimizer steps per process")
     p.add_argument("--sync-every", type=int, default=50)
@@ -209,7 +212,10 @@ def main() -> None:
         "--max-grad-norm", type=float, default=1.0, help="Trainer gradient clipping (0: off)"
     )
     p.add_argument("--out", default="benchmarks/results/trainer_quality.json")
-    args = p.parse_args()
+    smoke.add_flag(p)
+    args = p.parse_args(argv)
+    if args.smoke:  # 2 workers and the baseline, 20 steps, 2 rounds; no results file
+        args.steps, args.sync_every, args.workers, args.out = 20, 10, 2, None
 
     from diloco.demo.data import build_corpus
     from diloco.server import DiLoCoServer, ServerConfig
@@ -318,26 +324,46 @@ def main() -> None:
         "total_wall_time_s": round(wall, 1),
         "lower": global_loss < baseline_loss,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.out:
+        write_json(args.out, report)
     d, s = report["diloco"], report["single"]
     label = "CharTransformer" if args.model == "char" else "GPT-2"
     print(f"{label} {n_params:,} parameters, initial held-out loss {init_loss:.3f} nats/byte")
-    print(f"{'':<28}{'held-out loss':>14}{'steps':>8}{'rounds':>8}{'wall s':>8}")
-    print(
-        f"{f'DiLoCo, {workers} workers (global)':<28}{global_loss:>14.3f}{args.steps:>8}"
-        f"{status['round']:>8}{d['wall_time_s']:>8.1f}"
-    )
-    print(
-        f"{'1 worker, plain Trainer':<28}{baseline_loss:>14.3f}{args.steps:>8}"
-        f"{0:>8}{s['wall_time_s']:>8.1f}"
+    print_table(
+        ["", "held-out loss", "steps", "rounds", "wall s"],
+        [
+            [
+                f"DiLoCo, {workers} workers (global)",
+                f"{global_loss:.3f}",
+                str(args.steps),
+                str(status["round"]),
+                f"{d['wall_time_s']:.1f}",
+            ],
+            [
+                "1 worker, plain Trainer",
+                f"{baseline_loss:.3f}",
+                str(args.steps),
+                "0",
+                f"{s['wall_time_s']:.1f}",
+            ],
+        ],
     )
     single_at = dict(baseline_curve)
-    for step, g in global_curve:  # rounds the parent saw (it may miss one while evaluating)
-        if step in single_at:
-            print(f"  step {step:>4}: global {g:.3f}   single {single_at[step]:.3f}")
-    print(f"wrote {args.out}")
+    print_table(
+        ["step", "global", "single"],
+        [  # rounds the parent saw (it may miss one while evaluating)
+            [str(step), f"{g:.3f}", f"{single_at[step]:.3f}"]
+            for step, g in global_curve
+            if step in single_at
+        ],
+    )
+    if args.smoke:
+        smoke.require(status["round"] == args.steps // args.sync_every, "every round closed")
+        for what, loss in (("global", global_loss), ("single", baseline_loss)):
+            smoke.require(math.isfinite(loss) and 0 < loss < init_loss, f"{what} loss fell")
+        smoke.passed("trainer_quality")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
