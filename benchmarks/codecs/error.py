@@ -69,6 +69,10 @@ def e3m0(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     return (torch.sign(y) * mag * amax).reshape(-1)[: flat.numel()].view_as(x)
 
 
+def _e3m0_of(block: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    return lambda _name, t: e3m0(t, block)
+
+
 def rel_error(decode: Callable[[str, torch.Tensor], torch.Tensor], data: Data) -> float:
     num = sum(float((decode(k, v) - v).pow(2).sum()) for k, v in data.items())
     den = sum(float(v.pow(2).sum()) for v in data.values())
@@ -101,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for block in (32, 64, 128):
         rows.append((f"int4, block {block}", through(Int4Codec(block)), 0.5 + 2 / block))
         rows.append((f"fp4 (E2M1), block {block}", through(Fp4Codec(block)), 0.5 + 2 / block))
-        rows.append(
-            (f"E3M0 (reference), block {block}", lambda _, t, b=block: e3m0(t, b), 0.5 + 2 / block)
-        )
+        rows.append((f"E3M0 (reference), block {block}", _e3m0_of(block), 0.5 + 2 / block))
     low = LowRankCodec(rank=4)
     low_bytes = sum(low.nbytes(v.shape) for v in demo.values()) / demo_n
     rows.append(("lowrank r=4 (one round, demo only)", through(low), low_bytes))

@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -78,38 +79,73 @@ def build_ops(tensors: list[torch.Tensor], rank: int) -> dict[str, Callable[[], 
     codecs: list[Codec] = [Int8Codec(), Int4Codec(), Fp4Codec(), LowRankCodec(rank=rank)]
     for codec in codecs:
         label = codec.name if not isinstance(codec, LowRankCodec) else f"lowrank r={rank}"
+        parts: list[list[torch.Tensor]]
         if isinstance(codec, BlockCodec):
             outs = [codec.empty_parts(t.numel(), t.device) for t in tensors]
             ops[f"{label} encode"] = _encode_pieces(codec, tensors, outs)
             feedback = ErrorFeedback()
             for name, t in zip(names, tensors, strict=True):
                 feedback.residuals[name] = torch.zeros_like(t)
-            ops[f"{label} encode +feedback"] = lambda c=codec, f=feedback, o=outs: [
-                f.encode_piece(c, n, t.shape, 0, t.view(-1), out)
-                for n, t, out in zip(names, tensors, o, strict=True)
-            ]
+            ops[f"{label} encode +feedback"] = partial(
+                _encode_with_feedback, codec, feedback, names, tensors, outs
+            )
             parts = outs
         else:
             parts = [codec.encode(t, n) for n, t in zip(names, tensors, strict=True)]
-            ops[f"{label} encode"] = lambda c=codec: [
-                c.encode(t, n) for n, t in zip(names, tensors, strict=True)
-            ]
-        ops[f"{label} add_into"] = lambda c=codec, p=parts: [
-            c.add_into(a, ps, 0.5) for a, ps in zip(acc, p, strict=True)
-        ]
-    views = [memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") for t in tensors]
+            ops[f"{label} encode"] = partial(_encode_all, codec, names, tensors)
+        ops[f"{label} add_into"] = partial(_add_all, codec, acc, parts)
+    views = [memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") for t in tensors]  # type: ignore[arg-type]
     ops["checksum (CRC-32)"] = lambda: checksum(views)
     ops["sha256 (for comparison)"] = lambda: [hashlib.sha256(v).digest() for v in views]
     published = [t * 0.999 for t in tensors]  # a replica a step behind
-    for codec in (Int8Codec(), Int4Codec()):
-        outs = [codec.empty_parts(t.numel(), t.device) for t in tensors]
-        ops[f"{codec.name} downlink encode_update"] = lambda c=codec, o=outs: [
-            encode_update(c, t, p, out) for t, p, out in zip(tensors, published, o, strict=True)
-        ]
-        ops[f"{codec.name} downlink apply_update"] = lambda c=codec, o=outs: [
-            apply_update(c, p, out) for p, out in zip(published, o, strict=True)
-        ]
+    for block_codec in (Int8Codec(), Int4Codec()):
+        outs = [block_codec.empty_parts(t.numel(), t.device) for t in tensors]
+        ops[f"{block_codec.name} downlink encode_update"] = partial(
+            _encode_updates, block_codec, tensors, published, outs
+        )
+        ops[f"{block_codec.name} downlink apply_update"] = partial(
+            _apply_updates, block_codec, published, outs
+        )
     return ops
+
+
+def _encode_with_feedback(
+    codec: BlockCodec,
+    feedback: ErrorFeedback,
+    names: list[str],
+    tensors: list[torch.Tensor],
+    outs: list[list[torch.Tensor]],
+) -> object:
+    return [
+        feedback.encode_piece(codec, n, t.shape, 0, t.view(-1), out)
+        for n, t, out in zip(names, tensors, outs, strict=True)
+    ]
+
+
+def _encode_all(codec: Codec, names: list[str], tensors: list[torch.Tensor]) -> object:
+    return [codec.encode(t, n) for n, t in zip(names, tensors, strict=True)]
+
+
+def _add_all(codec: Codec, acc: list[torch.Tensor], parts: list[list[torch.Tensor]]) -> None:
+    for a, ps in zip(acc, parts, strict=True):
+        codec.add_into(a, ps, 0.5)
+
+
+def _encode_updates(
+    codec: BlockCodec,
+    tensors: list[torch.Tensor],
+    published: list[torch.Tensor],
+    outs: list[list[torch.Tensor]],
+) -> object:
+    return [
+        encode_update(codec, t, p, out) for t, p, out in zip(tensors, published, outs, strict=True)
+    ]
+
+
+def _apply_updates(
+    codec: BlockCodec, published: list[torch.Tensor], outs: list[list[torch.Tensor]]
+) -> object:
+    return [apply_update(codec, p, out) for p, out in zip(published, outs, strict=True)]
 
 
 def _encode_pieces(

@@ -54,7 +54,6 @@ The exit status is 1 when a hang, a crashed worker, diverged replicas or a forke
 found. Not part of the test suite: it takes minutes.
 """
 
-
 import argparse
 import json
 import os
@@ -264,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         check_smoke(res)
     bad = res["hangs"] or res["worker_crashes"] or res["diverged_quorums"] or res["forked_rounds"]
     return 1 if bad else 0
-
 
 
 def check_smoke(res: dict[str, Any]) -> None:

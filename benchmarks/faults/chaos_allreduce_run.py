@@ -58,7 +58,6 @@ class Worker:
         return f"{self.worker_id}#{self.incarnation}"
 
 
-
 class Run:
     def __init__(self, cfg: dict[str, Any], logs: Path) -> None:
         self.cfg, self.logs = cfg, logs
@@ -343,10 +342,10 @@ class Run:
 
     def summary(self) -> dict[str, Any]:
         # Replicas: the members of one completed quorum must hold the same state after it.
-        by_quorum: dict[str, dict[tuple[int, str, str | None], list[str]]] = {}
+        by_quorum: dict[str, dict[tuple[int, str | None, str | None], list[str]]] = {}
         # History: one round reached with different states by different quorums (a fork: the
         # run's state was lost, every worker holding it left, and the run went on from older).
-        by_round: dict[int, dict[tuple[str, str | None], set[str]]] = {}
+        by_round: dict[int, dict[tuple[str | None, str | None], set[str]]] = {}
         for w in self.workers:
             for t, r, model_crc, state, qid in w.syncs:
                 key = qid or f"?{w.name}@{t}"
@@ -425,5 +424,3 @@ class Run:
             "workers_detail": worker_rows,
             "events": self.events,
         }
-
-

@@ -59,9 +59,7 @@ class Server(ServerProcess):
         self.early_rounds = 0
         self.last_status: dict[int, dict[str, Any]] = {}  # per life
         self._lock = threading.Lock()
-        super().__init__(
-            args, log, env=cfg["env"], timeout=120, on_line=self._scan, start=False
-        )
+        super().__init__(args, log, env=cfg["env"], timeout=120, on_line=self._scan, start=False)
 
     def start(self, extra_args: Sequence[str] = ()) -> None:
         self.expected.setdefault(self.starts + 1, 0)

@@ -158,8 +158,6 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def parse_worker_args(argv: list[str]) -> argparse.Namespace:
     """The worker program's arguments (after ``worker``), as the driver passes them."""
     p = argparse.ArgumentParser(prog="chaos_allreduce worker")

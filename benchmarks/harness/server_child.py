@@ -54,7 +54,7 @@ def server_main(
     server = DiLoCoServer(server_config).start()
     store_port = None
     if config.get("allreduce"):
-        book = server.coordinator.allreduce.book  # type: ignore[union-attr]
+        book: Any = server.coordinator.allreduce.book  # type: ignore[union-attr]
         store_port = int(book.rendezvous[1])
         if store_proxy is not None:
             book.rendezvous = (str(store_proxy[0]), int(store_proxy[1]))

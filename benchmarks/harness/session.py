@@ -88,7 +88,10 @@ class Session:
         self.inbox = Inbox(self.ctx.Queue())
         self.members = [
             self.ctx.Process(
-                target=target, args=(i, self.inbox.q, *args_of(i)), name=f"{prefix}-{i}", daemon=True
+                target=target,
+                args=(i, self.inbox.q, *args_of(i)),
+                name=f"{prefix}-{i}",
+                daemon=True,
             )
             for i in range(n)
         ]
@@ -167,7 +170,9 @@ class Session:
         return {
             "maxrss": max(d["maxrss"] for d in done.values()),
             "maxrss_each": [done[i]["maxrss"] for i in sorted(done)],
-            "polled_peak_rss": max((self.poller.peaks.get(m.pid, 0) for m in self.members), default=0),
+            "polled_peak_rss": max(
+                (self.poller.peaks.get(m.pid, 0) for m in self.members), default=0
+            ),
             "base_rss": max(r["base_rss"] for r in self.ready.values()),
             "rss_after_join": max(r["rss_joined"] for r in self.ready.values()),
         }

@@ -188,7 +188,7 @@ def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
             x, y = sample_batch(corpus.shards[rank], trial.batch_size, trial.seq_len, gen)
             loss = loss_on(model, x.to(trial.device), y.to(trial.device))
             loss.backward()
-            if lossy and not worker.lose_next:
+            if isinstance(worker, LossyWorker) and not worker.lose_next:
                 worker.report(samples=tokens)
             # Counted before the step: its sync (inside the optimizer step, every sync_every
             # steps) waits for the round, and the curve watcher reads the count at the round's close.

@@ -279,7 +279,6 @@ def check_links(nbytes: int) -> list[dict[str, Any]]:
     return out
 
 
-
 # --- one run at a time ---------------------------------------------------------------------
 
 
@@ -291,8 +290,6 @@ def take_lock() -> Any:
     except BlockingIOError:
         sys.exit(f"another run holds {LOCK}")
     return f
-
-
 
 
 def unavailable() -> str | None:

@@ -144,16 +144,20 @@ def run_config(
         d = s.finish()
     measured = [lk for lk, r in zip(links, d["rounds"], strict=True) if not r["warmup"]]
     workers = [worker_ns(i) for i in range(n)]
-    d["link_bytes_median"] = None if topo is None else {
-        "server_in": statistics.median(lk[SERVER_NS][1] for lk in measured),
-        "server_out": statistics.median(lk[SERVER_NS][0] for lk in measured),
-        "worker_up": statistics.median(
-            statistics.mean(lk[w][0] for w in workers) for lk in measured
-        ),
-        "worker_down": statistics.median(
-            statistics.mean(lk[w][1] for w in workers) for lk in measured
-        ),
-    }
+    d["link_bytes_median"] = (
+        None
+        if topo is None
+        else {
+            "server_in": statistics.median(lk[SERVER_NS][1] for lk in measured),
+            "server_out": statistics.median(lk[SERVER_NS][0] for lk in measured),
+            "worker_up": statistics.median(
+                statistics.mean(lk[w][0] for w in workers) for lk in measured
+            ),
+            "worker_down": statistics.median(
+                statistics.mean(lk[w][1] for w in workers) for lk in measured
+            ),
+        }
+    )
     d["worker_sync_s"] = summary(
         [statistics.median(r["worker_sync_s"]) for r in d["rounds"] if not r["warmup"]]
     )
@@ -288,6 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick or args.smoke:
         args.params, args.workers, args.rounds, args.warmup = 2e5, [2], 1, 1
         args.check_mb = min(args.check_mb, 10.0)
+    if args.smoke:  # one configuration of each mode
+        args.server_fp32, args.no_allreduce_bf16, args.check_mb = False, True, 5.0
     if args.rounds < 1 or args.warmup < 0 or min(args.workers) < 2:
         ap.error("--rounds must be >= 1, --warmup >= 0, every N >= 2")
     return args
@@ -446,4 +452,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -90,7 +90,7 @@ class PhaseClock:
         for module, cls_name, method, phase in PHASE_TARGETS:
             cls = getattr(importlib.import_module(module), cls_name, None)
             fn = None if cls is None else cls.__dict__.get(method)
-            if fn is None:
+            if cls is None or fn is None:
                 self.missing.append(f"{module}.{cls_name}.{method}")
                 continue
             self._saved.append((cls, method, fn))

@@ -101,7 +101,9 @@ def diloco_rounds(
     from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 
     n = len(links.ports)
-    initial = {name: p.detach().clone() for name, p in build_model(width_shape(params)).named_parameters()}
+    initial = {
+        name: p.detach().clone() for name, p in build_model(width_shape(params)).named_parameters()
+    }
     server = DiLoCoServer(
         ServerConfig(
             port=0,
@@ -368,9 +370,20 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print_table(
             [
-                "config", "slots", "encode", "upload", "last upload answered", "server add",
-                "commit", "close", "step", "downlink encode", "close done", "after close",
-                "apply", "round",
+                "config",
+                "slots",
+                "encode",
+                "upload",
+                "last upload answered",
+                "server add",
+                "commit",
+                "close",
+                "step",
+                "downlink encode",
+                "close done",
+                "after close",
+                "apply",
+                "round",
             ],  # fmt: skip
             [
                 [r["comm"], str(r["slots"]), *(f"{r['phases'][k]:.2f}" for k in keys)]

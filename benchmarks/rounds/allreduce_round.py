@@ -49,7 +49,7 @@ Usage (from the repository root; MB = 10**6 bytes)::
     .venv/bin/python -m benchmarks.rounds.allreduce_round --params 5e6 --workers 2 4 --kill
     .venv/bin/python -m benchmarks.rounds.allreduce_round --params 100e6 --workers 2 4 8 \\
         --allreduce-fp32 --direct --json benchmarks/results/allreduce_round_100M.json
-    .venv/bin/python -m benchmarks.rounds.allreduce_round --smoke   # seconds: N=2, a kill
+    .venv/bin/python -m benchmarks.rounds.allreduce_round --smoke   # seconds: N=2 (--kill: a kill)
 
 ``--src DIR`` runs the children from another copy of the code, e.g. a snapshot of a commit
 taken while others keep editing the checkout::
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     smoke.add_flag(ap)
     args = ap.parse_args(argv)
-    if args.smoke:  # both modes at N=2, one measured round, and one kill run of 2 workers
+    if args.smoke:  # both modes at N=2, one measured round (with --kill: one kill run of 2)
         args.params, args.workers, args.rounds, args.warmup = 1e5, [2], 1, 1
-        args.kill, args.kill_workers, args.kill_round, args.kill_after = True, 2, 1, 1
+        args.kill_workers, args.kill_round, args.kill_after = 2, 1, 1
         args.kill_repeats, args.kill_heartbeat_interval = 1, 0.5
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
@@ -371,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_smoke(results: list[dict[str, Any]], kills: list[dict[str, Any]]) -> None:
     """Both modes ran consistent rounds through the proxy (the model's bytes through the server
-    in server mode, a few KB and an averaged payload in all-reduce mode), and after the kill
-    every survivor completed a round again."""
+    in server mode, a few KB and an averaged payload in all-reduce mode), and after a kill (with
+    ``--kill``) every survivor completed a round again."""
     modes = {d["mode"] for d in results}
     smoke.require(modes == {"server", "allreduce"}, f"both modes ran (got {modes})")
     for d in results:
@@ -380,7 +380,6 @@ def check_smoke(results: list[dict[str, Any]], kills: list[dict[str, Any]]) -> N
         smoke.require(d["server_bytes"]["total"] > 0, f"{d['config']}: bytes counted")
         if d["mode"] == "allreduce":
             smoke.require(d["collective_bytes_per_worker"] > 0, "the workers averaged a payload")
-    smoke.require(len(kills) == 1, "the kill run ran")
     for k in kills:
         smoke.require(not k["not_inside"], "every worker reached the all-reduce")
         for s in k["survivors"]:
@@ -390,4 +389,3 @@ def check_smoke(results: list[dict[str, Any]], kills: list[dict[str, Any]]) -> N
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -390,5 +390,3 @@ def fits(need: int, what: str, force: bool) -> str | None:
             f"{avail / 2**30:.1f} GiB available (use a smaller --params, or --force)"
         )
     return None
-
-

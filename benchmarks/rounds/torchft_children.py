@@ -116,7 +116,7 @@ def _replica_body(
             say_inside(out, idx, kill)
         return allreduce(*a, **k)
 
-    pg.allreduce = timed_allreduce  # type: ignore[method-assign]
+    pg.allreduce = timed_allreduce
     start_quorum, should_commit = manager.start_quorum, manager.should_commit
 
     def timed_start_quorum(*a: Any, **k: Any) -> Any:
@@ -130,8 +130,8 @@ def _replica_body(
         mark("commit_answered")
         return result
 
-    manager.start_quorum = timed_start_quorum  # type: ignore[method-assign]
-    manager.should_commit = timed_should_commit  # type: ignore[method-assign]
+    manager.start_quorum = timed_start_quorum
+    manager.should_commit = timed_should_commit
     noise = noise_buffer(shape)
     gen = torch.Generator().manual_seed(1000 + idx)
     out.put(("ready", idx, {"base_rss": base, "rss_joined": rss(), "pid": os.getpid()}))

@@ -563,4 +563,3 @@ def check_smoke(
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -97,7 +97,10 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
 
     n, period = args.workers, args.sync_every
     streaming = {"num_fragments": args.fragments, "fragment_pattern": args.pattern}
-    initial = {name: p.detach().clone() for name, p in build_model(width_shape(args.params)).named_parameters()}
+    initial = {
+        name: p.detach().clone()
+        for name, p in build_model(width_shape(args.params)).named_parameters()
+    }
     server = DiLoCoServer(
         ServerConfig(
             port=0,

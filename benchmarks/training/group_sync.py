@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([mode, "0", f"{median * 1000:.0f}", ratio, _phases(r["phases"])])
         for other in r["others"]:
             rank_median = statistics.median(other["walls"]) * 1000
-            rows.append([mode, str(other["rank"]), f"{rank_median:.0f}", "", _phases(other["phases"])])
+            rows.append(
+                [mode, str(other["rank"]), f"{rank_median:.0f}", "", _phases(other["phases"])]
+            )
     print_table(["set-up", "rank", "sync median ms", "vs single", "where the time goes, ms"], rows)
     if args.smoke:
         smoke.require(set(results) == set(args.modes), "every set-up ran")

@@ -28,7 +28,7 @@ after the same number of inner steps), measured through ``transformers.Trainer``
 
 Usage: ``.venv/bin/python -m benchmarks.training.trainer_quality [--model char|gpt2]
 [--workers 2] [--steps 500] [--sync-every 50] [--seed 0]
-[--out benchmarks/results/trainer_quality.json]``; ``--smoke``: 20 steps, 2 rounds, checked.
+[--out benchmarks/results/trainer_quality.json]``; ``--smoke``: one worker beside the baseline, 20 steps, 2 rounds, checked.
 """
 
 from __future__ import annotations
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/trainer_quality.json")
     smoke.add_flag(p)
     args = p.parse_args(argv)
-    if args.smoke:  # 2 workers and the baseline, 20 steps, 2 rounds; no results file
-        args.steps, args.sync_every, args.workers, args.out = 20, 10, 2, None
+    if args.smoke:  # 1 worker and the baseline, 20 steps, 2 rounds; no results file
+        args.steps, args.sync_every, args.workers, args.out = 20, 10, 1, None
 
     from diloco.demo.data import build_corpus
     from diloco.server import DiLoCoServer, ServerConfig
