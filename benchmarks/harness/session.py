@@ -178,6 +178,58 @@ class Session:
         }
 
 
+class SessionRun:
+    """A benchmark's run of one configuration over a ``Session``: the session opens with the run
+    and closes with it, on an error in ``_start`` too. ``args`` carries ``setup_timeout`` (15 s
+    more per member are allowed) and ``round_timeout``. A subclass starts its hub and members
+    in ``_start``; ``kill`` (a kill run's settings) reaches member ``i`` through ``kill_of``."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        n: int,
+        args: Any,
+        *,
+        rounds: int,
+        kill: dict[str, Any] | None = None,
+    ) -> None:
+        self.ctx, self.n, self.args, self.total_rounds, self.kill = ctx, n, args, rounds, kill
+        self.setup_timeout = args.setup_timeout + 15 * n
+        self.session = Session(
+            ctx,
+            n,
+            total_rounds=rounds,
+            setup_timeout=self.setup_timeout,
+            round_timeout=args.round_timeout,
+        )
+        self.rounds: list[dict[str, Any]] = []
+        if kill is not None:
+            self.victim_conn, self._victim_end = ctx.Pipe(duplex=False)
+
+    def __enter__(self) -> Any:
+        self.session.__enter__()
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.__exit__()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def kill_of(self, i: int) -> dict[str, Any] | None:
+        """Member ``i``'s kill settings: None outside a kill run; the last member is the victim,
+        which says it is inside on a pipe of its own (``victim_conn``, ``wait_inside``)."""
+        if self.kill is None:
+            return None
+        victim = i == self.n - 1
+        return {**self.kill, "victim": victim, "conn": self._victim_end if victim else None}
+
+
 def wait_inside(
     inbox: Inbox, victim_conn: Any, n: int, wait: float
 ) -> tuple[dict[int, Any], list[str]]:

@@ -26,7 +26,7 @@ from benchmarks.harness.model import ModelShape
 from benchmarks.harness.processes import cpu_s
 from benchmarks.harness.report import summary
 from benchmarks.harness.server_child import server_main
-from benchmarks.harness.session import Session, wait_inside
+from benchmarks.harness.session import SessionRun, wait_inside
 from benchmarks.rounds.allreduce_children import worker_main
 
 OVERHEAD = 350 * 2**20  # an interpreter with torch and diloco imported
@@ -52,7 +52,7 @@ def estimate_bytes(n: int, model_bytes: int, cfg: Config) -> int:
     return int(OVERHEAD + n * (4.2 * model_bytes + OVERHEAD))
 
 
-class ConfigRun:
+class ConfigRun(SessionRun):
     """A server process (behind a counting proxy unless ``cfg.proxied`` is False) and N worker
     processes, driven one round at a time (round mode) or left to run (``kill`` mode)."""
 
@@ -69,32 +69,13 @@ class ConfigRun:
         heartbeat_timeout: float = 0.0,
         kill: dict[str, Any] | None = None,
     ) -> None:
-        self.ctx, self.cfg, self.n, self.shape = ctx, cfg, n, shape
-        self.params_path, self.args, self.total_rounds = params_path, args, rounds
+        super().__init__(ctx, n, args, rounds=rounds, kill=kill)
+        self.cfg, self.shape, self.params_path = cfg, shape, params_path
         self.heartbeat_timeout = heartbeat_timeout
-        self.kill = kill
-        self.setup_timeout = args.setup_timeout + 15 * n
-        self.session = Session(
-            ctx,
-            n,
-            total_rounds=rounds,
-            setup_timeout=self.setup_timeout,
-            round_timeout=args.round_timeout,
-        )
         self.proxy: CountingProxy | None = None
-        self.rounds: list[dict[str, Any]] = []
-
-    def __enter__(self) -> ConfigRun:
-        self.session.__enter__()
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        self.session.__exit__()
+        super().__exit__()
         if self.proxy is not None:
             self.proxy.stop()
 
@@ -110,7 +91,7 @@ class ConfigRun:
         }
 
     def _start(self) -> None:
-        ctx, n, cfg, args, s = self.ctx, self.n, self.cfg, self.args, self.session
+        ctx, cfg, args, s = self.ctx, self.cfg, self.args, self.session
         if cfg.proxied:
             self.proxy = CountingProxy(ctx, ["http", "store"])
             self.proxy_proc = psutil.Process(self.proxy.proc.pid)
@@ -130,14 +111,6 @@ class ConfigRun:
                 }
             )
             address = f"127.0.0.1:{self.proxy.ports['http']}"
-        self.victim_conn, victim_end = ctx.Pipe(duplex=False)
-
-        def kill_of(i: int) -> dict[str, Any] | None:
-            if self.kill is None:
-                return None
-            victim = i == n - 1
-            return {**self.kill, "victim": victim, "conn": victim_end if victim else None}
-
         self.ready = s.start_members(
             worker_main,
             lambda i: (
@@ -149,7 +122,7 @@ class ConfigRun:
                 s.barrier,
                 s.finished,
                 self.setup_timeout + args.round_timeout,
-                kill_of(i),
+                self.kill_of(i),
             ),
             "worker",
         )

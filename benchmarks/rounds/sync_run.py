@@ -20,11 +20,11 @@ from benchmarks.harness.model import ModelShape
 from benchmarks.harness.processes import start_profilers, stop_profilers
 from benchmarks.harness.report import cpu_median, summary
 from benchmarks.harness.server_child import server_main
-from benchmarks.harness.session import Session
+from benchmarks.harness.session import SessionRun
 from benchmarks.rounds.sync_children import Comm, worker_main
 
 
-class DiLoCoRun:
+class DiLoCoRun(SessionRun):
     """A server process and N worker processes (a ``Session``), driven one round at a time."""
 
     def __init__(
@@ -36,32 +36,13 @@ class DiLoCoRun:
         args: argparse.Namespace,
         comm: Comm,
     ) -> None:
-        self.ctx, self.n, self.shape, self.params_path, self.args = ctx, n, shape, params_path, args
-        self.comm = comm
-        self.total_rounds = args.warmup + args.rounds
-        self.setup_timeout = args.setup_timeout + 15 * n
-        self.session = Session(
-            ctx,
-            n,
-            total_rounds=self.total_rounds,
-            setup_timeout=self.setup_timeout,
-            round_timeout=args.round_timeout,
-        )
-        self.rounds: list[dict[str, Any]] = []
+        super().__init__(ctx, n, args, rounds=args.warmup + args.rounds)
+        self.shape, self.params_path, self.comm = shape, params_path, comm
         self._profilers: list[Any] = []
-
-    def __enter__(self) -> DiLoCoRun:
-        self.session.__enter__()
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
 
     def __exit__(self, *exc: object) -> None:
         stop_profilers(self._profilers)
-        self.session.__exit__()
+        super().__exit__()
 
     def _server_config(self) -> dict[str, Any]:
         codec = self.comm.down

@@ -51,7 +51,7 @@ from typing import Any
 from benchmarks.harness import smoke
 from benchmarks.harness.model import ModelShape, choose_shape
 from benchmarks.harness.report import fmt_mb, machine_info, print_table, summary, write_json
-from benchmarks.harness.session import Session, wait_inside
+from benchmarks.harness.session import SessionRun, wait_inside
 from benchmarks.harness.source import use_src
 from benchmarks.rounds import allreduce_round, allreduce_run
 from benchmarks.rounds.torchft_children import lighthouse_main, replica_main
@@ -59,7 +59,7 @@ from benchmarks.rounds.torchft_children import lighthouse_main, replica_main
 # --- the parent's side -----------------------------------------------------------------------
 
 
-class TorchftRun:
+class TorchftRun(SessionRun):
     """A lighthouse process and N replica processes (a ``Session``), driven one round at a time
     (or, with ``kill``, left to run until the victim is killed)."""
 
@@ -74,45 +74,18 @@ class TorchftRun:
         kill: dict[str, Any] | None = None,
         join_timeout_s: float | None = None,
     ) -> None:
-        self.ctx, self.n, self.shape, self.args = ctx, n, shape, args
-        self.total_rounds, self.kill = rounds, kill
-        self.join_timeout_s = join_timeout_s
+        super().__init__(ctx, n, args, rounds=rounds, kill=kill)
+        self.shape, self.join_timeout_s = shape, join_timeout_s
         self.min_replicas = n - 1 if kill is not None else n
-        self.setup_timeout = args.setup_timeout + 15 * n
-        self.session = Session(
-            ctx,
-            n,
-            total_rounds=rounds,
-            setup_timeout=self.setup_timeout,
-            round_timeout=args.round_timeout,
-        )
-        self.rounds: list[dict[str, Any]] = []
-
-    def __enter__(self) -> TorchftRun:
-        self.session.__enter__()
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.session.tell_hub("stop")
-        self.session.__exit__()
+        super().__exit__()
 
     def _start(self) -> None:
-        ctx, n, args, s = self.ctx, self.n, self.args, self.session
+        args, s = self.args, self.session
         join_ms = None if self.join_timeout_s is None else int(self.join_timeout_s * 1000)
         self.hello = s.start_hub(lighthouse_main, (self.min_replicas, join_ms, None), "lighthouse")
-        self.victim_conn, victim_end = ctx.Pipe(duplex=False)
-
-        def kill_of(i: int) -> dict[str, Any] | None:
-            if self.kill is None:
-                return None
-            victim = i == n - 1
-            return {**self.kill, "victim": victim, "conn": victim_end if victim else None}
-
         self.ready = s.start_members(
             replica_main,
             lambda i: (
@@ -125,7 +98,7 @@ class TorchftRun:
                 s.barrier,
                 s.finished,
                 self.setup_timeout + args.round_timeout,
-                kill_of(i),
+                self.kill_of(i),
             ),
             "replica",
         )
