@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trial, summarise
+from benchmarks.harness.trials import Trial, run_trials, summarise
 
 REFERENCE = "up bf16, down fp32"
 DOWNLINKS = [
@@ -133,19 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         table(json.loads(Path(args.summarise).read_text())["rows"])
         return 0
     rows: list[dict[str, Any]] = []
-    for seed in args.seeds:
-        for trial in configurations(args, seed):
-            if args.only and trial.name not in args.only:
-                continue
-            row = run_trial(trial)
-            rows.append(row)
-            print(
-                f"seed {seed}  {trial.name:<34} eval {row['eval_loss']:.4f}  "
-                f"up {per_round(row, 'last_bytes_up') / 1e3:7.1f} kB/round  "
-                f"down {per_round(row, 'last_bytes_down') / 1e3:7.1f} kB/round  "
-                f"wall {row['wall_s']:5.1f} s",
-                flush=True,
-            )
+    for seed, trial, row in run_trials(configurations, args):
+        rows.append(row)
+        print(
+            f"seed {seed}  {trial.name:<34} eval {row['eval_loss']:.4f}  "
+            f"up {per_round(row, 'last_bytes_up') / 1e3:7.1f} kB/round  "
+            f"down {per_round(row, 'last_bytes_down') / 1e3:7.1f} kB/round  "
+            f"wall {row['wall_s']:5.1f} s",
+            flush=True,
+        )
     table(rows)
     if args.out:
         write_json(args.out, {"args": vars(args), "rows": rows})

@@ -178,6 +178,18 @@ class Session:
         }
 
 
+def run_member(body: Callable[..., None], idx: int, out: Any, *rest: Any) -> None:
+    """A member child's entry: ``body(idx, out, *rest)``, whose failure reaches the parent's
+    inbox at once (with its traceback) instead of as a barrier timeout minutes later."""
+    try:
+        body(idx, out, *rest)
+    except BaseException as exc:
+        import traceback
+
+        out.put(("error", idx, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
 class SessionRun:
     """A benchmark's run of one configuration over a ``Session``: the session opens with the run
     and closes with it, on an error in ``_start`` too. ``args`` carries ``setup_timeout`` (15 s

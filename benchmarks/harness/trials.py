@@ -17,7 +17,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,6 +314,19 @@ def _evaluate_curve(
             }
         )
     return out
+
+
+def run_trials(
+    configurations: Callable[[Any, int], list[Trial]], args: Any
+) -> Iterator[tuple[int, Trial, dict[str, Any]]]:
+    """Every configuration ``configurations(args, seed)`` names, for every seed in
+    ``args.seeds``, in that order, but only those ``args.only`` names (when given): each as
+    ``(seed, trial, run_trial(trial))``."""
+    for seed in args.seeds:
+        for trial in configurations(args, seed):
+            if args.only and trial.name not in args.only:
+                continue
+            yield seed, trial, run_trial(trial)
 
 
 def summarise(rows: list[dict[str, Any]], key: str) -> str:

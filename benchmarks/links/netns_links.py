@@ -86,6 +86,7 @@ from benchmarks.links.netns import (
     unavailable,
     worker_ns,
 )
+from benchmarks.rounds.allreduce_round import print_phases
 from benchmarks.rounds.allreduce_run import Config, ConfigRun, estimate_bytes, fits
 
 # --- the diloco rounds ------------------------------------------------------------------------
@@ -221,17 +222,11 @@ def print_results(results: list[dict[str, Any]]) -> None:
             for d in results
         ],
     )
-    ar = [d for d in results if d["mode"] == "allreduce" and d["phases_median"]]
-    if ar:
-        keys = list(ar[0]["phases_median"])
-        print("\nWhere an all-reduce round goes (s; median over workers, then over rounds):")
-        print_table(
-            ["N", "comm", *keys],
-            [
-                [str(d["workers"]), d["comm"], *(f"{d['phases_median'][k]:.3f}" for k in keys)]
-                for d in ar
-            ],
-        )
+    print_phases(
+        results,
+        "comm",
+        "\nWhere an all-reduce round goes (s; median over workers, then over rounds):",
+    )
     print("\nCPU seconds per round (medians; the server process, all workers together):")
     print_table(
         ["mode", "comm", "N", "server", "workers"],

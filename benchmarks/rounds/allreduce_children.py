@@ -24,6 +24,7 @@ from typing import Any
 
 from benchmarks.harness.model import ModelShape, build_model, checksum, noise_buffer, perturb
 from benchmarks.harness.rss import base_rss, maxrss, rss
+from benchmarks.harness.session import run_member
 from benchmarks.rounds.sync_children import stamp_server_sync
 
 # --- workers ---------------------------------------------------------------------------------
@@ -144,12 +145,8 @@ def say_inside(out: Any, idx: int, kill: dict[str, Any]) -> None:
 
 
 def worker_main(idx: int, out: Any, *rest: Any) -> None:
-    """A worker child (arguments as ``_worker_body``'s); its failure reaches the parent at once."""
-    try:
-        _worker_body(idx, out, *rest)
-    except BaseException as exc:
-        out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
-        raise
+    """A worker child (arguments as ``_worker_body``'s)."""
+    run_member(_worker_body, idx, out, *rest)
 
 
 def _worker_body(

@@ -172,18 +172,12 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             for d in results
         ],
     )
-    ar = [d for d in results if d["mode"] == "allreduce" and d["phases_median"]]
-    if ar:
-        keys = list(ar[0]["phases_median"])
-        print("\nWhere an all-reduce round goes (s; per round the median over workers, then the")
-        print("median over rounds; quorum_wait includes waiting for the last worker to ask):")
-        print_table(
-            ["N", "config", *keys],
-            [
-                [str(d["workers"]), d["config"], *(f"{d['phases_median'][k]:.3f}" for k in keys)]
-                for d in ar
-            ],
-        )
+    print_phases(
+        results,
+        "config",
+        "\nWhere an all-reduce round goes (s; per round the median over workers, then the\n"
+        "median over rounds; quorum_wait includes waiting for the last worker to ask):",
+    )
     print("\nCPU seconds per round (medians; server process, all workers, the proxy):")
     print_table(
         ["N", "config", "server", "workers", "proxy"],
@@ -198,6 +192,21 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             for d in results
         ],
     )
+
+
+def print_phases(results: list[dict[str, Any]], label: str, title: str) -> None:
+    """Where the all-reduce rows' rounds go: a column per phase, rows led by N and ``label``."""
+    ar = [d for d in results if d["mode"] == "allreduce" and d["phases_median"]]
+    if ar:
+        keys = list(ar[0]["phases_median"])
+        print(title)
+        print_table(
+            ["N", label, *keys],
+            [
+                [str(d["workers"]), d[label], *(f"{d['phases_median'][k]:.3f}" for k in keys)]
+                for d in ar
+            ],
+        )
 
 
 def print_kill(res: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.harness.model import ModelShape, build_model, checksum, noise_buffer, perturb
 from benchmarks.harness.rss import base_rss, maxrss, rss
+from benchmarks.harness.session import run_member
 
 # --- communication configurations ------------------------------------------------------------
 
@@ -119,13 +120,8 @@ def stamp_server_sync(worker: Any, mark: Callable[[str], None]) -> None:
 
 
 def worker_main(idx: int, out: Any, *rest: Any) -> None:
-    """A worker child (arguments as ``_worker_body``'s): its failure reaches the parent's inbox
-    at once, instead of as a barrier timeout minutes later."""
-    try:
-        _worker_body(idx, out, *rest)
-    except BaseException as exc:
-        out.put(("error", idx, f"{type(exc).__name__}: {exc}"))
-        raise
+    """A worker child (arguments as ``_worker_body``'s)."""
+    run_member(_worker_body, idx, out, *rest)
 
 
 def _worker_body(

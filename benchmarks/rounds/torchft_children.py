@@ -16,6 +16,7 @@ from typing import Any
 
 from benchmarks.harness.model import ModelShape, build_model, checksum, noise_buffer, perturb
 from benchmarks.harness.rss import base_rss, maxrss, rss
+from benchmarks.harness.session import run_member
 
 
 def lighthouse_main(
@@ -39,13 +40,8 @@ def lighthouse_main(
 
 
 def replica_main(idx: int, out: Any, *rest: Any) -> None:
-    try:
-        _replica_body(idx, out, *rest)
-    except BaseException as exc:
-        import traceback
-
-        out.put(("error", idx, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+    """A replica child (arguments as ``_replica_body``'s)."""
+    run_member(_replica_body, idx, out, *rest)
 
 
 def _replica_body(

@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trial, summarise
+from benchmarks.harness.trials import Trial, run_trials, summarise
 
 RATIO = (0.58, 0.75, 1.51, 3.33)
 
@@ -71,19 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.unit, args.total_steps, args.sync_every = [0], 0.001, 40, 5
         args.only, args.out = ["sync", "async + DN"], None
     rows: list[dict[str, Any]] = []
-    for seed in args.seeds:
-        for trial in configurations(args, seed):
-            if args.only and trial.name not in args.only:
-                continue
-            row = run_trial(trial)
-            rows.append(row)
-            print(
-                f"seed {seed}  {trial.name:<20} eval {row['eval_loss']:.4f}  "
-                f"wall {row['wall_s']:6.1f} s  updates {row['updates']:4d}  "
-                f"steps/worker {[w['steps'] for w in row['workers']]}  "
-                f"mean staleness {row['staleness']['mean']}",
-                flush=True,
-            )
+    for seed, trial, row in run_trials(configurations, args):
+        rows.append(row)
+        print(
+            f"seed {seed}  {trial.name:<20} eval {row['eval_loss']:.4f}  "
+            f"wall {row['wall_s']:6.1f} s  updates {row['updates']:4d}  "
+            f"steps/worker {[w['steps'] for w in row['workers']]}  "
+            f"mean staleness {row['staleness']['mean']}",
+            flush=True,
+        )
     table = []
     for name in dict.fromkeys(r["name"] for r in rows):
         group = [r for r in rows if r["name"] == name]

@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trial, summarise
+from benchmarks.harness.trials import Trial, run_trials, summarise
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
@@ -77,20 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.workers, args.steps, args.sync_every, args.fragments = [0], 2, 16, 8, 4
         args.only, args.out = ["plain", "P=4 str tau=1 alpha=0.5"], None
     rows: list[dict[str, Any]] = []
-    for seed in args.seeds:
-        for trial in configurations(args, seed):
-            if args.only and trial.name not in args.only:
-                continue
-            row = run_trial(trial)
-            row["peak_sync_bytes"] = peak_sync_bytes(row)
-            row["bytes_up"] = sum(w["bytes_up"] for w in row["workers"])
-            rows.append(row)
-            print(
-                f"seed {seed}  {trial.name:<32} eval {row['eval_loss']:.4f}  "
-                f"peak sync {row['peak_sync_bytes'] / 1e3:8.1f} kB  "
-                f"up {row['bytes_up'] / 1e6:6.2f} MB  wall {row['wall_s']:5.1f} s",
-                flush=True,
-            )
+    for seed, trial, row in run_trials(configurations, args):
+        row["peak_sync_bytes"] = peak_sync_bytes(row)
+        row["bytes_up"] = sum(w["bytes_up"] for w in row["workers"])
+        rows.append(row)
+        print(
+            f"seed {seed}  {trial.name:<32} eval {row['eval_loss']:.4f}  "
+            f"peak sync {row['peak_sync_bytes'] / 1e3:8.1f} kB  "
+            f"up {row['bytes_up'] / 1e6:6.2f} MB  wall {row['wall_s']:5.1f} s",
+            flush=True,
+        )
     table = []
     for name in dict.fromkeys(r["name"] for r in rows):
         group = [r for r in rows if r["name"] == name]
