@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if render_dir is None and not args.fast and args.profile == "cpu" and not args.names:
         render_dir = str(ROOT / "docs")
     if render_dir:
-        from quality.render import render
+        from benchmarks.quality.render import render
 
         render(out, Path(render_dir))
     return 0

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.quality.experiments import EXPERIMENTS, FAST
+from benchmarks.quality.protocol import GPU, pretrained, run_single
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from quality.experiments import EXPERIMENTS, FAST  # noqa: E402
-from quality.protocol import GPU, pretrained, run_single  # noqa: E402
 
 ROW_KEYS = {"name", "seed", "kind", "config", "eval_loss", "wall_s", "bytes_up", "curve", "run_s"}
 POINT_KEYS = {"steps_per_worker", "bytes_up", "wall_s", "eval_loss"}
