@@ -39,7 +39,8 @@ class SyncWatch:
     def __call__(self) -> bool:
         if not self.streaming:
             return bool(self.worker.local_step == 0)
-        if getattr(self.worker._strategy, "_inflight", None) is not None:
+        payload = getattr(self.worker._strategy, "_payload", None)  # QuorumSync's
+        if getattr(payload, "_inflight", None) is not None:
             return False
         rounds = int(self.worker.sync_metrics["rounds"])
         done, self.rounds = rounds > self.rounds, rounds
@@ -109,7 +110,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )
 
     def state_hash() -> str | None:
-        strategy = getattr(worker, "_strategy", None)  # AllReduceSync's hash of its state
+        strategy = getattr(worker, "_strategy", None)  # QuorumSync's hash of its state
         return getattr(strategy, "_hash", None)
 
     stopping_since: float | None = None

@@ -4,8 +4,8 @@
         --json benchmarks/results/crash_moments.json
     .venv/bin/python -m benchmarks.faults.crash_moments --smoke   # one moment, once
 
-Each run is the scenario of ``tests/crash_scenario.py``: one worker trains 15 steps (a sync every
-3) against a server with ``--save-every 1 --keep 1``; the server is killed at one moment of the
+Each run is the scenario of ``tests/helpers/crash_scenario.py``: one worker trains 15 steps (a
+sync every 3) against a server with ``--save-every 1 --keep 1``; the server is killed at one moment of the
 worker's k-th upload (k cycles through 2, 3, 4; cuts inside an upload or a download move too),
 restarted from its save dir, and the worker finishes. The ledger (constant gradients, outer SGD
 with lr 1) says exactly how many steps reached the global parameters. Per moment it prints the
@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from tests.crash_scenario import MOMENTS, SYNC_EVERY, run
+from tests.helpers.crash_scenario import MOMENTS, SYNC_EVERY, run
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json

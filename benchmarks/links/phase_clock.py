@@ -21,13 +21,13 @@ from typing import Any
 # the server's. Nested phases overlap: ``encode`` is inside ``upload``, ``apply`` inside
 # ``fetch``, ``fetch`` inside ``refresh``, ``downlink_encode`` inside ``close``.
 PHASE_TARGETS = [
-    ("diloco.worker.plain", "PlainSync", "upload", "upload"),
-    ("diloco.worker.encoder", "_ModelBody", "encode", "encode"),
-    ("diloco.worker.local_model", "LocalModel", "produce", "encode"),
-    ("diloco.worker.encoder", "_ModelBody", "commit", "commit"),
-    ("diloco.worker.local_model", "LocalModel", "refresh", "refresh"),
+    ("diloco.worker.server_mode.plain", "PlainSync", "upload", "upload"),
+    ("diloco.worker.state.encoder", "_ModelBody", "encode", "encode"),
+    ("diloco.worker.state.local_model", "LocalModel", "produce", "encode"),
+    ("diloco.worker.state.encoder", "_ModelBody", "commit", "commit"),
+    ("diloco.worker.state.local_model", "LocalModel", "refresh", "refresh"),
     ("diloco.worker.session", "Session", "fetch", "fetch"),
-    ("diloco.worker.local_model", "LocalModel", "apply_update", "apply"),
+    ("diloco.worker.state.local_model", "LocalModel", "apply_update", "apply"),
     ("diloco.core.accumulate", "WeightedSum", "add", "server_add"),
     ("diloco.core.accumulate", "WeightedSum", "write_first", "server_add"),
     ("diloco.server.sync_aggregator", "SyncAggregator", "close", "close"),

@@ -8,11 +8,11 @@ front of its rendezvous store, the quorum replies name the proxy, so that the st
 counted as well).
 
 Workers (``worker_main``): a round is the sync-round benchmark's: perturb every weight a little
-(standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for
-the other workers, report. Around the library's calls, stamps of where the time goes (wrappers
-installed on the worker's client and on module attributes of ``diloco.worker.allreduce`` in the
-child; the library's code is unchanged). ``kill`` mode: no barrier, the workers sync one round
-after another; one victim blocks inside a chosen round's all-reduce until the parent kills it.
+(standing in for H local steps), wait at a barrier with the parent, ``force_sync()``, wait for the
+other workers, report. Around the library's calls, stamps of where the time goes (wrappers installed
+on the worker's client and on module attributes of ``diloco.worker.allreduce``'s loop and payloads
+in the child; the library's code is unchanged). ``kill`` mode: no barrier, the workers sync one
+round after another; one victim blocks inside a chosen round's all-reduce until the parent kills it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         stamp_server_sync(worker, stamps.mark)
         return
 
-    import diloco.worker.allreduce as ar
+    import diloco.worker.allreduce.fragment_rounds as fragments
+    import diloco.worker.allreduce.quorum_sync as ar
+    import diloco.worker.allreduce.whole_model as whole
 
     quorum = client.quorum
     outcome = client.quorum_outcome
@@ -77,8 +79,8 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
     if getattr(ar, "_bench_instrumented", False):
         return
     ar._bench_instrumented = True  # type: ignore[attr-defined]
-    build = ar.QuorumGroup.build.__func__  # type: ignore[attr-defined]
-    average, all_equal, outer = ar.average, ar.all_equal, ar.apply_outer_step
+    build = ar.QuorumCollective.build.__func__  # type: ignore[attr-defined]
+    average, all_equal, outer = ar.average, ar.all_equal, whole.apply_outer_step
 
     def timed_build(cls: Any, *a: Any, **k: Any) -> Any:
         group = build(cls, *a, **k)
@@ -100,10 +102,10 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         outer(*a, **k)
         stamps.mark("outer_done")
 
-    ar.QuorumGroup.build = classmethod(timed_build)  # type: ignore[method-assign,assignment]
+    ar.QuorumCollective.build = classmethod(timed_build)  # type: ignore[method-assign,assignment]
     ar.average = timed_average
     ar.all_equal = timed_all_equal
-    ar.apply_outer_step = timed_outer
+    whole.apply_outer_step = fragments.apply_outer_step = timed_outer  # the payloads' step
 
 
 def phases(s: dict[str, float], t0: float, t1: float, mode: str) -> dict[str, float] | None:
@@ -169,7 +171,7 @@ def _worker_body(
 
     torch.set_num_threads(1)
     from diloco import DiLoCoWorker
-    from diloco.worker import quorum_group
+    from diloco.worker.allreduce.collective import QuorumCollective
 
     base = base_rss()
     model = build_model(shape)
@@ -180,7 +182,7 @@ def _worker_body(
     current = {"round": -1, "said": False}
 
     if kill is not None:
-        original = quorum_group.QuorumGroup.collective
+        original = QuorumCollective.collective
 
         def collective(self: Any, what: str, start: Any) -> None:
             if what == "all-reduce" and current["round"] == kill["round"] and not current["said"]:
@@ -188,7 +190,7 @@ def _worker_body(
                 say_inside(out, idx, kill)
             original(self, what, start)
 
-        quorum_group.QuorumGroup.collective = collective  # type: ignore[method-assign]
+        QuorumCollective.collective = collective  # type: ignore[method-assign]
 
     heartbeat = 0.0 if kill is None else float(kill["heartbeat_interval"])
     with DiLoCoWorker(

@@ -38,9 +38,9 @@ momentum and the averaging buffer (about 4 models).
 
 ``--kill``: a worker killed with SIGKILL inside the all-reduce (``--kill-workers`` workers,
 heartbeats every ``--kill-heartbeat-interval`` s, ``ServerConfig(heartbeat_timeout=...)``). As
-the tests' all-reduce victim program, the victim patches ``QuorumGroup.collective`` to say so and block at
-its first all-reduce of round ``--kill-round``; the parent kills it once every survivor has said
-it is inside that all-reduce too. For each survivor: the kill until its collective failed and it
+``tests/programs/allreduce_victim.py``, the victim patches ``QuorumCollective.collective`` to
+say so and block at its first all-reduce of round ``--kill-round``; the parent kills it once
+every survivor has said it is inside that all-reduce too. For each survivor: the kill until its collective failed and it
 reported the round discarded, until its next quorum, and until that round completed (how long it
 was blocked).
 

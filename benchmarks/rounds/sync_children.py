@@ -23,7 +23,7 @@ from benchmarks.harness.session import run_member
 
 # --- communication configurations ------------------------------------------------------------
 
-#: Upload codecs that keep no error-feedback residual (``worker/encoder.py``).
+#: Upload codecs that keep no error-feedback residual (``worker/state/encoder.py``).
 RAW_CODECS = ("fp32", "bf16")
 
 

@@ -36,15 +36,15 @@ import torch.multiprocessing as mp
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker import group as group_mod
-from diloco.worker.group_sync import GroupSync
+from diloco.worker.groups import group as group_mod
+from diloco.worker.groups.group_sync import GroupSync
 
 WIDTH = 1000
 PHASES = {
     "pool_samples": "samples all_reduce",
     "collect": "gather (partitioned)",
-    "send_verdict": "verdict broadcast",
-    "receive_verdict": "verdict broadcast",
+    "send_report": "report broadcast",
+    "receive_report": "report broadcast",
     "share": "parameters broadcast/scatter",
     "stream_end": "rest of streamed broadcast",
     "stream_receive": "streamed broadcast received",

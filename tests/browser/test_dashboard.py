@@ -19,7 +19,9 @@ import torch
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.wire import spec_of
-from diloco.worker.client import DiLoCoClient
+from diloco.worker.transport.client import DiLoCoClient
+
+pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"

@@ -6,81 +6,22 @@ parameters takes the run's state before it contributes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.persistence import list_checkpoints, load_checkpoint
+from tests.helpers.allreduce import make_model, run_workers
 
-EVERY = 3
 ROUNDS = 4
 
 
-_SEEDING = threading.Lock()  # torch's global generator: threads must not build models at once
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
-    with _SEEDING:
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def run_workers(
-    address: str,
-    n: int,
-    rounds: int,
-    after_sync: Callable[[int, int, DiLoCoWorker], None] | None = None,
-    seeds: list[int] | None = None,
-    bf16: bool = False,
-    **kw: Any,
-) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
-    """``n`` workers in threads, ``rounds`` rounds of ``EVERY`` seeded SGD steps each; returns
-    each worker's final parameters and metrics. ``after_sync(rank, round, worker)`` runs after
-    each of a worker's syncs."""
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            model = make_model(seeds[rank] if seeds else 0)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            gen = torch.Generator().manual_seed(100 + rank)
-            with DiLoCoWorker(
-                model,
-                opt,
-                address,
-                sync_every=EVERY,
-                heartbeat_interval=0.2,
-                bf16_comm=bf16,
-                worker_id=f"w{rank}",
-                **kw,
-            ) as w:
-                for step in range(rounds * EVERY):
-                    for p in model.parameters():
-                        p.grad = torch.randn(p.shape, generator=gen)
-                    opt.step()
-                    w.report(samples=1)
-                    if after_sync is not None and w.local_step == 0:
-                        after_sync(rank, (step + 1) // EVERY, w)
-                results[rank] = (
-                    {k: v.detach().clone() for k, v in model.named_parameters()},
-                    dict(w.sync_metrics),
-                )
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    assert not errors, errors
-    assert all(r is not None for r in results)
-    return results
 
 
 @pytest.mark.timeout(120)

@@ -7,89 +7,17 @@ third end."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker import allreduce, quorum_group
-from tests.integration.test_allreduce import run_workers
-
-HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
-ROUNDS = 3
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.timeout(120)
-def test_a_worker_killed_inside_the_allreduce_is_left_out_before_its_eviction() -> None:
-    config = ServerConfig(
-        port=0,
-        num_workers=3,
-        allreduce=True,
-        heartbeat_timeout=HEARTBEAT_TIMEOUT,
-        collective_timeout=10.0,
-    )
-    with DiLoCoServer(config) as srv:
-        victim = subprocess.Popen(
-            [sys.executable, "-m", "tests.allreduce_victim", srv.address, "w9"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        killed_at: list[float] = []
-
-        def kill_when_inside() -> None:
-            assert victim.stdout is not None
-            for line in victim.stdout:
-                if json.loads(line).get("inside"):
-                    victim.send_signal(signal.SIGKILL)
-                    killed_at.append(time.monotonic())
-                    return
-
-        killer = threading.Thread(target=kill_when_inside)
-        killer.start()
-        synced_at: dict[int, list[float]] = {0: [], 1: []}
-        registered_then: list[bool] = []
-
-        def note(rank: int, r: int, w: DiLoCoWorker) -> None:
-            synced_at[rank].append(time.monotonic())
-            if killed_at and len(registered_then) < 2:  # a survivor's first sync after the kill
-                ids = [entry["worker_id"] for entry in srv.status()["workers"]]
-                registered_then.append("w9" in ids)
-
-        try:
-            survivors = run_workers(srv.address, 2, ROUNDS, after_sync=note)
-        finally:
-            victim.kill()
-            victim.wait(10)
-            killer.join(10)
-        status = srv.status()
-    assert killed_at, "the victim never reached the all-reduce"
-    # The survivors' next rounds completed while the victim was still registered: they did not
-    # wait for its eviction.
-    assert registered_then == [True, True]
-    for rank in (0, 1):
-        assert any(t > killed_at[0] for t in synced_at[rank])
-    for _, metrics in survivors:
-        assert metrics["discarded_rounds"] >= 1
-        assert metrics["rounds"] == ROUNDS and metrics["failed_syncs"] == 0
-    for k in survivors[0][0]:
-        assert torch.equal(survivors[0][0][k], survivors[1][0][k]), k
-    assert status["rounds_discarded"] >= 1
-    # The discarded round left no trace: two workers that never met the third end the same.
-    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
-        clean = run_workers(srv.address, 2, ROUNDS)
-    torch.testing.assert_close(survivors[0][0], clean[0][0])
+from diloco.worker.allreduce import quorum_sync
+from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed
+from tests.helpers.allreduce import ROUNDS, run_workers
 
 
 @pytest.mark.timeout(120)
@@ -143,26 +71,26 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
     naming the quorum that made it, which is the one w2 contributed to: w2 takes that state
     instead of keeping its (already counted) progress on top, so it adds nothing (weight 0) to
     the next average, where a rebase would add its pseudo-gradient a second time."""
-    original = quorum_group.QuorumGroup.collective
-    original_average = allreduce.average
+    original = QuorumCollective.collective
+    original_average = quorum_sync.average
     checks: list[int] = []
     weights_after: list[float] = []  # w2's weights in the averages after the fault
 
-    def collective(self: quorum_group.QuorumGroup, what: str, start: Any) -> None:
+    def collective(self: QuorumCollective, what: str, start: Any) -> None:
         original(self, what, start)
         if what == "hash check" and self.rank == 2:
             checks.append(1)
             if len(checks) == 3:  # the join, round 0, then round 1's commit point
                 self.close()
-                raise quorum_group.QuorumFailed(self.quorum_id, "hash check failed: injected")
+                raise QuorumFailed(self.quorum_id, "hash check failed: injected")
 
-    def average(group: quorum_group.QuorumGroup, tensors: Any, weight: float, *a: Any) -> float:
+    def average(group: QuorumCollective, tensors: Any, weight: float, *a: Any) -> float:
         if group.rank == 2 and len(checks) >= 3:
             weights_after.append(weight)
         return original_average(group, tensors, weight, *a)
 
-    monkeypatch.setattr(quorum_group.QuorumGroup, "collective", collective)
-    monkeypatch.setattr(allreduce, "average", average)
+    monkeypatch.setattr(QuorumCollective, "collective", collective)
+    monkeypatch.setattr(quorum_sync, "average", average)
     with DiLoCoServer(ServerConfig(port=0, num_workers=3, allreduce=True)) as srv:
         results = run_workers(srv.address, 3, ROUNDS)
         status = srv.status()

@@ -17,8 +17,7 @@ from diloco.cli.status import render_status
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.server.status import Status
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_server_http import (
+from tests.helpers.http import (
     AUTH,
     TOKEN,
     assert_error,
@@ -27,6 +26,7 @@ from tests.integration.test_server_http import (
     post_raw,
     url,
 )
+from tests.helpers.servers import ServerFactory
 
 TABLE = [["b", [4]], ["w", [3, 4]]]
 FAST = {"poll_timeout": 2.0, "join_timeout": 0.0, "heartbeat_timeout": 0.0}

@@ -6,13 +6,6 @@ round."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,75 +14,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.persistence import list_checkpoints, load_checkpoint
-from tests.integration.test_allreduce import make_model
-
-EVERY = 6
-PERIODS = 3
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_streaming(
-    address: str,
-    n: int,
-    seeds: list[int] | None = None,
-    tamper: Callable[[int, int, DiLoCoWorker], None] | None = None,
-    **kw: Any,
-) -> list[dict[str, Any]]:
-    """``n`` workers in threads, ``PERIODS * EVERY`` seeded SGD steps each; per worker its final
-    parameters (taken before it leaves), metrics, and the state it held after each step at which
-    no round was in flight (all-reduce mode only). ``tamper(rank, step, worker)`` runs after
-    each step."""
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            model = make_model(seeds[rank] if seeds else 0)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            gen = torch.Generator().manual_seed(100 + rank)
-            states: dict[int, list[torch.Tensor]] = {}
-            with DiLoCoWorker(
-                model,
-                opt,
-                address,
-                sync_every=EVERY,
-                heartbeat_interval=0.2,
-                bf16_comm=False,
-                worker_id=f"w{rank}",
-                **kw,
-            ) as w:
-                for step in range(PERIODS * EVERY):
-                    if tamper is not None:
-                        tamper(rank, step, w)
-                    for p in model.parameters():
-                        p.grad = torch.randn(p.shape, generator=gen)
-                    opt.step()
-                    w.report(samples=rank + 1)  # unequal: samples weighting must use them
-                    strategy: Any = w._strategy
-                    if hasattr(strategy, "_momentum") and strategy._inflight is None:
-                        states[w.base_round] = [
-                            t.clone() for t in [*w._local.snapshot.values(), *strategy._momentum]
-                        ]
-                params = {k: v.detach().clone() for k, v in model.named_parameters()}
-                metrics = dict(w.sync_metrics)
-            # After leaving: the round that was in flight has ended.
-            if hasattr(strategy, "_momentum"):
-                states[w.base_round] = [
-                    t.clone() for t in [*w._local.snapshot.values(), *strategy._momentum]
-                ]
-            out[rank] = {"params": params, "metrics": metrics, "states": states}
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    assert not errors, errors
-    assert all(r is not None for r in out)
-    return out
-
+from tests.helpers.allreduce import EVERY, PERIODS, make_model, run_streaming
 
 STREAMING = [
     pytest.param({"num_fragments": 3, "overlap_steps": 0}, "equal", id="P3-sequential-tau0"),
@@ -177,58 +102,6 @@ def test_a_worker_whose_state_went_wrong_is_resynced_while_its_round_overlaps_tr
             assert torch.equal(a, b)
 
 
-@pytest.mark.timeout(120)
-def test_a_worker_killed_inside_a_fragments_allreduce_stalls_the_others_one_heartbeat() -> None:
-    """Streaming with overlap: the victim (a real process) is killed inside its first weighted
-    all-reduce; the survivors' round fails on their round threads while they train on, is
-    discarded, and once the victim is evicted the survivors repeat it. They end with the same
-    state, having lost no round to the failure."""
-    streaming = {"num_fragments": 2, "overlap_steps": 1, "merge_alpha": 0.5}
-    config = ServerConfig(
-        port=0, num_workers=3, allreduce=True, heartbeat_timeout=2.0, collective_timeout=10.0
-    )
-    with DiLoCoServer(config) as srv:
-        victim = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.allreduce_victim",
-                srv.address,
-                "w9",
-                json.dumps({"sync_every": EVERY, **streaming}),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        killed = threading.Event()
-
-        def kill_when_inside() -> None:
-            assert victim.stdout is not None
-            for line in victim.stdout:
-                if json.loads(line).get("inside"):
-                    victim.send_signal(signal.SIGKILL)
-                    killed.set()
-                    return
-
-        killer = threading.Thread(target=kill_when_inside)
-        killer.start()
-        try:
-            survivors = run_streaming(srv.address, 2, **streaming)
-        finally:
-            victim.kill()
-            victim.wait(10)
-            killer.join(10)
-        status = srv.status()
-    assert killed.is_set(), "the victim never reached the all-reduce"
-    assert status["rounds_discarded"] >= 1
-    for r in survivors:
-        assert r["metrics"]["discarded_rounds"] >= 1
-    last = max(survivors[0]["states"])
-    assert last == max(survivors[1]["states"]) and last >= PERIODS * 2 - 2
-    for a, b in zip(survivors[0]["states"][last], survivors[1]["states"][last], strict=True):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.timeout(60)

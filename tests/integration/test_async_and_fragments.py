@@ -17,15 +17,14 @@ import torch
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.wire import encode
-from tests.integration.test_server_http import (
+from tests.helpers.fragments import FRAG2, in_fragment
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
-    ServerFactory,
     accept,
     assert_error,
     assert_unchanged,
     body,
-    initial_params,
     parse_safetensors_metadata,
     post_json,
     pseudo_grad,
@@ -33,6 +32,7 @@ from tests.integration.test_server_http import (
     submit,
     url,
 )
+from tests.helpers.servers import ServerFactory, initial_params
 
 ASYNC = {"mode": "async", "num_workers": 2}
 
@@ -220,7 +220,6 @@ def test_no_recommendation_without_dylu(make_server: ServerFactory) -> None:
 
 # --- fragments -----------------------------------------------------------------------------------
 
-FRAG2 = {"num_fragments": 2, "fragment_pattern": "sequential", "sync_every": 10}
 
 
 def fragment_body(
@@ -245,12 +244,6 @@ def fragment_body(
     return encode(pieces, meta), pieces
 
 
-def in_fragment(reply: dict[str, Any], k: int, name: str, shape: torch.Size) -> torch.Tensor:
-    mask = torch.zeros(shape.numel(), dtype=torch.bool)
-    for _, param, start, stop in reply["fragments"][k]:
-        if param == name:
-            mask[start:stop] = True
-    return mask.view(shape)
 
 
 def test_sync_fragments_have_their_own_rounds(make_server: ServerFactory) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,9 +27,9 @@ from diloco.core.codecs import (
 from diloco.server.server import DiLoCoServer
 from diloco.server.status import Status
 from diloco.wire import encode
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_async_and_fragments import FRAG2, in_fragment
-from tests.integration.test_server_http import (
+from tests.helpers.codecs import SHAPES, grads, model, wait_status
+from tests.helpers.fragments import FRAG2, in_fragment
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
     accept,
@@ -44,19 +43,8 @@ from tests.integration.test_server_http import (
     url,
     wait_round,
 )
-from tests.unit.test_status import assert_keys
-
-SHAPES = {"w": (64, 48), "b": (48,), "e": (5000,)}  # a matrix for low rank, odd-length vectors
-
-
-def model() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-
-
-def grads(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + seed)
-    return {n: torch.randn(s, generator=g) * 1e-2 for n, s in SHAPES.items()}
+from tests.helpers.servers import ServerFactory
+from tests.helpers.status import assert_keys
 
 
 def join(server: DiLoCoServer, worker_id: str, codec: Codec | None, **info: Any) -> Any:
@@ -112,11 +100,6 @@ def codec_body(
     return in_order(wire, meta) if ordered else encode(wire, meta)
 
 
-def wait_status(server: DiLoCoServer, done: Callable[[dict[str, Any]], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not done(st := server.status()):
-        assert time.monotonic() < deadline, st
-        time.sleep(0.005)
 
 
 def sums(server: DiLoCoServer) -> tuple[int, float, list[torch.Tensor]]:

@@ -14,18 +14,9 @@ import requests
 
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
-from tests.integration.test_security import JSON, assert_same, snapshot
-from tests.integration.test_server_http import (
-    EXACT,
-    TIMEOUT,
-    ServerFactory,
-    accept,
-    assert_error,
-    body,
-    register,
-    url,
-    wait_round,
-)
+from tests.helpers.http import EXACT, TIMEOUT, accept, assert_error, body, register, url, wait_round
+from tests.helpers.security import JSON, assert_same, snapshot
+from tests.helpers.servers import ServerFactory
 
 
 def control(server: DiLoCoServer, action: str, payload: Any) -> requests.Response:
@@ -193,7 +184,7 @@ def test_control_before_any_parameters() -> None:
 
 
 def test_metrics_endpoint(make_server: ServerFactory) -> None:
-    from tests.unit.test_metrics import parse, value
+    from tests.helpers.metrics import parse, value
 
     server = make_server(token="metrics-token-1", **EXACT)
     auth = {"Authorization": "Bearer metrics-token-1"}

@@ -28,9 +28,8 @@ from diloco.server.server import DiLoCoServer
 from diloco.server.status import Status
 from diloco.wire import encode
 from diloco.wire.checksum import checksum
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_codec_uploads import SHAPES, grads, model, wait_status
-from tests.integration.test_server_http import (
+from tests.helpers.codecs import SHAPES, grads, model, wait_status
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
     accept,
@@ -46,7 +45,8 @@ from tests.integration.test_server_http import (
     url,
     wait_round,
 )
-from tests.unit.test_status import assert_keys
+from tests.helpers.servers import ServerFactory
+from tests.helpers.status import assert_keys
 
 LOSSY = ["int8", "int4", "bf16"]
 #: What one round's quantization leaves between true and published, relative to the largest

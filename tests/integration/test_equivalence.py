@@ -8,37 +8,18 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from tests.helpers.reference import batches, make_inner, make_model, train_step
 
 SYNC_EVERY = 4
 ROUNDS = 3
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def make_inner(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def batches(worker: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + worker)
-    out = []
-    for _ in range(steps):
-        x = torch.randn(8, 6, generator=g)
-        out.append((x, torch.sin(x[:, :3] * (worker + 1))))
-    return out
 
 
-def train_step(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
-) -> None:
-    x, y = batch
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def reference_diloco(num_workers: int) -> dict[str, torch.Tensor]:

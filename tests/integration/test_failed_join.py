@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker.client import Unreachable
-from tests.integration.conftest import ServerFactory
+from diloco.worker.transport.client import Unreachable
+from tests.helpers.servers import ServerFactory
 
 
 def registered(server: DiLoCoServer) -> list[str]:

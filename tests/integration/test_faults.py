@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
-from tests.faultproxy import Fault, FaultProxy
+from tests.helpers.faultproxy import Fault, FaultProxy
 
 
 def make_model() -> torch.nn.Module:

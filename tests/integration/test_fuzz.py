@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
-from tests.integration.test_server_http import assert_params_equal, initial_params
+from tests.helpers.http import assert_params_equal
+from tests.helpers.servers import initial_params
 
 TOKEN = "fuzz-token-123"
 ADMIN = "fuzz-admin-456"

@@ -11,11 +11,11 @@ import torch
 from diloco.server.loss_history import LossHistory
 from diloco.server.status import Status
 from diloco.wire import encode, spec_of
-from diloco.worker.client import DiLoCoClient
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_server_http import TIMEOUT, submit, url, wait_round
-from tests.unit.test_health import FakeClock
-from tests.unit.test_status import assert_keys
+from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.clock import FakeClock
+from tests.helpers.http import TIMEOUT, submit, url, wait_round
+from tests.helpers.servers import ServerFactory
+from tests.helpers.status import assert_keys
 
 
 def upload(client: DiLoCoClient, worker: str, round_: int, **progress: Any) -> None:

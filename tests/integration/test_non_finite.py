@@ -15,8 +15,7 @@ import torch
 from diloco.core.outer import OuterSGD
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
-from tests.integration.conftest import ServerFactory, initial_params
-from tests.integration.test_server_http import (
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
     accept,
@@ -30,6 +29,7 @@ from tests.integration.test_server_http import (
     url,
     wait_round,
 )
+from tests.helpers.servers import ServerFactory, initial_params
 
 
 def served(server: DiLoCoServer) -> dict[str, torch.Tensor]:
@@ -231,9 +231,9 @@ def test_robust_aggregation_settings_are_validated(config: dict[str, Any]) -> No
 
 def test_robust_aggregation_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.cli.main import main
-    from tests.unit.test_cli import _captured_config
+    from tests.helpers.cli import captured_config
 
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--port", "0"]) == 0
     assert main(["server", "--port", "0", "--clip-norm-factor", "3", "--trim-fraction", "0.1"]) == 0
     assert (seen[0].clip_norm_factor, seen[0].trim_fraction) == (None, 0.0)

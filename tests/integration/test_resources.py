@@ -16,18 +16,8 @@ import pytest
 import requests
 
 from diloco.server.server import DiLoCoServer
-from tests.integration.test_server_http import (
-    AUTH,
-    CLIENT,
-    TIMEOUT,
-    TOKEN,
-    ServerFactory,
-    accept,
-    body,
-    register,
-    status,
-    url,
-)
+from tests.helpers.http import AUTH, CLIENT, TIMEOUT, TOKEN, accept, body, register, status, url
+from tests.helpers.servers import ServerFactory
 
 WAIT = 3.0  # longest any step below waits for the server; each deadline here is far shorter
 HEAD = b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # a request head without its blank line

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -18,46 +15,29 @@ import torch
 from diloco.server import security
 from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
-from diloco.wire import spec_of
-from diloco.worker import client as client_module
-from diloco.worker.client import DiLoCoClient, Unreachable
-from tests.integration.test_server_http import (
+from diloco.wire import encode
+from diloco.worker.transport import client as client_module
+from tests.helpers.http import (
     AUTH,
     CLIENT,
     EXACT,
     TIMEOUT,
     TOKEN,
-    ServerFactory,
     accept,
     assert_error,
-    assert_params_equal,
     body,
-    encode,
-    initial_params,
     register,
-    state,
     url,
 )
+from tests.helpers.security import JSON, assert_same, snapshot
+from tests.helpers.servers import ServerFactory, initial_params
 
 ADMIN = "admin-token-456"
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
-JSON = {"Content-Type": "application/json", **CLIENT}
 
 
-def snapshot(server: DiLoCoServer) -> dict[str, Any]:
-    """Everything a request could change, the parameters bit for bit included."""
-    st = server.status()
-    out = state(server)
-    out["outer_optimizer"] = st["outer_optimizer"]
-    out["num_workers"] = st["num_workers"]
-    out["last_save"] = st["last_save"]
-    return out
 
 
-def assert_same(before: dict[str, Any], server: DiLoCoServer) -> None:
-    after = snapshot(server)
-    assert_params_equal(before.pop("params"), after.pop("params"))
-    assert after == before
 
 
 # Every route with a body that would change state if it were accepted.
@@ -417,59 +397,10 @@ def test_dashboard_files_are_open_and_hold_no_data(make_server: ServerFactory) -
 # --- TLS -----------------------------------------------------------------------------------------
 
 
-Cert = tuple[Path, Path]
 
 
-@pytest.fixture(scope="module")
-def self_signed(tmp_path_factory: pytest.TempPathFactory) -> Cert:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-    return cert, key
 
 
-def test_tls_with_a_private_ca(make_server: ServerFactory, self_signed: Cert) -> None:
-    cert, key = self_signed
-    server = make_server(token=TOKEN, tls_cert=str(cert), tls_key=str(key))
-    assert server.url.startswith("https://")
-    client = DiLoCoClient(
-        server.url, token=TOKEN, tls_ca=str(cert), retries=0, read_timeout=TIMEOUT
-    )
-    try:
-        assert client.register("tls-worker")["worker_id"] == "tls-worker"
-        round_, params = client.get_global_params()
-        assert round_ == 0
-        assert_params_equal(dict(params), initial_params())
-        # Uploads over TLS take aiohttp's ordinary path (the socket holds ciphertext).
-        grads = {name: torch.full_like(t, 0.5) for name, t in initial_params().items()}
-        reply = client.submit_pseudogradients(
-            "tls-worker", 0, "tls-0", [spec_of(n, t) for n, t in grads.items()],
-            lambda spec: grads[spec.name],
-        )  # fmt: skip
-        assert reply["status"] == "accepted"
-        assert client.get_global_params(min_round=1)[0] == 1
-    finally:
-        client.close()
-    # Without the CA the certificate is not trusted: no silent fallback to unverified TLS.
-    untrusting = DiLoCoClient(server.url, token=TOKEN, retries=0, read_timeout=TIMEOUT)
-    try:
-        with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED|certificate verify"):
-            untrusting.status()
-    finally:
-        untrusting.close()
-    # Plain HTTP to the TLS port gets no answer from the API.
-    with pytest.raises(requests.exceptions.ConnectionError):
-        requests.get(f"http://{server.address}/status", headers=AUTH, timeout=TIMEOUT)
 
 
 def test_worker_settings_read_the_ca_from_the_environment() -> None:

@@ -19,8 +19,7 @@ import torch
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.wire import encode
-from tests.integration.conftest import ServerFactory, initial_params
-from tests.integration.test_server_http import (
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
     accept,
@@ -35,6 +34,7 @@ from tests.integration.test_server_http import (
     status,
     wait_round,
 )
+from tests.helpers.servers import ServerFactory, initial_params
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 

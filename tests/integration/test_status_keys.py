@@ -11,8 +11,7 @@ import torch
 
 from diloco.server.server import DiLoCoServer
 from diloco.server.status import Status
-from tests.integration.conftest import ServerFactory
-from tests.integration.test_server_http import (
+from tests.helpers.http import (
     EXACT,
     TIMEOUT,
     accept,
@@ -21,7 +20,8 @@ from tests.integration.test_server_http import (
     url,
     wait_round,
 )
-from tests.unit.test_status import assert_keys
+from tests.helpers.servers import ServerFactory
+from tests.helpers.status import assert_keys
 
 
 def http_status(server: DiLoCoServer) -> dict[str, Any]:

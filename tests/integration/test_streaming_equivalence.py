@@ -15,7 +15,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.core.fragments import fragment_due, split_sequential, split_strided
-from tests.integration.test_equivalence import batches, make_inner, make_model, train_step
+from tests.helpers.reference import batches, make_inner, make_model, train_step
 
 SYNC_EVERY = 6
 PERIODS = 2

@@ -10,24 +10,8 @@ import pytest
 import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker.client import Unreachable
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(3, 2)
-
-
-def fake_step(model: torch.nn.Module, opt: torch.optim.Optimizer, delta: float) -> None:
-    """An optimizer step with a known effect: SGD lr 1 on a constant gradient ``-delta``."""
-    for p in model.parameters():
-        p.grad = torch.full_like(p, -delta)
-    opt.step()
-    opt.zero_grad()
-
-
-def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+from diloco.worker.transport.client import Unreachable
+from tests.helpers.workers import fake_step, make_model, params_of
 
 
 def fast_client(address: str) -> DiLoCoClient:
@@ -79,7 +63,7 @@ def test_a_counted_sync_adopts_the_download_as_it_lands(
 ) -> None:
     """After an accepted upload the model takes the new values during the download (in
     slices), not in a pass over the model after it; the result is the same."""
-    import diloco.worker.local_model as worker_mod
+    import diloco.worker.state.local_model as worker_mod
 
     decode_mod = importlib.import_module("diloco.wire.decode")  # the package exports decode()
     monkeypatch.setattr(decode_mod, "PROGRESS_BYTES", 8)  # report every two floats

@@ -8,7 +8,7 @@ import requests
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from tests.integration.test_worker import fake_step, make_model, params_of
+from tests.helpers.workers import fake_step, make_model, params_of
 
 TIMEOUT = 10.0
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from diloco.worker.client import DiLoCoClient
+from diloco.worker.transport.client import DiLoCoClient
 
 ROUNDS = 4
 EVERY = 3

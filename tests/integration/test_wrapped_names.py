@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig, load_into
-from tests.integration.test_worker import fake_step, make_model
+from tests.helpers.workers import fake_step, make_model
 
 
 def test_a_wrapped_worker_and_a_plain_one_share_a_run(tmp_path) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from diloco.wire import WireError, build_layout, byte_view, readinto_payload, tensor_views
 from diloco.wire.layout import TensorSpec
-from diloco.worker.adoption import StreamedAdoption
+from diloco.worker.state.adoption import StreamedAdoption
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2)}
 

@@ -2,49 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import socket
-import sys
-
 import pytest
 
-from diloco import DiLoCoServer, ServerConfig
+from diloco import ServerConfig
 from diloco.cli.main import main
-from diloco.worker.client import DiLoCoClient
-from diloco.worker.settings import DEFAULT_PORT, server_url
-
-
-@pytest.fixture(scope="module")
-def server():
-    import torch
-
-    srv = DiLoCoServer(
-        ServerConfig(port=0, num_workers=2), initial_params={"w": torch.zeros(3)}
-    ).start()
-    yield srv
-    srv.stop()
-
-
-def test_status_table_and_json(server: DiLoCoServer, capsys: pytest.CaptureFixture[str]) -> None:
-    from diloco import DiLoCoClient
-
-    DiLoCoClient(server.address).register("alpha", hostname="box1")
-    assert main(["status", "--server", server.address]) == 0
-    out = capsys.readouterr().out
-    assert "round 0" in out and "alpha" in out and "box1" in out and "waiting for workers" in out
-    assert main(["status", "--server", server.address, "--json"]) == 0
-    st = json.loads(capsys.readouterr().out)
-    assert st["mode"] == "sync" and [w["worker_id"] for w in st["workers"]] == ["alpha"]
-
-
-def test_status_of_a_dead_server_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert main(["status", "--server", f"127.0.0.1:{port}"]) == 2
-    assert "cannot reach" in capsys.readouterr().err
+from diloco.worker.transport.address import DEFAULT_PORT, server_url
+from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.cli import captured_config
 
 
 def test_server_rejects_bad_configuration(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,89 +17,18 @@ def test_server_rejects_bad_configuration(capsys: pytest.CaptureFixture[str]) ->
     assert main(["server", "--port", "0", "--outer-lr", "nan"]) == 2
 
 
-def test_worker_passes_settings_as_environment(capfd: pytest.CaptureFixture[str]) -> None:
-    code = main(
-        [
-            "worker",
-            "--server",
-            "10.1.2.3:9000",
-            "--sync-every",
-            "9",
-            "--no-bf16",
-            "--worker-id",
-            "abc",
-            "--",
-            sys.executable,
-            "-c",
-            "import os; print(os.environ['DILOCO_SERVER'], os.environ['DILOCO_SYNC_EVERY'], "
-            "os.environ['DILOCO_BF16_COMM'], os.environ['DILOCO_WORKER_ID'])",
-        ]
-    )
-    assert code == 0
-    assert capfd.readouterr().out.strip() == "10.1.2.3:9000 9 0 abc"
 
 
-def test_worker_passes_streaming_and_dylu_settings(capfd: pytest.CaptureFixture[str]) -> None:
-    keys = ["NUM_FRAGMENTS", "FRAGMENT_PATTERN", "OVERLAP_STEPS", "MERGE_ALPHA", "DYLU"]
-    show = "import os; print(" + ", ".join(f"os.environ['DILOCO_{k}']" for k in keys) + ")"
-    code = main(
-        [
-            "worker",
-            "--sync-every",
-            "40",
-            "--num-fragments",
-            "4",
-            "--fragment-pattern",
-            "strided",
-            "--overlap-steps",
-            "1",
-            "--merge-alpha",
-            "0.25",
-            "--dylu",
-            "--",
-            sys.executable,
-            "-c",
-            show,
-        ]
-    )
-    assert code == 0
-    assert capfd.readouterr().out.split() == ["4", "strided", "1", "0.25", "1"]
-    # Settings are validated before the command runs: more fragments than steps per period.
-    assert main(["worker", "--sync-every", "2", "--num-fragments", "3", "--", "true"]) == 2
 
 
-def test_worker_propagates_exit_code_and_needs_a_command(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    assert main(["worker", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
-    assert main(["worker"]) == 2
-    assert "give the training command" in capsys.readouterr().err
-    assert main(["worker", "--", "/nonexistent/trainer"]) == 127
 
 
-def _captured_config(monkeypatch: pytest.MonkeyPatch) -> list[ServerConfig]:
-    """Stand in for DiLoCoServer so ``diloco server`` returns with the config it built."""
-    import diloco.server
-
-    seen: list[ServerConfig] = []
-
-    class FakeServer:
-        def __init__(self, config: ServerConfig) -> None:
-            seen.append(config)
-
-        def run(self) -> None:
-            pass
-
-    monkeypatch.setattr(diloco.server, "DiLoCoServer", FakeServer)
-    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
-    monkeypatch.delenv("DILOCO_ADMIN_TOKEN", raising=False)
-    return seen
 
 
 def test_server_makes_up_a_token_beyond_loopback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--host", "0.0.0.0", "--port", "0"]) == 0
     token = seen[0].token
     assert token is not None and len(token) >= 24
@@ -152,14 +45,14 @@ def test_server_makes_up_a_token_beyond_loopback(
 
 
 def test_server_fresh_start_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--port", "0", "--save-dir", "ckpt"]) == 0
     assert main(["server", "--port", "0", "--save-dir", "ckpt", "--fresh-start"]) == 0
     assert (seen[0].fresh_start, seen[1].fresh_start) == (False, True)
 
 
 def test_server_timeouts_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--port", "0"]) == 0
     assert seen[0].body_timeout == 60.0
     assert main(["server", "--port", "0", "--body-timeout", "5", "--poll-timeout", "7"]) == 0
@@ -169,7 +62,7 @@ def test_server_timeouts_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> No
 def test_server_upload_slots_reach_the_config(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--port", "0"]) == 0
     assert main(["server", "--port", "0", "--upload-slots", "3"]) == 0
     assert (seen[0].upload_slots, seen[1].upload_slots) == (1, 3)
@@ -188,7 +81,7 @@ def test_server_connection_and_rate_bounds_reach_the_config(
 ) -> None:
     from diloco.server.config import ServerConfig
 
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert main(["server", "--port", "0"]) == 0
     names = (
         "min_upload_rate",
@@ -205,15 +98,6 @@ def test_server_connection_and_rate_bounds_reach_the_config(
     assert [getattr(seen[1], n) for n in names] == [0.0, 5.0, 3.0, 100, 8]
 
 
-def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        assert main(["server", "--host", "127.0.0.1", "--port", str(port)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: port {port} on 127.0.0.1 is in use"), err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from diloco.worker import group as group_mod
-from diloco.worker.group import _BucketStream, _plan
+from diloco.worker.groups import group as group_mod
+from diloco.worker.groups.group import _BucketStream, _plan
 
 
 class _Work:

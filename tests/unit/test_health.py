@@ -11,15 +11,8 @@ from diloco.persistence import latest_checkpoint
 from diloco.server.config import ServerConfig
 from diloco.server.coordinator import SyncCoordinator
 from diloco.server.params import ParamStore
-from tests.aio import let_loop_run
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.aio import let_loop_run
+from tests.helpers.clock import FakeClock
 
 
 def make(clock: FakeClock, **cfg: object) -> SyncCoordinator:
@@ -109,7 +102,7 @@ def test_num_workers_grows_with_late_joiners() -> None:
 
 async def _resumed(tmp_path: Path, clock: FakeClock) -> SyncCoordinator:
     """A run of two workers that closed round 0 and saved, then restarted with nobody back."""
-    from tests.unit.test_upload_waits import HeldBody, submit, upload  # it imports this module
+    from tests.helpers.coordinator import HeldBody, submit, upload  # it imports this module
 
     config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=60.0, save_dir=str(tmp_path))
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
@@ -129,7 +122,7 @@ def test_a_resumed_round_opens_with_the_workers_that_came_back(tmp_path: Path) -
     """b finished (or died) while the server was down. The resumed round waits for both workers
     as long as a worker may stay silent, then opens with a alone and closes with its upload."""
 
-    from tests.unit.test_upload_waits import HeldBody, submit, upload
+    from tests.helpers.coordinator import HeldBody, submit, upload
 
     async def scenario() -> None:
         clock = FakeClock()

@@ -10,15 +10,15 @@ import logging
 import pytest
 import torch
 
+from diloco.cli.main import main as cli_main
 from diloco.server.config import ServerConfig
 from diloco.server.coordinator import SyncCoordinator
 from diloco.server.params import ParamStore
 from diloco.wire import aread_layout, encode
-from tests.aio import let_loop_run
-from tests.unit.test_cli import _captured_config
-from tests.unit.test_cli import main as cli_main
-from tests.unit.test_health import FakeClock
-from tests.unit.test_upload_waits import HeldBody, submit, upload
+from tests.helpers.aio import let_loop_run
+from tests.helpers.cli import captured_config
+from tests.helpers.clock import FakeClock
+from tests.helpers.coordinator import HeldBody, submit, upload
 
 
 def coordinator(clock: FakeClock, store: ParamStore | None, **cfg: object) -> SyncCoordinator:
@@ -103,7 +103,7 @@ def test_a_bad_join_timeout_is_refused(bad: float) -> None:
 
 
 def test_join_timeout_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _captured_config(monkeypatch)
+    seen = captured_config(monkeypatch)
     assert cli_main(["server", "--port", "0"]) == 0
     assert cli_main(["server", "--port", "0", "--join-timeout", "4"]) == 0
     assert (seen[0].join_timeout, seen[1].join_timeout) == (15.0, 4.0)

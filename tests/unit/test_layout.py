@@ -162,3 +162,68 @@ def test_no_import_cycles_even_for_types(package: str) -> None:
     a loop that only types close still means two modules that cannot be read apart."""
     cycles = _cycles(_import_graph(type_checking=True))
     assert not [c for c in cycles if any(m.startswith(package) for m in c)]
+
+
+# --- diloco.worker's sub-packages ---------------------------------------------------------------
+
+WORKER_RULES: dict[str, set[str]] = {
+    "transport": set(),
+    "state": {"transport"},
+    "server_mode": {"transport", "state", "session", "settings", "strategy"},
+    "allreduce": {"transport", "state", "session", "settings", "strategy"},
+    "groups": {"transport", "state", "session", "settings", "strategy"},
+}
+"""A part of ``diloco.worker`` -> the other parts it may import (type-checking imports too):
+the HTTP client stands alone, the worker's state knows no strategy, and no strategy family
+knows another (a worker group wraps whichever through ``SyncStrategy``)."""
+
+WORKER_FAMILIES = {"server_mode", "allreduce", "groups"}
+"""The strategy families: outside them, only the chooser and the lifecycle import one."""
+
+WORKER_CHOOSERS = {"diloco.worker.choose", "diloco.worker.worker"}
+
+
+def _worker_edges() -> list[tuple[str, str]]:
+    """(module, diloco.worker module or package it imports), type-checking imports included,
+    edges into a package's ``__init__`` too (``from diloco.worker import X`` runs the lifecycle)."""
+    files = {_module_name(f): f for f in SRC.rglob("*.py")}
+    edges = []
+    for name, file in sorted(files.items()):
+        for node in _imports(ast.parse(file.read_text()), type_checking=True):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            edges += [(name, t) for t in targets if t.split(".")[:2] == ["diloco", "worker"]]
+    return edges
+
+
+def _worker_part(module: str) -> str | None:
+    """``diloco.worker.state.encoder`` -> ``state``; ``diloco.worker`` -> ``__init__``; None
+    outside the package."""
+    parts = module.split(".")
+    if parts[:2] != ["diloco", "worker"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_worker_subpackage_boundaries() -> None:
+    """The worker's sub-packages by strategy family keep to ``WORKER_RULES``, and a strategy
+    is picked only in ``worker/choose.py`` (and built into the lifecycle in ``worker.py``)."""
+    problems = []
+    for module, target in _worker_edges():
+        part, goal = _worker_part(module), _worker_part(target)
+        if goal == part:
+            continue
+        if part in WORKER_RULES and goal not in WORKER_RULES[part]:
+            allowed = ", ".join(sorted(WORKER_RULES[part])) or "nothing else of diloco.worker"
+            problems.append(f"{module} imports {target}: worker/{part}/ may import {allowed}")
+        elif goal in WORKER_FAMILIES and part not in WORKER_FAMILIES:
+            if module not in WORKER_CHOOSERS:
+                problems.append(f"{module} imports the strategy family {target}")
+    assert not problems, problems

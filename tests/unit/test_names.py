@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diloco.core.names import wire_name, wire_names
-from diloco.worker.local_model import LocalModel
+from diloco.worker.state.local_model import LocalModel
 
 
 @pytest.mark.parametrize(

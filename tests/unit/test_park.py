@@ -1,4 +1,4 @@
-"""``Park`` (worker/allreduce_streaming.py): the round's thread stops the training thread between
+"""``Park`` (worker/allreduce/park.py): the round's thread stops the training thread between
 two steps, only while it holds it, and gives up with a clear error when no step comes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco.worker.allreduce_streaming import Park
+from diloco.worker.allreduce.park import Park
 
 
 @pytest.mark.timeout(10)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco.server.params import ParamStore
-from tests.aio import let_loop_run
+from tests.helpers.aio import let_loop_run
 
 WAIT = 5.0
 

@@ -12,7 +12,7 @@ from diloco.server.errors import ApiError
 from diloco.server.quorum import QuorumBook, Ticket
 from diloco.server.quorum_bodies import Ask, Outcome, read_ask, read_outcome
 from diloco.server.quorum_records import Choice, choose
-from tests.unit.test_health import FakeClock
+from tests.helpers.clock import FakeClock
 
 RENDEZVOUS = ("127.0.0.1", 29400)
 

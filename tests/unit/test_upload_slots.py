@@ -9,7 +9,7 @@ import pytest
 
 from diloco.server.upload_slots import SlotPool
 from diloco.wire import aread_payload
-from tests.aio import let_loop_run
+from tests.helpers.aio import let_loop_run
 
 WAIT = 5.0  # seconds; generous bounds on waits that should end at once
 

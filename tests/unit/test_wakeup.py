@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from diloco.server.wakeup import Wakeup
-from tests.aio import let_loop_run
+from tests.helpers.aio import let_loop_run
 
 WAIT = 5.0
 

@@ -4,31 +4,18 @@ a snapshot set by hand). Through a real server: tests/integration/test_worker_co
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import safetensors.torch
 import torch
 
 from diloco import DiLoCoWorker
-from diloco.cli.main import main
 from diloco.core.codecs import Int4Codec, Int8Codec, LowRankCodec, codec_by_name, codec_names
 from diloco.core.fragments import Piece
 from diloco.wire import build_layout, iter_body
-from diloco.worker.encoder import UploadEncoder, comm_dtype
-from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings, parse_codec, resolve, to_env
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5))
-
-
-def worker(**kw: object) -> DiLoCoWorker:
-    model = make_model()
-    return DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), "127.0.0.1:1", **kw)  # type: ignore[arg-type]
-
+from diloco.worker.state.encoder import UploadEncoder, comm_dtype
+from diloco.worker.state.local_model import LocalModel
+from tests.helpers.codecs import make_model, worker
 
 # --- choosing the codec -------------------------------------------------------------------------
 
@@ -74,31 +61,8 @@ def test_diloco_codec_reaches_the_settings(monkeypatch: pytest.MonkeyPatch) -> N
     assert worker().codec == Int4Codec()
 
 
-def test_error_feedback_is_on_unless_switched_off(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.delenv("DILOCO_ERROR_FEEDBACK", raising=False)
-    assert WorkerSettings().error_feedback is True
-    assert resolve({}, {"DILOCO_ERROR_FEEDBACK": "0"}).error_feedback is False
-    assert resolve({"error_feedback": True}, {"DILOCO_ERROR_FEEDBACK": "0"}).error_feedback
-    assert to_env(WorkerSettings(error_feedback=False))["DILOCO_ERROR_FEEDBACK"] == "0"
-    assert worker(codec="int8")._encoder.feedback is not None
-    assert worker(codec="int8", error_feedback=False)._encoder.feedback is None
-    monkeypatch.setenv("DILOCO_ERROR_FEEDBACK", "0")
-    w = worker(codec="int4")
-    assert w.settings.error_feedback is False and w._encoder.feedback is None
-    monkeypatch.delenv("DILOCO_ERROR_FEEDBACK")
-    show = "import os; print(os.environ['DILOCO_ERROR_FEEDBACK'])"
-    argv = ["worker", "--codec", "int8", "--no-error-feedback", "--", sys.executable, "-c", show]
-    assert main(argv) == 0
-    assert capfd.readouterr().out.strip() == "0"
 
 
-def test_diloco_worker_codec_flag_reaches_the_command(capfd: pytest.CaptureFixture[str]) -> None:
-    show = "import os; print(os.environ['DILOCO_CODEC'])"
-    assert main(["worker", "--codec", "lowrank:8", "--", sys.executable, "-c", show]) == 0
-    assert capfd.readouterr().out.strip() == "lowrank:8"
-    assert main(["worker", "--codec", "int3", "--", "true"]) == 2  # checked before it runs
 
 
 def test_lowrank_is_refused_with_streaming_fragments() -> None:

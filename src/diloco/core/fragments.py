@@ -138,3 +138,27 @@ def fragment_due(step: int, sync_every: int, num_fragments: int) -> int | None:
     within = (step - 1) % sync_every + 1
     offsets = sync_offsets(sync_every, num_fragments)
     return offsets.index(within) if within in offsets else None
+
+
+class Schedule:
+    """Which fragment is due after each inner step: every fragment exactly once per period."""
+
+    def __init__(self, sync_every: int, num_fragments: int) -> None:
+        self.num_fragments = num_fragments
+        self.phase = 0  # inner steps taken in the current period
+        self.retime(sync_every)
+
+    def retime(self, sync_every: int) -> None:
+        """A new period length; takes effect at the start of a period (phase 0)."""
+        assert self.phase == 0, "the schedule changes only between periods"
+        self.sync_every = sync_every
+        offsets = sync_offsets(sync_every, self.num_fragments)
+        self._due = {step: f for f, step in enumerate(offsets)}
+
+    def advance(self) -> int | None:
+        """Count one inner step; the fragment due after it, or None."""
+        self.phase += 1
+        due = self._due.get(self.phase)
+        if self.phase >= self.sync_every:
+            self.phase = 0
+        return due

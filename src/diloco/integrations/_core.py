@@ -2,10 +2,10 @@
 trainer's model and optimizer, resumed from a checkpoint, its metrics named as trainers log them,
 and a flush when training ends.
 
-Under a multi-process launch every rank runs its own callback and the ranks are one worker (a
-worker group, ``diloco.worker.group``): starting, a checkpoint, the final sync and leaving are
-collectives, so the trainers call these hooks on every rank at the same point; the worker's
-state in a checkpoint is rank 0's, and resuming, rank 0's checkpoint decides for every rank."""
+Under a multi-process launch every rank runs its own callback and the ranks are one worker (a worker
+group, ``diloco.worker.groups.group``): starting, a checkpoint, the final sync and leaving are
+collectives, so the trainers call these hooks on every rank at the same point; the worker's state in
+a checkpoint is rank 0's, and resuming, rank 0's checkpoint decides for every rank."""
 
 from __future__ import annotations
 

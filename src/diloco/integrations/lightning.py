@@ -12,7 +12,7 @@ snapshot of the global parameters are the callback's state in Lightning checkpoi
 progress on top of the parameters the server serves now (``diloco.worker.resume``).
 
 Under the DDP strategy (``strategy="ddp"``, one process per device, launched by Lightning or by
-``torchrun``) the ranks are one worker (``diloco.worker.group``): rank 0 alone talks to the
+``torchrun``) the ranks are one worker (``diloco.worker.groups.group``): rank 0 alone talks to the
 server, every rank syncs at the same optimizer step and ends it with rank 0's parameters, and
 the group's weight is the samples of all ranks. A checkpoint holds rank 0's worker state; resuming
 from it, rank 0's state decides for every rank.

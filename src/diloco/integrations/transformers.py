@@ -16,7 +16,7 @@ server serves now (``diloco.worker.resume``). The folder is found the way the Tr
 checkpoints (``output_dir/checkpoint-<step>``); pass ``resume_from`` for one kept elsewhere.
 
 Under a multi-process launch (``torchrun``, or any launcher that sets its variables; on CPU
-with ``ddp_backend="gloo"``) the ranks are one worker (``diloco.worker.group``): rank 0 alone
+with ``ddp_backend="gloo"``) the ranks are one worker (``diloco.worker.groups.group``): rank 0 alone
 talks to the server, every rank syncs at the same optimizer step and ends it with rank 0's
 parameters, and the group's weight is the samples of all ranks. Rank 0 writes the worker files
 into a checkpoint; resuming, its checkpoint decides for every rank, so the other ranks need not

@@ -1,11 +1,12 @@
 """The loss the workers report, per round: what the dashboard's loss chart is drawn from.
 
 Each upload may carry the worker's last reported ``loss`` and its inner ``steps`` so far in its
-metadata (``worker/client.py``); the server keeps them by the round the upload was computed
-from (sync: the round it counts in; async: the version it started from). With fragments only
-fragment 0's uploads are kept: one entry per worker per sync period. The last ``HISTORY_ROUNDS``
-rounds are kept, in memory only: a restarted server starts a new history (a checkpoint does
-not hold it), and a page reloaded while the server runs gets the whole of it from ``/status``.
+metadata (``worker/transport/client.py``); the server keeps them by the round the upload was
+computed from (sync: the round it counts in; async: the version it started from). With fragments
+only fragment 0's uploads are kept: one entry per worker per sync period. The last
+``HISTORY_ROUNDS`` rounds are kept, in memory only: a restarted server starts a new history (a
+checkpoint does not hold it), and a page reloaded while the server runs gets the whole of it from
+``/status``.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class QuorumBook:
         self._ended: OrderedDict[str, Ended] = OrderedDict()
         # Which quorum's step made each state members reported: a member whose commit point
         # failed after the others' passed learns from it that its contribution is in the state
-        # it receives (worker/allreduce.py, "the two generals").
+        # it receives (worker/allreduce/quorum_sync.py, "the two generals").
         self._made_by: OrderedDict[tuple[int, str], str] = OrderedDict()
         self._save_requested = False
         self._to_forget: list[str] = []

@@ -3,9 +3,9 @@ whole life, where each round's quorum of workers meets to build its process grou
 
 The server holds no parameters in this mode; it forms a quorum per round and hands each member
 ``address()``, a quorum id, a rank and the quorum's size. The members connect to this store as
-clients (``worker/quorum_group.py``) and gloo (or NCCL) exchanges its connection details through
-it under the quorum's own key prefix, ``quorum/<id>/``, so one store serves every round and a
-quorum that failed leaves nothing behind that the next one could trip over. Tensors never pass
+clients (``worker/allreduce/collective.py``) and gloo (or NCCL) exchanges its connection details
+through it under the quorum's own key prefix, ``quorum/<id>/``, so one store serves every round and
+a quorum that failed leaves nothing behind that the next one could trip over. Tensors never pass
 through the store: the members connect to one another.
 
 Security assumption (deployment): the store and gloo's peer connections are NOT authenticated,
@@ -33,7 +33,8 @@ def quorum_prefix(quorum_id: str) -> str:
     """The store prefix of one quorum, ``quorum/<id>`` (``PrefixStore`` adds the ``/``).
 
     Ids are restricted so that no quorum's prefix is another's (``a`` against ``a/b``).
-    ``worker/quorum_group.py`` applies the same rule; the two packages may not import each other.
+    ``worker/allreduce/collective.py`` applies the same rule; the two packages may not import each
+    other.
     """
     if not _QUORUM_ID.fullmatch(quorum_id):
         raise ValueError(f"quorum id must match {_QUORUM_ID.pattern}, got {quorum_id!r}")
@@ -64,7 +65,7 @@ class Rendezvous:
         log.info("rendezvous store listening on %s:%d", host, self.port)
 
     def address(self) -> tuple[str, int]:
-        """(host, port) for the workers' ``QuorumGroup.build``."""
+        """(host, port) for the workers' ``QuorumCollective.build``."""
         return self.host, self.port
 
     def forget(self, quorum_id: str) -> int:

@@ -1,7 +1,21 @@
-"""The worker side: HTTP client and the optimizer-hook wrapper."""
+"""The worker side: ``DiLoCoWorker`` wraps any training loop through an optimizer post-step hook.
 
-from diloco.worker.client import Conflict, DiLoCoClient, ServerError, UnknownWorker, Unreachable
+The top level is the worker's lifecycle (``worker.py``: hook, register, heartbeats, re-join,
+leave), its settings, the ``Session`` it shares with its sync strategy, the ``SyncStrategy``
+protocol and the one place a strategy is chosen (``choose.py``), checkpoint resume and the log.
+Below it: ``transport/`` (the HTTP client), ``state/`` (the model, its snapshot, the upload
+encoder), and the strategy families ``server_mode/`` (plain and streaming), ``allreduce/`` (the
+quorum loop and its payloads) and ``groups/`` (torch.distributed ranks as one worker).
+"""
+
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.transport.client import (
+    Conflict,
+    DiLoCoClient,
+    ServerError,
+    UnknownWorker,
+    Unreachable,
+)
 from diloco.worker.worker import DiLoCoWorker
 
 __all__ = [

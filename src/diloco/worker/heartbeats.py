@@ -13,9 +13,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from diloco.worker.client import ServerError, UnknownWorker, Unreachable
 from diloco.worker.session import Session
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.transport.client import ServerError, UnknownWorker, Unreachable
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """What a worker's lifecycle and its sync strategy share: one object, handed to the strategy.
 
-``DiLoCoWorker`` owns the lifecycle (the optimizer hook, heartbeats, joining and leaving); a
-sync strategy (``PlainSync``, ``StreamingSync``) decides when and how the model is exchanged.
-Both read and write the state here, and nothing else of each other: the run's identity (worker
-id, the round the snapshot holds), the training loop's counters, the flag the heartbeat thread
-raises when the server forgot this worker, and the one full download into the snapshot.
+``DiLoCoWorker`` owns the lifecycle (the optimizer hook, heartbeats, joining and leaving); a sync
+strategy (``PlainSync``, ``StreamingSync``, ``QuorumSync``) decides when and how the model is
+exchanged. Both read and write the state here, and nothing else of each other: the run's identity
+(worker id, the round the snapshot holds), the training loop's counters, the flag the heartbeat
+thread raises when the server forgot this worker, and the one full download into the snapshot.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 from diloco.wire import WireError
-from diloco.worker.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
-from diloco.worker.downlink import lossy_downlink
-from diloco.worker.encoder import UploadEncoder
-from diloco.worker.local_model import LocalModel
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.state.encoder import UploadEncoder
+from diloco.worker.state.local_model import LocalModel
+from diloco.worker.state.update_buffer import lossy_downlink
+from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ class Session:
         False if ``deadline`` passes first. With ``adopt``, the model takes each parameter's new
         values as its bytes land (``local.adopted`` says whether all of them did).
 
-        With a compressed downlink (``worker/downlink.py``) a clean snapshot asks for the next
-        round as an update; an update whose checksum does not match, or that cannot be
-        applied, is followed by one full download of that round."""
+        With a compressed downlink (``worker/state/update_buffer.py``) a clean snapshot asks for the
+        next round as an update; an update whose checksum does not match, or that cannot be applied,
+        is followed by one full download of that round."""
         t0 = time.monotonic()
         receiver = self.local.receiver(adopt)
         have = self._have_round()
@@ -192,6 +192,16 @@ class Session:
                     self.worker_id,
                     exc,
                 )
+
+    def stall(self, wait: Callable[[], object]) -> None:
+        """The training loop waits (``wait()``) for a fragment's exchange or round still in
+        flight: a stall, counted with its time; the heartbeats see the loop syncing meanwhile."""
+        self.metrics["stalls"] += 1
+        t0 = time.monotonic()
+        self.syncing = True
+        wait()
+        self.syncing = False
+        self.metrics["stall_time_s"] += time.monotonic() - t0
 
     def drop_steps(self, steps: int, message: str, *args: object, error: bool = False) -> None:
         """Count ``steps`` local steps as dropped (the server holds the progress they are mixed

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import os
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,24 +13,7 @@ from typing import Any
 from diloco.core.codecs import FOUR_BIT, Codec, CodecError, LowRankCodec, codec_from_metadata
 from diloco.core.codecs.registry import PREFIX
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
-
-DEFAULT_PORT = 8512
-"""The port of a server address that names none (``ServerConfig.port``'s default)."""
-
-
-def server_url(addr: str) -> str:
-    """The base URL of a server address. ``host`` or ``host:port`` is plain HTTP, and a host
-    without a port means the default port (``localhost`` -> ``http://localhost:8512``); a URL
-    with a scheme is taken as written (``https://host`` is port 443, behind a proxy, say)."""
-    if "://" in addr:
-        return addr.rstrip("/")
-    split = urllib.parse.urlsplit(f"http://{addr.rstrip('/')}")
-    try:
-        port = split.port
-    except ValueError:
-        raise ValueError(f"server address {addr!r}: the port is not a number in 0-65535") from None
-    netloc = split.netloc if port is not None else f"{split.netloc.rstrip(':')}:{DEFAULT_PORT}"
-    return f"http://{netloc}{split.path}"
+from diloco.worker.transport.address import DEFAULT_PORT
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:

@@ -1,9 +1,13 @@
 """How a worker syncs: the interface between ``DiLoCoWorker``'s lifecycle and a sync strategy.
 
-The lifecycle sees each optimizer step, registers, fetches the first parameters and leaves; a
-strategy decides when the model is exchanged and how (``PlainSync``: the whole model every
-``sync_every`` steps; ``StreamingSync``: one fragment at a time, overlapped with training). A
-strategy works on the ``Session`` and ``LocalModel`` it is given, never on the worker.
+The lifecycle sees each optimizer step, registers, and leaves; a strategy decides how the model
+takes the run's state when the worker joins, and when and how it is exchanged after. One
+strategy is chosen per worker, once, from its settings and the server's first registration
+reply (``worker/choose.py``): a parameter server's ``PlainSync`` (the whole model every
+``sync_every`` steps) or ``StreamingSync`` (one fragment at a time, overlapped with training),
+in ``server_mode/``; all-reduce mode's ``QuorumSync``, in ``allreduce/``; a worker group wraps
+either in ``GroupSync`` (``groups/``). A strategy works on the ``Session`` and ``LocalModel`` it
+is given, never on the worker.
 
 Every method is called on the training thread (inside ``optimizer.step()``, ``force_sync``,
 ``start`` or ``stop``), one at a time.
@@ -12,29 +16,11 @@ Every method is called on the training thread (inside ``optimizer.step()``, ``fo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
-
-from diloco.worker.session import Session
-
-
-@dataclass(frozen=True)
-class JoinAnswer:
-    """What a re-registration says about this worker's last upload (``last_submission``)."""
-
-    seeded: bool  # the server had no parameters and took this worker's own (progress included)
-    in_params: bool  # the upload is in the parameters the server serves
-    held_open: bool  # counted in a round still open: the server holds it in memory only
-
-    @classmethod
-    def of(cls, reply: Mapping[str, Any], *, seeded: bool) -> JoinAnswer:
-        last = reply.get("last_submission") or {}
-        in_params = bool(last.get("in_params"))
-        return cls(seeded, in_params, last.get("counted_in") is not None and not in_params)
 
 
 class SyncStrategy(Protocol):
-    """When and how a worker exchanges its model with the server."""
+    """When and how a worker exchanges its model with the run."""
 
     @property
     def last_submission(self) -> str | None:
@@ -47,24 +33,20 @@ class SyncStrategy(Protocol):
         """The round shown as ``sync_metrics["round"]``: the oldest this worker trains on."""
         ...
 
-    def configure(self, reply: Mapping[str, Any]) -> None:
-        """Take what a register or initial-params reply says about syncing (mode, fragment
-        plan and rounds). Called before any download of a join; raises ValueError on a plan
-        that does not fit the model."""
+    def join(self, reply: Mapping[str, Any]) -> None:
+        """The first registration succeeded (``reply`` is the server's answer, ``worker_id`` set
+        in the session): bring the model to the run's state, so training starts from it (the
+        server's parameters, seeded from this model if it had none; all-reduce mode: the state
+        a quorum holds). Raises ValueError if the run syncs in a way this strategy cannot
+        follow, and network errors: the worker then leaves and ``start()`` raises."""
         ...
 
-    def joined(self, metadata: Mapping[str, str]) -> None:
-        """The first full download of ``start()`` is in the snapshot (``metadata`` is its
-        header's); the model takes it right after. Raises ValueError if the server syncs in a
-        way this strategy cannot follow."""
-        ...
-
-    def rejoined(self, answer: JoinAnswer) -> str:
-        """A re-registration succeeded: fetch the parameters the server serves into the model,
-        dropping the progress ``answer`` says they hold and keeping the rest on top (a rebase),
-        and settle which uploads go again under their ids. Returns how the last upload was
-        settled, for the log. A network error leaves the model as ``LocalModel.refresh`` says
-        and ``last_submission`` unchanged."""
+    def rejoin(self, reply: Mapping[str, Any]) -> str:
+        """A re-registration succeeded (the server restarted or forgot this worker): reconcile
+        the model with what the run holds now, keeping the local progress it does not hold
+        (a rebase), and settle which uploads go again under their ids. Returns how the last
+        upload was settled, for the log. A network error leaves the model as
+        ``LocalModel.refresh`` says and ``last_submission`` unchanged."""
         ...
 
     def after_step(self) -> None:
@@ -83,23 +65,3 @@ class SyncStrategy(Protocol):
         steps not yet sent, without waiting for their round. May raise ``Unreachable`` or
         ``ServerError``; the worker then logs it and leaves anyway."""
         ...
-
-
-def note_lost_adoption(
-    session: Session, answer: JoinAnswer, resend: str | None, steps: int
-) -> None:
-    """A download broke off inside the model, then the server lost the round: the progress it
-    overwrote is gone. Only a server without --save-every 1 does that."""
-    local = session.local
-    if (
-        local.holds_progress
-        and local.progress_counted
-        and not (answer.seeded or answer.in_params or resend)
-    ):
-        session.drop_steps(
-            steps,
-            "worker %s: the server lost an upload (%d local steps) whose result this worker "
-            "had begun to adopt; those steps are dropped",
-            steps,
-            error=True,
-        )

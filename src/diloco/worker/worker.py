@@ -2,14 +2,15 @@
 
 The worker is its lifecycle: it hooks the optimizer, registers with the server, fetches the
 first global parameters, sends heartbeats (and follows DyLU's ``sync_every``), re-joins when the
-server forgot it, and leaves. How it syncs is a ``SyncStrategy`` (``worker/strategy.py``):
-``PlainSync`` or ``StreamingSync``. The model and its snapshot of the global parameters are a
-``LocalModel``; what the lifecycle and the strategy share is one ``Session``.
+server forgot it, and leaves. How it syncs is a ``SyncStrategy`` (``worker/strategy.py``), chosen
+once from the settings and the first registration reply (``worker/choose.py``). The model and its
+snapshot of the global parameters are a ``LocalModel``; what the lifecycle and the strategy
+share is one ``Session``.
 
 Memory: besides the model, the worker keeps one fp32 snapshot of the global parameters, laid
 out exactly like the server's download body so new parameters are read straight into it.
 Pseudo-gradients are computed tensor by tensor as they are sent; no second model copy exists
-but a lossy codec's error-feedback residual (``worker/encoder.py``).
+but a lossy codec's error-feedback residual (``worker/state/encoder.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +23,18 @@ from typing import Any
 
 import torch
 
-from diloco.worker.allreduce import AllReduceSync
-from diloco.worker.allreduce_streaming import StreamingAllReduceSync
-from diloco.worker.client import Conflict, DiLoCoClient, ServerError, Unreachable
-from diloco.worker.encoder import UploadEncoder, comm_dtype
-from diloco.worker.group import WorkerGroup, find_group
-from diloco.worker.group_sync import GroupSync
+from diloco.worker.choose import allreduce_mode, choose_strategy, same_family
+from diloco.worker.groups.group import WorkerGroup, find_group
+from diloco.worker.groups.group_sync import GroupSync, Lockstep
 from diloco.worker.heartbeats import Heartbeats
-from diloco.worker.local_model import LocalModel
 from diloco.worker.logs import show_worker_log
-from diloco.worker.plain import PlainSync
+from diloco.worker.server_mode.plain import PlainSync
 from diloco.worker.session import Session, initial_metrics
 from diloco.worker.settings import WorkerSettings, chosen_codec, refused_codec, resolve
-from diloco.worker.strategy import JoinAnswer, SyncStrategy
-from diloco.worker.streaming import StreamingSync
+from diloco.worker.state.encoder import UploadEncoder, comm_dtype
+from diloco.worker.state.local_model import LocalModel
+from diloco.worker.strategy import SyncStrategy
+from diloco.worker.transport.client import Conflict, DiLoCoClient, ServerError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +74,13 @@ class DiLoCoWorker:
     ...         loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
     ...         w.report(loss=loss.item(), samples=len(batch))
 
-    Arguments left as None come from ``DILOCO_*`` environment variables, then defaults
-    (see ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses
-    uploads, with error feedback (``worker/encoder.py``; ``error_feedback=False``: without); None:
+    Arguments left as None come from ``DILOCO_*`` environment variables, then defaults (see
+    ``WorkerSettings``). ``codec`` (``"int8"``, ``"int4"``, ``"lowrank:8"``) compresses uploads,
+    with error feedback (``worker/state/encoder.py``; ``error_feedback=False``: without); None:
     bf16, or fp32 without ``bf16_comm``.
 
     Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group
-    are one worker: rank 0 talks to the server, the others follow (``worker/group.py``).
+    are one worker: rank 0 talks to the server, the others follow (``worker/groups/group.py``).
     ``partitioned`` says each rank owns different parameters (pipeline stages); None detects it.
     """
 
@@ -150,7 +149,7 @@ class DiLoCoWorker:
             retries=self.settings.retries,
         )
         self.metrics = initial_metrics(self.settings.sync_every)
-        #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/encoder.py``).
+        #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/state/encoder.py``).
         self.codec = chosen_codec(self.settings)
         self._local = LocalModel(model, comm_dtype(self.codec), self.metrics)
         self._encoder = UploadEncoder(
@@ -169,19 +168,11 @@ class DiLoCoWorker:
         )
         self._encoder.check_names()  # a group's rank 0 encodes the union of the ranks' names
         self._leads = self._group is None or self._group.leader  # talks to the server
-        inner: SyncStrategy | None = None
-        if self._leads:
-            inner = (
-                StreamingSync(self._session)
-                if self.settings.num_fragments > 1
-                else PlainSync(self._session, submit=self._submit)
-            )
-        self._plain = inner if isinstance(inner, PlainSync) else None
-        if self._group is None:
-            assert inner is not None
-            self._strategy: SyncStrategy = inner
-        else:
-            self._strategy = GroupSync(self._group, self._session, inner)
+        # The ranks of a group join and sync together (the join before any strategy exists).
+        self._lockstep = None if self._group is None else Lockstep(self._group, self._session)
+        # Chosen once the first registration reply is known (``worker/choose.py``).
+        self._strategy: SyncStrategy | None = None
+        self._allreduce = False  # the server the strategy was chosen for runs in all-reduce mode
         self._hook: Any = None
         self._registered = False  # this worker's own registration succeeded at least once
         self._heartbeats = Heartbeats(self._session, self.settings)
@@ -233,10 +224,14 @@ class DiLoCoWorker:
         try:
             # Hooked first: an optimizer that refuses the hook fails before registering.
             self._hook = self.optimizer.register_step_post_hook(self._post_step)
-            if isinstance(self._strategy, GroupSync):
-                self._strategy.start(lambda: self._join(initial=True))
-            else:
+            if self._lockstep is None:
                 self._join(initial=True)
+            else:
+                self._lockstep.start(lambda: self._join(initial=True))
+                if self._strategy is None:  # a rank that follows: it saw no reply
+                    self._strategy = choose_strategy(
+                        self.settings, s, self._lockstep, None, submit=self._submit
+                    )
         except BaseException:
             self._abandon_start()
             raise
@@ -269,7 +264,7 @@ class DiLoCoWorker:
             return
         self._started = False
         self._unhook()
-        assert self.worker_id is not None
+        assert self.worker_id is not None and self._strategy is not None
         try:
             self._strategy.finish(submit=submit)
             if self._leads:
@@ -302,12 +297,14 @@ class DiLoCoWorker:
     def last_sync_outcome(self) -> str | None:
         """In a worker group: how the last join or sync ended, as every rank saw it
         ("joined", "adopted", "rebased", "kept_local"); None outside a group."""
-        return self._strategy.last_outcome if isinstance(self._strategy, GroupSync) else None
+        return self._lockstep.last_outcome if self._lockstep is not None else None
 
     def force_sync(self) -> None:
         """Sync now, whatever the step count (for example before an evaluation or a checkpoint).
         Streaming: every fragment in turn, each merged before the next is sent. In a worker
         group every rank calls it (it is a collective), as every rank calls ``stop``."""
+        if self._strategy is None:
+            raise RuntimeError("the worker has not joined a run yet: call start() first")
         self._strategy.sync_now()
 
     @property
@@ -318,7 +315,7 @@ class DiLoCoWorker:
         out["bytes_down"] = self.client.bytes_down
         out["local_step"] = self.local_step
         out["total_steps"] = self.total_steps
-        out["round"] = self._strategy.round
+        out["round"] = self._strategy.round if self._strategy is not None else self.base_round
         return out
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -326,14 +323,16 @@ class DiLoCoWorker:
         s.local_step += 1
         s.total_steps += 1
         s.last_step_at = time.monotonic()
+        assert self._strategy is not None  # hooked inside start(), which chose it
         self._strategy.after_step()
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         """Plain DiLoCo's upload of the whole model under ``submission_id``; the server's reply.
         Every plain upload (a sync's, the final one) goes through here, so a subclass may wrap
         it (the crash tests kill the server around it)."""
-        assert self._plain is not None
-        return self._plain.upload(submission_id)
+        plain = self._strategy.inner if isinstance(self._strategy, GroupSync) else self._strategy
+        assert isinstance(plain, PlainSync)
+        return plain.upload(submission_id)
 
     # --- joining --------------------------------------------------------------------------------
 
@@ -341,10 +340,9 @@ class DiLoCoWorker:
         self._join(initial=False)
 
     def _join(self, *, initial: bool) -> None:
-        """Register (again), seed the server's parameters if it has none, and fetch them.
-
-        On a re-join the model holds its local progress; the strategy adds it back unless the
-        server says its last upload is already in the parameters it serves."""
+        """Register (again), choose the strategy at the first reply, and let it bring the model
+        to the run's state (``SyncStrategy.join``) or reconcile it after a re-registration,
+        keeping the local progress the run does not hold (``SyncStrategy.rejoin``)."""
         s = self._session
         try:
             reply = self._register(initial)
@@ -367,65 +365,22 @@ class DiLoCoWorker:
             # long the first download of a big model takes.
             self._heartbeats.start()
         self._heartbeats.adopt_recommendation(reply)
-        if reply.get("mode") == "allreduce":
-            self._join_allreduce(reply, initial)
-            return
-        if reply.get("params") is not None:
-            self._local.check_server_table(reply["params"])
-        self._strategy.configure(reply)
-        seeded = False
-        if not reply.get("has_params"):
-            assert s.worker_id is not None
-            try:
-                seeded_reply = self.client.upload_initial(s.worker_id, self._local.detached())
-                seeded = True
-                log.info("worker %s provided the initial parameters", s.worker_id)
-                self._strategy.configure(seeded_reply)
-            except Conflict:
-                pass  # another worker was first
+        if self._strategy is None:
+            self._strategy = choose_strategy(
+                self.settings, s, self._lockstep, reply, submit=self._submit
+            )
+            self._allreduce = allreduce_mode(reply)
+        else:
+            same_family(self._allreduce, reply)
         if initial:
-            s.fetch(0)
-            self._strategy.joined(s.last_metadata)
-            self._local.adopt_all()
+            self._strategy.join(reply)
             log.info("worker %s joined at round %d", s.worker_id, s.base_round)
             return
-        # Only an upload whose result we never adopted can be inside the model's progress.
-        s.full_next = True
-        settled = self._strategy.rejoined(JoinAnswer.of(reply, seeded=seeded))
+        settled = self._strategy.rejoin(reply)
         self.metrics["reconnections"] += 1
         log.info(
             "worker %s re-joined at round %d (last upload %s)", s.worker_id, s.base_round, settled
         )
-
-    def _join_allreduce(self, reply: dict[str, Any], initial: bool) -> None:
-        """All-reduce mode (``worker/allreduce.py``): the workers hold the state. At the first
-        join this worker takes part in one quorum round without a contribution, so it trains
-        from the run's state; a re-join (the server restarted or evicted it) keeps its own. In
-        a worker group only rank 0 gets here: it runs the quorums, the group shares the result
-        as after any sync (``GroupSync``)."""
-        s = self._session
-        group = self._strategy if isinstance(self._strategy, GroupSync) else None
-        current = group.inner if group is not None else self._strategy
-        if not isinstance(current, AllReduceSync):
-            if self.settings.num_fragments == 1:
-                current = AllReduceSync(s, reply)
-            elif group is None:
-                current = StreamingAllReduceSync(s, reply)
-            else:
-                raise ValueError(
-                    "streaming fragments are not supported in a worker group (a torch.distributed "
-                    "group as one worker): leave num_fragments at 1"
-                )
-            if group is not None:
-                group.use_inner(current)
-            else:
-                self._strategy = current
-        if initial:
-            current.join()
-            log.info("worker %s joined the all-reduce run at round %d", s.worker_id, s.base_round)
-        else:
-            self.metrics["reconnections"] += 1
-            log.info("worker %s re-joined at round %d", s.worker_id, s.base_round)
 
     def _leave_quietly(self) -> None:
         """Deregister after a failed start, so the server does not wait for this worker.
@@ -454,5 +409,7 @@ class DiLoCoWorker:
                 # is refused there, never inside a collective.
                 "params": [[n, list(shape)] for n, shape in self._local.table().items()],
             },
-            last_submission_id=None if initial else self._strategy.last_submission,
+            last_submission_id=(
+                None if initial or self._strategy is None else self._strategy.last_submission
+            ),
         )

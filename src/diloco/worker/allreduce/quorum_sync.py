@@ -1,0 +1,300 @@
+"""All-reduce mode on the worker (``diloco server --allreduce``; docs/design.md, "All-reduce
+mode"): the workers average their pseudo-gradients among themselves and each applies the same
+outer step; the server only forms a quorum per round and records its outcome.
+
+The worker holds the run's shared state (``SharedState``: the snapshot and the outer
+optimizer's momentum) beside its payload's averaging buffers. One quorum round (``_round``):
+
+1. ``POST /quorum`` with the round and hash of the state held; the reply (``Assignment``) names
+   the members, this worker's rank, the state round and hash the quorum agrees on, a member
+   holding them (``source``) and the members that must take them first (``resync``).
+2. A process group of that quorum alone (``QuorumCollective``); if any member must resync, the
+   source broadcasts the state. A resyncing worker keeps its local progress on top of the new
+   state (a rebase) and checks the hash before anything else.
+3. The payload's pseudo-gradient (``snapshot - local``: the whole model, or one fragment) and
+   the quorum's weighted average of it (``average``).
+4. The commit point: a hash of a sample of the average, compared across the quorum in one tiny
+   collective (its maximum and minimum). Only then the payload's outer step on the state, and
+   the new state's hash reported to the server, which compares the members' hashes (the
+   majority's state is the run's).
+
+A failure before the commit point (a member died, a timeout) raises ``QuorumFailed``: the
+snapshot and the model are as they were, the failure is reported, and the next quorum repeats
+the round with a freshly computed pseudo-gradient. The commit collective itself may succeed on
+some members and fail on others (two generals): those that passed apply the round, the others
+remember the quorum, and when a later quorum hands them the state that quorum made (the server
+names it, ``made_by``), they take it without keeping their already counted progress on top
+(``Payload.settle_counted``). A quorum whose weights are all 0 (a start: every worker joins by
+one such round, receiving the state if its own differs) takes no step.
+
+What a round averages and when one is due is the payload's (``allreduce/payload.py``); this
+loop is the same for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diloco.core import rebase_, to_progress_
+from diloco.worker.allreduce.assignment import Assignment
+from diloco.worker.allreduce.collective import (
+    QuorumCollective,
+    QuorumFailed,
+    all_equal,
+    average,
+    broadcast,
+    state_hash,
+)
+from diloco.worker.allreduce.payload import Payload
+from diloco.worker.allreduce.shared_state import SharedState
+from diloco.worker.session import Session
+from diloco.worker.transport.client import SYNC_FAILURES, UnknownWorker
+
+log = logging.getLogger(__name__)
+
+SAMPLE = 1009
+"""The commit point hashes every SAMPLE-th element of the average (a prime: no stride of a
+parameter's shape lines up with it)."""
+
+MAX_QUORUM_TRIES = 5
+"""Quorums tried in one sync before training goes on locally (each failed one is discarded)."""
+
+
+class QuorumSync:
+    """The ``SyncStrategy`` of a server in all-reduce mode: the quorum loop over ``payload``."""
+
+    def __init__(self, session: Session, state: SharedState, payload: Payload) -> None:
+        self._s = session
+        self._state = state
+        self._payload = payload
+        self._hash = state.hash()
+        # The model holds progress over a snapshot that is being replaced (a broadcast to this
+        # worker broke off): it presents no state and syncs until it receives one.
+        self._needs_state = False
+        # A quorum whose commit point failed here after this worker's pseudo-gradient was in
+        # its complete average, and the total steps then: the others may have applied it.
+        self._uncertain: tuple[str, int] | None = None
+        self._leaving = threading.Event()  # no more quorums once set
+        self._s.base_round = 0
+
+    # --- SyncStrategy -------------------------------------------------------------------------
+
+    @property
+    def last_submission(self) -> str | None:
+        return None  # nothing is held by the server
+
+    @property
+    def round(self) -> int:
+        return self._s.base_round
+
+    def join(self, reply: Mapping[str, Any]) -> None:
+        """The start: one quorum round without a contribution, so this worker trains from the
+        run's state (received from a member when its own differs). Waits for the quorum; a
+        server that forgot this worker meanwhile (it restarted, or evicted it) is registered
+        with again, and the wait goes on."""
+        s = self._s
+        while True:
+            try:
+                self._rejoin_if_forgotten()
+                if self._one_sync(weighted=False) == "done":
+                    return
+            except UnknownWorker:
+                s.need_rejoin.set()
+            except SYNC_FAILURES as exc:
+                log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
+
+    def rejoin(self, reply: Mapping[str, Any]) -> str:
+        return "kept locally (the workers hold the state in all-reduce mode)"
+
+    def after_step(self) -> None:
+        self._payload.after_step(self)
+
+    def sync_now(self) -> None:
+        self._payload.sync_now(self)
+
+    def finish(self, *, submit: bool) -> None:
+        """Let the round in flight end; nothing is handed in after that (only a quorum
+        averages)."""
+        self._leaving.set()
+        self._payload.leave()
+        if submit and self._s.local_step > 0:
+            log.info(
+                "worker %s leaves with %d local steps not averaged (all-reduce mode averages "
+                "only among the workers of a quorum)",
+                self._s.worker_id,
+                self._s.local_step,
+            )
+
+    # --- Rounds (payload.py) --------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Average with a quorum, blocking the training loop (``attempts``)."""
+        s = self._s
+        t0 = time.monotonic()
+        s.syncing = True
+        try:
+            self.attempts()
+        finally:
+            s.syncing = False
+            s.metrics["sync_time_s"] += time.monotonic() - t0
+
+    def attempts(self) -> bool:
+        """Quorums until one completes: True then. Never raises a network error: when no
+        quorum completes (``MAX_QUORUM_TRIES`` discarded, the wait for one past
+        ``max_barrier_wait``, the server unreachable) False, and training goes on locally; the
+        next sync tries again with the progress made until then. Only a worker left without
+        state keeps trying until it gets one."""
+        s = self._s
+        wait = s.settings.max_barrier_wait
+        deadline = time.monotonic() + wait if wait else None
+        discarded = 0
+        while True:
+            try:
+                self._rejoin_if_forgotten()
+                outcome = self._one_sync(weighted=True)
+            except UnknownWorker:
+                s.need_rejoin.set()
+                continue
+            except SYNC_FAILURES as exc:
+                s.metrics["failed_syncs"] += 1
+                log.warning("worker %s: sync failed: %s", s.worker_id, exc)
+                if self._needs_state:
+                    continue  # the client's retries already waited between attempts
+                return False
+            if outcome == "done":
+                s.metrics["rounds"] += 1
+                self._payload.completed()
+                return True
+            discarded += outcome == "discarded"
+            late = deadline is not None and time.monotonic() > deadline
+            if (discarded >= MAX_QUORUM_TRIES or late or self._leaving.is_set()) and (
+                not self._needs_state
+            ):
+                s.metrics["failed_syncs"] += 1
+                log.warning(
+                    "worker %s: no quorum completed (%d discarded); training goes on",
+                    s.worker_id,
+                    discarded,
+                )
+                return False
+
+    # --- one round ------------------------------------------------------------------------------
+
+    def _rejoin_if_forgotten(self) -> None:
+        """Register again when the server forgot this worker (evicted, restarted: a 410)."""
+        s = self._s
+        if s.need_rejoin.is_set():
+            s.rejoin()
+            s.need_rejoin.clear()
+
+    def _one_sync(self, *, weighted: bool) -> str:
+        """Ask for a quorum and run its round: ``"done"``, ``"pending"`` (the long poll ended
+        first) or ``"discarded"`` (a member failed: counted, reported, nothing changed here)."""
+        s = self._s
+        assert s.worker_id is not None
+        reply = s.client.quorum(
+            s.worker_id, round=s.base_round, hash="" if self._needs_state else self._hash
+        )
+        if "quorum_id" not in reply:
+            return "pending"
+        q = Assignment.of(reply)
+        try:
+            new_round, new_hash = self._round(q, weighted)
+        except QuorumFailed as exc:
+            s.metrics["discarded_rounds"] += 1
+            log.warning("worker %s: round discarded: %s", s.worker_id, exc)
+            self._report(q, ok=False, error=str(exc))
+            return "discarded"
+        self._report(q, ok=True, round=new_round, hash=new_hash)
+        return "done"
+
+    def _round(self, q: Assignment, weighted: bool) -> tuple[int, str]:
+        s, payload = self._s, self._payload
+        try:
+            with QuorumCollective.build(q.host, q.port, q.id, q.rank, q.size, q.timeout) as quorum:
+                if q.resync:
+                    self._share_state(quorum, q)
+                tensors, weight = payload.contribution(q, weighted)
+                total = self._average(quorum, q, tensors, weight)
+            # The collective is closed. Every member applies the same step to the same state,
+            # so the new hashes agree; the server compares them, and a member whose hash is not
+            # the majority's is sent the state at its next quorum.
+            if total > 0:
+                payload.step(q)
+                s.base_round = q.round + 1
+            new_hash = self._hash = self._state.hash()
+            if q.save and q.rank == 0:
+                self._state.save(q.id, *payload.checkpoint_state())
+            return s.base_round, new_hash
+        finally:
+            payload.round_ended(has_state=not self._needs_state)
+
+    def _average(
+        self, quorum: QuorumCollective, q: Assignment, tensors: list[torch.Tensor], weight: float
+    ) -> float:
+        """The quorum's weighted average of ``tensors`` in place, checked at the commit point;
+        the sum of the weights."""
+        total = average(quorum, tensors, weight, q.comm)
+        # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
+        # way); the HTTP bytes stay in bytes_up/bytes_down.
+        itemsize = torch.empty((), dtype=q.comm).element_size()
+        self._s.metrics["collective_bytes"] += sum(t.numel() for t in tensors) * itemsize
+        # The commit point: this tiny collective succeeds only once every member holds the
+        # complete average; nothing has changed anywhere before it. It compares a sample of the
+        # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
+        # and the full hash of the new state is compared by the server.
+        sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
+        try:
+            same = all_equal(quorum, state_hash(sample))
+        except QuorumFailed:
+            if weight > 0:  # the others may have passed it and applied this worker's part
+                self._uncertain = (q.id, self._s.total_steps)
+            raise
+        if not same:
+            raise QuorumFailed(q.id, "the members' averages differ")
+        self._uncertain = None  # the last quorum settled it either way
+        return total
+
+    def _share_state(self, quorum: QuorumCollective, q: Assignment) -> None:
+        """The source's state to every member (those that hold it receive the same bytes); a
+        member that needed it keeps its local progress on top (a rebase) once the agreed hash
+        checks. A receiver whose broadcast broke off holds only its progress: it presents no
+        state and trains no more until a later quorum hands it the state."""
+        s, local = self._s, self._s.local
+        if q.receiving:
+            self._payload.receiving_state(q)
+            if not self._needs_state:
+                local.each_param(to_progress_)
+                self._needs_state = True  # the model holds progress; the snapshot is about to go
+        broadcast(quorum, self._state.tensors(), q.source)
+        if not q.receiving:
+            return
+        got = self._state.hash()
+        if got != q.hash:
+            raise QuorumFailed(q.id, f"state received has hash {got}, expected {q.hash}")
+        uncertain, self._uncertain = self._uncertain, None
+        if uncertain is not None and uncertain[0] == q.made_by:
+            # The state received was made by the quorum whose commit point failed here: this
+            # worker's pseudo-gradient is in it, so its progress up to then must not count
+            # again (rebasing it would).
+            self._payload.settle_counted(q, uncertain[1])
+        else:
+            local.each_param(rebase_)
+        self._needs_state = False
+        s.base_round = q.round
+        self._hash = got
+        s.metrics["rebases"] += 1
+
+    def _report(self, q: Assignment, **outcome: Any) -> None:
+        s = self._s
+        assert s.worker_id is not None
+        try:
+            s.client.quorum_outcome(s.worker_id, q.id, **outcome)
+        except SYNC_FAILURES as exc:  # the server learns it from the next quorum's hashes
+            log.warning("worker %s: could not report round %s: %s", s.worker_id, q.id, exc)

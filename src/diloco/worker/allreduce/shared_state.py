@@ -1,0 +1,124 @@
+"""The run's state in all-reduce mode, which the workers hold (the server holds none): the
+global parameters (``LocalModel``'s snapshot, made from this worker's own parameters at start)
+and the outer optimizer's momentum, both fp32; the hash a quorum compares them by; and rank 0's
+checkpoint of them in the server mode's layout (``diloco.persistence``: parameters, the outer
+optimizer's state, the fields a server checks when it resumes), so ``diloco server --save-dir``
+can go on from it and a run moves between the modes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.core.outer import OuterSGD
+from diloco.persistence import save_checkpoint
+from diloco.worker.allreduce.collective import state_hash
+from diloco.worker.session import Session
+
+log = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 3
+"""Checkpoints rank 0 keeps in its ``save_dir`` (the server's ``--keep`` default)."""
+
+
+@dataclass(frozen=True)
+class RunRules:
+    """What the server's registration reply says about the run's outer step and weighting."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    by_samples: bool  # a member's weight in an average is its samples (else: 1 per member)
+
+    @classmethod
+    def of(cls, reply: Mapping[str, Any]) -> RunRules:
+        outer = reply.get("outer") or {}
+        momentum = float(outer.get("momentum", 0.9))
+        return cls(
+            lr=float(outer.get("lr", 0.7)),
+            momentum=momentum,
+            nesterov=bool(outer.get("nesterov", True)) and momentum > 0,
+            by_samples=reply.get("weighting") == "samples",
+        )
+
+
+class SharedState:
+    """The snapshot (owned from here on) and the momentum buffers beside it, with the rules
+    that step them. Momentum buffers exist from the start (zeros: the first step's ``0 * m + g``
+    is ``g`` exactly, as torch's first-step copy), so a joiner can receive them by broadcast."""
+
+    def __init__(self, session: Session, rules: RunRules) -> None:
+        self._s = session
+        self.rules = rules
+        local = session.local
+        local.own_snapshot()
+        #: The snapshot as parameters sharing its memory: an outer optimizer steps it in place.
+        self.globals = [torch.nn.Parameter(t, requires_grad=False) for t in local.snapshot.values()]
+        #: One buffer per parameter (none without momentum).
+        self.momentum: list[torch.Tensor] = (
+            [torch.zeros_like(p) for p in self.globals] if rules.momentum > 0 else []
+        )
+
+    @property
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return self._s.local.snapshot
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything a member holds of the run, in the order a quorum broadcasts and hashes."""
+        return [*self.snapshot.values(), *self.momentum]
+
+    def hash(self) -> str:
+        """The fingerprint a quorum compares (``collective.state_hash``)."""
+        return state_hash(self.tensors())
+
+    def outer(
+        self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]
+    ) -> OuterSGD:
+        """An outer optimizer over ``params`` (views of the snapshot) by the run's rules, whose
+        momentum is ``buffers`` (views of ``momentum``, one per parameter; empty without)."""
+        rules = self.rules
+        outer = OuterSGD(params, lr=rules.lr, momentum=rules.momentum, nesterov=rules.nesterov)
+        if buffers:
+            for p, buf in zip(params, buffers, strict=True):
+                outer.state[p]["momentum_buffer"] = buf
+        return outer
+
+    def save(self, quorum_id: str, state: dict[str, Any], layout: dict[str, Any]) -> None:
+        """Rank 0: write the snapshot and ``state`` (the outer optimizer's state dict) at the
+        session's ``base_round`` into the worker's ``save_dir``; ``layout`` holds the fields that
+        say how the state is cut (``fragments``, ``unit_rounds``, ``optimizer_units``). Blocking;
+        a failure (or no ``save_dir``) is logged, never raised into training."""
+        s = self._s
+        folder = s.settings.save_dir
+        if folder is None:
+            log.warning(
+                "worker %s: the server asked rank 0 to save round %d, but this worker has no "
+                "save_dir (DILOCO_SAVE_DIR, diloco worker --save-dir)",
+                s.worker_id,
+                s.base_round,
+            )
+            return
+        params = dict(s.local.snapshot)
+        extra = {
+            "param_order": list(params),
+            "mode": "sync",
+            **layout,
+            "outer_optimizer": OuterSGD.__name__,
+            "receipts": [],
+            "worker_deaths": 0,
+            "instance": quorum_id,
+            "written_by": f"all-reduce rank 0 ({s.worker_id})",
+        }
+        try:
+            path = save_checkpoint(folder, s.base_round, params, state, extra, KEEP_CHECKPOINTS)
+        except OSError as exc:
+            log.error(
+                "worker %s: checkpoint of round %d failed: %s", s.worker_id, s.base_round, exc
+            )
+            return
+        log.info("worker %s saved round %d to %s", s.worker_id, s.base_round, path)

@@ -1,0 +1,91 @@
+"""Which sync strategy a worker runs: chosen once, here, when the server's first registration
+reply is known (``DiLoCoWorker._join``), and kept for the worker's life.
+
+The rule:
+
+- the server's ``mode`` decides the family: ``"allreduce"`` is ``QuorumSync`` (``allreduce/``),
+  anything else a parameter server's strategy (``server_mode/``);
+- ``num_fragments`` decides the share of the model a sync moves: 1, the whole model
+  (``PlainSync``, or ``QuorumSync`` over ``WholeModel``); more, one fragment at a time
+  (``StreamingSync``, or ``QuorumSync`` over ``FragmentRounds``);
+- a worker group wraps whichever rank 0 runs in ``GroupSync``; the other ranks never see a
+  reply and follow rank 0 (``GroupSync`` with no strategy inside), whatever the mode.
+
+A re-registration must find the server in the family chosen (``same_family``): a worker does
+not change strategy in the middle of a run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from diloco.worker.allreduce.fragment_rounds import FragmentRounds
+from diloco.worker.allreduce.payload import Payload
+from diloco.worker.allreduce.quorum_sync import QuorumSync
+from diloco.worker.allreduce.shared_state import RunRules, SharedState
+from diloco.worker.allreduce.whole_model import WholeModel
+from diloco.worker.groups.group_sync import GroupSync, Lockstep
+from diloco.worker.server_mode.plain import PlainSync, Submit
+from diloco.worker.server_mode.streaming import StreamingSync
+from diloco.worker.session import Session
+from diloco.worker.settings import WorkerSettings
+from diloco.worker.strategy import SyncStrategy
+
+
+def allreduce_mode(reply: Mapping[str, Any]) -> bool:
+    """Whether a registration reply comes from a server in all-reduce mode."""
+    return reply.get("mode") == "allreduce"
+
+
+def choose_strategy(
+    settings: WorkerSettings,
+    session: Session,
+    lockstep: Lockstep | None,
+    reply: Mapping[str, Any] | None,
+    *,
+    submit: Submit | None = None,
+) -> SyncStrategy:
+    """The strategy of a worker whose first registration got ``reply`` (None: a rank of a
+    worker group other than rank 0, which registers for all). ``lockstep``: the worker group's,
+    or None for a single process. ``submit``: how ``PlainSync`` uploads (the worker's
+    ``_submit``). Raises ValueError for a combination not supported, before anything is
+    built."""
+    if lockstep is not None and not lockstep.group.leader:
+        return GroupSync(lockstep, session, None)
+    assert reply is not None, "a worker that talks to the server chooses from its reply"
+    if allreduce_mode(reply):
+        inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
+    elif settings.num_fragments > 1:
+        inner = StreamingSync(session)
+    else:
+        inner = PlainSync(session, submit=submit)
+    return inner if lockstep is None else GroupSync(lockstep, session, inner)
+
+
+def same_family(joined_allreduce: bool, reply: Mapping[str, Any]) -> None:
+    """Raise ValueError unless a re-registration's ``reply`` comes from a server of the family
+    the strategy was chosen for (``joined_allreduce``: the first reply's ``allreduce_mode``)."""
+    if allreduce_mode(reply) != joined_allreduce:
+        mode = {True: "all-reduce", False: "parameter-server"}
+        raise ValueError(
+            f"the server now runs in {mode[not joined_allreduce]} mode; this worker joined it "
+            f"in {mode[joined_allreduce]} mode (restart the worker to follow it)"
+        )
+
+
+def _quorum_sync(
+    settings: WorkerSettings, session: Session, reply: Mapping[str, Any], *, grouped: bool
+) -> QuorumSync:
+    if settings.num_fragments > 1 and grouped:
+        raise ValueError(
+            "streaming fragments are not supported in a worker group (a torch.distributed "
+            "group as one worker): leave num_fragments at 1"
+        )
+    state = SharedState(session, RunRules.of(reply))
+    payload: Payload = (
+        WholeModel(session, state)
+        if settings.num_fragments == 1
+        else FragmentRounds(session, state)
+    )
+    return QuorumSync(session, state, payload)

@@ -1,0 +1,55 @@
+"""The diloco command line."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from diloco import DiLoCoServer, ServerConfig
+from diloco.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def server():
+    import torch
+
+    srv = DiLoCoServer(
+        ServerConfig(port=0, num_workers=2), initial_params={"w": torch.zeros(3)}
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def test_status_table_and_json(server: DiLoCoServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from diloco import DiLoCoClient
+
+    DiLoCoClient(server.address).register("alpha", hostname="box1")
+    assert main(["status", "--server", server.address]) == 0
+    out = capsys.readouterr().out
+    assert "round 0" in out and "alpha" in out and "box1" in out and "waiting for workers" in out
+    assert main(["status", "--server", server.address, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["mode"] == "sync" and [w["worker_id"] for w in st["workers"]] == ["alpha"]
+
+
+def test_status_of_a_dead_server_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", "--server", f"127.0.0.1:{port}"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["server", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: port {port} on 127.0.0.1 is in use"), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

