@@ -5,7 +5,8 @@ link (and its ``#section``), every docs section a comment or docstring cites, an
 A path is recognised by its first component: ``src/diloco/``, the repository's own folders
 (``benchmarks/``, ``tests/``, ``examples/``, ``docs/``), a sub-package of ``diloco`` written
 relative to ``src/diloco/`` (``server/rounds/barrier.py``) and a test lane written relative to
-``tests/`` (``unit/test_layout.py``). Such a path counts as existing when it resolves against
+``tests/`` (``unit/test_layout.py``); a module named alone in a code span (``front.py``) must
+be some file's name. Such a path counts as existing when it resolves against
 the repository root, ``src/diloco/``, ``tests/`` or the markdown file's own folder. A
 ``path.py::name`` must also define ``name``.
 """
@@ -26,7 +27,7 @@ DESIGN_MAX_LINES = 520
 #: files as they were when each entry was written, so only its links are checked.
 HISTORY = {ROOT / "docs" / "benchmarks-log.md"}
 
-PACKAGES = ("core", "wire", "server", "worker", "cli", "demo", "integrations")
+PACKAGES = ("core", "wire", "server", "worker", "cli", "demo", "integrations", "persistence")
 LANES = ("unit", "integration", "processes", "browser", "helpers", "programs")
 FIRST = ("src/diloco", "benchmarks", "tests", "examples", "docs", *PACKAGES, *LANES)
 
@@ -124,10 +125,24 @@ def headings(md: Path) -> set[str]:
     return found
 
 
+# A module named alone in a code span (`` `persistence.py` ``): some file must carry that name.
+BARE = re.compile(r"`(\w+\.py)`")
+
+
+def _module_names() -> set[str]:
+    return {
+        f.name for d in ("src", "tests", "benchmarks", "examples") for f in (ROOT / d).rglob("*.py")
+    }
+
+
 def stale_paths(text: str, md: Path) -> list[str]:
     """Paths named in ``text`` (of the markdown file ``md``) that do not exist."""
     problems = []
+    names = _module_names()
     for number, line in enumerate(text.splitlines(), 1):
+        for m in BARE.finditer(line):
+            if m.group(1) not in names:
+                problems.append(f"{md.relative_to(ROOT)}:{number}: no module named {m.group(1)!r}")
         for m in PATH.finditer(line):
             path, name = m.group(1), m.group(2)
             before = line[max(0, m.start() - 16) : m.start()]
@@ -240,9 +255,11 @@ def test_the_checks_bite() -> None:
         "see `server/rounds/nowhere.py` and [x](design/missing.md), "
         "`tests/unit/test_docs.py::test_no_such_test` but `tests/unit/test_docs.py::slug`, "
         "a client/server split, http://h:1/tests/x.py, /dashboard/app.js, `worker/transport/`, "
-        "`unit/test_layout.py`, [y](design.md#protocol) and [z](design.md#no-such-section).\n"
+        "`unit/test_layout.py`, [y](design.md#protocol) and [z](design.md#no-such-section), "
+        "`front.py` and `gone.py`.\n"
     )
     assert [p.split("(")[0].split(": ", 1)[1] for p in stale_paths(text, md)] == [
+        "no module named 'gone.py'",
         "no such path 'server/rounds/nowhere.py'",
         "tests/unit/test_docs.py defines no 'test_no_such_test'",
     ]
