@@ -18,9 +18,9 @@ from typing import Any
 
 import psutil
 
-from harness.processes import Inbox, check_alive, reap, start_and_collect
-from harness.report import MB, cpu_median, summary
-from harness.rss import maxrss
+from benchmarks.harness.processes import Inbox, check_alive, reap, start_and_collect
+from benchmarks.harness.report import MB, cpu_median, summary
+from benchmarks.harness.rss import maxrss
 
 SOCKBUF = 4 * 1024 * 1024
 

@@ -1,6 +1,8 @@
-"""Spawned children driven one round at a time by a parent that only starts, waits and reads.
+"""Spawned children: one-off jobs, and children driven one round at a time.
 
-A round: every child waits at a ``multiprocessing.Barrier`` with the parent; the parent's arrival
+A one-off job (``run_child``, ``ask_child``) runs a function in a spawned child, so that the
+parent never imports torch or diloco: writing a model's initial parameters, checking settings
+against this checkout's library. A round (``session.Session`` builds on these): every child waits at a ``multiprocessing.Barrier`` with the parent; the parent's arrival
 starts it; each child reports ``("round", index, payload)`` on one queue. The parent reads the
 server process's CPU time around it (the server is idle before and after), and the children time
 their own part, so a round's CPU cost is known without instrumenting the server.
@@ -76,6 +78,33 @@ def start_and_collect(
         "workers": sum(m["cpu_s"] for m in msgs.values()),
     }
     return msgs, cpu
+
+
+def run_child(ctx: Any, target: Any, args: tuple[Any, ...], timeout: float, what: str) -> None:
+    """Run ``target(*args)`` in a spawned child and wait for it; raise unless it exits with 0."""
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    try:
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{what} failed ({proc.exitcode})")
+    finally:
+        reap([proc])
+
+
+def ask_child(ctx: Any, target: Any, args: tuple[Any, ...], timeout: float, what: str) -> Any:
+    """Run ``target(pipe_end, *args)`` in a spawned child and return what it sends back."""
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
+    try:
+        proc.start()
+        if not parent_conn.poll(timeout):
+            raise TimeoutError(f"{what} timed out")
+        answer = parent_conn.recv()
+        proc.join(30)
+    finally:
+        reap([proc])
+    return answer
 
 
 def reap(procs: list[Any]) -> None:

@@ -1,7 +1,9 @@
-"""What the benchmarks print and write: round summaries, markdown tables, machine facts, JSON.
+"""What the benchmarks print and write: round summaries, the one table printer, machine facts,
+the one JSON writer.
 
-The tables are markdown so that a run's output can be pasted into docs/benchmarks.md as it is;
-the JSON files under benchmarks/results/ were written with these shapes, so keys stay put.
+Every results table of every benchmark goes through ``print_table``: markdown, so that a run's
+output can be pasted into docs/benchmarks.md as it is. The JSON files under benchmarks/results/
+were written with the shapes the scripts build, so keys stay put.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -39,13 +42,18 @@ def cpu_median(rounds: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def print_table(head: list[str], rows: list[list[str]]) -> None:
+def print_table(head: list[str], rows: list[list[str]], file: Any = None) -> None:
     """A markdown table: the header, its rule, one line per row of already formatted cells."""
-    print("| " + " | ".join(head) + " |")
-    print("|---" * len(head) + "|")
+    print("\n".join(table_lines(head, rows)), file=file, flush=True)
+
+
+def table_lines(head: list[str], rows: list[list[str]]) -> list[str]:
+    """``print_table``'s lines, for a report that is also written to a file."""
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for row in rows:
         assert len(row) == len(head), (head, row)
-        print("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def machine_info() -> dict[str, Any]:
@@ -67,7 +75,10 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_json(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"\nwrote {path}")
+def write_json(path: str | Path, doc: Any) -> None:
+    """``doc`` as indented JSON at ``path`` (its folder made if missing); values JSON cannot
+    hold are written as their ``str``."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"\nwrote {out}")

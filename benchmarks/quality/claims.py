@@ -12,7 +12,17 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from quality.stats import Results, curve_at, fmt, fmt_ppl, mean_sd, names, paired, rows, values
+from benchmarks.quality.stats import (
+    Results,
+    curve_at,
+    fmt,
+    fmt_ppl,
+    mean_sd,
+    names,
+    paired,
+    rows,
+    values,
+)
 
 MATCH = 0.02  # nats per byte (about 2% perplexity): "matches", "lossless", "costs almost nothing"
 GENTLE = 0.05  # nats per byte (about 5% perplexity): "degrades gently", "hurts little"

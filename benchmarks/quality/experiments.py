@@ -3,7 +3,7 @@ default scale (the docs' figures) and a fast one (the test's).
 
 Not run on its own: ``python benchmarks/quality/run.py NAME [--fast]``. An experiment is a list
 of configurations; ``run_config`` runs one, through the real server and worker threads
-(``experiment_common.run_trial``) or, for the baselines, a single model with no server
+(``harness.trials.run_trial``) or, for the baselines, a single model with no server
 (``protocol.run_single``). Rows are cached by their full settings, so a configuration shared by
 several experiments (DiLoCo M=4 at H=20 is the reference of most) runs once per seed.
 """
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from experiment_common import Trial, run_trial
-from quality.protocol import Profile, cache_key, pretrained, run_single
+from benchmarks.harness.trials import Trial, run_trial
+from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
 
 # The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
 ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)

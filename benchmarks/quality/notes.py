@@ -20,7 +20,7 @@ runs), and `python benchmarks/quality/render.py` re-renders without training.
 
 Every DiLoCo run goes through the real system: an in-process `DiLoCoServer` on a loopback port
 and one `DiLoCoWorker` per worker, each a thread training its own copy of the model, uploading
-pseudo-gradients over HTTP and adopting the server's parameters (`benchmarks/experiment_common.py`).
+pseudo-gradients over HTTP and adopting the server's parameters (`benchmarks/harness/trials.py`).
 Only the baselines without a server (AdamW on one worker, data-parallel) are single models.
 Papers: DiLoCo (arXiv 2311.08105), asynchronous Local-SGD with Delayed Nesterov and DyLU (arXiv
 2401.09135), Streaming DiLoCo (arXiv 2501.18512).
@@ -83,7 +83,7 @@ received.
     "dropped": """
 **Mechanism.** A sync round of this server waits for every expected worker, so an upload cannot
 simply go missing: the round would stall until the worker was evicted. Instead a worker
-(`LossyWorker` in `benchmarks/experiment_common.py`) draws for every round, from a seeded RNG,
+(`LossyWorker` in `benchmarks/harness/trials.py`) draws for every round, from a seeded RNG,
 whether that round's upload is lost (probability 0.5, independently per worker and round). A lost
 upload is delivered as what the server would have without it: the worker resets its model to
 the round's starting parameters just before uploading (a zero pseudo-gradient) and reports a

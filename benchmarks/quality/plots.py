@@ -16,7 +16,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
-from quality.stats import names, rows  # noqa: E402
+from benchmarks.quality.stats import names, rows  # noqa: E402
 
 PANELS = {
     "steps_per_worker": "inner steps per worker",

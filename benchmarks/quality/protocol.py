@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.trials import Trial, lr_factor
 from diloco.demo.data import Corpus, build_corpus, sample_batch, split_topic
 from diloco.demo.model import CharTransformer, build_model, evaluate, loss_on
-from experiment_common import Trial, lr_factor
 
 
 @dataclass(frozen=True)

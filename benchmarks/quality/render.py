@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for its modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from quality.claims import CLAIMS, NOT_REPRODUCED, RULES, claim_rows, seeds_of  # noqa: E402
-from quality.experiments import EXPERIMENTS  # noqa: E402
-from quality.notes import EXPERIMENT_NOTES, GPU, INTRO, PROTOCOL, REASONS  # noqa: E402
-from quality.plots import plot_experiment  # noqa: E402
-from quality.protocol import Profile  # noqa: E402
-from quality.stats import Results, fmt, fmt_ppl, load, names, paired, rows, values  # noqa: E402
+from benchmarks.quality.claims import CLAIMS, NOT_REPRODUCED, RULES, claim_rows, seeds_of  # noqa: E402
+from benchmarks.quality.experiments import EXPERIMENTS  # noqa: E402
+from benchmarks.quality.notes import EXPERIMENT_NOTES, GPU, INTRO, PROTOCOL, REASONS  # noqa: E402
+from benchmarks.quality.plots import plot_experiment  # noqa: E402
+from benchmarks.quality.protocol import Profile  # noqa: E402
+from benchmarks.quality.stats import Results, fmt, fmt_ppl, load, names, paired, rows, values  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).

@@ -23,10 +23,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for its modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from quality.experiments import DEFAULT, EXPERIMENTS, FAST, run_config  # noqa: E402
-from quality.protocol import PROFILES  # noqa: E402
+from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, run_config  # noqa: E402
+from benchmarks.quality.protocol import PROFILES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if render_dir is None and not args.fast and args.profile == "cpu" and not args.names:
         render_dir = str(ROOT / "docs")
     if render_dir:
-        from quality.render import render
+        from benchmarks.quality.render import render
 
         render(out, Path(render_dir))
     return 0

@@ -62,7 +62,8 @@ PREFIX = "round-"
 TMP_PREFIX = ".tmp-round-"
 TRASH_PREFIX = ".old-round-"
 TENSOR_FILES = ("params.safetensors", "optimizer.safetensors")
-TRUE_FILE = "true.safetensors"  # optional: a lossy downlink's true copy (server/downlink.py)
+# Optional: a lossy downlink's true copy (server/params/update_bodies.py).
+TRUE_FILE = "true.safetensors"
 
 # Saves come from the event loop's worker threads; picking a fresh name and pruning must not
 # interleave between two of them.

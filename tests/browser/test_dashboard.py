@@ -266,7 +266,7 @@ def test_lr_control_changes_the_server_optimizer(tab: Page, run: DiLoCoServer) -
     page.fill("#momentum-input", "0.5")
     page.click("#optimizer-form button")
     expect(page.locator("#message")).to_contain_text("lr 0.25", timeout=WAIT_MS)
-    groups = run.coordinator.outer_optimizers()[0].param_groups
+    groups = run.front.outer_optimizers()[0].param_groups
     assert all(g["lr"] == 0.25 and g["momentum"] == 0.5 for g in groups)
     assert run.status()["outer_optimizer"]["lr"] == 0.25
     expect(page.locator("#s-outer")).to_have_text("0.25 / 0.5", timeout=WAIT_MS)

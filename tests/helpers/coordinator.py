@@ -8,8 +8,8 @@ import asyncio
 import torch
 
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import SyncCoordinator
-from diloco.server.params import ParamStore
+from diloco.server.params.store import ParamStore
+from diloco.server.paramserver.coordinator import SyncCoordinator
 from diloco.wire import aread_layout, encode
 from tests.helpers.clock import FakeClock
 
@@ -47,7 +47,7 @@ def coordinator(clock: FakeClock, workers: int) -> SyncCoordinator:
     config = ServerConfig(port=0, num_workers=workers, heartbeat_timeout=0, stuck_timeout=0)
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
     for i in range(workers):
-        coord.register("abc"[i], "h", {})
+        coord.membership.register("abc"[i], "h", {})
     return coord
 
 

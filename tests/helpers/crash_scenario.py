@@ -1,7 +1,7 @@
 """One worker, one server killed (SIGKILL) at one chosen moment, restarted from its save dir.
 
 Shared by ``tests/processes/test_crash_moments.py`` (every moment once, asserted) and
-``benchmarks/crash_moments.py`` (every moment many times, tallied).
+``benchmarks/faults/crash_moments.py`` (every moment many times, tallied).
 
 The ledger: the worker trains with a constant gradient (SGD, lr 1), so each inner step moves
 every element by exactly ``-G``; the server's outer step is plain SGD with lr 1 and one worker

@@ -9,7 +9,7 @@ import typing
 from typing import Any
 
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import Coordinator
+from diloco.server.paramserver.coordinator import Coordinator
 from tests.helpers.clock import FakeClock
 
 
@@ -38,4 +38,4 @@ def assert_keys(cls: type, value: Any, where: str = "status") -> None:
 
 def fresh() -> dict[str, Any]:
     """The status of a server that has no parameters and no workers yet."""
-    return Coordinator(ServerConfig(port=0), None, clock=FakeClock()).status()
+    return Coordinator(ServerConfig(port=0), None, clock=FakeClock()).status().to_json()

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from diloco.cli.main import main as cli_main
 from diloco.cli.status import render_status
 from diloco.server.config import ServerConfig
+from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
-from diloco.server.status import Status
 from tests.helpers.http import (
     AUTH,
     TOKEN,
@@ -72,9 +72,9 @@ def test_registration_tells_the_mode_rendezvous_and_table(make_server: ServerFac
     resp = register(server, "w-a")
     assert resp.status_code == 200, resp.text
     reply = resp.json()
-    assert server.rendezvous is not None
+    assert server.front.rendezvous is not None
     assert reply["mode"] == "allreduce" and reply["has_params"] is False
-    assert reply["rendezvous"] == {"host": "127.0.0.1", "port": server.rendezvous.port}
+    assert reply["rendezvous"] == {"host": "127.0.0.1", "port": server.front.rendezvous.port}
     assert reply["collective_timeout"] == 12.5 and reply["round"] == 0
     assert reply["params"] == TABLE
     assert reply["outer"] == {"lr": 0.5, "momentum": 0.9, "nesterov": True}
@@ -111,7 +111,8 @@ def test_two_concurrent_asks_get_one_quorum_and_outcomes_complete_the_round(
     assert qa["quorum_id"] == qb["quorum_id"]
     assert (qa["rank"], qb["rank"], qa["size"]) == (0, 1, 2)
     assert qa["members"] == ["w-a", "w-b"]
-    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": two.rendezvous.port}  # type: ignore[union-attr]
+    port = two.front.rendezvous.port  # type: ignore[attr-defined]
+    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": port}
     assert (qa["round"], qa["hash"], qa["source"], qa["resync"]) == (0, "h0", 0, [])
     st = two.status()
     assert st["mode"] == "allreduce" and st["opened"] is True
@@ -191,9 +192,9 @@ def test_auth_applies_and_server_mode_refuses_quorums(make_server: ServerFactory
 
 def test_the_rendezvous_closes_with_the_server(make_server: ServerFactory) -> None:
     server = make_server(allreduce=True, **FAST)
-    assert server.rendezvous is not None
+    assert server.front.rendezvous is not None
     server.stop()
-    assert server.rendezvous is None
+    assert server.front.rendezvous is None
 
 
 @pytest.mark.parametrize(

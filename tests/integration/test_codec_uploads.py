@@ -24,8 +24,8 @@ from diloco.core.codecs import (
     decode_named,
     encode_named,
 )
+from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
-from diloco.server.status import Status
 from diloco.wire import encode
 from tests.helpers.codecs import SHAPES, grads, model, wait_status
 from tests.helpers.fragments import FRAG2, in_fragment
@@ -106,7 +106,7 @@ def sums(server: DiLoCoServer) -> tuple[int, float, list[torch.Tensor]]:
     """The first unit's running sum: count, total weight and (a copy of) its tensors."""
 
     async def get() -> tuple[int, float, list[torch.Tensor]]:
-        wsum = server.coordinator.units[0].sum
+        wsum = server.front.units[0].sum
         return wsum.count, wsum.total_weight, [t.clone() for t in wsum.sums]
 
     return server._call(get())

@@ -102,7 +102,7 @@ def test_update_optimizer(make_server: ServerFactory) -> None:
     assert reply["outer_optimizer"]["lr"] == 0.25
     reply = ok(control(server, "update_optimizer", {"momentum": 0.5}))
     assert reply["outer_optimizer"] == {**reply["outer_optimizer"], "lr": 0.25, "momentum": 0.5}
-    groups = server.coordinator.outer_optimizers()[0].param_groups
+    groups = server.front.outer_optimizers()[0].param_groups
     assert all(g["lr"] == 0.25 and g["momentum"] == 0.5 for g in groups)
     ok(control(server, "update_optimizer", {"lr": 3, "momentum": 0}))
     assert server.status()["outer_optimizer"]["lr"] == 3.0

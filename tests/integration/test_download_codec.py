@@ -23,9 +23,9 @@ from diloco.core.codecs import codec_by_name, codec_from_metadata
 from diloco.core.codecs.downlink import apply_update
 from diloco.persistence import TRUE_FILE, list_checkpoints
 from diloco.server.config import DOWNLOAD_CODECS, ServerConfig
-from diloco.server.params import ParamStore
+from diloco.server.observe.status import Status
+from diloco.server.params.store import ParamStore
 from diloco.server.server import DiLoCoServer
-from diloco.server.status import Status
 from diloco.wire import encode
 from diloco.wire.checksum import checksum
 from tests.helpers.codecs import SHAPES, grads, model, wait_status
@@ -126,7 +126,7 @@ def pinned(server: DiLoCoServer, have_round: int | None) -> Any:
     ``have_round``."""
 
     async def pin() -> Any:
-        coord = server.coordinator
+        coord = server.front
         if have_round is None:
             return await coord.model.require_store().open_snapshot()
         assert coord.model.downlink is not None
@@ -306,7 +306,7 @@ def test_readers_of_an_older_round_keep_its_bytes(make_server: ServerFactory) ->
     _, data = download(server, 2, have_round=1)
     _, payload = split(data)
     assert bytes(payload) != update_bytes
-    downlink = server.coordinator.model.downlink
+    downlink = server.front.model.downlink
     assert downlink is not None and downlink.current is not None
     kept = downlink.current.buffer
     assert kept is not snap_update._buffer  # round 1's body was still pinned: a fresh one

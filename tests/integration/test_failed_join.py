@@ -119,7 +119,7 @@ def test_waiting_for_the_initial_parameters_is_a_join() -> None:
     with DiLoCoServer(ServerConfig(port=0, num_workers=2)) as server:
         client = DiLoCoClient(server.address, retries=0)
         worker_id = client.register(hostname="h")["worker_id"]
-        record = server.coordinator.registry.get(worker_id)
+        record = server.front.registry.get(worker_id)
         assert record is not None and not record.joined
         with pytest.raises(Unreachable):
             client.download(lambda layout: memoryview(bytearray()), worker_id=worker_id)

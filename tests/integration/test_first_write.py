@@ -1,7 +1,7 @@
-"""The round's first upload goes straight into the running sum (server/first_write.py): it takes
-no upload slot, an add waits for it, and one that fails midway leaves a sum that counts nothing,
-so the next upload is the first again. Driven through the coordinator with in-memory bodies and
-two-element stages, so every body here spans several stretches."""
+"""The round's first upload goes straight into the running sum (server/intake/first_write.py): it
+takes no upload slot, an add waits for it, and one that fails midway leaves a sum that counts
+nothing, so the next upload is the first again. Driven through the coordinator with in-memory bodies
+and two-element stages, so every body here spans several stretches."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import diloco.server.first_write as first_write
+import diloco.server.intake.first_write as first_write
 from diloco.core.accumulate import WeightedSum
 from diloco.server.errors import ApiError
-from diloco.server.first_write import FirstWrite, Stages
+from diloco.server.intake.first_write import FirstWrite, Stages
 from diloco.wire import WireError, build_layout, spec_of
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
@@ -57,9 +57,9 @@ def test_the_first_upload_takes_no_slot_and_the_next_add_waits_for_it() -> None:
         await let_loop_run()
         # b lands whole in the one slot while a is still arriving, and counts at once ...
         b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 3.0))))
-        await eventually(lambda: coord.status()["submitted"] == ["b"])
+        await eventually(lambda: coord.status().to_json()["submitted"] == ["b"])
         await let_loop_run()
-        st = coord.status()
+        st = coord.status().to_json()
         assert st["uploading"] == ["a"]
         assert st["uploads_waiting"] == 0
         assert not b.done()  # ... but its add waits for a's write to the sum
@@ -68,7 +68,7 @@ def test_the_first_upload_takes_no_slot_and_the_next_add_waits_for_it() -> None:
         replies = await asyncio.wait_for(asyncio.gather(a, b), WAIT)
         assert [r["status"] for r in replies] == ["accepted", "accepted"]
         await coord.settle()
-        assert coord.status()["round"] == 1
+        assert coord.status().to_json()["round"] == 1
         torch.testing.assert_close(coord.store.params[0], first_step(torch.full((4,), 2.0)))
 
     asyncio.run(scenario())
@@ -103,7 +103,7 @@ def test_a_first_upload_that_fails_midway_counts_nothing(
         assert refused.value.code == code  # type: ignore[attr-defined]
         if status is not None:
             assert refused.value.status == status  # type: ignore[attr-defined]
-        st = coord.status()
+        st = coord.status().to_json()
         assert (st["submitted"], st["uploading"], coord.units[0].sum.count) == ([], [], 0)
         await asyncio.wait_for(submit(coord, HeldBody(upload("b", 0, 3.0))), WAIT)
         await asyncio.wait_for(submit(coord, HeldBody(upload("a", 0, 1.0))), WAIT)
@@ -119,9 +119,9 @@ def test_the_first_write_of_a_worker_that_left_is_refused_and_the_round_closes_w
         first = HeldBody(upload("a", 0, 1000.0), held=4)
         a = asyncio.ensure_future(submit(coord, first))
         await let_loop_run()
-        coord.deregister("a")  # a leaves mid-upload: the round now waits for b alone
+        coord.membership.deregister("a")  # a leaves mid-upload: the round now waits for b alone
         b = asyncio.ensure_future(submit(coord, HeldBody(upload("b", 0, 3.0))))
-        await eventually(lambda: coord.status()["submitted"] == ["b"])
+        await eventually(lambda: coord.status().to_json()["submitted"] == ["b"])
         await let_loop_run()
         assert not b.done()  # its add waits for a's write to end
         first.release.set()
@@ -130,7 +130,7 @@ def test_the_first_write_of_a_worker_that_left_is_refused_and_the_round_closes_w
         assert gone.value.status == 410
         assert (await asyncio.wait_for(b, WAIT))["status"] == "accepted"
         await coord.settle()
-        assert coord.status()["last_round_contributions"] == 1
+        assert coord.status().to_json()["last_round_contributions"] == 1
         torch.testing.assert_close(coord.store.params[0], first_step(torch.full((4,), 3.0)))
 
     asyncio.run(scenario())

@@ -8,8 +8,8 @@ import pytest
 import requests
 import torch
 
-from diloco.server.loss_history import LossHistory
-from diloco.server.status import Status
+from diloco.server.observe.loss_history import LossHistory
+from diloco.server.observe.status import Status
 from diloco.wire import encode, spec_of
 from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.clock import FakeClock

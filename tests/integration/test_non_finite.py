@@ -131,17 +131,15 @@ def test_a_step_that_overflows_keeps_parameters_and_momentum(make_server: Server
     accept(server, body("a", 0, "a-0", first))
     wait_round(server, 1)
     after_first = served(server)
-    optimizer = server.coordinator.optimizer
+    optimizer = server.front.optimizer
     assert optimizer is not None
-    momentum = [
-        optimizer.state[p]["momentum_buffer"].clone() for p in server.coordinator.units[0].params
-    ]
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in server.front.units[0].params]
     bad = pseudo_grad(2)
     bad["b"][0] = -3e38
     accept(server, body("a", 1, "a-1", bad))
     wait_round(server, 2)
     assert_params_equal(served(server), after_first)
-    for p, saved in zip(server.coordinator.units[0].params, momentum, strict=True):
+    for p, saved in zip(server.front.units[0].params, momentum, strict=True):
         assert torch.equal(optimizer.state[p]["momentum_buffer"], saved)
     assert http_status(server)["refused_updates"] == 1
     assert metric(server, "diloco_refused_updates_total") == 1

@@ -6,17 +6,12 @@ fail by chance."""
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from quality.protocol import GPU, pretrained, run_single  # noqa: E402
+from benchmarks.quality.protocol import GPU, pretrained, run_single
 
 
 @pytest.mark.timeout(120)

@@ -12,9 +12,9 @@ import pytest
 import requests
 import torch
 
-from diloco.server import security
-from diloco.server.app import OPEN_PATHS, build_app
 from diloco.server.server import DiLoCoServer
+from diloco.server.web import security
+from diloco.server.web.app import OPEN_PATHS, build_app
 from diloco.wire import encode
 from diloco.worker.transport import client as client_module
 from tests.helpers.http import (
@@ -90,7 +90,7 @@ def send(server: DiLoCoServer, key: tuple[str, str], headers: dict[str, str]) ->
 def test_every_route_is_listed_here(make_server: ServerFactory) -> None:
     """A new route must be added to REQUESTS (and so to the 401 tests) or be open on purpose."""
     server = make_server()
-    app = build_app(server.coordinator)
+    app = build_app(server.front)
     routes = {
         (r.method, r.resource.canonical)
         for r in app.router.routes()
@@ -106,7 +106,7 @@ def test_every_route_is_listed_here(make_server: ServerFactory) -> None:
 
 
 def security_open_paths() -> frozenset[str]:
-    from diloco.server import dashboard
+    from diloco.server.web import dashboard
 
     return dashboard.PATHS
 

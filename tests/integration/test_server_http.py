@@ -1067,7 +1067,7 @@ def test_download_streams_a_round_while_its_outer_step_is_still_running(
     make_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import diloco.core.finite as finite_mod  # the server steps through its FiniteGuard
-    from diloco.server.app import DOWNLOAD_CHUNK
+    from diloco.server.web.app import DOWNLOAD_CHUNK
 
     n = 300_000  # three tensors of 1.2 MB: the first holds the first write (1 MiB) whole
     g = torch.Generator().manual_seed(5)

@@ -29,14 +29,14 @@ def test_server_resumes_round_params_and_momentum(tmp_path: Path) -> None:
             client.submit_pseudogradients("w0", r, f"s{r}", spec, lambda s: torch.ones(4))
             client.get_global_params(min_round=r + 1)
         before = srv.global_params()
-        opt_before = srv.coordinator.optimizer.state_dict()
+        opt_before = srv.front.optimizer.state_dict()
     # stop() saved on shutdown; a new server resumes from it.
     with DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(tmp_path))) as again:
         assert again.status()["round"] == 2
         assert torch.equal(again.global_params()["w"], before["w"])
-        buf = again.coordinator.optimizer.state_dict()["state"][0]["momentum_buffer"]
+        buf = again.front.optimizer.state_dict()["state"][0]["momentum_buffer"]
         assert torch.equal(buf, opt_before["state"][0]["momentum_buffer"])
-        assert again.coordinator.barrier.history.get("s1") == 1  # receipts survive the restart
+        assert again.front.barrier.history.get("s1") == 1  # receipts survive the restart
 
 
 def _server_checkpoint(where: Path) -> Path:
@@ -59,7 +59,7 @@ def _copy_as(src: Path, dst: Path, round: int) -> Path:
 
 def _resumed_round(save_dir: Path, **kw: object) -> int | None:
     srv = DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(save_dir), **kw))  # type: ignore[arg-type]
-    store = srv.coordinator.store
+    store = srv.front.store
     return None if store is None else store.round
 
 

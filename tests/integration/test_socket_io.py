@@ -1,7 +1,7 @@
 """Tensor bodies on plain connections.
 
 Uploads that ask ``Expect: 100-continue`` are received straight from the socket
-(server/socket_body.py): the same results and the same refusals as the ordinary path, a reply
+(server/web/socket_body.py): the same results and the same refusals as the ordinary path, a reply
 the client can always read, and a connection that ends with it. Downloads, large or small,
 arrive whole on a connection that stays usable."""
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from diloco.server.stall import StallGuard
+from diloco.server.web.stall import StallGuard
 from diloco.wire import WireError, aread_payload
 
 QUIET = 0.05  # seconds the guard allows; the scenarios wait longer only where it must not fire

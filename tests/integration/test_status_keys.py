@@ -1,5 +1,6 @@
-"""/status of a running server, key for key against the status dataclasses (server/status.py):
-a field renamed on one side fails here, and the JSON parses back to itself."""
+"""/status of a running server, key for key against the status dataclasses
+(server/observe/status.py): a field renamed on one side fails here, and the JSON parses back to
+itself."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 import requests
 import torch
 
+from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
-from diloco.server.status import Status
 from tests.helpers.http import (
     EXACT,
     TIMEOUT,

@@ -24,7 +24,7 @@ from tests.helpers.allreduce import EVERY, PERIODS, ROUNDS, run_streaming, run_w
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/suspects.py)
+HEARTBEAT_TIMEOUT = 60.0  # the survivors must not wait for it (server/allreduce/suspects.py)
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """kill -9 of the server at each moment that matters, with ``--save-every 1``: no accepted step
 is lost, none is counted twice, nothing hangs, and the restarted server always has a checkpoint.
-The scenario and its ledger are in ``tests/helpers/crash_scenario.py``; ``benchmarks/crash_moments.py``
+The scenario and its ledger are in ``tests/helpers/crash_scenario.py``; ``benchmarks/faults/crash_moments.py``
 runs it many times per moment."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import diloco.server.coordinator as coordinator
+import diloco.server.paramserver.coordinator as coordinator
 from diloco import DiLoCoServer, ServerConfig
 from diloco.worker import resume
 from tests.helpers.ranks import free_port

@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmarks.quality.experiments import EXPERIMENTS, FAST
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from quality.experiments import EXPERIMENTS, FAST  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from diloco.server.rendezvous import Rendezvous
+from diloco.server.allreduce.rendezvous import Rendezvous
 from diloco.worker.allreduce import connect as quorum_connect
 from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed, average, state_hash
 from tests.helpers.quorum import member_tensors, mixed_tensors

@@ -35,7 +35,7 @@ def _die(moment: str) -> None:
 
 def install(moment: str) -> None:
     import diloco.persistence as persistence
-    import diloco.server.checkpoints as checkpoints
+    import diloco.server.rounds.checkpoints as checkpoints
 
     name, _, nth = moment.partition("@")
     target = int(nth) if nth else 0

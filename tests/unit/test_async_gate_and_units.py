@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from diloco.core import default_outer_optimizer
-from diloco.server.async_gate import AsyncGate
-from diloco.server.barrier import Verdict
-from diloco.server.params import ParamStore
-from diloco.server.units import Unit, plan_pieces
+from diloco.server.params.store import ParamStore
+from diloco.server.rounds.async_gate import AsyncGate
+from diloco.server.rounds.barrier import Verdict
+from diloco.server.rounds.units import Unit, plan_pieces
 
 
 def test_gate_accepts_and_measures_staleness() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.server.barrier import Check, SyncBarrier, Verdict
+from diloco.server.rounds.barrier import Check, SyncBarrier, Verdict
 
 
 def submit(barrier: SyncBarrier, worker: str, sid: str, base_round: int | None = None) -> None:

@@ -16,7 +16,7 @@ from diloco import export_like, load_into
 from diloco.cli.main import main
 from diloco.core.names import wire_names
 from diloco.persistence import save_checkpoint
-from diloco.server.initial import load_initial_params
+from diloco.server.params.initial import load_initial_params
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 NO_OPTIMIZER: dict = {"state": {}, "param_groups": []}

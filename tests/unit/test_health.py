@@ -9,8 +9,8 @@ import torch
 
 from diloco.persistence import latest_checkpoint
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import SyncCoordinator
-from diloco.server.params import ParamStore
+from diloco.server.params.store import ParamStore
+from diloco.server.paramserver.coordinator import SyncCoordinator
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
 
@@ -26,14 +26,14 @@ def test_silent_worker_is_evicted_and_counted() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=120.0)
-        coord.register("a", "h", {})
-        coord.register("b", "h", {})
+        coord.membership.register("a", "h", {})
+        coord.membership.register("b", "h", {})
         clock.now += 100
-        coord.heartbeat("b", {})
-        assert coord.check_health() == []
+        coord.membership.heartbeat("b", {})
+        assert coord.membership.check_health() == []
         clock.now += 30  # a: 130 s silent; b: 30 s
-        assert coord.check_health() == ["a"]
-        st = coord.status()
+        assert coord.membership.check_health() == ["a"]
+        st = coord.status().to_json()
         assert [w["worker_id"] for w in st["workers"]] == ["b"]
         assert st["worker_deaths"] == 1 and st["expected"] == ["b"]
 
@@ -44,8 +44,8 @@ def test_eviction_releases_the_barrier_at_once() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=60.0)
-        coord.register("a", "h", {})
-        coord.register("b", "h", {})
+        coord.membership.register("a", "h", {})
+        coord.membership.register("b", "h", {})
         # b has submitted (recorded directly: the HTTP path is covered elsewhere).
         barrier = coord.barrier
         assert barrier is not None
@@ -53,8 +53,8 @@ def test_eviction_releases_the_barrier_at_once() -> None:
         barrier.record("b", "s1")
         coord.units[0].sum.add([torch.ones(2)], 1.0)
         clock.now += 61
-        coord.heartbeat("b", {})
-        coord.check_health()  # a is silent: evicted, the round closes with b alone
+        coord.membership.heartbeat("b", {})
+        coord.membership.check_health()  # a is silent: evicted, the round closes with b alone
         assert coord._closing_tasks
         await coord.settle()
         assert barrier.round == 1
@@ -67,11 +67,12 @@ def test_stuck_loop_is_evicted_even_with_heartbeats() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=120.0, stuck_timeout=300.0)
-        coord.register("a", "h", {})
-        coord.register("b", "h", {})
-        coord.heartbeat("a", {"step_age_s": 301.0, "syncing": False})  # alive thread, hung loop
-        coord.heartbeat("b", {"step_age_s": 900.0, "syncing": True})  # waiting at the barrier: fine
-        assert coord.check_health() == ["a"]
+        coord.membership.register("a", "h", {})
+        coord.membership.register("b", "h", {})
+        # a: its thread is alive, its loop hung; b: waiting at the barrier, fine.
+        coord.membership.heartbeat("a", {"step_age_s": 301.0, "syncing": False})
+        coord.membership.heartbeat("b", {"step_age_s": 900.0, "syncing": True})
+        assert coord.membership.check_health() == ["a"]
         assert coord.registry.deaths == 1
 
     asyncio.run(scenario())
@@ -81,10 +82,10 @@ def test_zero_timeouts_disable_eviction() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=0.0, stuck_timeout=0.0)
-        coord.register("a", "h", {})
-        coord.heartbeat("a", {"step_age_s": 1e6, "syncing": False})
+        coord.membership.register("a", "h", {})
+        coord.membership.heartbeat("a", {"step_age_s": 1e6, "syncing": False})
         clock.now += 1e6
-        assert coord.check_health() == []
+        assert coord.membership.check_health() == []
 
     asyncio.run(scenario())
 
@@ -93,7 +94,7 @@ def test_num_workers_grows_with_late_joiners() -> None:
     async def scenario() -> None:
         coord = make(FakeClock())
         for w in ("a", "b", "c"):
-            coord.register(w, "h", {})
+            coord.membership.register(w, "h", {})
         assert coord.barrier.num_workers == 3
         assert coord.barrier.expected == {"a", "b"}  # c joined after round 0 opened
 
@@ -107,7 +108,7 @@ async def _resumed(tmp_path: Path, clock: FakeClock) -> SyncCoordinator:
     config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=60.0, save_dir=str(tmp_path))
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
     for w in ("a", "b"):
-        coord.register(w, "h", {})
+        coord.membership.register(w, "h", {})
         await submit(coord, HeldBody(upload(w, 0, 1.0)))
     await coord.settle()
     assert await coord.save() is not None
@@ -127,18 +128,18 @@ def test_a_resumed_round_opens_with_the_workers_that_came_back(tmp_path: Path) -
     async def scenario() -> None:
         clock = FakeClock()
         coord = await _resumed(tmp_path, clock)
-        coord.register("a", "h", {})
+        coord.membership.register("a", "h", {})
         await submit(coord, HeldBody(upload("a", 1, 1.0)))  # accepted and held, as in round 0
         clock.now += 59
-        coord.heartbeat("a", {})
-        coord.check_health()
+        coord.membership.heartbeat("a", {})
+        coord.membership.check_health()
         await let_loop_run()
-        st = coord.status()
+        st = coord.status().to_json()
         assert (st["round"], st["opened"], st["submitted"]) == (1, False, ["a"])
         clock.now += 2  # the heartbeat timeout has passed since the restart
-        assert coord.check_health() == []
+        assert coord.membership.check_health() == []
         await coord.settle()
-        st = coord.status()
+        st = coord.status().to_json()
         assert st["round"] == 2 and st["last_round_contributions"] == 1
         assert st["opened"] and st["expected"] == ["a"]
 
@@ -151,11 +152,11 @@ def test_a_fresh_server_still_waits_for_num_workers(tmp_path: Path) -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=60.0)
-        coord.register("a", "h", {})
+        coord.membership.register("a", "h", {})
         for _ in range(3):
             clock.now += 50
-            coord.heartbeat("a", {})
-            coord.check_health()
-        assert coord.status()["opened"] is False
+            coord.membership.heartbeat("a", {})
+            coord.membership.check_health()
+        assert coord.status().to_json()["opened"] is False
 
     asyncio.run(scenario())

@@ -12,8 +12,8 @@ import torch
 
 from diloco.cli.main import main as cli_main
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import SyncCoordinator
-from diloco.server.params import ParamStore
+from diloco.server.params.store import ParamStore
+from diloco.server.paramserver.coordinator import SyncCoordinator
 from diloco.wire import aread_layout, encode
 from tests.helpers.aio import let_loop_run
 from tests.helpers.cli import captured_config
@@ -32,20 +32,22 @@ def test_a_ghost_leaves_after_the_join_deadline_and_the_round_closes(
     async def scenario() -> None:
         clock = FakeClock()
         coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}))
-        coord.register("a", "h", {})
-        coord.register("ghost", "h", {})  # then failed its table check, say, and vanished
+        coord.membership.register("a", "h", {})
+        coord.membership.register(
+            "ghost", "h", {}
+        )  # then failed its table check, say, and vanished
         coord.registry.fetching("a")  # GET /global_params?worker_id=a
         await submit(coord, HeldBody(upload("a", 0, 1.0)))
         clock.now += 15
-        assert coord.check_health() == []  # not later than the deadline
+        assert coord.membership.check_health() == []  # not later than the deadline
         await let_loop_run()
-        assert coord.status()["round"] == 0
+        assert coord.status().to_json()["round"] == 0
         clock.now += 0.5
-        with caplog.at_level(logging.WARNING, logger="diloco.server.membership"):
-            assert coord.check_health() == ["ghost"]
+        with caplog.at_level(logging.WARNING, logger="diloco.server.members.membership"):
+            assert coord.membership.check_health() == ["ghost"]
         assert "join_timeout" in caplog.text
         await coord.settle()
-        st = coord.status()
+        st = coord.status().to_json()
         assert st["round"] == 1 and st["last_round_contributions"] == 1
         assert [w["worker_id"] for w in st["workers"]] == ["a"] and st["worker_deaths"] == 1
 
@@ -56,12 +58,12 @@ def test_a_download_or_a_heartbeat_is_a_join() -> None:
     """A first download of a big model may outlast the deadline many times over."""
     clock = FakeClock()
     coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}))
-    coord.register("downloading", "h", {})
-    coord.register("beating", "h", {})
+    coord.membership.register("downloading", "h", {})
+    coord.membership.register("beating", "h", {})
     coord.registry.fetching("downloading")
-    coord.heartbeat("beating", {})
+    coord.membership.heartbeat("beating", {})
     clock.now += 100  # within the heartbeat timeout
-    assert coord.check_health() == []
+    assert coord.membership.check_health() == []
 
 
 def test_an_initial_upload_under_way_is_no_ghost() -> None:
@@ -71,19 +73,19 @@ def test_an_initial_upload_under_way_is_no_ghost() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = coordinator(clock, None, num_fragments=1)
-        coord.register("seed", "h", {})
+        coord.membership.register("seed", "h", {})
         body = HeldBody(encode({"w": torch.ones(4)}, {"worker_id": "seed"}), held=4)
         layout = await aread_layout(body)
         sending = asyncio.ensure_future(coord.receive_initial(layout, body, "seed"))
         await let_loop_run()
         clock.now += 100
-        assert coord.check_health() == []
+        assert coord.membership.check_health() == []
         body.release.set()
         await sending
         clock.now += 15
-        assert coord.check_health() == []
+        assert coord.membership.check_health() == []
         clock.now += 1  # the upload ended 16 s ago and no download was asked for
-        assert coord.check_health() == ["seed"]
+        assert coord.membership.check_health() == ["seed"]
 
     asyncio.run(scenario())
 
@@ -91,9 +93,9 @@ def test_an_initial_upload_under_way_is_no_ghost() -> None:
 def test_zero_disables_the_join_deadline() -> None:
     clock = FakeClock()
     coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}), join_timeout=0.0)
-    coord.register("a", "h", {})
+    coord.membership.register("a", "h", {})
     clock.now += 100
-    assert coord.check_health() == []
+    assert coord.membership.check_health() == []
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])

@@ -50,6 +50,111 @@ def test_package_import_boundaries() -> None:
     assert not problems, problems
 
 
+#: What each part of the server may import of the server (docs/design.md, "Server modules"),
+#: by a name under ``diloco.server``: a sub-package, a top-level module, or one module of a
+#: sub-package. The shared parts sit below the fronts and never import one; the fronts never
+#: import each other; the web layer knows the front protocol (``front.py``), not what is behind
+#: it; only ``server.py`` (``DiLoCoServer``) picks a front.
+SERVER_ALLOWED = {
+    "config": set(),
+    "errors": set(),
+    "quorum_bodies": {"errors"},
+    "params": {"config", "errors"},
+    "members": {"config", "errors"},
+    "observe": {"config", "errors", "members.registry", "params.store"},
+    "rounds": {"config", "errors", "members", "params", "observe"},
+    "intake": {"config", "errors", "members", "params", "observe", "rounds"},
+    "front": {"config", "observe", "params.store", "quorum_bodies"},
+    "allreduce": {"config", "errors", "members", "observe", "quorum_bodies"},
+    "paramserver": {
+        *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
+    },
+    "web": {"config", "errors", "front", "observe", "params.store", "quorum_bodies"},
+    "server": {"config", "front", "web", "allreduce", "paramserver"},
+    "": {"config", "server"},  # diloco.server itself: its exports
+}
+
+
+def _server_part(module: str) -> str:
+    """``diloco.server.rounds.barrier`` -> ``rounds``; ``diloco.server`` -> ``""``."""
+    return module.removeprefix("diloco.server").removeprefix(".").split(".")[0]
+
+
+def _server_problems(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, imported in sorted(graph.items()):
+        if module != "diloco.server" and not module.startswith("diloco.server."):
+            continue
+        part = _server_part(module)
+        allowed = SERVER_ALLOWED[part] | {part}
+        for target in sorted(imported):
+            if not target.startswith("diloco.server."):
+                continue
+            name = target.removeprefix("diloco.server.")
+            if not any(name == a or name.startswith(a + ".") for a in allowed):
+                problems.append(f"{module} imports {target}")
+    return problems
+
+
+def test_server_parts_import_only_what_is_below_them() -> None:
+    """Type-only imports included: a rule a ``TYPE_CHECKING`` import may break is no rule."""
+    graph = _import_graph(type_checking=True)
+    parts = {_server_part(m) for m in graph if m.startswith("diloco.server")}
+    assert parts == set(SERVER_ALLOWED), "a part of the server without rules (or rules of none)"
+    assert not _server_problems(graph)
+
+
+@pytest.mark.parametrize(
+    ("module", "target"),
+    [
+        ("diloco.server.allreduce.quorum_book", "diloco.server.rounds.barrier"),
+        ("diloco.server.allreduce.allreduce_front", "diloco.server.intake.intake"),
+        ("diloco.server.allreduce.allreduce_front", "diloco.server.params.store"),
+        ("diloco.server.allreduce.allreduce_front", "diloco.server.paramserver.coordinator"),
+        ("diloco.server.paramserver.coordinator", "diloco.server.allreduce.quorum_book"),
+        ("diloco.server.rounds.outer_steps", "diloco.server.web.app"),
+        ("diloco.server.rounds.model", "diloco.server.paramserver.coordinator"),
+        ("diloco.server.intake.intake", "diloco.server.front"),
+        ("diloco.server.members.membership", "diloco.server.rounds.model"),
+        ("diloco.server.observe.status", "diloco.server.allreduce.allreduce_front"),
+        ("diloco.server.web.app", "diloco.server.paramserver.coordinator"),
+        ("diloco.server.web.control", "diloco.server.members.membership"),
+        ("diloco.server.web.app", "diloco.server.params.update_bodies"),
+    ],
+)
+def test_the_server_rules_catch_a_forbidden_import(module: str, target: str) -> None:
+    """Each rule bites: the real graph with one forbidden edge added fails."""
+    graph = _import_graph(type_checking=True)
+    assert module in graph and target in graph
+    assert _server_problems({**graph, module: graph[module] | {target}}) == [
+        f"{module} imports {target}"
+    ]
+
+
+def test_only_the_factory_asks_which_mode_runs() -> None:
+    """Each mode is one front: ``config.allreduce`` is read by ``make_front`` (server.py) and the
+    config's own validation, nowhere else in the server."""
+    readers = set()
+    for file in (SRC / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "allreduce":
+                readers.add(file.relative_to(SRC).as_posix())
+            elif isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value == "allreduce" for c in node.comparators
+            ):
+                readers.add(file.relative_to(SRC).as_posix())
+    assert readers == {"server/server.py", "server/config.py"}
+
+
+def test_server_folders_are_small_and_say_what_they_own() -> None:
+    """A folder per concern, at most about 15 modules, its ``__init__`` saying what it owns."""
+    for folder in [SRC / "server", *(p.parent for p in (SRC / "server").rglob("__init__.py"))]:
+        modules = [f for f in folder.glob("*.py") if f.name != "__init__.py"]
+        assert len(modules) <= 15, (folder, len(modules))
+        init = folder / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing"
+
+
 def test_nothing_imports_the_cli() -> None:
     offenders = [
         str(f.relative_to(SRC))

@@ -7,8 +7,9 @@ from collections import Counter
 from typing import Any
 
 from diloco.cli.status import render_status
-from diloco.server.metrics import HttpCounters, render
-from diloco.server.status import Status
+from diloco.server.observe.metrics import render
+from diloco.server.observe.status import Status
+from diloco.server.web.counters import HttpCounters
 from tests.helpers.metrics import parse, value
 from tests.helpers.status import fresh
 

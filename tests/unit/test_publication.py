@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from diloco.server.params import ParamStore
+from diloco.server.params.store import ParamStore
 from tests.helpers.aio import let_loop_run
 
 WAIT = 5.0

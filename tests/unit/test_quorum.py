@@ -1,5 +1,6 @@
-"""All-reduce mode's quorums (server/quorum.py) with a fake clock: when a quorum forms, where it
-starts (round, hash, source, resync), how outcomes complete or discard it, and the errors."""
+"""All-reduce mode's quorums (server/allreduce/quorum_book.py) with a fake clock: when a quorum
+forms, where it starts (round, hash, source, resync), how outcomes complete or discard it, and the
+errors."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from diloco.server.allreduce.quorum_book import QuorumBook, Ticket
+from diloco.server.allreduce.quorum_records import Choice, choose
 from diloco.server.errors import ApiError
-from diloco.server.quorum import QuorumBook, Ticket
 from diloco.server.quorum_bodies import Ask, Outcome, read_ask, read_outcome
-from diloco.server.quorum_records import Choice, choose
 from tests.helpers.clock import FakeClock
 
 RENDEZVOUS = ("127.0.0.1", 29400)
@@ -403,7 +404,7 @@ def test_a_server_started_into_a_run_waits_for_its_workers_before_one_goes_on_al
     assert reply(alone)["members"] == ["a"]
 
 
-# --- members gone silent after a failed quorum (server/suspects.py) --------------------------
+# --- members gone silent after a failed quorum (server/allreduce/suspects.py) ---------------
 
 
 class Beats:

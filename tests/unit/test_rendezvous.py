@@ -1,4 +1,4 @@
-"""The all-reduce mode's rendezvous store (server/rendezvous.py)."""
+"""The all-reduce mode's rendezvous store (server/allreduce/rendezvous.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from diloco.server.rendezvous import Rendezvous, quorum_prefix
+from diloco.server.allreduce.rendezvous import Rendezvous, quorum_prefix
 
 
 @pytest.mark.timeout(30)

@@ -1,5 +1,5 @@
-"""The typed status (server/status.py): its JSON keys, its parsing, and the keys the dashboard
-reads. A renamed field must break one of these tests, not show ``-`` on a page."""
+"""The typed status (server/observe/status.py): its JSON keys, its parsing, and the keys the
+dashboard reads. A renamed field must break one of these tests, not show ``-`` on a page."""
 
 from __future__ import annotations
 
@@ -11,22 +11,20 @@ import pytest
 import torch
 
 from diloco.server.config import ServerConfig
-from diloco.server.coordinator import Coordinator
-from diloco.server.params import ParamStore
-from diloco.server.status import (
+from diloco.server.observe.records import (
     OuterOptimizer,
     RoundLoss,
-    Status,
-    StatusFormatError,
     UpdateEntry,
     WorkerLoss,
     WorkerStatus,
-    build_status,
 )
+from diloco.server.observe.status import Status, StatusFormatError, build_status
+from diloco.server.params.store import ParamStore
+from diloco.server.paramserver.coordinator import Coordinator
 from tests.helpers.clock import FakeClock
 from tests.helpers.status import assert_keys, fresh
 
-APP_JS = Path(__file__).parents[2] / "src" / "diloco" / "server" / "dashboard" / "app.js"
+APP_JS = Path(__file__).parents[2] / "src" / "diloco" / "server" / "web" / "dashboard" / "app.js"
 
 
 
@@ -70,8 +68,8 @@ def test_fragment_statuses_have_their_fields(mode: str) -> None:
     config = ServerConfig(port=0, num_workers=1, mode=mode, num_fragments=2)
     store = ParamStore.from_tensors({"w": torch.zeros(4), "b": torch.zeros(6)})
     coord = Coordinator(config, store, clock=FakeClock())
-    coord.register("a", "h", {"num_fragments": 2})
-    st = coord.status()
+    coord.membership.register("a", "h", {"num_fragments": 2})
+    st = coord.status().to_json()
     assert_keys(Status, st)
     assert len(st["fragments"]) == 2
     sync_only = {"submitted", "closing"}

@@ -1,7 +1,7 @@
-"""The server's reading of a codec upload (server/upload_body.py) and the running sum's encoded
-entries (core/accumulate.py): the add decodes a chunk at a time, never a whole upload (measured
-with the profiler's allocation records), frees the receive buffer in payload order, and lands the
-same bits as decoding first."""
+"""The server's reading of a codec upload (server/intake/upload_body.py) and the running sum's
+encoded entries (core/accumulate.py): the add decodes a chunk at a time, never a whole upload
+(measured with the profiler's allocation records), frees the receive buffer in payload order, and
+lands the same bits as decoding first."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from diloco.core.accumulate import WeightedSum
 from diloco.core.codecs import CHUNK, Encoded, codec_by_name, codec_metadata, encode_named
 from diloco.server.errors import ApiError
-from diloco.server.upload_body import UploadBody
+from diloco.server.intake.upload_body import UploadBody
 from diloco.wire import Layout, WireError, encode, tensor_views
 from diloco.wire.layout import parse_header
 

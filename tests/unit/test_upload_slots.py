@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco.server.upload_slots import SlotPool
+from diloco.server.intake.upload_slots import SlotPool
 from diloco.wire import aread_payload
 from tests.helpers.aio import let_loop_run
 

@@ -3,7 +3,7 @@ in the log when it takes a real share of a round. Driven through the coordinator
 clock and in-memory bodies (the HTTP path to it is covered in tests/integration).
 
 A round's first upload is written straight into the sum and takes no slot
-(server/first_write.py), so with one slot it is the third upload that queues."""
+(server/intake/first_write.py), so with one slot it is the third upload that queues."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from diloco.server.upload_slots import SlotPool
+from diloco.server.intake.upload_slots import SlotPool
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
 from tests.helpers.coordinator import WAIT, HeldBody, coordinator, submit, upload
@@ -23,7 +23,7 @@ def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptur
     async def scenario() -> None:
         clock = FakeClock()
         coord = coordinator(clock, 3)
-        st = coord.status()
+        st = coord.status().to_json()
         assert (st["upload_slots"], st["uploads_waiting"]) == (1, 0)
         assert st["last_round_upload_wait_max_s"] is None
 
@@ -35,14 +35,14 @@ def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptur
         await let_loop_run()
         c = asyncio.ensure_future(submit(coord, HeldBody(upload("c", 0, 5.0))))
         await let_loop_run()
-        assert coord.status()["uploads_waiting"] == 1 and not c.done()
+        assert coord.status().to_json()["uploads_waiting"] == 1 and not c.done()
         clock.now += 3.0
         second.release.set()
         first.release.set()
         await asyncio.wait_for(asyncio.gather(a, b, c), WAIT)
         await coord.settle()
 
-        st = coord.status()
+        st = coord.status().to_json()
         entry = st["update_log"][-1]
         assert entry["round"] == 0 and entry["round_time_s"] == 3.0
         assert (entry["upload_wait_s"], entry["upload_wait_max_s"]) == (3.0, 3.0)
@@ -59,7 +59,7 @@ def test_a_queued_upload_is_timed_shown_and_hinted_once(caplog: pytest.LogCaptur
         for worker in ("a", "b", "c"):
             await asyncio.wait_for(submit(coord, HeldBody(upload(worker, 1, 0.0))), WAIT)
         await coord.settle()
-        entry = coord.status()["update_log"][-1]
+        entry = coord.status().to_json()["update_log"][-1]
         assert (entry["round"], entry["upload_wait_s"], entry["upload_wait_max_s"]) == (1, 0, 0)
         assert len([r for r in caplog.records if "upload_slots" in r.getMessage()]) == 1
 
@@ -86,7 +86,7 @@ def test_short_waits_get_no_hint(caplog: pytest.LogCaptureFixture) -> None:
             body.release.set()
         await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
         await coord.settle()
-        assert coord.status()["update_log"][-1]["upload_wait_max_s"] == 2.0
+        assert coord.status().to_json()["update_log"][-1]["upload_wait_max_s"] == 2.0
         assert not [r for r in caplog.records if "upload_slots" in r.getMessage()]
 
     with caplog.at_level(logging.WARNING, logger="diloco"):

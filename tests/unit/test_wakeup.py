@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from diloco.server.wakeup import Wakeup
+from diloco.server.params.wakeup import Wakeup
 from tests.helpers.aio import let_loop_run
 
 WAIT = 5.0

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from diloco.server.status import Status, StatusFormatError
+from diloco.server.observe.status import Status, StatusFormatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

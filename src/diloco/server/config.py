@@ -337,10 +337,10 @@ class ServerConfig:
         group=_ALLREDUCE,
     )
     """All-reduce mode: the workers average their pseudo-gradients with collectives and each
-    applies the outer step; the server keeps membership, forms one quorum per round (ranks and
-    a rendezvous it hosts) and records outcomes (``server/quorum.py``). It holds no parameters,
-    so it refuses ``initial_params``, checkpoints of its own, async mode, fragments, robust
-    aggregation and a lossy ``download_codec``."""
+    applies the outer step; the server keeps membership, forms one quorum per round (ranks and a
+    rendezvous it hosts) and records outcomes (``server/allreduce/quorum_book.py``). It holds no
+    parameters, so it refuses ``initial_params``, checkpoints of its own, async mode, fragments,
+    robust aggregation and a lossy ``download_codec``."""
 
     collective_timeout: float = _flag(
         30.0, "bound on each collective of a quorum, s", group=_ALLREDUCE

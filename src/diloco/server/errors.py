@@ -41,3 +41,12 @@ def allreduce_mode(what: str) -> ApiError:
         f"this server runs in all-reduce mode (--allreduce): {what}; the workers average "
         "among themselves and hold the parameters (POST /quorum)",
     )
+
+
+def server_mode() -> ApiError:
+    """409 for an all-reduce request (``/quorum``) made to a server that holds the parameters."""
+    return conflict(
+        "server_mode",
+        "this server holds the parameters (it runs without --allreduce): upload "
+        "pseudo-gradients to POST /submit_pseudograd instead",
+    )

@@ -1,6 +1,6 @@
 """The bodies of ``POST /quorum`` (``Ask``) and ``POST /quorum/outcome`` (``Outcome``) in
 all-reduce mode, read and checked (400 ``bad_field``) before anything changes; what the server
-does with them is ``server/quorum.py``'s."""
+does with them is ``server/allreduce/quorum_book.py``'s."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DiLoCoServer: the coordinator and its HTTP app on an event loop, in the foreground or a thread."""
+"""DiLoCoServer: the mode's front (``server/front.py``, picked in ``make_front``) and its HTTP app
+on an event loop, in the foreground or a thread."""
 
 from __future__ import annotations
 
@@ -15,21 +16,14 @@ from typing import Any, TypeVar
 import torch
 from aiohttp import web
 
-from diloco.persistence import (
-    Checkpoint,
-    NoLoadableCheckpoint,
-    load_checkpoint,
-    remove_stale_temporaries,
-    resume_checkpoint,
-)
-from diloco.server.app import build_app
+from diloco.server.allreduce.allreduce_front import AllReduceFront
 from diloco.server.config import ServerConfig
-from diloco.server.connections import ConnectionTable, LimitedSite, default_max_connections
-from diloco.server.coordinator import Coordinator, OptimizerFactory
-from diloco.server.initial import load_initial_params
-from diloco.server.log_limit import LogLimiter, limit_loop_errors
-from diloco.server.params import ParamStore
-from diloco.server.rendezvous import Rendezvous
+from diloco.server.front import Front
+from diloco.server.paramserver.coordinator import OptimizerFactory
+from diloco.server.paramserver.startup import start_coordinator
+from diloco.server.web.app import build_app
+from diloco.server.web.connections import ConnectionTable, LimitedSite, default_max_connections
+from diloco.server.web.log_limit import LogLimiter, limit_loop_errors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +60,20 @@ def send_buffer_allowed(wmem_max: int | None) -> bool:
     return wmem_max is not None and wmem_max >= SEND_BUFFER_BYTES
 
 
+def make_front(
+    config: ServerConfig,
+    initial_params: dict[str, torch.Tensor] | None = None,
+    outer_optimizer_factory: OptimizerFactory | None = None,
+) -> Front:
+    """The one place that picks the mode's front from the settings: a new mode is a new front
+    here, and nothing else asks which mode runs."""
+    if config.allreduce:
+        if initial_params is not None:
+            raise ValueError("initial_params: the server holds no parameters in all-reduce mode")
+        return AllReduceFront(config)
+    return start_coordinator(config, initial_params, outer_optimizer_factory)
+
+
 class DiLoCoServer:
     """A synchronous DiLoCo parameter server.
 
@@ -82,48 +90,18 @@ class DiLoCoServer:
         outer_optimizer_factory: OptimizerFactory | None = None,
     ) -> None:
         self.config = config or ServerConfig()
-        if self.config.allreduce and initial_params is not None:
-            raise ValueError("initial_params: the server holds no parameters in all-reduce mode")
-        checkpoint = self._find_checkpoint()
-        if checkpoint is None and initial_params is None and self.config.initial_params:
-            initial_params = load_initial_params(self.config.initial_params)
-        store = (
-            ParamStore.from_tensors(initial_params)
-            if initial_params is not None and checkpoint is None
-            else None
-        )
+        self.front = make_front(self.config, initial_params, outer_optimizer_factory)
         # The first torch optimizer built in a process imports torch._dynamo (about 0.8 s). Pay
         # for it here, not on the event loop when the first worker registers or uploads.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        self.coordinator = Coordinator(self.config, store, outer_optimizer_factory)
-        if checkpoint is not None:
-            self.coordinator.restore(checkpoint)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self.connections: ConnectionTable | None = None
         self._stopped: asyncio.Event | None = None
         self._port: int | None = None
-        #: All-reduce mode: the store each quorum meets at, while the server runs.
-        self.rendezvous: Rendezvous | None = None
         self._save_on_stop = True
         self._done = threading.Event()
-
-    def _find_checkpoint(self) -> Checkpoint | None:
-        if self.config.save_dir:
-            remove_stale_temporaries(self.config.save_dir)
-        if self.config.from_checkpoint:
-            return load_checkpoint(self.config.from_checkpoint)
-        if self.config.save_dir:
-            try:
-                return resume_checkpoint(self.config.save_dir)
-            except NoLoadableCheckpoint as exc:
-                # Starting from scratch beside a run that only failed to load would throw that
-                # run away unnoticed: only an explicit request does it.
-                if not self.config.fresh_start:
-                    raise
-                log.warning("%s; starting fresh as asked", exc)
-        return None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -132,7 +110,7 @@ class DiLoCoServer:
         limit_loop_errors(self._loop, LogLimiter())  # accept() failures, say, once per interval
         if self._stopped is None:
             self._stopped = asyncio.Event()
-        app = build_app(self.coordinator, self.config, shutdown=self._request_shutdown)
+        app = build_app(self.front, self.config, shutdown=self._request_shutdown)
         # Handlers are not cancelled when a client disconnects: an upload being added to the
         # round's sum must finish, and long polls end by themselves within poll_timeout.
         # On shutdown, handlers still running (long polls) get a few seconds, then are cancelled.
@@ -148,7 +126,7 @@ class DiLoCoServer:
             max_headers=MAX_HEADERS,
             auto_decompress=False,
             # aiohttp closes a connection still waiting for a complete request head this long
-            # after it opened or its last reply: the header deadline (server/connections.py).
+            # after it opened or its last reply: the header deadline (server/web/connections.py).
             keepalive_timeout=self.config.header_timeout,
         )
         await self._runner.setup()
@@ -165,8 +143,8 @@ class DiLoCoServer:
             handshake_timeout=self.config.header_timeout,
         )
         await site.start()
-        try:  # before the next await: no request is handled before the rendezvous listens
-            self._open_rendezvous()
+        try:  # before the next await: no request is handled before the front is open
+            self.front.open()
         except BaseException:
             await self._runner.cleanup()
             raise
@@ -183,29 +161,19 @@ class DiLoCoServer:
         )
         if ready is not None:
             ready.set()
-        health = asyncio.get_running_loop().create_task(self.coordinator.health_loop())
+        periodic = asyncio.get_running_loop().create_task(self.front.run())
         try:
             await self._stopped.wait()
         finally:
-            health.cancel()
+            periodic.cancel()
             if self._save_on_stop:
                 try:
-                    await self.coordinator.save()
+                    await self.front.save()
                 except Exception:
                     log.exception("saving on shutdown failed")
             await self._runner.cleanup()
-            if self.rendezvous is not None:
-                self.rendezvous.close()
-                self.rendezvous = None
+            self.front.close()
             self._done.set()
-
-    def _open_rendezvous(self) -> None:
-        """All-reduce mode: the store each quorum meets at, on the server's host (a free
-        port), for as long as the server runs."""
-        allreduce = self.coordinator.allreduce
-        if allreduce is not None:
-            self.rendezvous = Rendezvous(self.config.host, timeout=self.config.collective_timeout)
-            allreduce.attach(self.rendezvous.address(), self.rendezvous.forget)
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if self.config.tls_cert is None:
@@ -305,13 +273,13 @@ class DiLoCoServer:
 
     def status(self) -> dict[str, Any]:
         async def get() -> dict[str, Any]:
-            return self.coordinator.status()
+            return self.front.status().to_json()
 
         return self._call(get())
 
     def save_state(self) -> str | None:
         """Write a checkpoint now; returns its path (None without a save_dir)."""
-        path = self._call(self.coordinator.save())
+        path = self._call(self.front.save())
         return str(path) if path is not None else None
 
     def global_params(self, *, true: bool = False) -> dict[str, torch.Tensor]:
@@ -320,7 +288,7 @@ class DiLoCoServer:
         with a lossy ``download_codec``, by about one round's quantization)."""
 
         async def get() -> dict[str, torch.Tensor]:
-            store = self.coordinator.require_store()
+            store = self.front.parameters("the server holds no parameters").require_store()
             snap = await store.open_snapshot()
             try:
                 return store.copy_true() if true else store.copy_out()

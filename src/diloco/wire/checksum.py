@@ -5,7 +5,7 @@ parameters from an update; the checksum that travels with the round tells it whe
 server's bits exactly. It detects a replica that diverged (a missed round, another device's
 arithmetic), not an attacker: CRC-32, a single flipped bit always changes it, and two different
 models share it with probability 2**-32. It runs at several GB/s on one core
-(``benchmarks/codec_speed.py``), where SHA-256 would add about 0.2 s per 100M parameters to every
+(``benchmarks/codecs/speed.py``), where SHA-256 would add about 0.2 s per 100M parameters to every
 round on each side.
 """
 

@@ -127,7 +127,7 @@ async def aread_layout(stream: AsyncStream, max_header: int = MAX_HEADER_BYTES) 
 class PayloadReader:
     """Reads a body's payload stretch by stretch into memory the caller gives each time.
 
-    A stream with ``readinto`` (server/socket_body.py) receives straight into that memory,
+    A stream with ``readinto`` (server/web/socket_body.py) receives straight into that memory,
     ``chunk_bytes`` at most at a time; otherwise its chunks are copied in, and the part of a
     chunk past the stretch waits for the next one."""
 

@@ -30,7 +30,7 @@ SEP = "@"
 CHUNK = 1 << 20
 """Elements processed at a time (the worker's ``PIECE``, the server's ``accumulate.CHUNK``):
 large enough that per-operation overhead stops mattering, small enough that a chunk's several
-passes stay in the last-level cache and memory is crossed about once. benchmarks/codec_speed.py
+passes stay in the last-level cache and memory is crossed about once. benchmarks/codecs/speed.py
 on one core, 100M parameters, int8 encode: 2**17: 4.0x the bf16 cast, 2**18: 3.3x, 2**19: 2.7x,
 2**20: 2.6x, 2**21: 2.8x. A power of two: a multiple of every block and of the 4-bit group."""
 

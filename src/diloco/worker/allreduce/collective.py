@@ -2,7 +2,8 @@
 the collectives a round needs on it (a weighted average of pseudo-gradients, a broadcast for a
 joiner, a state hash).
 
-A quorum is the set of live workers the server picked for a round (``server/rendezvous.py``).
+A quorum is the set of live workers the server picked for a round
+(``server/allreduce/rendezvous.py``).
 Each member calls ``QuorumCollective.build`` with the rendezvous address, the quorum's id, its rank
 and the quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on a
 ``PrefixStore`` of that quorum. ``torch.distributed.init_process_group`` is never called: a
@@ -16,7 +17,8 @@ sockets (SIGSTOP, a frozen host) fails it when the timeout runs out. Either way,
 other error of a collective, the caller gets ``QuorumFailed`` and the collective is closed for good:
 the round is discarded and a new quorum (a new id) repeats it.
 
-Gloo and NCCL here are not authenticated; see the security note in ``server/rendezvous.py``.
+Gloo and NCCL here are not authenticated; see the security note in
+``server/allreduce/rendezvous.py``.
 The NCCL path is written to the same contract but untested (no GPU in this project's tests).
 A ``QuorumCollective`` is used by one thread at a time.
 """
@@ -44,7 +46,8 @@ BUCKET_BYTES = 32 << 20
 """Collectives move at most this many bytes at a time: extra memory stays one bucket, whatever
 the model's size, and a large model still travels in few collectives."""
 
-_QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # the server's rule (server/rendezvous.py)
+# The server's rule (server/allreduce/rendezvous.py).
+_QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class QuorumFailed(RuntimeError):

@@ -1,5 +1,5 @@
 """A worker's side of a compressed downlink (``diloco server --download-codec int8``;
-docs/design.md, "Codecs"; the server's side is ``server/downlink.py``, the maths
+docs/design.md, "Codecs"; the server's side is ``server/params/update_bodies.py``, the maths
 ``core/codecs/downlink.py``).
 
 A worker whose snapshot holds the published parameters of round R asks for round R+1 with

@@ -7,7 +7,7 @@ every downloaded byte fewer, on every worker, every round (see docs/benchmarks-l
 
 Uploads: on plain HTTP they ask ``Expect: 100-continue`` and send the body once the server says
 ``100 Continue``, which lets the server receive it straight into its buffer
-(server/socket_body.py); a refusal that comes first (401, 413, 503) costs no body at all.
+(server/web/socket_body.py); a refusal that comes first (401, 413, 503) costs no body at all.
 urllib3 cannot wait for the interim answer, so uploads go this way too. JSON calls stay on
 requests.
 

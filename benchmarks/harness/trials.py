@@ -1,0 +1,337 @@
+"""Training trials: an in-process server and worker threads training the demo model (or a
+model the caller supplies), each with its own shard, optional per-step delays, a step budget,
+an optional learning-rate schedule and an optional eval curve.
+
+Threads, not processes: the simulated step delays (sleeps) dominate each step, torch releases
+the GIL in its kernels, and one process keeps the budget counter and the results simple. Unlike
+the process-level modules of this package, it imports torch and diloco at the top.
+
+Used by ``training/async_experiment``, ``training/streaming_experiment``, ``codecs/quality``
+and the quality suite (``benchmarks/quality/``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.demo.data import Corpus, build_corpus, sample_batch
+from diloco.demo.model import build_model, evaluate, loss_on
+
+# The server's smallest accepted upload weight (``server/rounds/submissions.py``, MIN_WEIGHT) with a
+# margin: a lost upload is sent as zeros with this weight, next to weights of ~1e4 tokens.
+LOST_WEIGHT = 2e-6
+
+
+@dataclass
+class Trial:
+    name: str
+    seed: int
+    workers: int = 4
+    sync_every: int = 25
+    server: dict[str, Any] = field(default_factory=dict)  # extra ServerConfig fields
+    worker: dict[str, Any] = field(default_factory=dict)  # extra DiLoCoWorker arguments
+    delays: list[float] | None = None  # seconds slept after each step, per worker
+    total_steps: int = 1000  # local steps of all workers together
+    shared_budget: bool = False  # True: fast workers take more of the steps (async)
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 3e-3
+    # --- the quality suite's protocol (defaults keep the older experiments as they were) ---
+    init: dict[str, torch.Tensor] | None = None  # starting parameters (a pretrained checkpoint)
+    warmup: int = 0  # inner steps of linear warmup, per worker
+    cosine: bool = False  # cosine decay of the inner lr over the run, to min_lr_ratio
+    min_lr_ratio: float = 0.1
+    corpus: Corpus | None = None  # data (default: the demo's non-iid topic split)
+    model_fn: Callable[[int], torch.nn.Module] | None = None  # seed -> model (default: demo's)
+    device: str = "cpu"
+    curve: bool = False  # record the global model after every outer update, evaluate them after
+    curve_windows: int = 128  # eval windows per curve point
+    eval_windows: int = 256  # eval windows of the final model
+    drop_prob: float = 0.0  # chance that a worker's upload of a round is lost (claim k)
+
+
+class Budget:
+    """Local steps left to the run; ``take`` is called before each step."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.left = total
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.left <= 0:
+                return False
+            self.left -= 1
+            return True
+
+    @property
+    def done(self) -> float:
+        """Fraction of the budget taken."""
+        return (self.total - self.left) / max(self.total, 1)
+
+
+def lr_factor(trial: Trial, own_steps: int, progress: float) -> float:
+    """Multiplier of ``trial.lr``: linear warmup over the worker's own first ``warmup`` steps,
+    then (with ``cosine``) a cosine from 1 to ``min_lr_ratio`` over the run's progress in [0, 1]."""
+    warm = min(1.0, (own_steps + 1) / trial.warmup) if trial.warmup else 1.0
+    if not trial.cosine:
+        return warm
+    cos = 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+    return warm * (trial.min_lr_ratio + (1 - trial.min_lr_ratio) * cos)
+
+
+class LossyWorker(DiLoCoWorker):
+    """A worker whose upload of a round may be lost (claim k). The server has no notion of a
+    missing upload in sync mode (a round waits for every expected worker), so a lost upload is
+    delivered as what the server would have had without it: the model is reset to the round's
+    starting parameters just before the upload (a zero pseudo-gradient), and the round's weight
+    is ``LOST_WEIGHT`` (the server averages by reported samples). The worker then adopts the
+    round's result like everyone else, so its local progress of that round is gone."""
+
+    lose_next = False
+    round_start: list[torch.Tensor] | None = None
+
+    def _submit(self, submission_id: str) -> dict[str, Any]:
+        if self.lose_next and self.round_start is not None:
+            with torch.no_grad():
+                for p, p0 in zip(self.model.parameters(), self.round_start, strict=True):
+                    p.copy_(p0)
+        return super()._submit(submission_id)
+
+
+class CurveWatcher(threading.Thread):
+    """Copies the server's global parameters after every outer update (polling its status every
+    ``interval`` s: a status costs ~1 ms, a copy of the demo model ~1 ms), with the update count,
+    the bytes the server has received and the time since ``t0``. The copies are evaluated after
+    the run, so evaluation takes no CPU from the workers while they train."""
+
+    def __init__(self, server: DiLoCoServer, steps: list[int], interval: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.server, self.steps, self.interval = server, steps, interval
+        self.points: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+        self.t0 = time.monotonic()
+        self._seen = -1
+
+    def snap(self) -> None:
+        status = self.server.status()
+        if status["updates"] == self._seen:
+            return
+        self._seen = status["updates"]
+        self.points.append(
+            {
+                "updates": status["updates"],
+                "bytes_up": status["bytes_in"],
+                "wall_s": time.monotonic() - self.t0,
+                "worker_steps": sum(self.steps),
+                "params": self.server.global_params(),
+            }
+        )
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            self.snap()
+
+
+def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
+    """One worker thread: train from the server's parameters until the budget is spent."""
+    corpus: Corpus = ctx["corpus"]
+    model = ctx["model_fn"](trial.seed).to(trial.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=trial.lr)
+    gen = torch.Generator().manual_seed(trial.seed * 1000 + rank)
+    drop_rng = random.Random(f"drop-{trial.seed}-{rank}")
+    delay = trial.delays[rank] if trial.delays else 0.0
+    per_worker = trial.total_steps // trial.workers
+    shared: Budget = ctx["shared"]
+    budget = shared if trial.shared_budget else Budget(per_worker)
+    lossy = trial.drop_prob > 0
+    cls = LossyWorker if lossy else DiLoCoWorker
+    worker = cls(
+        model,
+        opt,
+        ctx["address"],
+        sync_every=trial.sync_every,
+        worker_id=f"w{rank}",
+        heartbeat_interval=0.25,
+        **trial.worker,
+    )
+    tokens = trial.batch_size * trial.seq_len
+    steps = lost = 0
+    ctx["start"].wait()
+    with worker:
+        last_round = -1
+        while budget.take():
+            if lossy and worker.base_round != last_round:
+                # A round starts from the parameters just adopted: keep them, and draw whether
+                # this round's upload will be lost.
+                assert isinstance(worker, LossyWorker)
+                last_round = worker.base_round
+                worker.round_start = [p.detach().clone() for p in model.parameters()]
+                worker.lose_next = drop_rng.random() < trial.drop_prob
+                lost += worker.lose_next
+                if worker.lose_next:
+                    worker.report(samples=LOST_WEIGHT)
+            progress = budget.done if trial.shared_budget else steps / max(per_worker, 1)
+            for group in opt.param_groups:
+                group["lr"] = trial.lr * lr_factor(trial, steps, progress)
+            x, y = sample_batch(corpus.shards[rank], trial.batch_size, trial.seq_len, gen)
+            loss = loss_on(model, x.to(trial.device), y.to(trial.device))
+            loss.backward()
+            if isinstance(worker, LossyWorker) and not worker.lose_next:
+                worker.report(samples=tokens)
+            # Counted before the step: its sync (inside the optimizer step, every sync_every
+            # steps) waits for the round, and the curve watcher reads the count at the round's close.
+            ctx["steps"][rank] = steps + 1
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            if delay:
+                time.sleep(delay)
+    ctx["results"][rank] = {"steps": steps, "lost_uploads": lost, **worker.sync_metrics}
+
+
+def run_trial(trial: Trial) -> dict[str, Any]:
+    """Run one configuration through a real server and ``trial.workers`` worker threads; the
+    eval loss of the final global model and the run's metrics (and ``curve`` when asked)."""
+    torch.set_num_threads(1)
+    corpus = trial.corpus or build_corpus(trial.workers)
+    model_fn = trial.model_fn or (lambda seed: build_model(seed, trial.seq_len))
+    server_extra = dict(trial.server)
+    if trial.drop_prob > 0:
+        server_extra.setdefault("weighting", "samples")  # a lost upload weighs ~nothing
+    config = ServerConfig(
+        port=0, num_workers=trial.workers, heartbeat_timeout=0, stuck_timeout=0, **server_extra
+    )
+    # The server starts from the given or the model's initial parameters (every worker builds
+    # the same ones from the seed), so no worker waits for another to upload them.
+    init = trial.init or {n: p.detach().clone() for n, p in model_fn(trial.seed).named_parameters()}
+    server = DiLoCoServer(config, initial_params=init).start()
+    ctx: dict[str, Any] = {
+        "corpus": corpus,
+        "model_fn": model_fn,
+        "address": server.address,
+        "shared": Budget(trial.total_steps),
+        "steps": [0] * trial.workers,
+        "results": [{} for _ in range(trial.workers)],
+        "start": threading.Barrier(trial.workers),
+    }
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            _worker_loop(trial, rank, ctx)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+            ctx["start"].abort()
+
+    watcher = CurveWatcher(server, ctx["steps"]) if trial.curve else None
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(trial.workers)]
+    for t in threads:
+        t.start()
+    if watcher is not None:
+        watcher.t0 = t0
+        watcher.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    try:
+        if errors:
+            raise errors[0]
+        _settle(server)
+        if watcher is not None:
+            watcher.stop_event.set()
+            watcher.join()
+            watcher.snap()
+        status = server.status()
+        model = model_fn(trial.seed).to(trial.device)
+        model.load_state_dict(server.global_params())
+        eval_loss = evaluate(model, corpus.eval.to(trial.device), trial.seq_len, trial.eval_windows)
+    finally:
+        server.stop()
+    results = ctx["results"]
+    row = {
+        "name": trial.name,
+        "seed": trial.seed,
+        "eval_loss": eval_loss,
+        "wall_s": wall,
+        "updates": status["updates"],
+        "bytes_up": status["bytes_in"],
+        "staleness": status["staleness"],
+        "workers": results,
+        "steps": sum(r["steps"] for r in results),
+    }
+    if watcher is not None:
+        row["curve"] = _evaluate_curve(trial, watcher.points, model, corpus)
+    return row
+
+
+def _settle(server: DiLoCoServer, timeout: float = 10.0) -> None:
+    """Wait until no upload is in flight or counted in a round still open: the workers' last
+    uploads (a streaming fragment sent just before the end, say) may land after their threads
+    have returned, and the final global model must include them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = server.status()
+        units = status.get("fragments") or [status]
+        if not any(u.get("submitted") or u.get("uploading") for u in units):
+            return
+        time.sleep(0.02)
+
+
+def _evaluate_curve(
+    trial: Trial, points: list[dict[str, Any]], model: torch.nn.Module, corpus: Corpus
+) -> list[dict[str, Any]]:
+    """Eval loss of every recorded global model. Inner steps per worker: in sync mode exactly
+    ``updates * sync_every / P`` (P fragments, one outer update each per sync; never more than the
+    steps taken), in async mode the steps the workers had taken when the update was seen, over
+    the workers."""
+    fragments = int(trial.worker.get("num_fragments", 1))
+    sync = trial.server.get("mode", "sync") == "sync"
+    eval_tokens = corpus.eval.to(trial.device)
+    out = []
+    for p in points:
+        model.load_state_dict(p.pop("params"))
+        taken = p["worker_steps"] / trial.workers
+        # Streaming workers hand in unsent fragments when they stop: updates past the last step.
+        steps = min(p["updates"] * trial.sync_every / fragments, taken) if sync else taken
+        out.append(
+            {
+                **p,
+                "steps_per_worker": steps,
+                "eval_loss": evaluate(model, eval_tokens, trial.seq_len, trial.curve_windows),
+            }
+        )
+    return out
+
+
+def run_trials(
+    configurations: Callable[[Any, int], list[Trial]], args: Any
+) -> Iterator[tuple[int, Trial, dict[str, Any]]]:
+    """Every configuration ``configurations(args, seed)`` names, for every seed in
+    ``args.seeds``, in that order, but only those ``args.only`` names (when given): each as
+    ``(seed, trial, run_trial(trial))``."""
+    for seed in args.seeds:
+        for trial in configurations(args, seed):
+            if args.only and trial.name not in args.only:
+                continue
+            yield seed, trial, run_trial(trial)
+
+
+def summarise(rows: list[dict[str, Any]], key: str) -> str:
+    """``key`` over the seeds' rows: the value, or mean ± standard deviation."""
+    values = [r[key] for r in rows]
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"

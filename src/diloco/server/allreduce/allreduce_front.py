@@ -1,0 +1,224 @@
+"""All-reduce mode's front (``ServerConfig.allreduce``, ``server/front.py``'s ``Front``). The
+workers average among themselves over a rendezvous the server hosts (``rendezvous.py``); the
+server holds no parameters. It keeps the same registry, membership and health checks as the
+parameter server, and adds: each registration's parameter table checked against the run's
+(``run_table.py``) and the reply's additions, ``POST /quorum`` and ``POST /quorum/outcome``
+(``quorum_book.py``), and an operator's save passed to the next quorum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from diloco.server.allreduce.quorum_book import QuorumBook
+from diloco.server.allreduce.rendezvous import Rendezvous
+from diloco.server.allreduce.run_table import RunTable
+from diloco.server.config import ServerConfig
+from diloco.server.errors import allreduce_mode
+from diloco.server.members.codec_choice import registered_codec
+from diloco.server.members.fragmenting import asked_fragmenting, configured_fragmenting
+from diloco.server.members.membership import Membership
+from diloco.server.members.registry import WorkerRegistry
+from diloco.server.observe.loss_history import LossHistory
+from diloco.server.observe.metrics import QUORUM_FAMILIES
+from diloco.server.observe.records import QuorumSummary, Saves
+from diloco.server.observe.run_log import RunLog
+from diloco.server.observe.status import Status, build_status
+from diloco.server.quorum_bodies import Ask, Outcome
+
+log = logging.getLogger(__name__)
+
+ALLREDUCE_CODECS = ("fp32", "bf16")
+"""What a quorum's all-reduce carries. Quantized codes cannot be summed as they are (each
+worker's blocks have their own scales), and decoding before the sum would need every member
+to quantize identically: the lossy codecs stay with the server mode."""
+TABLE_LIMIT = 1024 * 1024
+"""A registration here carries the parameter table: a name and shape per tensor."""
+
+
+class AllReduceFront:
+    """The quorums (``book``) and the run's parameter table (``table``) of one server life, and
+    the rendezvous (``rendezvous``) while the server runs."""
+
+    register_limit = TABLE_LIMIT
+    metric_families = QUORUM_FAMILIES
+    mode = "allreduce"
+    # What a status shows of parameters, checkpoints and uploads: this server has none.
+    store = None
+    units: tuple[()] = ()
+    uploads_waiting = 0
+
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.registry = WorkerRegistry(clock)
+        self.run_log = RunLog(clock)
+        self.loss_history = LossHistory(clock)
+        self.membership = Membership(config, self.registry, clock, self, lambda: None)
+        self.table = RunTable()
+        self.fragmenting = configured_fragmenting(config)
+        self._comm: dict[str, str] = {}  # worker id -> "fp32" or "bf16", from its registration
+        self.book = QuorumBook(
+            instance=uuid.uuid4().hex[:12],
+            live=self.registry.ids,
+            clock=clock,
+            min_workers=config.min_workers,
+            num_workers=config.num_workers,
+            join_timeout=config.join_timeout,
+            collective_timeout=config.collective_timeout,
+            poll_margin=config.poll_timeout,
+            save_every=config.save_every,
+            # As the server mode holds a resumed round for the heartbeat timeout.
+            resume_grace=config.heartbeat_timeout,
+            heartbeat_of=self._heartbeat_of,
+        )
+        #: The store each quorum meets at, while the server runs (``open``).
+        self.rendezvous: Rendezvous | None = None
+
+    def _heartbeat_of(self, worker_id: str) -> tuple[float, float] | None:
+        """When the server last heard from the worker and its heartbeat interval (0: none, or
+        a worker too old to say)."""
+        record = self.registry.get(worker_id)
+        if record is None:
+            return None
+        interval = record.info.get("heartbeat_interval", 0)
+        ok = isinstance(interval, int | float) and not isinstance(interval, bool)
+        return record.last_seen, float(interval) if ok and interval > 0 else 0.0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """The rendezvous, on the server's host (a free port), for as long as the server runs."""
+        self.rendezvous = Rendezvous(self.config.host, timeout=self.config.collective_timeout)
+        self.book.rendezvous = self.rendezvous.address()
+        self.book.forget = self.rendezvous.forget
+
+    async def run(self) -> None:
+        await asyncio.gather(self.membership.health_loop(), self.book.tick_loop())
+
+    def close(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
+
+    # --- membership (members/membership.py's Roster) --------------------------------------------
+
+    def shown_round(self) -> int:
+        return self.book.round
+
+    @property
+    def num_workers(self) -> int:
+        return self.book.num_workers
+
+    def expected(self) -> int:
+        return self.book.num_workers
+
+    def admit(self, info: dict[str, Any]) -> Callable[[str], None]:
+        """A registration's table and codec checked (400 ``missing_params_table``, 409
+        ``params_mismatch``, 422 ``codec_refused`` for a lossy codec), and its fragmenting, before
+        anything changes."""
+        table = self.table.check(info)
+        comm = registered_codec(info, ALLREDUCE_CODECS) or "fp32"
+        asked = asked_fragmenting(info, self.config, self.fragmenting)
+
+        def counts(worker_id: str) -> None:
+            if self.fragmenting is None:
+                self.fragmenting = asked
+                log.info("fragmenting %s set by worker %s", asked, worker_id)
+            self.table.adopt(table)
+            self._comm[worker_id] = comm
+
+        return counts
+
+    def told(self, last_submission: str | None) -> dict[str, Any]:
+        """The mode, the rendezvous, the collective timeout, the run's table and the outer
+        optimizer every worker must step identically; no parameters here, so no upload was
+        ever counted in them."""
+        config = self.config
+        reply: dict[str, Any] = {
+            **self.book.registration(),
+            "has_params": False,
+            "fragments": None,
+            "fragment_rounds": None,
+        }
+        if last_submission is not None:
+            reply["last_submission"] = {"counted_in": None, "in_params": False}
+        reply.update(
+            params=self.table.json(),
+            weighting=config.weighting,
+            outer={
+                "lr": config.outer_lr,
+                "momentum": config.outer_momentum,
+                "nesterov": config.nesterov,
+            },
+        )
+        return reply
+
+    def left(self, worker_id: str) -> None:
+        self.book.on_leave(worker_id)
+
+    def expect(self, num_workers: int) -> None:
+        """The first quorum of a fresh run waits for this many workers."""
+        self.book.num_workers = num_workers
+        self.book.tick()
+
+    def checked(self) -> None:
+        pass  # the book acts on its own deadlines (``run``)
+
+    # --- routes ---------------------------------------------------------------------------------
+
+    def parameters(self, what: str) -> NoReturn:
+        raise allreduce_mode(what)
+
+    def quorums(self) -> AllReduceFront:
+        return self
+
+    @property
+    def round(self) -> int:
+        return self.book.round
+
+    async def quorum(self, ask: Ask) -> dict[str, Any] | None:
+        ticket = self.book.ask(ask)
+        self.registry.touch(ask.worker_id)  # a worker asking is alive, and has joined
+        reply = await self.book.wait(ticket, self.config.poll_timeout)
+        if reply is not None:
+            # bf16 when every member sends bf16, else fp32: one dtype per collective.
+            both = all(self._comm.get(m) == "bf16" for m in reply["members"])
+            reply["comm"] = "bf16" if both else "fp32"
+        return reply
+
+    def outcome(self, outcome: Outcome) -> dict[str, Any]:
+        reply = self.book.report(outcome)
+        self.registry.touch(outcome.worker_id)
+        return reply
+
+    async def request_save(self) -> tuple[int, dict[str, Any]]:
+        """The workers hold the state: rank 0 of the next quorum saves."""
+        reply = self.book.request_save()
+        log.info("control: checkpoint requested of the next quorum (round %s)", reply["round"])
+        return 202, reply
+
+    async def save(self) -> Path | None:
+        return None  # the server holds nothing to save
+
+    # --- status ---------------------------------------------------------------------------------
+
+    def status(self, history_since: int = 0) -> Status:
+        return build_status(self, history_since)
+
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        return []
+
+    def saves(self) -> Saves:
+        return Saves()
+
+    def quorum_state(self) -> QuorumSummary:
+        return self.book.public()

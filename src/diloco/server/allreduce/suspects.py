@@ -1,0 +1,64 @@
+"""All-reduce mode: members of a failed quorum that went silent, left out of the next quorum
+before the heartbeat timeout evicts them.
+
+A quorum waits for every live worker. When a member dies inside a collective, the others'
+collective fails within milliseconds and they ask again; without this the next quorum would
+wait for the dead member's eviction (``--heartbeat-timeout``, two minutes by default). A failed
+collective is strong evidence, and heartbeats confirm it: a member of a discarded quorum that has
+neither reported, asked again, nor sent a heartbeat since the discard, for two of its own
+heartbeat intervals (it tells its interval at registration) plus a margin, is a suspect. The next
+quorum forms without suspects; a suspect is not evicted, and counts again as soon as the server
+hears from it (it then receives the state at its next quorum, keeping its progress on top). A
+worker without heartbeats (interval 0) is never a suspect: only its eviction leaves it out.
+
+Pure state with an injected clock, like ``server/allreduce/quorum_book.py``, which owns the
+instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+MARGIN_S = 0.5
+"""Added to two heartbeat intervals: a heartbeat in flight, the server's tick."""
+
+HeartbeatOf = Callable[[str], tuple[float, float] | None]
+"""``worker -> (last seen, heartbeat interval)``; None for a worker no longer registered."""
+
+
+class Suspects:
+    """Members of discarded quorums not heard from since, by the time of the discard."""
+
+    def __init__(self, heartbeat_of: HeartbeatOf) -> None:
+        self._heartbeat_of = heartbeat_of
+        self._since: dict[str, float] = {}
+
+    def failed(self, members: Iterable[str], heard: Iterable[str], now: float) -> None:
+        """A quorum of ``members`` was discarded at ``now``; ``heard`` reported to it."""
+        spoke = set(heard)
+        for member in members:
+            if member not in spoke:
+                self._since.setdefault(member, now)
+
+    def heard(self, worker: str) -> None:
+        """The worker asked, reported or left: it is no longer suspected."""
+        self._since.pop(worker, None)
+
+    def silent(self, now: float) -> set[str]:
+        """Suspects that stayed silent past their grace: the next quorum does not wait for
+        them. A suspect seen since the discard (a heartbeat) is forgiven here."""
+        out = set()
+        for worker, since in list(self._since.items()):
+            beat = self._heartbeat_of(worker)
+            if beat is None:
+                del self._since[worker]
+                continue
+            last_seen, interval = beat
+            if last_seen > since:
+                del self._since[worker]  # alive: its collective may just be slower to fail
+            elif interval > 0 and now >= since + 2 * interval + MARGIN_S:
+                out.add(worker)
+        return out
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._since

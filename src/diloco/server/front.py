@@ -1,0 +1,184 @@
+"""What the web layer, the control routes and ``DiLoCoServer`` know of a mode: one ``Front``.
+
+Each mode of the server is one front object behind this protocol: the parameter server (sync,
+async, streaming fragments: ``server/paramserver/coordinator.py``) and all-reduce mode
+(``server/allreduce/allreduce_front.py``: the workers average among themselves, the server forms
+their quorums and holds no parameters). ``DiLoCoServer`` picks one in one place
+(``server/server.py``, ``make_front``); nothing else asks which mode runs.
+
+Every route is mounted in every mode. A route of the other mode is answered by the front itself,
+before any byte of its body is read: ``parameters`` and ``quorums`` either hand over the routes'
+side or raise the 409 that names the mode (``allreduce_mode``, ``server_mode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from diloco.server.config import ServerConfig
+from diloco.server.observe.metrics import Family
+from diloco.server.observe.status import Status
+from diloco.server.params.store import ParamStore, Snapshot
+from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.wire import Layout
+from diloco.wire.decode import AsyncStream
+
+JSON_LIMIT = 64 * 1024
+"""Largest JSON body accepted (registration, heartbeat, control): they hold a few fields. A
+front may let registrations be larger (``Front.register_limit``)."""
+
+
+class Members(Protocol):
+    """Registrations, heartbeats and leaving (``server/members/membership.py``), the same in
+    every mode; what a registration means to the mode is the front's."""
+
+    def register(
+        self, worker_id: str | None, hostname: str, info: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``POST /register``: the registration reply (a new id when ``worker_id`` is None).
+        Checked before anything changes: 400, 409 or 422 leave no trace."""
+        ...
+
+    def deregister(self, worker_id: str, *, died: bool = False) -> dict[str, Any]:
+        """``POST /deregister`` (410 for a worker not registered)."""
+        ...
+
+    def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /heartbeat`` with its body's reported fields (410, 400 ``bad_field``)."""
+        ...
+
+    def kick(self, worker_id: str) -> dict[str, Any]:
+        """``POST /control/kick_worker``: evict a worker now (410 for one not registered)."""
+        ...
+
+    def set_num_workers(self, num_workers: int) -> dict[str, Any]:
+        """``POST /control/update_num_workers``: the workers the run expects (400 below
+        ``min_workers``)."""
+        ...
+
+
+class Parameters(Protocol):
+    """The routes of a front that holds the global parameters: uploads, downloads, the outer
+    optimizer."""
+
+    def require_store(self) -> ParamStore:
+        """The parameters (503 ``no_parameters`` until the server has them)."""
+        ...
+
+    def upload_limit(self) -> int:
+        """Largest tensor payload taken now: the model's size, or ``max_initial_bytes`` while
+        the initial parameters are awaited."""
+        ...
+
+    async def submit(self, layout: Layout, stream: AsyncStream) -> dict[str, Any]:
+        """``POST /submit_pseudograd`` whose header is ``layout``: the body read from
+        ``stream`` and counted, or refused (409, 410, 422...) with nothing counted."""
+        ...
+
+    async def receive_initial(
+        self, layout: Layout, stream: AsyncStream, worker_id: str
+    ) -> dict[str, Any]:
+        """``POST /initial_params``: the first worker's parameters, when the server has none."""
+        ...
+
+    async def download(
+        self,
+        worker_id: str | None,
+        raw_fragment: str | None,
+        min_round: Callable[[], int],
+        have_round: int | None = None,
+    ) -> Snapshot | dict[str, Any]:
+        """``GET /global_params``: the pinned bytes to stream once a round >= ``min_round()``
+        is published, or the 202 reply when none is within ``poll_timeout``. The caller
+        closes the snapshot (``ParamStore.close_snapshot``) and calls its ``sent`` once sent."""
+        ...
+
+    def set_outer_hparams(
+        self, lr: float | None = None, momentum: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /control/update_optimizer``: every outer optimizer's learning rate and/or
+        momentum, validated before anything changes."""
+        ...
+
+
+class Quorums(Protocol):
+    """The routes of a front whose workers average among themselves: their quorums."""
+
+    @property
+    def round(self) -> int:
+        """The round of the workers' state, named in a pending reply."""
+        ...
+
+    async def quorum(self, ask: Ask) -> dict[str, Any] | None:
+        """``POST /quorum``: the worker's quorum, or None when none formed within
+        ``poll_timeout`` (the worker asks again)."""
+        ...
+
+    def outcome(self, outcome: Outcome) -> dict[str, Any]:
+        """``POST /quorum/outcome``: one member's result, recorded."""
+        ...
+
+
+class Front(Protocol):
+    """One mode of the server."""
+
+    @property
+    def config(self) -> ServerConfig:
+        """The server's settings (tokens, limits and timeouts the web layer applies)."""
+        ...
+
+    @property
+    def membership(self) -> Members:
+        """Registrations, heartbeats, leaving, kicks and the expected worker count."""
+        ...
+
+    @property
+    def register_limit(self) -> int:
+        """Largest ``POST /register`` body this mode reads (``JSON_LIMIT``, or more where a
+        registration carries a parameter table)."""
+        ...
+
+    @property
+    def metric_families(self) -> Sequence[Family]:
+        """The mode's own ``/metrics`` families, beside those every mode has."""
+        ...
+
+    def status(self, history_since: int = 0) -> Status:
+        """``GET /status`` (its loss history from round ``history_since`` on), typed."""
+        ...
+
+    def parameters(self, what: str) -> Parameters:
+        """The parameter routes' side; 409 ``allreduce_mode`` naming ``what`` the request
+        asked for where the server holds no parameters."""
+        ...
+
+    def quorums(self) -> Quorums:
+        """The quorum routes' side; 409 ``server_mode`` where the server holds the
+        parameters."""
+        ...
+
+    async def request_save(self) -> tuple[int, dict[str, Any]]:
+        """``POST /control/save_state``: the HTTP status and reply of a checkpoint asked for
+        now (written by the server, or by the workers' next quorum)."""
+        ...
+
+    async def save(self) -> Path | None:
+        """Write the server's own checkpoint now (on shutdown, ``DiLoCoServer.save_state``);
+        None when saving is not configured or there is nothing to save."""
+        ...
+
+    def open(self) -> None:
+        """The server listens: take what the mode hosts beside it (all-reduce mode's
+        rendezvous). Called before any request is handled."""
+        ...
+
+    async def run(self) -> None:
+        """The mode's periodic work while the server runs (health checks, quorum deadlines);
+        cancelled on shutdown."""
+        ...
+
+    def close(self) -> None:
+        """The server has stopped answering: release what ``open`` took."""
+        ...

@@ -1,0 +1,123 @@
+"""The parameter server's side of membership (``members/membership.py``'s ``Roster``): the
+fragmenting a registration asks for, the units' aggregators told who joined and left and how
+many workers to expect, what a registration reply says of the parameters, and a resumed run's
+round opened once the workers that will come back have come back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from diloco.server.config import ServerConfig
+from diloco.server.members.registry import WorkerRegistry
+from diloco.server.rounds.model import Model
+
+log = logging.getLogger(__name__)
+
+
+class UnitRoster:
+    """Membership as the units see it (``Roster``)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        model: Model,
+        registry: WorkerRegistry,
+        clock: Callable[[], float],
+        plan_units: Callable[[], None],
+        changed: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.registry = registry
+        self.clock = clock
+        self._plan_units = plan_units  # plans the units once parameters and fragmenting are known
+        self._changed = changed
+        #: When a run that had closed rounds was resumed, until its round opens (``checked``).
+        self.resumed_at: float | None = None
+
+    def shown_round(self) -> int:
+        return self.model.shown_round()
+
+    def expected(self) -> int:
+        """The first unit's barrier's count, else the configured (or an operator's)."""
+        counts = [u.aggregator.public().num_workers for u in self.model.units]
+        known = [n for n in counts if n is not None]
+        return known[0] if known else self.model.num_workers
+
+    def admit(self, info: dict[str, Any]) -> Callable[[str], None]:
+        asked = self.model.asked_fragmenting(info)
+
+        def counts(worker_id: str) -> None:
+            model = self.model
+            if model.fragmenting is None:
+                model.fragmenting = asked
+                log.info("fragmenting %s set by worker %s", asked, worker_id)
+            if model.store is not None and not model.units:
+                self._plan_units()
+            for unit in model.units:
+                unit.aggregator.on_join(self.registry.ids())
+
+        return counts
+
+    def told(self, last_submission: str | None) -> dict[str, Any]:
+        model = self.model
+        store = model.store
+        reply: dict[str, Any] = {
+            "mode": self.config.mode,
+            "instance": store.instance if store else None,
+            "has_params": store is not None,
+            **model.plan(),
+        }
+        if last_submission is not None:
+            # A worker that lost its connection asks whether its last upload was counted in an
+            # update whose result is in our parameters; if not it keeps that progress (rebases).
+            counted, in_params = None, False
+            for unit in model.units:
+                history = unit.aggregator.history
+                if last_submission in history:
+                    counted = history[last_submission]
+                    in_params = counted < unit.published_round
+            reply["last_submission"] = {"counted_in": counted, "in_params": in_params}
+        if store is not None:
+            reply["params"] = [[s.name, list(s.shape)] for s in store.specs]
+        return reply
+
+    def left(self, worker_id: str) -> None:
+        for unit in self.model.units:
+            unit.aggregator.on_leave(worker_id)
+
+    def expect(self, num_workers: int) -> None:
+        live = self.registry.ids()
+        for unit in self.model.units:
+            unit.aggregator.set_num_workers(num_workers, live)
+        self.model.num_workers = num_workers  # units planned later start from it
+
+    def checked(self) -> None:
+        """A resumed run's round waits for ``num_workers`` registrations, as round 0 does, but
+        only for ``heartbeat_timeout``: a worker that has not re-registered by then is as gone
+        as one that fell silent (it finished its loop, or died while the server was down), and
+        waiting for it would hold the workers that did come back until their barrier wait ends.
+        The round then opens with the workers here, if they are at least ``min_workers``."""
+        resumed, grace = self.resumed_at, self.config.heartbeat_timeout
+        if resumed is None or grace <= 0 or self.clock() - resumed < grace:
+            return
+        live = self.registry.ids()
+        tried = [(u.aggregator, u.aggregator.open_with(live)) for u in self.model.units]
+        waiting = [a for a, opened in tried if opened is not None]
+        opened = [a for a, done in tried if done]
+        if opened:
+            first = opened[0].public()
+            log.warning(
+                "round %d opened with %d of %d workers: the others did not re-register within "
+                "%g s (heartbeat_timeout) of the restart",
+                first.round,
+                len(live),
+                first.num_workers,
+                grace,
+            )
+            self._changed()
+        if len(opened) == len(waiting):
+            self.resumed_at = None
