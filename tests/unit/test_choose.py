@@ -36,7 +36,6 @@ def registered(mode: str) -> Registered:
         collective_timeout=30.0 if allreduce else None,
         weighting="equal" if allreduce else None,
         outer=OuterStep(lr=0.7, momentum=0.9, nesterov=True) if allreduce else None,
-        keep_checkpoints=3 if allreduce else None,
     )
 
 

@@ -90,7 +90,6 @@ ALLREDUCE = dataclasses.replace(
     collective_timeout=10.0,
     weighting="samples",
     outer=OuterStep(lr=0.7, momentum=0.9, nesterov=True),
-    keep_checkpoints=3,
 )
 ASSIGNMENT = Assignment(
     quorum_id="i-3",

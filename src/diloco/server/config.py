@@ -79,8 +79,7 @@ class ServerConfig:
     """Save every N rounds (0: only on shutdown and on request)."""
 
     keep_checkpoints: int = _flag(3, "checkpoints to keep", flag="--keep")
-    """How many checkpoints to keep in ``save_dir`` (complete ones, newest by content); in
-    all-reduce mode, in rank 0's ``save_dir`` (the registration reply tells the workers)."""
+    """How many checkpoints to keep in ``save_dir`` (complete ones, newest by content)."""
 
     fresh_start: bool = _flag(
         False,

@@ -148,9 +148,9 @@ class AllReduceFront:
         return counts
 
     def told(self, reply: Registered, last_submission: str | None) -> Registered:
-        """The mode, the rendezvous, the collective timeout, the run's table, the outer
-        optimizer every worker must step identically and the checkpoints rank 0 keeps; no
-        parameters here, so no upload was ever counted in them."""
+        """The mode, the rendezvous, the collective timeout, the run's table and the outer
+        optimizer every worker must step identically; no parameters here, so no upload was
+        ever counted in them."""
         config = self.config
         return replace(
             reply,
@@ -168,7 +168,6 @@ class AllReduceFront:
             collective_timeout=config.collective_timeout,
             weighting=config.weighting,
             outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
-            keep_checkpoints=config.keep_checkpoints,
         )
 
     def left(self, worker_id: str) -> None:

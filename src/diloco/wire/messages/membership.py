@@ -167,9 +167,6 @@ class Registered(Reply):
     """All-reduce mode: ``equal`` (each member weighs 1) or ``samples`` (its reported samples)."""
     outer: OuterStep | None = spec(default=None, omit=True)
     """All-reduce mode: the outer step every worker applies."""
-    keep_checkpoints: int | None = spec(default=None, omit=True)
-    """All-reduce mode: how many checkpoints rank 0 keeps in its ``save_dir`` when a quorum
-    saves (``diloco server --keep``)."""
 
     @property
     def allreduce(self) -> bool:

@@ -23,6 +23,9 @@ from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
 
+KEEP_CHECKPOINTS = 3
+"""Checkpoints rank 0 keeps in its own ``save_dir`` (as many as a server keeps by default)."""
+
 
 @dataclass(frozen=True)
 class RunRules:
@@ -32,24 +35,22 @@ class RunRules:
     momentum: float
     nesterov: bool
     by_samples: bool  # a member's weight in an average is its samples (else: 1 per member)
-    keep_checkpoints: int  # rank 0's checkpoints kept in its save_dir (the server's --keep)
 
     @classmethod
     def of(cls, reply: Registered) -> RunRules:
         """The server decides them (``diloco server --outer-lr ...``); a reply without them
         comes from a server this worker cannot follow."""
-        outer, weighting, keep = reply.outer, reply.weighting, reply.keep_checkpoints
-        if outer is None or weighting is None or keep is None:
+        outer, weighting = reply.outer, reply.weighting
+        if outer is None or weighting is None:
             raise ValueError(
-                "the server's all-reduce registration reply lacks the outer step, the weighting "
-                "or the checkpoints to keep (a server of another version?)"
+                "the server's all-reduce registration reply lacks the outer step or the "
+                "weighting (a server of another version?)"
             )
         return cls(
             lr=outer.lr,
             momentum=outer.momentum,
             nesterov=outer.nesterov and outer.momentum > 0,
             by_samples=weighting == "samples",
-            keep_checkpoints=keep,
         )
 
 
@@ -121,8 +122,7 @@ class SharedState:
             "written_by": f"all-reduce rank 0 ({s.worker_id})",
         }
         try:
-            keep = self.rules.keep_checkpoints
-            path = save_checkpoint(folder, s.base_round, params, state, extra, keep)
+            path = save_checkpoint(folder, s.base_round, params, state, extra, KEEP_CHECKPOINTS)
         except OSError as exc:
             log.error(
                 "worker %s: checkpoint of round %d failed: %s", s.worker_id, s.base_round, exc
