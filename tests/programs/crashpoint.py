@@ -34,7 +34,7 @@ def _die(moment: str) -> None:
 
 
 def install(moment: str) -> None:
-    import diloco.persistence as persistence
+    import diloco.persistence.writing as persistence
     import diloco.server.rounds.checkpoints as checkpoints
 
     name, _, nth = moment.partition("@")
