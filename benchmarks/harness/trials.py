@@ -27,7 +27,7 @@ from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.demo.data import Corpus, build_corpus, sample_batch
 from diloco.demo.model import build_model, evaluate, loss_on
 
-# The server's smallest accepted upload weight (``server/rounds/submissions.py``, MIN_WEIGHT) with a
+# The server's smallest accepted upload weight (``wire/messages/uploads.py``, MIN_WEIGHT) with a
 # margin: a lost upload is sent as zeros with this weight, next to weights of ~1e4 tokens.
 LOST_WEIGHT = 2e-6
 

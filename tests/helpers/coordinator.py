@@ -11,6 +11,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import SyncCoordinator
 from diloco.wire import aread_layout, encode
+from diloco.wire.messages import Register
 from tests.helpers.clock import FakeClock
 
 WAIT = 5.0
@@ -47,10 +48,10 @@ def coordinator(clock: FakeClock, workers: int) -> SyncCoordinator:
     config = ServerConfig(port=0, num_workers=workers, heartbeat_timeout=0, stuck_timeout=0)
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
     for i in range(workers):
-        coord.membership.register("abc"[i], "h", {})
+        coord.membership.register(Register("abc"[i]), "h")
     return coord
 
 
 async def submit(coord: SyncCoordinator, body: HeldBody) -> dict[str, object]:
     layout = await aread_layout(body)
-    return await coord.submit(layout, body)
+    return (await coord.submit(layout, body)).to_json()

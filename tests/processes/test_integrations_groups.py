@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import diloco.server.paramserver.coordinator as coordinator
 from diloco import DiLoCoServer, ServerConfig
+from diloco.wire.messages import UploadMeta
 from diloco.worker import resume
 from tests.helpers.ranks import free_port
 
@@ -54,17 +54,17 @@ def launch(module: str, out: Path) -> Run:
     """Start ``python -m module ADDRESS OUT`` once per rank, as torchrun would, against a server
     that weighs uploads by samples; a rank still running at the deadline is a hang."""
     uploads: list[tuple[str, float]] = []
-    read_header = coordinator.read_header
+    read_header = UploadMeta.from_metadata
 
-    def recording(meta: dict[str, str], samples: bool) -> Any:
-        head = read_header(meta, samples)
+    def recording(meta: dict[str, str], *, weighted: bool) -> Any:
+        head = read_header(meta, weighted=weighted)
         uploads.append((head.worker_id, head.weight))
         return head
 
     server = DiLoCoServer(ServerConfig(port=0, num_workers=1, weighting="samples"))
     port = free_port()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coordinator, "read_header", recording)
+        mp.setattr(UploadMeta, "from_metadata", staticmethod(recording))
         server.start()
         try:
             procs = [_start_rank(module, server.address, out, rank, port) for rank in range(RANKS)]

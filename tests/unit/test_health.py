@@ -11,6 +11,7 @@ from diloco.persistence import latest_checkpoint
 from diloco.server.config import ServerConfig
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import SyncCoordinator
+from diloco.wire.messages import Heartbeat, Register
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
 
@@ -26,10 +27,10 @@ def test_silent_worker_is_evicted_and_counted() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=120.0)
-        coord.membership.register("a", "h", {})
-        coord.membership.register("b", "h", {})
+        coord.membership.register(Register("a"), "h")
+        coord.membership.register(Register("b"), "h")
         clock.now += 100
-        coord.membership.heartbeat("b", {})
+        coord.membership.heartbeat(Heartbeat("b"))
         assert coord.membership.check_health() == []
         clock.now += 30  # a: 130 s silent; b: 30 s
         assert coord.membership.check_health() == ["a"]
@@ -44,8 +45,8 @@ def test_eviction_releases_the_barrier_at_once() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=60.0)
-        coord.membership.register("a", "h", {})
-        coord.membership.register("b", "h", {})
+        coord.membership.register(Register("a"), "h")
+        coord.membership.register(Register("b"), "h")
         # b has submitted (recorded directly: the HTTP path is covered elsewhere).
         barrier = coord.barrier
         assert barrier is not None
@@ -53,7 +54,7 @@ def test_eviction_releases_the_barrier_at_once() -> None:
         barrier.record("b", "s1")
         coord.units[0].sum.add([torch.ones(2)], 1.0)
         clock.now += 61
-        coord.membership.heartbeat("b", {})
+        coord.membership.heartbeat(Heartbeat("b"))
         coord.membership.check_health()  # a is silent: evicted, the round closes with b alone
         assert coord._closing_tasks
         await coord.settle()
@@ -67,11 +68,11 @@ def test_stuck_loop_is_evicted_even_with_heartbeats() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=120.0, stuck_timeout=300.0)
-        coord.membership.register("a", "h", {})
-        coord.membership.register("b", "h", {})
+        coord.membership.register(Register("a"), "h")
+        coord.membership.register(Register("b"), "h")
         # a: its thread is alive, its loop hung; b: waiting at the barrier, fine.
-        coord.membership.heartbeat("a", {"step_age_s": 301.0, "syncing": False})
-        coord.membership.heartbeat("b", {"step_age_s": 900.0, "syncing": True})
+        coord.membership.heartbeat(Heartbeat("a", step_age_s=301.0, syncing=False))
+        coord.membership.heartbeat(Heartbeat("b", step_age_s=900.0, syncing=True))
         assert coord.membership.check_health() == ["a"]
         assert coord.registry.deaths == 1
 
@@ -82,8 +83,8 @@ def test_zero_timeouts_disable_eviction() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=0.0, stuck_timeout=0.0)
-        coord.membership.register("a", "h", {})
-        coord.membership.heartbeat("a", {"step_age_s": 1e6, "syncing": False})
+        coord.membership.register(Register("a"), "h")
+        coord.membership.heartbeat(Heartbeat("a", step_age_s=1e6, syncing=False))
         clock.now += 1e6
         assert coord.membership.check_health() == []
 
@@ -94,7 +95,7 @@ def test_num_workers_grows_with_late_joiners() -> None:
     async def scenario() -> None:
         coord = make(FakeClock())
         for w in ("a", "b", "c"):
-            coord.membership.register(w, "h", {})
+            coord.membership.register(Register(w), "h")
         assert coord.barrier.num_workers == 3
         assert coord.barrier.expected == {"a", "b"}  # c joined after round 0 opened
 
@@ -108,7 +109,7 @@ async def _resumed(tmp_path: Path, clock: FakeClock) -> SyncCoordinator:
     config = ServerConfig(port=0, num_workers=2, heartbeat_timeout=60.0, save_dir=str(tmp_path))
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
     for w in ("a", "b"):
-        coord.membership.register(w, "h", {})
+        coord.membership.register(Register(w), "h")
         await submit(coord, HeldBody(upload(w, 0, 1.0)))
     await coord.settle()
     assert await coord.save() is not None
@@ -128,10 +129,10 @@ def test_a_resumed_round_opens_with_the_workers_that_came_back(tmp_path: Path) -
     async def scenario() -> None:
         clock = FakeClock()
         coord = await _resumed(tmp_path, clock)
-        coord.membership.register("a", "h", {})
+        coord.membership.register(Register("a"), "h")
         await submit(coord, HeldBody(upload("a", 1, 1.0)))  # accepted and held, as in round 0
         clock.now += 59
-        coord.membership.heartbeat("a", {})
+        coord.membership.heartbeat(Heartbeat("a"))
         coord.membership.check_health()
         await let_loop_run()
         st = coord.status().to_json()
@@ -152,10 +153,10 @@ def test_a_fresh_server_still_waits_for_num_workers(tmp_path: Path) -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = make(clock, heartbeat_timeout=60.0)
-        coord.membership.register("a", "h", {})
+        coord.membership.register(Register("a"), "h")
         for _ in range(3):
             clock.now += 50
-            coord.membership.heartbeat("a", {})
+            coord.membership.heartbeat(Heartbeat("a"))
             coord.membership.check_health()
         assert coord.status().to_json()["opened"] is False
 

@@ -15,6 +15,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import SyncCoordinator
 from diloco.wire import aread_layout, encode
+from diloco.wire.messages import Heartbeat, Register
 from tests.helpers.aio import let_loop_run
 from tests.helpers.cli import captured_config
 from tests.helpers.clock import FakeClock
@@ -32,9 +33,9 @@ def test_a_ghost_leaves_after_the_join_deadline_and_the_round_closes(
     async def scenario() -> None:
         clock = FakeClock()
         coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}))
-        coord.membership.register("a", "h", {})
+        coord.membership.register(Register("a"), "h")
         coord.membership.register(
-            "ghost", "h", {}
+            Register("ghost"), "h"
         )  # then failed its table check, say, and vanished
         coord.registry.fetching("a")  # GET /global_params?worker_id=a
         await submit(coord, HeldBody(upload("a", 0, 1.0)))
@@ -58,10 +59,10 @@ def test_a_download_or_a_heartbeat_is_a_join() -> None:
     """A first download of a big model may outlast the deadline many times over."""
     clock = FakeClock()
     coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}))
-    coord.membership.register("downloading", "h", {})
-    coord.membership.register("beating", "h", {})
+    coord.membership.register(Register("downloading"), "h")
+    coord.membership.register(Register("beating"), "h")
     coord.registry.fetching("downloading")
-    coord.membership.heartbeat("beating", {})
+    coord.membership.heartbeat(Heartbeat("beating"))
     clock.now += 100  # within the heartbeat timeout
     assert coord.membership.check_health() == []
 
@@ -73,7 +74,7 @@ def test_an_initial_upload_under_way_is_no_ghost() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         coord = coordinator(clock, None, num_fragments=1)
-        coord.membership.register("seed", "h", {})
+        coord.membership.register(Register("seed"), "h")
         body = HeldBody(encode({"w": torch.ones(4)}, {"worker_id": "seed"}), held=4)
         layout = await aread_layout(body)
         sending = asyncio.ensure_future(coord.receive_initial(layout, body, "seed"))
@@ -93,7 +94,7 @@ def test_an_initial_upload_under_way_is_no_ghost() -> None:
 def test_zero_disables_the_join_deadline() -> None:
     clock = FakeClock()
     coord = coordinator(clock, ParamStore.from_tensors({"w": torch.zeros(4)}), join_timeout=0.0)
-    coord.membership.register("a", "h", {})
+    coord.membership.register(Register("a"), "h")
     clock.now += 100
     assert coord.membership.check_health() == []
 

@@ -59,18 +59,17 @@ def test_package_import_boundaries() -> None:
 SERVER_ALLOWED = {
     "config": set(),
     "errors": set(),
-    "quorum_bodies": {"errors"},
     "params": {"config", "errors"},
     "members": {"config", "errors"},
     "observe": {"config", "errors", "members.registry", "params.store"},
     "rounds": {"config", "errors", "members", "params", "observe"},
     "intake": {"config", "errors", "members", "params", "observe", "rounds"},
-    "front": {"config", "observe", "params.store", "quorum_bodies"},
-    "allreduce": {"config", "errors", "members", "observe", "quorum_bodies"},
+    "front": {"config", "observe", "params.store"},
+    "allreduce": {"config", "errors", "members", "observe"},
     "paramserver": {
         *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
     },
-    "web": {"config", "errors", "front", "observe", "params.store", "quorum_bodies"},
+    "web": {"config", "errors", "front", "observe", "params.store"},
     "server": {"config", "front", "web", "allreduce", "paramserver"},
     "": {"config", "server"},  # diloco.server itself: its exports
 }

@@ -12,7 +12,9 @@ import pytest
 from diloco.server.allreduce.quorum_book import QuorumBook, Ticket
 from diloco.server.allreduce.quorum_records import Choice, choose
 from diloco.server.errors import ApiError
-from diloco.server.quorum_bodies import Ask, Outcome, read_ask, read_outcome
+from diloco.wire import WireError
+from diloco.wire.messages import QuorumAsk as Ask
+from diloco.wire.messages import QuorumOutcome as Outcome
 from tests.helpers.clock import FakeClock
 
 RENDEZVOUS = ("127.0.0.1", 29400)
@@ -44,7 +46,9 @@ class Run:
     def report(
         self, worker: str, qid: str, ok: bool = True, round_: int = 1, hash_: str = "h1"
     ) -> dict[str, Any]:
-        return self.book.report(Outcome(worker, qid, ok, round_ if ok else None, hash_, "boom"))
+        return self.book.report(
+            Outcome(worker, qid, ok, round_ if ok else None, hash_, "boom")
+        ).to_json()
 
     def leave(self, worker: str) -> None:
         self.live.discard(worker)
@@ -53,7 +57,7 @@ class Run:
 
 def reply(ticket: Ticket) -> dict[str, Any]:
     assert ticket.done and ticket.reply is not None
-    return ticket.reply
+    return ticket.reply.to_json()
 
 
 def formed(run: Run, *workers: str, round_: int = 0) -> str:
@@ -62,10 +66,15 @@ def formed(run: Run, *workers: str, round_: int = 0) -> str:
     return str(reply(tickets[0])["quorum_id"])
 
 
-def api_error(call: Any, *args: Any) -> ApiError:
-    with pytest.raises(ApiError) as info:
+def api_error(call: Any, *args: Any) -> ApiError | WireError:
+    """The error ``call`` raises: the book's (``ApiError``), or a body's that does not read
+    (``MessageError``, a ``WireError``)."""
+    with pytest.raises((ApiError, WireError)) as info:
         call(*args)
     return info.value
+
+
+read_ask, read_outcome = Ask.from_json, Outcome.from_json
 
 
 # --- forming --------------------------------------------------------------------------------
@@ -318,7 +327,7 @@ def test_save_every_and_a_requested_save_that_survives_a_discard() -> None:
     run.book.open = None
     assert reply(run.ask("a", 1, "h"))["save"] is True  # round 1 -> 2
     run.book.open = None
-    assert run.book.request_save() == {"status": "requested", "round": 1}
+    assert run.book.request_save().to_json() == {"status": "requested", "round": 1}
     qid = str(reply(run.ask("a", 2, "h"))["quorum_id"])
     run.report("a", qid, ok=False)
     assert reply(run.ask("a", 2, "h"))["save"] is True

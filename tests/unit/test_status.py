@@ -21,14 +21,11 @@ from diloco.server.observe.records import (
 from diloco.server.observe.status import Status, StatusFormatError, build_status
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import Coordinator
+from diloco.wire.messages import Register, RegisterInfo
 from tests.helpers.clock import FakeClock
 from tests.helpers.status import assert_keys, fresh
 
 APP_JS = Path(__file__).parents[2] / "src" / "diloco" / "server" / "web" / "dashboard" / "app.js"
-
-
-
-
 
 
 def test_a_fresh_status_has_every_field_and_round_trips() -> None:
@@ -68,7 +65,7 @@ def test_fragment_statuses_have_their_fields(mode: str) -> None:
     config = ServerConfig(port=0, num_workers=1, mode=mode, num_fragments=2)
     store = ParamStore.from_tensors({"w": torch.zeros(4), "b": torch.zeros(6)})
     coord = Coordinator(config, store, clock=FakeClock())
-    coord.membership.register("a", "h", {"num_fragments": 2})
+    coord.membership.register(Register("a", info=RegisterInfo(num_fragments=2)), "h")
     st = coord.status().to_json()
     assert_keys(Status, st)
     assert len(st["fragments"]) == 2

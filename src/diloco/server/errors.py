@@ -1,20 +1,24 @@
-"""API errors: each becomes a JSON body ``{"error": code, "detail": sentence}`` with a status."""
+"""API errors: each becomes an ``ErrorBody`` (``{"error": code, "detail": sentence}``, and the
+fields a worker acts on: a 409's ``round`` and ``action``...) with a status."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from diloco.wire.messages import ErrorBody
+
 
 class ApiError(Exception):
+    """An error reply: ``status`` and ``reply``; ``extra`` are ``ErrorBody``'s optional
+    fields (``round``, ``action``, ``staleness``, ``fragment``, ``allowed``...), a None one
+    left out."""
+
     def __init__(self, status: int, code: str, detail: str, **extra: Any) -> None:
         super().__init__(detail)
         self.status = status
         self.code = code
         self.detail = detail
-        self.extra = extra
-
-    def body(self) -> dict[str, Any]:
-        return {"error": self.code, "detail": self.detail, **self.extra}
+        self.reply = ErrorBody(error=code, detail=detail, **extra)
 
 
 def bad_request(code: str, detail: str, **extra: Any) -> ApiError:

@@ -15,15 +15,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from diloco.server.config import ServerConfig
 from diloco.server.observe.metrics import Family
 from diloco.server.observe.status import Status
 from diloco.server.params.store import ParamStore, Snapshot
-from diloco.server.quorum_bodies import Ask, Outcome
 from diloco.wire import Layout
 from diloco.wire.decode import AsyncStream
+from diloco.wire.messages import (
+    Assignment,
+    Deregistered,
+    Heartbeat,
+    HeartbeatReply,
+    Kicked,
+    NumWorkersUpdated,
+    OptimizerUpdated,
+    OutcomeRecorded,
+    ParamsSeeded,
+    Pending,
+    QuorumAsk,
+    QuorumOutcome,
+    Register,
+    Registered,
+    Saved,
+    SaveRequested,
+    UploadReceipt,
+)
 
 JSON_LIMIT = 64 * 1024
 """Largest JSON body accepted (registration, heartbeat, control): they hold a few fields. A
@@ -34,26 +52,24 @@ class Members(Protocol):
     """Registrations, heartbeats and leaving (``server/members/membership.py``), the same in
     every mode; what a registration means to the mode is the front's."""
 
-    def register(
-        self, worker_id: str | None, hostname: str, info: dict[str, Any]
-    ) -> dict[str, Any]:
-        """``POST /register``: the registration reply (a new id when ``worker_id`` is None).
-        Checked before anything changes: 400, 409 or 422 leave no trace."""
+    def register(self, asked: Register, hostname: str) -> Registered:
+        """``POST /register`` from ``hostname`` (a new id when ``asked`` names none). Checked
+        before anything changes: 400, 409 or 422 leave no trace."""
         ...
 
-    def deregister(self, worker_id: str, *, died: bool = False) -> dict[str, Any]:
+    def deregister(self, worker_id: str, *, died: bool = False) -> Deregistered:
         """``POST /deregister`` (410 for a worker not registered)."""
         ...
 
-    def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /heartbeat`` with its body's reported fields (410, 400 ``bad_field``)."""
+    def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+        """``POST /heartbeat`` (410 for a worker not registered)."""
         ...
 
-    def kick(self, worker_id: str) -> dict[str, Any]:
+    def kick(self, worker_id: str) -> Kicked:
         """``POST /control/kick_worker``: evict a worker now (410 for one not registered)."""
         ...
 
-    def set_num_workers(self, num_workers: int) -> dict[str, Any]:
+    def set_num_workers(self, num_workers: int) -> NumWorkersUpdated:
         """``POST /control/update_num_workers``: the workers the run expects (400 below
         ``min_workers``)."""
         ...
@@ -72,14 +88,14 @@ class Parameters(Protocol):
         the initial parameters are awaited."""
         ...
 
-    async def submit(self, layout: Layout, stream: AsyncStream) -> dict[str, Any]:
+    async def submit(self, layout: Layout, stream: AsyncStream) -> UploadReceipt:
         """``POST /submit_pseudograd`` whose header is ``layout``: the body read from
         ``stream`` and counted, or refused (409, 410, 422...) with nothing counted."""
         ...
 
     async def receive_initial(
         self, layout: Layout, stream: AsyncStream, worker_id: str
-    ) -> dict[str, Any]:
+    ) -> ParamsSeeded:
         """``POST /initial_params``: the first worker's parameters, when the server has none."""
         ...
 
@@ -89,7 +105,7 @@ class Parameters(Protocol):
         raw_fragment: str | None,
         min_round: Callable[[], int],
         have_round: int | None = None,
-    ) -> Snapshot | dict[str, Any]:
+    ) -> Snapshot | Pending:
         """``GET /global_params``: the pinned bytes to stream once a round >= ``min_round()``
         is published, or the 202 reply when none is within ``poll_timeout``. The caller
         closes the snapshot (``ParamStore.close_snapshot``) and calls its ``sent`` once sent."""
@@ -97,7 +113,7 @@ class Parameters(Protocol):
 
     def set_outer_hparams(
         self, lr: float | None = None, momentum: float | None = None
-    ) -> dict[str, Any]:
+    ) -> OptimizerUpdated:
         """``POST /control/update_optimizer``: every outer optimizer's learning rate and/or
         momentum, validated before anything changes."""
         ...
@@ -111,12 +127,12 @@ class Quorums(Protocol):
         """The round of the workers' state, named in a pending reply."""
         ...
 
-    async def quorum(self, ask: Ask) -> dict[str, Any] | None:
+    async def quorum(self, ask: QuorumAsk) -> Assignment | None:
         """``POST /quorum``: the worker's quorum, or None when none formed within
         ``poll_timeout`` (the worker asks again)."""
         ...
 
-    def outcome(self, outcome: Outcome) -> dict[str, Any]:
+    def outcome(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         """``POST /quorum/outcome``: one member's result, recorded."""
         ...
 
@@ -159,7 +175,7 @@ class Front(Protocol):
         parameters."""
         ...
 
-    async def request_save(self) -> tuple[int, dict[str, Any]]:
+    async def request_save(self) -> tuple[int, Saved | SaveRequested]:
         """``POST /control/save_state``: the HTTP status and reply of a checkpoint asked for
         now (written by the server, or by the workers' next quorum)."""
         ...

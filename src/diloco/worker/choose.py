@@ -17,9 +17,7 @@ not change strategy in the middle of a run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.quorum_sync import QuorumSync
@@ -33,16 +31,11 @@ from diloco.worker.settings import WorkerSettings
 from diloco.worker.strategy import SyncStrategy
 
 
-def allreduce_mode(reply: Mapping[str, Any]) -> bool:
-    """Whether a registration reply comes from a server in all-reduce mode."""
-    return reply.get("mode") == "allreduce"
-
-
 def choose_strategy(
     settings: WorkerSettings,
     session: Session,
     lockstep: Lockstep | None,
-    reply: Mapping[str, Any] | None,
+    reply: Registered | None,
     *,
     submit: Submit | None = None,
 ) -> SyncStrategy:
@@ -54,7 +47,7 @@ def choose_strategy(
     if lockstep is not None and not lockstep.group.leader:
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
-    if allreduce_mode(reply):
+    if reply.allreduce:
         inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
     elif settings.num_fragments > 1:
         inner = StreamingSync(session)
@@ -63,10 +56,10 @@ def choose_strategy(
     return inner if lockstep is None else GroupSync(lockstep, session, inner)
 
 
-def same_family(joined_allreduce: bool, reply: Mapping[str, Any]) -> None:
+def same_family(joined_allreduce: bool, reply: Registered) -> None:
     """Raise ValueError unless a re-registration's ``reply`` comes from a server of the family
-    the strategy was chosen for (``joined_allreduce``: the first reply's ``allreduce_mode``)."""
-    if allreduce_mode(reply) != joined_allreduce:
+    the strategy was chosen for (``joined_allreduce``: the first reply's ``allreduce``)."""
+    if reply.allreduce != joined_allreduce:
         mode = {True: "all-reduce", False: "parameter-server"}
         raise ValueError(
             f"the server now runs in {mode[not joined_allreduce]} mode; this worker joined it "
@@ -75,7 +68,7 @@ def same_family(joined_allreduce: bool, reply: Mapping[str, Any]) -> None:
 
 
 def _quorum_sync(
-    settings: WorkerSettings, session: Session, reply: Mapping[str, Any], *, grouped: bool
+    settings: WorkerSettings, session: Session, reply: Registered, *, grouped: bool
 ) -> QuorumSync:
     if settings.num_fragments > 1 and grouped:
         raise ValueError(

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 
+from diloco.wire.messages import HeartbeatReply, Registered
 from diloco.worker.session import Session
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.transport.client import ServerError, UnknownWorker, Unreachable
+from diloco.worker.transport.client import SYNC_FAILURES, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +41,13 @@ class Heartbeats:
         if self.thread is not None:
             self.thread.join(timeout=5)
 
-    def adopt_recommendation(self, reply: Mapping[str, Any]) -> None:
+    def adopt_recommendation(self, reply: Registered | HeartbeatReply) -> None:
         """DyLU: with ``dylu`` on, take the server's recommended ``sync_every`` (slower workers
         take fewer local steps, so all hand in work at about the same rate). The training thread
         reads it at its next step; an int assignment needs no lock."""
         s = self._s
-        value = reply.get("recommended_sync_every")
-        if not self._settings.dylu or isinstance(value, bool) or not isinstance(value, int):
+        value = reply.recommended_sync_every
+        if not self._settings.dylu or value is None:
             return
         value = max(value, self._settings.num_fragments, 1)
         if value != s.sync_every:
@@ -80,8 +79,8 @@ class Heartbeats:
                     step_age_s=time.monotonic() - s.last_step_at,
                     syncing=s.syncing,
                 )
-                self.adopt_recommendation(reply)
+                self.adopt_recommendation(HeartbeatReply.from_json(reply))
             except UnknownWorker:
                 s.need_rejoin.set()  # the training thread re-joins at its next step
-            except (Unreachable, ServerError) as exc:
+            except SYNC_FAILURES as exc:  # a reply that does not read is a WireError
                 log.warning("worker %s: heartbeat failed: %s", s.worker_id, exc)

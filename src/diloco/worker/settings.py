@@ -13,6 +13,7 @@ from typing import Any
 from diloco.core.codecs import FOUR_BIT, Codec, CodecError, LowRankCodec, codec_from_metadata
 from diloco.core.codecs.registry import PREFIX
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
+from diloco.wire.messages import ErrorBody
 from diloco.worker.transport.address import DEFAULT_PORT
 
 
@@ -191,15 +192,14 @@ def chosen_codec(settings: WorkerSettings) -> Codec:
 CODEC_REFUSALS = frozenset({"unknown_codec", "bad_option", "codec_refused"})
 
 
-def refused_codec(reply: Mapping[str, Any], codec: Codec) -> ValueError | None:
-    """The error to raise at start when the server's error ``reply`` (its JSON body) refused
-    the worker's codec; None for any other error."""
-    if reply.get("error") not in CODEC_REFUSALS:
+def refused_codec(reply: ErrorBody, codec: Codec) -> ValueError | None:
+    """The error to raise at start when the server's error ``reply`` refused the worker's
+    codec; None for any other error."""
+    if reply.error not in CODEC_REFUSALS:
         return None
-    allowed = reply.get("allowed")
-    hint = f" (it takes {', '.join(map(str, allowed))})" if isinstance(allowed, list) else ""
+    hint = f" (it takes {', '.join(reply.allowed)})" if reply.allowed is not None else ""
     return ValueError(
-        f"the server refuses codec {codec!r}: {reply.get('detail', '')}{hint}; choose another with "
+        f"the server refuses codec {codec!r}: {reply.detail}{hint}; choose another with "
         "codec=... (DILOCO_CODEC, diloco worker --codec)"
     )
 

@@ -15,8 +15,9 @@ Every method is called on the training thread (inside ``optimizer.step()``, ``fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
+
+from diloco.wire.messages import Registered
 
 
 class SyncStrategy(Protocol):
@@ -33,7 +34,7 @@ class SyncStrategy(Protocol):
         """The round shown as ``sync_metrics["round"]``: the oldest this worker trains on."""
         ...
 
-    def join(self, reply: Mapping[str, Any]) -> None:
+    def join(self, reply: Registered) -> None:
         """The first registration succeeded (``reply`` is the server's answer, ``worker_id`` set
         in the session): bring the model to the run's state, so training starts from it (the
         server's parameters, seeded from this model if it had none; all-reduce mode: the state
@@ -41,7 +42,7 @@ class SyncStrategy(Protocol):
         follow, and network errors: the worker then leaves and ``start()`` raises."""
         ...
 
-    def rejoin(self, reply: Mapping[str, Any]) -> str:
+    def rejoin(self, reply: Registered) -> str:
         """A re-registration succeeded (the server restarted or forgot this worker): reconcile
         the model with what the run holds now, keeping the local progress it does not hold
         (a rebase), and settle which uploads go again under their ids. Returns how the last

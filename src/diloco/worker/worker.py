@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from diloco.worker.choose import allreduce_mode, choose_strategy, same_family
+from diloco.wire.messages import Registered, RegisterInfo
+from diloco.worker.choose import choose_strategy, same_family
 from diloco.worker.groups.group import WorkerGroup, find_group
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
 from diloco.worker.heartbeats import Heartbeats
@@ -354,22 +355,31 @@ class DiLoCoWorker:
                 ) from exc
             raise
         except ServerError as exc:  # at the first join, a codec the server refuses is fatal
-            refused = refused_codec(exc.body, self.codec) if initial else None
+            refused = refused_codec(exc.reply, self.codec) if initial else None
             if refused is None:
                 raise
             raise refused from exc
-        s.worker_id = reply["worker_id"]
+        s.worker_id = reply.worker_id
         self._registered = True
         if initial:
             # From here the server counts on this worker: heartbeats say it is alive however
             # long the first download of a big model takes.
             self._heartbeats.start()
+            read_timeout = self.settings.read_timeout
+            if reply.poll_timeout is not None and reply.poll_timeout >= read_timeout:
+                log.warning(
+                    "worker %s: read_timeout %g s does not outlast the server's long polls "
+                    "(poll_timeout %g s): a wait for a slow round times out and is retried",
+                    s.worker_id,
+                    read_timeout,
+                    reply.poll_timeout,
+                )
         self._heartbeats.adopt_recommendation(reply)
         if self._strategy is None:
             self._strategy = choose_strategy(
                 self.settings, s, self._lockstep, reply, submit=self._submit
             )
-            self._allreduce = allreduce_mode(reply)
+            self._allreduce = reply.allreduce
         else:
             same_family(self._allreduce, reply)
         if initial:
@@ -391,25 +401,27 @@ class DiLoCoWorker:
         except (Unreachable, ServerError) as exc:
             log.warning("worker %s: could not deregister: %s", self.worker_id, exc)
 
-    def _register(self, initial: bool) -> dict[str, Any]:
-        return self.client.register(
+    def _register(self, initial: bool) -> Registered:
+        info = RegisterInfo(
+            pid=os.getpid(),
+            device=str(self._local.device),
+            sync_every=self.settings.sync_every,
+            # All-reduce mode leaves a member of a failed quorum that stops heartbeating out of
+            # the next quorum after two intervals, before its eviction.
+            heartbeat_interval=self.settings.heartbeat_interval,
+            num_fragments=self.settings.num_fragments,
+            fragment_pattern=self.settings.fragment_pattern,
+            codec=dict(self._encoder.metadata),
+            # All-reduce mode compares tables at registration: a worker whose model differs is
+            # refused there, never inside a collective.
+            params=tuple(self._local.table().items()),
+        )
+        reply = self.client.register(
             self.worker_id,
             hostname=socket.gethostname(),
-            info={
-                "pid": os.getpid(),
-                "device": str(self._local.device),
-                "sync_every": self.settings.sync_every,
-                # All-reduce mode leaves a member of a failed quorum that stops heartbeating out
-                # of the next quorum after two intervals, before its eviction.
-                "heartbeat_interval": self.settings.heartbeat_interval,
-                "num_fragments": self.settings.num_fragments,
-                "fragment_pattern": self.settings.fragment_pattern,
-                "codec": self._encoder.metadata,
-                # All-reduce mode compares tables at registration: a worker whose model differs
-                # is refused there, never inside a collective.
-                "params": [[n, list(shape)] for n, shape in self._local.table().items()],
-            },
+            info=info,
             last_submission_id=(
                 None if initial or self._strategy is None else self._strategy.last_submission
             ),
         )
+        return Registered.from_json(reply)

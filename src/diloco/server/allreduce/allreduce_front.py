@@ -13,8 +13,9 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -32,7 +33,17 @@ from diloco.server.observe.metrics import QUORUM_FAMILIES
 from diloco.server.observe.records import QuorumSummary, Saves
 from diloco.server.observe.run_log import RunLog
 from diloco.server.observe.status import Status, build_status
-from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.wire.messages import (
+    Assignment,
+    LastSubmission,
+    OutcomeRecorded,
+    OuterStep,
+    QuorumAsk,
+    QuorumOutcome,
+    Registered,
+    RegisterInfo,
+    SaveRequested,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +100,7 @@ class AllReduceFront:
         record = self.registry.get(worker_id)
         if record is None:
             return None
-        interval = record.info.get("heartbeat_interval", 0)
-        ok = isinstance(interval, int | float) and not isinstance(interval, bool)
-        return record.last_seen, float(interval) if ok and interval > 0 else 0.0
+        return record.last_seen, record.info.heartbeat_interval or 0.0
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -121,13 +130,13 @@ class AllReduceFront:
     def expected(self) -> int:
         return self.book.num_workers
 
-    def admit(self, info: dict[str, Any]) -> Callable[[str], None]:
+    def admit(self, info: RegisterInfo) -> Callable[[str], None]:
         """A registration's table and codec checked (400 ``missing_params_table``, 409
         ``params_mismatch``, 422 ``codec_refused`` for a lossy codec), and its fragmenting, before
         anything changes."""
-        table = self.table.check(info)
-        comm = registered_codec(info, ALLREDUCE_CODECS) or "fp32"
-        asked = asked_fragmenting(info, self.config, self.fragmenting)
+        table = self.table.check(info.params)
+        comm = registered_codec(info.codec, ALLREDUCE_CODECS) or "fp32"
+        asked = asked_fragmenting(info.fragmenting, self.config, self.fragmenting)
 
         def counts(worker_id: str) -> None:
             if self.fragmenting is None:
@@ -138,29 +147,28 @@ class AllReduceFront:
 
         return counts
 
-    def told(self, last_submission: str | None) -> dict[str, Any]:
+    def told(self, reply: Registered, last_submission: str | None) -> Registered:
         """The mode, the rendezvous, the collective timeout, the run's table and the outer
         optimizer every worker must step identically; no parameters here, so no upload was
         ever counted in them."""
         config = self.config
-        reply: dict[str, Any] = {
-            **self.book.registration(),
-            "has_params": False,
-            "fragments": None,
-            "fragment_rounds": None,
-        }
-        if last_submission is not None:
-            reply["last_submission"] = {"counted_in": None, "in_params": False}
-        reply.update(
-            params=self.table.json(),
+        return replace(
+            reply,
+            mode=self.mode,
+            round=self.book.round,
+            instance=self.book.instance,
+            has_params=False,
+            fragments=None,
+            fragment_rounds=None,
+            last_submission=(
+                None if last_submission is None else LastSubmission(None, in_params=False)
+            ),
+            params=self.table.table,
+            rendezvous=self.book.meeting_point(),
+            collective_timeout=config.collective_timeout,
             weighting=config.weighting,
-            outer={
-                "lr": config.outer_lr,
-                "momentum": config.outer_momentum,
-                "nesterov": config.nesterov,
-            },
+            outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
         )
-        return reply
 
     def left(self, worker_id: str) -> None:
         self.book.on_leave(worker_id)
@@ -185,25 +193,25 @@ class AllReduceFront:
     def round(self) -> int:
         return self.book.round
 
-    async def quorum(self, ask: Ask) -> dict[str, Any] | None:
+    async def quorum(self, ask: QuorumAsk) -> Assignment | None:
         ticket = self.book.ask(ask)
         self.registry.touch(ask.worker_id)  # a worker asking is alive, and has joined
         reply = await self.book.wait(ticket, self.config.poll_timeout)
-        if reply is not None:
-            # bf16 when every member sends bf16, else fp32: one dtype per collective.
-            both = all(self._comm.get(m) == "bf16" for m in reply["members"])
-            reply["comm"] = "bf16" if both else "fp32"
-        return reply
+        if reply is None:
+            return None
+        # bf16 when every member sends bf16, else fp32: one dtype per collective.
+        both = all(self._comm.get(m) == "bf16" for m in reply.members)
+        return replace(reply, comm="bf16" if both else "fp32")
 
-    def outcome(self, outcome: Outcome) -> dict[str, Any]:
+    def outcome(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         reply = self.book.report(outcome)
         self.registry.touch(outcome.worker_id)
         return reply
 
-    async def request_save(self) -> tuple[int, dict[str, Any]]:
+    async def request_save(self) -> tuple[int, SaveRequested]:
         """The workers hold the state: rank 0 of the next quorum saves."""
         reply = self.book.request_save()
-        log.info("control: checkpoint requested of the next quorum (round %s)", reply["round"])
+        log.info("control: checkpoint requested of the next quorum (round %s)", reply.round)
         return 202, reply
 
     async def save(self) -> Path | None:

@@ -33,13 +33,19 @@ import asyncio
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from diloco.server.allreduce.quorum_records import Ended, QuorumRecord, choose
 from diloco.server.allreduce.suspects import HeartbeatOf, Suspects
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
 from diloco.server.observe.records import QuorumStatus, QuorumSummary
-from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.wire.messages import (
+    Assignment,
+    OutcomeRecorded,
+    QuorumAsk,
+    QuorumOutcome,
+    Rendezvous,
+    SaveRequested,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +57,14 @@ class Ticket:
     """One waiting ``POST /quorum``: settled with the worker's quorum reply, with None (the
     worker asked again: this older request answers "pending"), or as ``gone`` (it left)."""
 
-    def __init__(self, ask: Ask) -> None:
+    def __init__(self, ask: QuorumAsk) -> None:
         self.ask = ask
-        self.reply: dict[str, Any] | None = None
+        self.reply: Assignment | None = None
         self.gone = False
         self.done = False
         self._event = asyncio.Event()
 
-    def settle(self, reply: dict[str, Any] | None = None, *, gone: bool = False) -> None:
+    def settle(self, reply: Assignment | None = None, *, gone: bool = False) -> None:
         self.reply, self.gone, self.done = reply, gone, True
         self._event.set()
 
@@ -125,7 +131,7 @@ class QuorumBook:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def ask(self, ask: Ask) -> Ticket:
+    def ask(self, ask: QuorumAsk) -> Ticket:
         """File a request (410 for a worker not registered). A member of the open quorum that
         has not reported asks again only after failing: that quorum is discarded."""
         worker = ask.worker_id
@@ -143,7 +149,7 @@ class QuorumBook:
         self.tick()
         return ticket
 
-    async def wait(self, ticket: Ticket, timeout: float) -> dict[str, Any] | None:
+    async def wait(self, ticket: Ticket, timeout: float) -> Assignment | None:
         """The ticket's quorum reply, or None when none formed within ``timeout`` (the worker
         asks again); 410 when the worker left meanwhile."""
         try:
@@ -217,7 +223,6 @@ class QuorumBook:
         self._form(tuple(waiting), now)
 
     def _form(self, members: tuple[str, ...], now: float) -> None:
-        assert self.rendezvous is not None, "the rendezvous is not listening yet"
         start = choose([self._pending[w].ask for w in members], self._agreed)
         self._formed += 1
         every = self.save_every > 0 and (start.round + 1) % self.save_every == 0
@@ -232,24 +237,24 @@ class QuorumBook:
         self._save_requested = False
         self.open = q
         self.round = start.round
-        host, port = self.rendezvous
+        meet = self.meeting_point()
         for rank, worker in enumerate(members):
             self._since.pop(worker, None)
             self._pending.pop(worker).settle(
-                {
-                    "quorum_id": q.id,
-                    "rank": rank,
-                    "size": len(members),
-                    "members": list(members),
-                    "round": start.round,
-                    "hash": start.hash,
-                    "source": start.source,
-                    "resync": list(start.resync),
-                    "rendezvous": {"host": host, "port": port},
-                    "timeout": self.collective_timeout,
-                    "save": q.save,
-                    "made_by": self._made_by.get((start.round, start.hash), ""),
-                }
+                Assignment(
+                    quorum_id=q.id,
+                    rank=rank,
+                    size=len(members),
+                    members=members,
+                    round=start.round,
+                    hash=start.hash,
+                    source=start.source,
+                    resync=start.resync,
+                    rendezvous=meet,
+                    timeout=self.collective_timeout,
+                    save=q.save,
+                    made_by=self._made_by.get((start.round, start.hash), ""),
+                )
             )
         log.info(
             "quorum %s formed: %s at round %d (source rank %d, resync %s)",
@@ -262,7 +267,7 @@ class QuorumBook:
 
     # --- outcomes -----------------------------------------------------------------------------
 
-    def report(self, outcome: Outcome) -> dict[str, Any]:
+    def report(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         """Record one member's outcome: 410 for a worker not registered, 404 ``unknown_quorum``
         for an id this server never formed (it restarted: ask for a new quorum), 409
         ``not_a_member``. A quorum that already ended answers how it ended."""
@@ -281,8 +286,9 @@ class QuorumBook:
                 )
             self._member(worker, qid, ended.members)
             self._note_made(outcome, ended.start_round)  # it applied the step all the same
-            extra = {"detail": ended.reason} if ended.reason else {}
-            return {"status": ended.status, "quorum_id": qid, "round": self.round, **extra}
+            return OutcomeRecorded(
+                status=ended.status, quorum_id=qid, round=self.round, detail=ended.reason or None
+            )
         self._member(worker, qid, q.members)
         if outcome.ok and outcome.round not in (q.start.round, q.start.round + 1):
             raise bad_request(
@@ -298,9 +304,9 @@ class QuorumBook:
             elif len(q.outcomes) == len(q.members):
                 self._complete(q)
             self.tick()
-        return {"status": "recorded", "quorum_id": qid, "round": self.round}
+        return OutcomeRecorded(status="recorded", quorum_id=qid, round=self.round)
 
-    def _note_made(self, outcome: Outcome, start_round: int) -> None:
+    def _note_made(self, outcome: QuorumOutcome, start_round: int) -> None:
         """A member applied its quorum's step: the state it reports was made by that quorum."""
         if outcome.ok and outcome.round == start_round + 1 and outcome.hash:
             self._made_by[(outcome.round, outcome.hash)] = outcome.quorum_id
@@ -375,22 +381,16 @@ class QuorumBook:
             self._discard(q, f"member {worker_id} left or was evicted")
         self.tick()
 
-    def request_save(self) -> dict[str, Any]:
+    def request_save(self) -> SaveRequested:
         """An operator's save: rank 0 of the next quorum writes a checkpoint after its round."""
         self._save_requested = True
-        return {"status": "requested", "round": self.round}
+        return SaveRequested(round=self.round)
 
-    def registration(self) -> dict[str, Any]:
-        """What a registration reply adds in all-reduce mode."""
+    def meeting_point(self) -> Rendezvous:
+        """Where quorums meet, as a registration reply names it."""
         assert self.rendezvous is not None, "the rendezvous is not listening yet"
         host, port = self.rendezvous
-        return {
-            "mode": "allreduce",
-            "round": self.round,
-            "instance": self.instance,
-            "rendezvous": {"host": host, "port": port},
-            "collective_timeout": self.collective_timeout,
-        }
+        return Rendezvous(host=host, port=port)
 
     def public(self) -> QuorumSummary:
         q = self.open

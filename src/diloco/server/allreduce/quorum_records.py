@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from diloco.server.quorum_bodies import Ask, Outcome
+from diloco.wire.messages import QuorumAsk, QuorumOutcome
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Choice:
     resync: tuple[int, ...]
 
 
-def choose(asks: Sequence[Ask], agreed: tuple[int, str] | None = None) -> Choice:
+def choose(asks: Sequence[QuorumAsk], agreed: tuple[int, str] | None = None) -> Choice:
     """The start of a quorum whose members (by rank) asked with ``asks``; at least one holds
     state. ``agreed``: the last state a quorum completed with, preferred when a member holds it
     (a member whose hash diverged then loses even where it is not outnumbered)."""
@@ -52,7 +52,7 @@ class QuorumRecord:
     save: bool
     save_requested: bool  # an operator's request rides on it (renewed if it is discarded)
     deadline: float
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    outcomes: dict[str, QuorumOutcome] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -3,49 +3,18 @@
 The server holds no parameters in this mode, so nothing else stops a worker with another model
 from joining a collective, where a tensor of the wrong shape would fail the whole quorum (or,
 worse, line up by size and be averaged into the wrong parameter). Each registration carries its
-table in ``info["params"]`` as ``[[name, [shape...]], ...]``; the first registrant's becomes the
-run's (in memory: after a server restart the next registrant sets it again) and a differing one
-is refused before it changes anything.
+table in ``RegisterInfo.params`` (``[[name, [shape...]], ...]``, its shape checked by the
+message); the first registrant's becomes the run's (in memory: after a server restart the next
+registrant sets it again) and a differing one is refused before it changes anything.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from diloco.server.errors import ApiError, bad_request, conflict
-
-Table = tuple[tuple[str, tuple[int, ...]], ...]
+from diloco.wire.messages import Table
 
 SHOWN = 5
 """Differences named in a ``params_mismatch`` detail."""
-
-
-def read_table(info: dict[str, Any]) -> Table:
-    """A registration's table; 400 ``missing_params_table`` without one, ``bad_field`` when it
-    is not ``[[name, [int >= 0, ...]], ...]`` with distinct names."""
-    raw = info.get("params")
-    if raw is None:
-        raise bad_request(
-            "missing_params_table",
-            "this server runs in all-reduce mode: the registration's info must carry the "
-            "worker's parameter table, 'params': [[name, [shape...]], ...] (a worker too old "
-            "for this mode?)",
-        )
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("bad_field", "info.params must be a non-empty list of [name, shape]")
-    table = []
-    for entry in raw:
-        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-        shape = entry[1] if ok else None
-        if not ok or not entry[0] or not isinstance(shape, list):
-            raise bad_request("bad_field", f"info.params: {entry!r:.80} is not [name, [shape...]]")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise bad_request("bad_field", f"info.params: shape of {entry[0]!r} must be ints >= 0")
-        table.append((entry[0], tuple(shape)))
-    names = [name for name, _ in table]
-    if len(set(names)) != len(names):
-        raise bad_request("bad_field", "info.params names a tensor twice")
-    return tuple(table)
 
 
 def differences(run: Table, worker: Table) -> list[str]:
@@ -70,10 +39,17 @@ class RunTable:
     def __init__(self) -> None:
         self.table: Table | None = None
 
-    def check(self, info: dict[str, Any]) -> Table:
-        """The registering worker's table, refused (409 ``params_mismatch``) when it differs
-        from the run's. Changes nothing: ``adopt`` it once the registration went through."""
-        table = read_table(info)
+    def check(self, table: Table | None) -> Table:
+        """The registering worker's table: 400 ``missing_params_table`` without one, 409
+        ``params_mismatch`` when it differs from the run's. Changes nothing: ``adopt`` it once
+        the registration went through."""
+        if table is None:
+            raise bad_request(
+                "missing_params_table",
+                "this server runs in all-reduce mode: the registration's info must carry the "
+                "worker's parameter table, 'params': [[name, [shape...]], ...] (a worker too old "
+                "for this mode?)",
+            )
         if self.table is not None and table != self.table:
             diff = differences(self.table, table)
             more = f" (and {len(diff) - SHOWN} more)" if len(diff) > SHOWN else ""
@@ -83,11 +59,6 @@ class RunTable:
     def adopt(self, table: Table) -> None:
         if self.table is None:
             self.table = table
-
-    def json(self) -> list[list[Any]] | None:
-        if self.table is None:
-            return None
-        return [[name, list(shape)] for name, shape in self.table]
 
 
 def mismatch(what: str) -> ApiError:

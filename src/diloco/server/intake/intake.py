@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -33,6 +32,7 @@ from diloco.server.rounds.model import Model
 from diloco.server.rounds.units import Unit, plan_pieces
 from diloco.wire import Layout, PayloadReader, WireError, aread_payload, byte_view, tensor_views
 from diloco.wire.decode import AsyncStream
+from diloco.wire.messages import UploadReceipt
 
 
 class Intake:
@@ -133,7 +133,7 @@ class Intake:
         submission_id: str,
         base: int,
         weight: float,
-    ) -> dict[str, Any]:
+    ) -> UploadReceipt:
         """Receive an accepted upload's body (its header checked as ``body``) and hand it to the
         unit's aggregator; returns the aggregator's reply fields. Raises (and counts nothing) if
         the body is cut, non-finite, or its worker is gone or superseded when it ends."""
@@ -184,7 +184,7 @@ class Intake:
         submission_id: str,
         base: int,
         weight: float,
-    ) -> dict[str, Any]:
+    ) -> UploadReceipt:
         """The ordinary path: the whole body into an upload slot, checked, then counted."""
         assert self.pool is not None
         agg = unit.aggregator
@@ -246,5 +246,5 @@ class Intake:
                 "this upload was superseded; rebase",
                 action="rebase",
                 round=unit.round,
-                **self.model.which(unit),
+                fragment=self.model.fragment_of(unit),
             )

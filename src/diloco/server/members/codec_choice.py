@@ -6,7 +6,6 @@ mid-run) and in an upload's metadata (``server/intake/upload_body.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from diloco.core.codecs import Codec, CodecError, codec_from_metadata
 from diloco.server.errors import ApiError, bad_request
@@ -23,7 +22,7 @@ def codec_refused(name: str, allowed: Sequence[str]) -> ApiError:
         "codec_refused",
         f"this server does not take {name} uploads; it takes {', '.join(allowed)} "
         "(diloco server --codecs)",
-        allowed=list(allowed),
+        allowed=tuple(allowed),
     )
 
 
@@ -34,26 +33,16 @@ def parse_codec(metadata: Mapping[str, str]) -> Codec:
         raise bad_request(exc.code, exc.detail) from None
 
 
-def registered_codec(info: Mapping[str, Any], allowed: Sequence[str]) -> str | None:
-    """The codec a registering worker asks for in ``info["codec"]`` (``codec_metadata(codec)``),
-    checked now so a refused one is told at registration, not mid-run: 400 for an unknown codec
-    or option, 422 ``codec_refused`` for one this server does not allow. None: raw uploads (the
-    worker asks for nothing, or ``raw``), refused only when neither fp32 nor bf16 is allowed."""
-    asked = info.get("codec")
+def registered_codec(asked: Mapping[str, str] | None, allowed: Sequence[str]) -> str | None:
+    """The codec a registering worker asks for (``RegisterInfo.codec``, ``codec_metadata(codec)``,
+    its shape checked by the message), checked now so a refused one is told at registration, not
+    mid-run: 400 for an unknown codec or option, 422 ``codec_refused`` for one this server does
+    not allow. None: raw uploads (the worker asks for nothing, or ``raw``), refused only when
+    neither fp32 nor bf16 is allowed."""
     if asked is None or asked == {"codec": RAW}:
         if not set(RAW_NAMES.values()) & set(allowed):
             raise codec_refused("raw (fp32/bf16)", allowed)
         return None
-    if (
-        not isinstance(asked, dict)
-        or "codec" not in asked
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in asked.items())
-    ):
-        raise bad_request(
-            "bad_field",
-            "info['codec'] must be an object of strings with a 'codec' key, as "
-            "codec_metadata(codec) gives ({'codec': 'int8', 'codec_block': '64'})",
-        )
     codec = parse_codec(asked)
     if codec.name not in allowed:
         raise codec_refused(codec.name, allowed)

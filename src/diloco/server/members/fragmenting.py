@@ -6,11 +6,9 @@ before it changes anything (409 ``fragments_mismatch``, with what to restart the
 
 from __future__ import annotations
 
-from typing import Any
-
-from diloco.core.fragments import PATTERNS, SEQUENTIAL
+from diloco.core.fragments import SEQUENTIAL
 from diloco.server.config import ServerConfig
-from diloco.server.errors import ApiError, bad_request, conflict
+from diloco.server.errors import ApiError, conflict
 
 Fragmenting = tuple[int, str]
 """(number of fragments, pattern)."""
@@ -24,16 +22,12 @@ def configured_fragmenting(config: ServerConfig) -> Fragmenting | None:
 
 
 def asked_fragmenting(
-    info: dict[str, Any], config: ServerConfig, have: Fragmenting | None
+    asked: Fragmenting, config: ServerConfig, have: Fragmenting | None
 ) -> Fragmenting:
-    """The fragmenting a registering worker asks for; refused if it differs from the run's
-    (``have``) or the server publishes compressed updates of the whole model."""
-    num = info.get("num_fragments", 1)
-    pattern = info.get("fragment_pattern", SEQUENTIAL)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise bad_request("bad_field", "info.num_fragments must be an integer >= 1")
-    if pattern not in PATTERNS:
-        raise bad_request("bad_field", f"info.fragment_pattern must be one of {PATTERNS}")
+    """The fragmenting a registering worker asks for (``RegisterInfo.fragmenting``); refused if
+    it differs from the run's (``have``) or the server publishes compressed updates of the whole
+    model."""
+    num = asked[0]
     if num > 1 and config.lossy_download:
         codec = config.download_codec
         raise ApiError(
@@ -43,7 +37,6 @@ def asked_fragmenting(
             f"(--download-codec {codec}), which streaming fragments cannot use; start the "
             "worker with num_fragments=1, or the server with --download-codec fp32",
         )
-    asked = (num, str(pattern))
     if have is not None and (asked[0] != have[0] or (have[0] > 1 and asked[1] != have[1])):
         raise conflict(
             "fragments_mismatch",

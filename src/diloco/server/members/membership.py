@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from diloco.core.dylu import recommended_sync_every, smooth_speed
 from diloco.server.config import ServerConfig
 from diloco.server.errors import bad_request, unknown_worker
 from diloco.server.members.codec_choice import registered_codec
 from diloco.server.members.registry import WorkerInfo, WorkerRegistry
+from diloco.wire.messages import (
+    Deregistered,
+    Heartbeat,
+    HeartbeatReply,
+    Kicked,
+    NumWorkersUpdated,
+    Register,
+    Registered,
+    RegisterInfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +45,17 @@ class Roster(Protocol):
         """Workers the run expects now (registration replies)."""
         ...
 
-    def admit(self, info: dict[str, Any]) -> Callable[[str], None]:
+    def admit(self, info: RegisterInfo) -> Callable[[str], None]:
         """Check what the mode needs of a registration's ``info`` (400, 409, 422) before
         anything changes; return what makes it count, called with the worker's id once the
         registry holds it."""
         ...
 
-    def told(self, last_submission: str | None) -> dict[str, Any]:
-        """The mode's fields of a registration reply (``mode``, ``instance``, what it holds),
-        and with ``last_submission`` (the id of the worker's last upload, asked about after a
-        lost connection) where that upload was counted."""
+    def told(self, reply: Registered, last_submission: str | None) -> Registered:
+        """``reply`` (membership's fields set, the mode's at placeholders) with the mode's
+        fields (``mode``, ``instance``, what it holds...), and with ``last_submission`` (the id
+        of the worker's last upload, asked about after a lost connection) where that upload was
+        counted."""
         ...
 
     def left(self, worker_id: str) -> None:
@@ -76,13 +86,13 @@ class Membership:
         self.roster = roster
         self._changed = changed
 
-    def register(
-        self, worker_id: str | None, hostname: str, info: dict[str, Any]
-    ) -> dict[str, Any]:
+    def register(self, asked: Register, hostname: str) -> Registered:
+        """``POST /register`` from ``hostname`` (the body's, or the address it came from)."""
+        info = asked.info
         counts = self.roster.admit(info)
-        codec = registered_codec(info, self.config.allowed_codecs)
+        codec = registered_codec(info.codec, self.config.allowed_codecs)
         # Validated: from here on the registration changes state.
-        worker_id = worker_id or f"w-{uuid.uuid4().hex[:10]}"
+        worker_id = asked.worker_id or f"w-{uuid.uuid4().hex[:10]}"
         record, new = self.registry.add(worker_id, hostname, info)
         record.codec = codec
         counts(worker_id)
@@ -94,21 +104,19 @@ class Membership:
             self.roster.shown_round(),
         )
         self._changed()
-        reply: dict[str, Any] = {
-            "worker_id": worker_id,
-            "round": self.roster.shown_round(),
-            "num_workers": self.roster.expected(),
-            "poll_timeout": self.config.poll_timeout,
-            "codecs": list(self.config.allowed_codecs),
-        }
-        recommended = self._recommend(record)
-        if recommended is not None:
-            reply["recommended_sync_every"] = recommended
-        last = info.get("last_submission_id")
-        reply.update(self.roster.told(last if isinstance(last, str) and last else None))
-        return reply
+        reply = Registered(
+            worker_id=worker_id,
+            round=self.roster.shown_round(),
+            mode=self.config.mode,
+            has_params=False,
+            num_workers=self.roster.expected(),
+            poll_timeout=self.config.poll_timeout,
+            codecs=self.config.allowed_codecs,
+            recommended_sync_every=self._recommend(record),
+        )
+        return self.roster.told(reply, asked.last_submission_id)
 
-    def deregister(self, worker_id: str, *, died: bool = False) -> dict[str, Any]:
+    def deregister(self, worker_id: str, *, died: bool = False) -> Deregistered:
         if self.registry.remove(worker_id, died=died) is None:
             raise unknown_worker(worker_id)
         self.roster.left(worker_id)
@@ -119,9 +127,9 @@ class Membership:
             self.roster.shown_round(),
         )
         self._changed()
-        return {"status": "ok", "round": self.roster.shown_round()}
+        return Deregistered(round=self.roster.shown_round())
 
-    def kick(self, worker_id: str) -> dict[str, Any]:
+    def kick(self, worker_id: str) -> Kicked:
         """Evict a worker on request. Its accepted submission stays counted; a kicked worker
         that is still running gets 410 at its next request and may re-join."""
         if worker_id not in self.registry:
@@ -130,13 +138,12 @@ class Membership:
             "worker %s kicked by an operator (round %d)", worker_id, self.roster.shown_round()
         )
         self.registry.kicks += 1
-        return self.deregister(worker_id, died=False)
+        self.deregister(worker_id, died=False)
+        return Kicked(round=self.roster.shown_round(), kicked=worker_id)
 
-    def set_num_workers(self, num_workers: int) -> dict[str, Any]:
+    def set_num_workers(self, num_workers: int) -> NumWorkersUpdated:
         """Change how many workers the run expects (round 0 or the first quorum waits for
         them; never below ``min_workers``)."""
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int):
-            raise bad_request("bad_field", "num_workers must be an integer")
         if num_workers < self.config.min_workers:
             raise bad_request(
                 "bad_field",
@@ -146,45 +153,35 @@ class Membership:
         self.roster.expect(num_workers)
         log.info("expected workers set to %d (round %d)", num_workers, self.roster.shown_round())
         self._changed()
-        return {"status": "ok", "num_workers": num_workers}
+        return NumWorkersUpdated(num_workers=num_workers)
 
-    def heartbeat(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        if worker_id not in self.registry:
-            raise unknown_worker(worker_id)
-        updates: dict[str, Any] = {}
-        if "syncing" in body:
-            if not isinstance(body["syncing"], bool):
-                raise bad_request("bad_field", "syncing must be a boolean")
-            updates["syncing"] = body["syncing"]
-        for key in ("steps_per_second", "loss", "step_age_s"):
-            value = body.get(key)
-            if value is not None:
-                if (
-                    isinstance(value, bool)
-                    or not isinstance(value, (int, float))
-                    or not math.isfinite(value)
-                ):
-                    raise bad_request("bad_field", f"{key} must be a finite number")
-                updates[key] = float(value)
-        record = self.registry.touch(worker_id)  # validated first: a bad request changes nothing
-        assert record is not None
-        for key, value in updates.items():
-            setattr(record, key, value)
+    def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+        """``POST /heartbeat`` (its values checked by the message before anything changes);
+        absent values keep the last reported."""
+        record = self.registry.touch(beat.worker_id)
+        if record is None:
+            raise unknown_worker(beat.worker_id)
+        if beat.syncing is not None:
+            record.syncing = beat.syncing
+        if beat.steps_per_second is not None:
+            record.steps_per_second = beat.steps_per_second
+        if beat.loss is not None:
+            record.loss = beat.loss
+        if beat.step_age_s is not None:
+            record.step_age_s = beat.step_age_s
         # A worker that spent the interval syncing reports no speed (or 0): the smoothed speed
         # keeps its previous value instead of collapsing, so DyLU does not flap.
-        record.smoothed_speed = smooth_speed(record.smoothed_speed, updates.get("steps_per_second"))
-        reply: dict[str, Any] = {"status": "ok", "round": self.roster.shown_round()}
-        recommended = self._recommend(record)
-        if recommended is not None:
-            reply["recommended_sync_every"] = recommended
-        return reply
+        record.smoothed_speed = smooth_speed(record.smoothed_speed, beat.steps_per_second)
+        return HeartbeatReply(
+            round=self.roster.shown_round(), recommended_sync_every=self._recommend(record)
+        )
 
     def _recommend(self, record: WorkerInfo) -> int | None:
         """DyLU: this worker's sync_every from its smoothed speed relative to the fastest."""
         if not self.config.dylu:
             return None
-        base = record.info.get("sync_every")
-        if isinstance(base, bool) or not isinstance(base, int) or base < 1:
+        base = record.info.sync_every
+        if base is None:
             return None
         speeds = {w.worker_id: w.smoothed_speed for w in self.registry}
         value = recommended_sync_every(speeds, base, self.config.dylu_min_sync_every)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+
+from diloco.wire.messages import RegisterInfo
 
 
 @dataclass
@@ -14,7 +15,7 @@ class WorkerInfo:
     hostname: str
     registered_at: float
     last_seen: float
-    info: dict[str, Any] = field(default_factory=dict)
+    info: RegisterInfo = field(default_factory=RegisterInfo)  # what it said at registration
     steps_per_second: float | None = None
     loss: float | None = None
     submissions: int = 0
@@ -60,7 +61,7 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 
-    def add(self, worker_id: str, hostname: str, info: dict[str, Any]) -> tuple[WorkerInfo, bool]:
+    def add(self, worker_id: str, hostname: str, info: RegisterInfo) -> tuple[WorkerInfo, bool]:
         """Register (or refresh) a worker. Returns the record and whether it is new."""
         now = self._clock()
         existing = self._workers.get(worker_id)

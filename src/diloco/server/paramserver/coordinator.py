@@ -23,8 +23,9 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -51,11 +52,19 @@ from diloco.server.rounds.barrier import SyncBarrier
 from diloco.server.rounds.checkpoints import Checkpoints
 from diloco.server.rounds.model import Model
 from diloco.server.rounds.outer_steps import OuterSteps
-from diloco.server.rounds.submissions import duplicate_reply, read_header, refusal
+from diloco.server.rounds.submissions import duplicate_reply, refusal
 from diloco.server.rounds.sync_aggregator import SyncAggregator
 from diloco.server.rounds.units import OptimizerFactory, Unit
 from diloco.wire import Layout
 from diloco.wire.decode import AsyncStream
+from diloco.wire.messages import (
+    OptimizerUpdated,
+    OuterHparams,
+    ParamsSeeded,
+    Saved,
+    UploadMeta,
+    UploadReceipt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +205,7 @@ class Coordinator:
         """Write a checkpoint now; None when saving is not configured or nothing to save."""
         return await self.checkpoints.save()
 
-    async def request_save(self) -> tuple[int, dict[str, Any]]:
+    async def request_save(self) -> tuple[int, Saved]:
         """An operator's save, written now."""
         if self.config.save_dir is None:
             raise ApiError(
@@ -216,11 +225,11 @@ class Coordinator:
             )
         round_ = self.status().round
         log.info("control: state saved to %s (round %s)", path, round_)
-        return 200, {"status": "ok", "path": str(path), "round": round_}
+        return 200, Saved(path=str(path), round=round_)
 
     async def receive_initial(
         self, layout: Layout, stream: AsyncStream, worker_id: str
-    ) -> dict[str, Any]:
+    ) -> ParamsSeeded:
         """The first worker provides the initial parameters when the server was started without."""
         store = await self.intake.receive_initial(layout, stream, worker_id)
         self._adopt_store(store)
@@ -231,12 +240,13 @@ class Coordinator:
             len(store.specs),
             store.numel,
         )
-        return {
-            "status": "ok",
-            "round": store.round,
-            "num_params": store.numel,
-            **self.model.plan(),
-        }
+        fragments, fragment_rounds = self.model.plan()
+        return ParamsSeeded(
+            round=store.round,
+            num_params=store.numel,
+            fragments=fragments,
+            fragment_rounds=fragment_rounds,
+        )
 
     # --- lifecycle and routes -------------------------------------------------------------------
 
@@ -261,37 +271,40 @@ class Coordinator:
 
     # --- submissions ----------------------------------------------------------------------------
 
-    async def submit(self, layout: Layout, stream: AsyncStream) -> dict[str, Any]:
+    async def submit(self, layout: Layout, stream: AsyncStream) -> UploadReceipt:
         """An upload: checked here against its unit's aggregator, received by the intake, which
         hands it to the aggregator; the coordinator then closes whatever became ready."""
         model = self.model
         store = model.require_store()
-        meta = dict(layout.metadata)
-        head = read_header(meta, self.config.weighting == "samples")
+        head = UploadMeta.from_metadata(
+            layout.metadata, weighted=self.config.weighting == "samples"
+        )
         record = self.registry.get(head.worker_id)
         if record is None:
             raise unknown_worker(head.worker_id)
-        unit = model.unit_of(meta)
+        unit = model.unit_of(head.fragment)
         body = UploadBody.read(layout, unit.table, self.config.allowed_codecs)
-        agg, which = unit.aggregator, model.which(unit)
-        check = agg.check(head.worker_id, head.base, head.submission_id)
+        agg, fragment = unit.aggregator, model.fragment_of(unit)
+        check = agg.check(head.worker_id, head.base_round, head.submission_id)
         if check.verdict is Verdict.DUPLICATE:
-            return duplicate_reply(check, head.submission_id, store.instance, agg.versioned, which)
+            return duplicate_reply(
+                check, head.submission_id, store.instance, agg.versioned, fragment
+            )
         if check.verdict is not Verdict.ACCEPT:
             self.run_log.rejected += 1
             if check.verdict is Verdict.TOO_STALE:
-                raise self.steps.too_stale(unit, head.base, check.staleness)
-            raise refusal(check, head.base, which)
+                raise self.steps.too_stale(unit, head.base_round, check.staleness)
+            raise refusal(check, head.base_round, fragment)
         agg.begin_upload(head.worker_id, head.submission_id)
         try:
-            reply = await self.intake.receive(
+            counted = await self.intake.receive(
                 unit,
                 layout,
                 body,
                 stream,
                 head.worker_id,
                 head.submission_id,
-                head.base,
+                head.base_round,
                 head.weight,
             )
         except BaseException:
@@ -300,22 +313,23 @@ class Coordinator:
             raise
         self.registry.touch(head.worker_id)
         record.submissions += 1
-        record.last_round = head.base
+        record.last_round = head.base_round
         record.bytes_in += layout.total_size
         record.codec = body.name  # what it sends, whatever it registered with
         self.run_log.received(unit.index, layout.total_size)
         if head.loss is not None:
             record.loss = head.loss  # as a heartbeat's: shown even with heartbeats off
         if unit.index == 0:  # with fragments: one entry per worker per sync period
-            self.loss_history.record(head.base, head.worker_id, head.loss, head.steps)
+            self.loss_history.record(head.base_round, head.worker_id, head.loss, head.steps)
         self._maybe_close()
-        reply.update(
-            submission_id=head.submission_id, instance=model.require_store().instance, **which
-        )
         refused = self.run_log.refused_rounds.get(unit.index)
-        if refused:
-            reply["refused_rounds"] = list(refused)
-        return reply
+        return replace(
+            counted,
+            submission_id=head.submission_id,
+            instance=model.require_store().instance,
+            fragment=fragment,
+            refused_rounds=tuple(refused) if refused else None,
+        )
 
     # --- closing --------------------------------------------------------------------------------
 
@@ -351,7 +365,7 @@ class Coordinator:
 
     def set_outer_hparams(
         self, lr: float | None = None, momentum: float | None = None
-    ) -> dict[str, Any]:
+    ) -> OptimizerUpdated:
         """Change the outer learning rate and/or momentum of every outer optimizer. Validated
         before anything changes."""
         if lr is not None and not (math.isfinite(lr) and lr > 0):
@@ -368,7 +382,7 @@ class Coordinator:
         for opt in optimizers:
             set_optimizer_hparams(opt, lr=lr, momentum=momentum)
         log.info("outer optimizer changed: lr=%s momentum=%s", lr, momentum)
-        return {"status": "ok", "outer_optimizer": optimizer_hparams(optimizers[0])}
+        return OptimizerUpdated(outer_optimizer=OuterHparams(**optimizer_hparams(optimizers[0])))
 
     # --- status ---------------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ fragment) has the round a worker waits for, the snapshot that pins its bytes whi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from diloco.server.config import ServerConfig
 from diloco.server.errors import unknown_worker
@@ -14,6 +13,7 @@ from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.run_log import RunLog
 from diloco.server.params.store import Snapshot
 from diloco.server.rounds.model import Model
+from diloco.wire.messages import Pending
 
 
 class Downloads:
@@ -33,7 +33,7 @@ class Downloads:
         raw_fragment: str | None,
         min_round: Callable[[], int],
         have_round: int | None = None,
-    ) -> Snapshot | dict[str, Any]:
+    ) -> Snapshot | Pending:
         """``GET /global_params``: the snapshot to stream once the model (or one fragment) has
         a published round >= ``min_round()``, or the 202 reply when none came within
         ``poll_timeout``. The snapshot's ``sent`` counts the bytes once they are sent.
@@ -49,10 +49,7 @@ class Downloads:
         fragment = None if raw_fragment is None else self.model.fragment_index(raw_fragment)
         wanted = min_round()
         if not await self.wait_published(fragment, wanted, self.config.poll_timeout):
-            pending: dict[str, Any] = {"status": "pending", "round": self.published_round(fragment)}
-            if fragment is not None:
-                pending["fragment"] = fragment
-            return pending
+            return Pending(round=self.published_round(fragment), fragment=fragment)
         downlink = self.model.downlink
         snap = None
         if downlink is not None and fragment is None and have_round is not None:

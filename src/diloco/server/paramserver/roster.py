@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 from diloco.server.config import ServerConfig
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.rounds.model import Model
+from diloco.wire.messages import LastSubmission, Registered, RegisterInfo
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class UnitRoster:
         known = [n for n in counts if n is not None]
         return known[0] if known else self.model.num_workers
 
-    def admit(self, info: dict[str, Any]) -> Callable[[str], None]:
+    def admit(self, info: RegisterInfo) -> Callable[[str], None]:
         asked = self.model.asked_fragmenting(info)
 
         def counts(worker_id: str) -> None:
@@ -62,28 +63,31 @@ class UnitRoster:
 
         return counts
 
-    def told(self, last_submission: str | None) -> dict[str, Any]:
+    def told(self, reply: Registered, last_submission: str | None) -> Registered:
         model = self.model
         store = model.store
-        reply: dict[str, Any] = {
-            "mode": self.config.mode,
-            "instance": store.instance if store else None,
-            "has_params": store is not None,
-            **model.plan(),
-        }
-        if last_submission is not None:
-            # A worker that lost its connection asks whether its last upload was counted in an
-            # update whose result is in our parameters; if not it keeps that progress (rebases).
-            counted, in_params = None, False
-            for unit in model.units:
-                history = unit.aggregator.history
-                if last_submission in history:
-                    counted = history[last_submission]
-                    in_params = counted < unit.published_round
-            reply["last_submission"] = {"counted_in": counted, "in_params": in_params}
-        if store is not None:
-            reply["params"] = [[s.name, list(s.shape)] for s in store.specs]
-        return reply
+        fragments, fragment_rounds = model.plan()
+        return replace(
+            reply,
+            mode=self.config.mode,
+            instance=store.instance if store else None,
+            has_params=store is not None,
+            fragments=fragments,
+            fragment_rounds=fragment_rounds,
+            last_submission=None if last_submission is None else self._last(last_submission),
+            params=tuple((s.name, s.shape) for s in store.specs) if store else None,
+        )
+
+    def _last(self, submission_id: str) -> LastSubmission:
+        """A worker that lost its connection asks whether its last upload was counted in an
+        update whose result is in our parameters; if not it keeps that progress (rebases)."""
+        counted, in_params = None, False
+        for unit in self.model.units:
+            history = unit.aggregator.history
+            if submission_id in history:
+                counted = history[submission_id]
+                in_params = counted < unit.published_round
+        return LastSubmission(counted_in=counted, in_params=in_params)
 
     def left(self, worker_id: str) -> None:
         for unit in self.model.units:

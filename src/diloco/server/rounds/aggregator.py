@@ -16,10 +16,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from diloco.core.accumulate import Entry
 from diloco.server.observe.records import State
+from diloco.wire.messages import UploadReceipt
 
 
 class Verdict(enum.Enum):
@@ -119,10 +120,10 @@ class Aggregator(Protocol):
         the receive buffer), rather than queueing an add behind the next upload?"""
         ...
 
-    async def accept(self, landed: Landed) -> dict[str, Any]:
+    async def accept(self, landed: Landed) -> UploadReceipt:
         """Count a landed submission with its weight: add it to the round, or apply it. Returns
-        the reply's mode-specific fields (``status``, ``round``, and for async ``version``,
-        ``staleness``, ``weight``, ``refused``). Raises ``ApiError`` 409 when it can no longer
+        the receipt's mode-specific fields (``status``, ``round``, and for async ``version``,
+        ``staleness``, ``weight``, ``refused``; the caller adds the rest). Raises ``ApiError`` 409 when it can no longer
         count (async: too stale by now)."""
         ...
 

@@ -6,7 +6,6 @@ gate's (server/rounds/async_gate.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from diloco.core.outer import PieceDone
 from diloco.core.staleness import inverse_sqrt_weight
@@ -16,6 +15,7 @@ from diloco.server.rounds.aggregator import Check, Landed
 from diloco.server.rounds.async_gate import AsyncGate
 from diloco.server.rounds.outer_steps import OuterSteps
 from diloco.server.rounds.units import Unit
+from diloco.wire.messages import UploadReceipt
 
 
 class AsyncAggregator:
@@ -62,7 +62,7 @@ class AsyncAggregator:
     def reads_late(self) -> bool:
         return True
 
-    async def accept(self, landed: Landed) -> dict[str, Any]:
+    async def accept(self, landed: Landed) -> UploadReceipt:
         """Apply one submission as the next update of the unit. The reply names the version it
         made; the worker downloads it (or a newer one) next."""
         steps, unit, gate, base = self.steps, self.unit, self.gate, landed.base
@@ -114,16 +114,14 @@ class AsyncAggregator:
             weight=weight,
             refused=bool(refused),
         )
-        reply: dict[str, Any] = {
-            "status": "accepted",
-            "round": applied_to,
-            "version": applied_to + 1,
-            "staleness": stale,
-            "weight": weight,
-        }
-        if refused:
-            reply["refused"] = refused[0]
-        return reply
+        return UploadReceipt(
+            status="accepted",
+            round=applied_to,
+            version=applied_to + 1,
+            staleness=stale,
+            weight=weight,
+            refused=refused[0] if refused else None,
+        )
 
     # Nothing waits to close: every update is applied in ``accept``.
 

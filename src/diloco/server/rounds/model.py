@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -28,6 +27,7 @@ from diloco.server.params.store import ParamStore
 from diloco.server.params.update_bodies import Downlink
 from diloco.server.rounds.aggregator import Aggregator
 from diloco.server.rounds.units import OptimizerFactory, Unit, plan_pieces
+from diloco.wire.messages import Plan, RegisterInfo
 
 log = logging.getLogger(__name__)
 
@@ -119,55 +119,59 @@ class Model:
             return self.units[0].round
         return self.store.round if self.store is not None else 0
 
-    def which(self, unit: Unit) -> dict[str, int]:
-        """The ``fragment`` field of replies, present when the run streams fragments."""
-        return {"fragment": unit.index} if len(self.units) > 1 else {}
+    def fragment_of(self, unit: Unit) -> int | None:
+        """The ``fragment`` field of replies and errors: the unit's, when the run streams
+        fragments (None: left out)."""
+        return unit.index if len(self.units) > 1 else None
 
-    def unit_of(self, meta: dict[str, str]) -> Unit:
-        """The unit an upload's metadata names (``fragment``, required when streaming)."""
+    def unit_of(self, fragment: int | None) -> Unit:
+        """The unit an upload's metadata names (``UploadMeta.fragment``, required when
+        streaming)."""
         units = self.require_units()
-        raw = meta.get("fragment")
-        if raw is None:
+        if fragment is None:
             if len(units) > 1:
                 raise bad_request(
                     "missing_metadata",
                     f"this run syncs in {len(units)} fragments: __metadata__ needs 'fragment'",
                 )
             return units[0]
-        return units[self.fragment_index(raw)]
+        return units[self.checked_fragment(fragment)]
 
     def fragment_index(self, raw: str) -> int:
-        """Validate a fragment number from a request."""
-        units = self.require_units()
+        """Validate a fragment number from a query."""
+        self.require_units()
         try:
             index = int(raw)
         except ValueError:
             raise bad_request("bad_fragment", f"fragment must be an integer, got {raw!r}") from None
+        return self.checked_fragment(index)
+
+    def checked_fragment(self, index: int) -> int:
+        """``index`` if the run has such a fragment (400 ``bad_fragment`` otherwise)."""
+        units = self.require_units()
         if not 0 <= index < len(units):
             raise bad_request(
                 "bad_fragment", f"fragment must be in [0, {len(units) - 1}], got {index}"
             )
         return index
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> tuple[Plan | None, tuple[int, ...] | None]:
         """The fragments a streaming worker must use: for each, ``[wire name, parameter, start,
-        stop]`` per piece (None in plain DiLoCo), and each fragment's round."""
+        stop]`` per piece, and each fragment's round (None, None in plain DiLoCo)."""
         if len(self.units) <= 1:
-            return {"fragments": None, "fragment_rounds": None}
-        return {
-            "fragments": [
-                [[p.wire_name, p.param, p.start, p.stop] for p in unit.pieces]
-                for unit in self.units
-            ],
-            "fragment_rounds": [u.published_round for u in self.units],
-        }
+            return None, None
+        plan = tuple(
+            tuple((p.wire_name, p.param, p.start, p.stop) for p in unit.pieces)
+            for unit in self.units
+        )
+        return plan, tuple(u.published_round for u in self.units)
 
     # --- fragmenting ----------------------------------------------------------------------------
 
-    def asked_fragmenting(self, info: dict[str, Any]) -> Fragmenting:
+    def asked_fragmenting(self, info: RegisterInfo) -> Fragmenting:
         """The fragmenting a registering worker asks for (``members/fragmenting.py``); also
         refused when it cannot split the parameters already held."""
-        asked = asked_fragmenting(info, self.config, self.fragmenting)
+        asked = asked_fragmenting(info.fragmenting, self.config, self.fragmenting)
         if self.fragmenting is None and self.store is not None:
             try:
                 plan_pieces(self.store, *asked)

@@ -53,5 +53,5 @@ class OuterSteps:
             action="rebase",
             round=unit.round,
             staleness=stale,
-            **self.model.which(unit),
+            fragment=self.model.fragment_of(unit),
         )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -19,6 +18,7 @@ from diloco.server.rounds.aggregator import Check, Landed
 from diloco.server.rounds.barrier import SyncBarrier
 from diloco.server.rounds.outer_steps import OuterSteps
 from diloco.server.rounds.units import Unit
+from diloco.wire.messages import UploadReceipt
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class SyncAggregator:
     def reads_late(self) -> bool:
         return False
 
-    async def accept(self, landed: Landed) -> dict[str, Any]:
+    async def accept(self, landed: Landed) -> UploadReceipt:
         # From here on the submission counts: record it, then queue the addition on the tensor
         # lock before yielding, so a round close queued later sees it.
         self.barrier.record(landed.worker_id, landed.submission_id)
@@ -89,7 +89,7 @@ class SyncAggregator:
                 else landed.sum_add
             )
             await landed.add(add)
-        return {"status": "accepted", "round": landed.base}
+        return UploadReceipt(status="accepted", round=landed.base)
 
     def _keep(self, entries: list[Entry], weight: float) -> Callable[[], None]:
         """Robust aggregation: the add of one landed body is an fp32 copy kept for the round's

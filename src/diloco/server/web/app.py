@@ -1,4 +1,6 @@
-"""HTTP routes. Thin: parse, call the mode's front (``server/front.py``), write the reply."""
+"""HTTP routes. Thin: read the body as its message class (``diloco.wire.messages``: a body that
+does not fit is a 400 naming the field), call the mode's front (``server/front.py``), write the
+message it answers."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -16,12 +18,10 @@ from diloco.server.front import JSON_LIMIT, Front
 from diloco.server.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.observe.metrics import render as render_metrics
 from diloco.server.params.store import ParamStore, Snapshot
-from diloco.server.quorum_bodies import read_ask, read_outcome
 from diloco.server.web import control, dashboard
 from diloco.server.web.control import Shutdown
 from diloco.server.web.counters import HttpCounters
-from diloco.server.web.json_bodies import read_json
-from diloco.server.web.json_bodies import str_field as _str_field
+from diloco.server.web.json_bodies import read_json, reply
 from diloco.server.web.security import (
     AuthThrottle,
     Guard,
@@ -35,6 +35,17 @@ from diloco.server.web.stall import StallGuard
 from diloco.wire import WireError, aread_layout
 from diloco.wire.decode import AsyncStream
 from diloco.wire.encode import chunks
+from diloco.wire.messages import (
+    Assignment,
+    Deregister,
+    ErrorBody,
+    Heartbeat,
+    Pending,
+    QuorumAsk,
+    QuorumOutcome,
+    Register,
+    Registered,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +62,8 @@ TENSOR_UPLOADS = frozenset({"/submit_pseudograd", "/initial_params"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
-def _error(status: int, code: str, detail: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": code, "detail": detail, **extra}, status=status)
+def _error(status: int, code: str, detail: str) -> web.Response:
+    return reply(ErrorBody(error=code, detail=detail), status)
 
 
 @web.middleware
@@ -60,7 +71,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        return reply(exc.reply, exc.status)
     except WireError as exc:
         return _error(exc.status, exc.code, exc.detail)
     except web.HTTPException as exc:
@@ -114,54 +125,43 @@ async def close_after_socket_body(request: web.Request, response: web.StreamResp
         response.headers["Connection"] = "close"  # the headers are built before this hook
 
 
-def _reachable(request: web.Request, reply: dict[str, Any]) -> dict[str, Any]:
+def _reachable(request: web.Request, answer: Registered | Assignment) -> Registered | Assignment:
     """A rendezvous bound to every interface is reached at the host the worker reached us."""
-    rendezvous = reply.get("rendezvous")
-    if isinstance(rendezvous, dict) and rendezvous.get("host") in WILDCARDS and request.url.host:
-        reply["rendezvous"] = {**rendezvous, "host": request.url.host}
-    return reply
+    meet, host = answer.rendezvous, request.url.host
+    if meet is None or meet.host not in WILDCARDS or not host:
+        return answer
+    return replace(answer, rendezvous=replace(meet, host=host))
 
 
 async def register(request: web.Request) -> web.Response:
     front = request.app[FRONT]
-    body = await read_json(request, front.register_limit)
-    worker_id = _str_field(body, "worker_id", required=False)
-    hostname = _str_field(body, "hostname", required=False) or request.remote or "?"
-    info = body.get("info", {})
-    if not isinstance(info, dict):
-        raise bad_request("bad_field", "'info' must be a JSON object")
-    if "last_submission_id" in body:
-        info = {**info, "last_submission_id": _str_field(body, "last_submission_id")}
-    reply = front.membership.register(worker_id, hostname, info)
-    return web.json_response(_reachable(request, reply))
+    asked = Register.from_json(await read_json(request, front.register_limit))
+    hostname = asked.hostname or request.remote or "?"
+    return reply(_reachable(request, front.membership.register(asked, hostname)))
 
 
 async def deregister(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    worker_id = _str_field(body, "worker_id")
-    assert worker_id is not None
-    return web.json_response(request.app[FRONT].membership.deregister(worker_id))
+    leaving = Deregister.from_json(await read_json(request))
+    return reply(request.app[FRONT].membership.deregister(leaving.worker_id))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    worker_id = _str_field(body, "worker_id")
-    assert worker_id is not None
-    return web.json_response(request.app[FRONT].membership.heartbeat(worker_id, body))
+    beat = Heartbeat.from_json(await read_json(request))
+    return reply(request.app[FRONT].membership.heartbeat(beat))
 
 
 async def quorum(request: web.Request) -> web.Response:
     """All-reduce mode: a long poll for this round's quorum (server/allreduce/quorum_book.py)."""
     quorums = request.app[FRONT].quorums()
-    reply = await quorums.quorum(read_ask(await read_json(request)))
-    if reply is None:
-        return web.json_response({"status": "pending", "round": quorums.round}, status=202)
-    return web.json_response(_reachable(request, reply))
+    assigned = await quorums.quorum(QuorumAsk.from_json(await read_json(request)))
+    if assigned is None:
+        return reply(Pending(round=quorums.round), 202)
+    return reply(_reachable(request, assigned))
 
 
 async def quorum_outcome(request: web.Request) -> web.Response:
     quorums = request.app[FRONT].quorums()
-    return web.json_response(quorums.outcome(read_outcome(await read_json(request))))
+    return reply(quorums.outcome(QuorumOutcome.from_json(await read_json(request))))
 
 
 async def submit_pseudograd(request: web.Request) -> web.Response:
@@ -170,8 +170,8 @@ async def submit_pseudograd(request: web.Request) -> web.Response:
     params.require_store()
     async with _tensor_body(request, front.config, params.upload_limit()) as body:
         layout = await aread_layout(body, HEADER_LIMIT)
-        reply = await params.submit(layout, body)
-    return web.json_response(reply)
+        receipt = await params.submit(layout, body)
+    return reply(receipt)
 
 
 async def initial_params(request: web.Request) -> web.Response:
@@ -180,8 +180,8 @@ async def initial_params(request: web.Request) -> web.Response:
     worker_id = request.query.get("worker_id", "")
     async with _tensor_body(request, front.config, params.upload_limit()) as body:
         layout = await aread_layout(body, HEADER_LIMIT)
-        reply = await params.receive_initial(layout, body, worker_id)
-    return web.json_response(reply)
+        seeded = await params.receive_initial(layout, body, worker_id)
+    return reply(seeded)
 
 
 async def global_params(request: web.Request) -> web.StreamResponse:
@@ -201,8 +201,8 @@ async def global_params(request: web.Request) -> web.StreamResponse:
         lambda: _query_int(request, "min_round", default=0),
         have_round,
     )
-    if isinstance(snap, dict):  # nothing new within poll_timeout
-        return web.json_response(snap, status=202)
+    if isinstance(snap, Pending):  # nothing new within poll_timeout
+        return reply(snap, 202)
     try:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         resp.content_length = snap.total_size

@@ -1,4 +1,5 @@
-"""Reading small JSON request bodies within their limit, and checking their fields."""
+"""Small JSON bodies: a request's read within its limit (its fields are then checked by its
+message class), a reply written from its message."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from aiohttp import web
 
 from diloco.server.errors import ApiError, bad_request
 from diloco.server.front import JSON_LIMIT
+from diloco.wire.messages import Message
 
 
 def too_large(limit: int, size: int | None = None) -> ApiError:
@@ -37,33 +39,6 @@ async def read_json(request: web.Request, limit: int = JSON_LIMIT) -> dict[str, 
     return body
 
 
-def str_field(
-    body: dict[str, Any], key: str, *, required: bool = True, limit: int = 256
-) -> str | None:
-    value = body.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value or len(value) > limit:
-        raise bad_request(
-            "bad_field", f"{key!r} must be a non-empty string of at most {limit} characters"
-        )
-    return value
-
-
-def number_field(body: dict[str, Any], key: str) -> float | None:
-    """An optional JSON number (not a boolean); None when absent or null."""
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request("bad_field", f"{key!r} must be a number")
-    return float(value)
-
-
-def only_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad_request(
-            "bad_field",
-            f"unknown field(s) {', '.join(map(repr, unknown))}; expected {sorted(allowed)}",
-        )
+def reply(message: Message, status: int = 200) -> web.Response:
+    """The JSON response of a message (``diloco.wire.messages``)."""
+    return web.json_response(message.to_json(), status=status)

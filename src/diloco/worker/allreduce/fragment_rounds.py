@@ -40,7 +40,7 @@ from diloco.core import rebase_
 from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.persistence import merge_states
-from diloco.worker.allreduce.assignment import Assignment
+from diloco.wire.messages import Assignment
 from diloco.worker.allreduce.collective import QuorumFailed
 from diloco.worker.allreduce.park import Park
 from diloco.worker.allreduce.payload import Rounds
@@ -213,7 +213,7 @@ class FragmentRounds:
             try:
                 self._park.hold(q.timeout)
             except TimeoutError as exc:
-                raise QuorumFailed(q.id, str(exc)) from exc
+                raise QuorumFailed(q.quorum_id, str(exc)) from exc
 
     def receiving_state(self, q: Assignment) -> None:
         self._hold_model(q)  # the rebase changes the model: the training loop waits meanwhile

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from diloco.worker.allreduce.assignment import Assignment
+from diloco.wire.messages import Assignment
 
 
 class Rounds(Protocol):

@@ -5,9 +5,10 @@ outer step; the server only forms a quorum per round and records its outcome.
 The worker holds the run's shared state (``SharedState``: the snapshot and the outer
 optimizer's momentum) beside its payload's averaging buffers. One quorum round (``_round``):
 
-1. ``POST /quorum`` with the round and hash of the state held; the reply (``Assignment``) names
-   the members, this worker's rank, the state round and hash the quorum agrees on, a member
-   holding them (``source``) and the members that must take them first (``resync``).
+1. ``POST /quorum`` with the round and hash of the state held; the reply (an ``Assignment``,
+   ``diloco.wire.messages``) names the members, this worker's rank, the state round and hash
+   the quorum agrees on, a member holding them (``source``) and the members that must take
+   them first (``resync``).
 2. A process group of that quorum alone (``QuorumCollective``); if any member must resync, the
    source broadcasts the state. A resyncing worker keeps its local progress on top of the new
    state (a rebase) and checks the hash before anything else.
@@ -36,13 +37,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from diloco.core import rebase_, to_progress_
-from diloco.worker.allreduce.assignment import Assignment
+from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 SAMPLE = 1009
 """The commit point hashes every SAMPLE-th element of the average (a prime: no stride of a
 parameter's shape lines up with it)."""
+
+COMM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""What a quorum's all-reduce carries (``Assignment.comm``)."""
 
 MAX_QUORUM_TRIES = 5
 """Quorums tried in one sync before training goes on locally (each failed one is discarded)."""
@@ -93,7 +96,7 @@ class QuorumSync:
     def round(self) -> int:
         return self._s.base_round
 
-    def join(self, reply: Mapping[str, Any]) -> None:
+    def join(self, reply: Registered) -> None:
         """The start: one quorum round without a contribution, so this worker trains from the
         run's state (received from a member when its own differs). Waits for the quorum; a
         server that forgot this worker meanwhile (it restarted, or evicted it) is registered
@@ -109,7 +112,7 @@ class QuorumSync:
             except SYNC_FAILURES as exc:
                 log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
 
-    def rejoin(self, reply: Mapping[str, Any]) -> str:
+    def rejoin(self, reply: Registered) -> str:
         return "kept locally (the workers hold the state in all-reduce mode)"
 
     def after_step(self) -> None:
@@ -201,9 +204,9 @@ class QuorumSync:
         reply = s.client.quorum(
             s.worker_id, round=s.base_round, hash="" if self._needs_state else self._hash
         )
-        if "quorum_id" not in reply:
+        q = quorum_reply(reply)
+        if isinstance(q, Pending):
             return "pending"
-        q = Assignment.of(reply)
         try:
             new_round, new_hash = self._round(q, weighted)
         except QuorumFailed as exc:
@@ -217,7 +220,10 @@ class QuorumSync:
     def _round(self, q: Assignment, weighted: bool) -> tuple[int, str]:
         s, payload = self._s, self._payload
         try:
-            with QuorumCollective.build(q.host, q.port, q.id, q.rank, q.size, q.timeout) as quorum:
+            where = q.rendezvous
+            with QuorumCollective.build(
+                where.host, where.port, q.quorum_id, q.rank, q.size, q.timeout
+            ) as quorum:
                 if q.resync:
                     self._share_state(quorum, q)
                 tensors, weight = payload.contribution(q, weighted)
@@ -230,7 +236,7 @@ class QuorumSync:
                 s.base_round = q.round + 1
             new_hash = self._hash = self._state.hash()
             if q.save and q.rank == 0:
-                self._state.save(q.id, *payload.checkpoint_state())
+                self._state.save(q.quorum_id, *payload.checkpoint_state())
             return s.base_round, new_hash
         finally:
             payload.round_ended(has_state=not self._needs_state)
@@ -240,10 +246,11 @@ class QuorumSync:
     ) -> float:
         """The quorum's weighted average of ``tensors`` in place, checked at the commit point;
         the sum of the weights."""
-        total = average(quorum, tensors, weight, q.comm)
+        comm = COMM_DTYPES.get(q.comm, torch.float32)
+        total = average(quorum, tensors, weight, comm)
         # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
         # way); the HTTP bytes stay in bytes_up/bytes_down.
-        itemsize = torch.empty((), dtype=q.comm).element_size()
+        itemsize = torch.empty((), dtype=comm).element_size()
         self._s.metrics["collective_bytes"] += sum(t.numel() for t in tensors) * itemsize
         # The commit point: this tiny collective succeeds only once every member holds the
         # complete average; nothing has changed anywhere before it. It compares a sample of the
@@ -254,10 +261,10 @@ class QuorumSync:
             same = all_equal(quorum, state_hash(sample))
         except QuorumFailed:
             if weight > 0:  # the others may have passed it and applied this worker's part
-                self._uncertain = (q.id, self._s.total_steps)
+                self._uncertain = (q.quorum_id, self._s.total_steps)
             raise
         if not same:
-            raise QuorumFailed(q.id, "the members' averages differ")
+            raise QuorumFailed(q.quorum_id, "the members' averages differ")
         self._uncertain = None  # the last quorum settled it either way
         return total
 
@@ -277,7 +284,7 @@ class QuorumSync:
             return
         got = self._state.hash()
         if got != q.hash:
-            raise QuorumFailed(q.id, f"state received has hash {got}, expected {q.hash}")
+            raise QuorumFailed(q.quorum_id, f"state received has hash {got}, expected {q.hash}")
         uncertain, self._uncertain = self._uncertain, None
         if uncertain is not None and uncertain[0] == q.made_by:
             # The state received was made by the quorum whose commit point failed here: this
@@ -295,6 +302,6 @@ class QuorumSync:
         s = self._s
         assert s.worker_id is not None
         try:
-            s.client.quorum_outcome(s.worker_id, q.id, **outcome)
+            s.client.quorum_outcome(s.worker_id, q.quorum_id, **outcome)
         except SYNC_FAILURES as exc:  # the server learns it from the next quorum's hashes
-            log.warning("worker %s: could not report round %s: %s", s.worker_id, q.id, exc)
+            log.warning("worker %s: could not report round %s: %s", s.worker_id, q.quorum_id, exc)

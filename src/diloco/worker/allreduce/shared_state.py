@@ -9,7 +9,7 @@ can go on from it and a run moves between the modes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +17,14 @@ import torch
 
 from diloco.core.outer import OuterSGD
 from diloco.persistence import save_checkpoint
+from diloco.wire.messages import Registered
 from diloco.worker.allreduce.collective import state_hash
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 3
-"""Checkpoints rank 0 keeps in its ``save_dir`` (the server's ``--keep`` default)."""
+"""Checkpoints rank 0 keeps in its own ``save_dir`` (as many as a server keeps by default)."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,20 @@ class RunRules:
     by_samples: bool  # a member's weight in an average is its samples (else: 1 per member)
 
     @classmethod
-    def of(cls, reply: Mapping[str, Any]) -> RunRules:
-        outer = reply.get("outer") or {}
-        momentum = float(outer.get("momentum", 0.9))
+    def of(cls, reply: Registered) -> RunRules:
+        """The server decides them (``diloco server --outer-lr ...``); a reply without them
+        comes from a server this worker cannot follow."""
+        outer, weighting = reply.outer, reply.weighting
+        if outer is None or weighting is None:
+            raise ValueError(
+                "the server's all-reduce registration reply lacks the outer step or the "
+                "weighting (a server of another version?)"
+            )
         return cls(
-            lr=float(outer.get("lr", 0.7)),
-            momentum=momentum,
-            nesterov=bool(outer.get("nesterov", True)) and momentum > 0,
-            by_samples=reply.get("weighting") == "samples",
+            lr=outer.lr,
+            momentum=outer.momentum,
+            nesterov=outer.nesterov and outer.momentum > 0,
+            by_samples=weighting == "samples",
         )
 
 

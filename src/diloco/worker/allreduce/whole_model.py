@@ -11,7 +11,7 @@ import torch
 
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import apply_outer_step
-from diloco.worker.allreduce.assignment import Assignment
+from diloco.wire.messages import Assignment
 from diloco.worker.allreduce.payload import Rounds
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.session import Session

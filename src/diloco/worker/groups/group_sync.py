@@ -11,8 +11,8 @@ lockstep too, and runs before rank 0 has the registration reply its strategy is 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
+from diloco.wire.messages import Registered
 from diloco.worker.groups.group import LeaderReport, WorkerGroup
 from diloco.worker.session import Session
 from diloco.worker.strategy import SyncStrategy
@@ -118,11 +118,11 @@ class GroupSync:
     def round(self) -> int:
         return self._inner.round if self._inner is not None else self._s.base_round
 
-    def join(self, reply: Mapping[str, Any]) -> None:
+    def join(self, reply: Registered) -> None:
         assert self._inner is not None
         self._inner.join(reply)
 
-    def rejoin(self, reply: Mapping[str, Any]) -> str:
+    def rejoin(self, reply: Registered) -> str:
         assert self._inner is not None
         return self._inner.rejoin(reply)
 

@@ -18,6 +18,7 @@ import torch
 
 from diloco.core.fragments import Piece
 from diloco.wire import Layout, WireError, byte_view, check_against, tensor_views
+from diloco.wire.messages import UploadReceipt
 from diloco.worker.session import Session
 from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
@@ -55,7 +56,6 @@ class FragmentSender:
 
     def __init__(self, session: Session) -> None:
         self._s = session
-        self.mode = "sync"  # the server's: an async reply names the version to wait for
         self.recv: torch.Tensor | None = None  # receive buffer: the largest fragment in fp32
         self.abandon = threading.Event()  # the worker is leaving: stop long-polling
         self._queue: queue.Queue[Exchange | None] = queue.Queue(maxsize=1)
@@ -107,13 +107,14 @@ class FragmentSender:
                 steps=s.total_steps,
                 codec=s.encoder.metadata,
             )
+            receipt = UploadReceipt.from_json(reply)  # one that does not read: unanswered
         except UnknownWorker:
             job.outcome = "rejoin"
             return
         except Conflict as exc:
             job.detail = f"refused ({exc.code}): {exc.detail}"
-            if exc.body.get("action") == "rebase":
-                self._download(job, int(exc.body.get("round", 0)), "rebase")
+            if exc.reply.action == "rebase":
+                self._download(job, exc.reply.round or 0, "rebase")
             else:  # continue / wait / retry: the progress stays local until the next period
                 job.outcome = "keep"
             return
@@ -124,15 +125,11 @@ class FragmentSender:
         finally:
             job.bytes_up = s.client.bytes_up - before
         job.counted = True
-        job.duplicate = job.resent and reply.get("status") == "duplicate"
+        job.duplicate = job.resent and receipt.status == "duplicate"
         if not job.duplicate:  # this body counted: the residual moves (worker/state/encoder.py)
             body.commit()
-        counted_round = int(reply["round"])
         # Sync: wait for the fragment's round to close. Async: the reply names the new version.
-        min_round = (
-            int(reply.get("version", counted_round)) if self.mode == "async" else counted_round + 1
-        )
-        self._download(job, min_round, "merge")
+        self._download(job, receipt.result_round, "merge")
 
     def _download(self, job: Exchange, min_round: int, outcome: str) -> None:
         s, k = self._s, job.fragment

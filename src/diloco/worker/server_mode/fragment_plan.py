@@ -17,14 +17,14 @@ def plan_from_server(
 ) -> list[list[Piece]]:
     """Check the server's plan (``[[wire_name, param, start, stop], ...]`` per fragment) against
     the model: every element of every parameter in exactly one piece."""
-    if not isinstance(entries, list) or len(entries) < 2:
+    if not isinstance(entries, list | tuple) or len(entries) < 2:
         raise ValueError(f"the server's fragment plan is not a list of 2 or more: {entries!r:.200}")
     sizes = {name: numel(shape) for name, shape in table.items()}
     index = {name: i for i, name in enumerate(table)}
     plan: list[list[Piece]] = []
     covered: dict[str, list[tuple[int, int]]] = {name: [] for name in table}
     for fragment in entries:
-        if not isinstance(fragment, list) or not fragment:
+        if not isinstance(fragment, list | tuple) or not fragment:
             raise ValueError(
                 f"a fragment of the server's plan is empty or not a list: {fragment!r:.200}"
             )

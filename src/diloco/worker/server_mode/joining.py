@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from diloco.wire.messages import LastSubmission, ParamsSeeded, Registered
 from diloco.worker.session import Session
 from diloco.worker.transport.client import Conflict
 
@@ -30,18 +31,18 @@ class JoinAnswer:
     held_open: bool  # counted in a round still open: the server holds it in memory only
 
     @classmethod
-    def of(cls, reply: Mapping[str, Any], *, seeded: bool) -> JoinAnswer:
-        last = reply.get("last_submission") or {}
-        in_params = bool(last.get("in_params"))
-        return cls(seeded, in_params, last.get("counted_in") is not None and not in_params)
+    def of(cls, last: LastSubmission | None, *, seeded: bool) -> JoinAnswer:
+        if last is None:
+            return cls(seeded, False, False)
+        return cls(seeded, last.in_params, last.counted_in is not None and not last.in_params)
 
 
 class Joining(Protocol):
     """What a server-mode strategy adds to the common join and re-join."""
 
-    def configure(self, reply: Mapping[str, Any]) -> None:
-        """Take what a register or initial-params reply says about syncing (mode, fragment
-        plan and rounds). Called before any download of a join; raises ValueError on a plan
+    def configure(self, reply: Registered | ParamsSeeded) -> None:
+        """Take what a register or initial-params reply says about syncing (the fragment plan
+        and rounds). Called before any download of a join; raises ValueError on a plan
         that does not fit the model."""
         ...
 
@@ -60,7 +61,7 @@ class Joining(Protocol):
         ...
 
 
-def join_server(s: Session, strategy: Joining, reply: Mapping[str, Any]) -> None:
+def join_server(s: Session, strategy: Joining, reply: Registered) -> None:
     """``SyncStrategy.join`` in server mode: seed the server if it has no parameters, fetch
     them into the snapshot, and the model takes them."""
     _seed(s, strategy, reply)
@@ -69,30 +70,30 @@ def join_server(s: Session, strategy: Joining, reply: Mapping[str, Any]) -> None
     s.local.adopt_all()
 
 
-def rejoin_server(s: Session, strategy: Joining, reply: Mapping[str, Any]) -> str:
+def rejoin_server(s: Session, strategy: Joining, reply: Registered) -> str:
     """``SyncStrategy.rejoin`` in server mode. The model holds its local progress; the strategy
     adds it back unless the server says its last upload is already in the parameters."""
     seeded = _seed(s, strategy, reply)
     # Only an upload whose result we never adopted can be inside the model's progress.
     s.full_next = True
-    return strategy.rejoined(JoinAnswer.of(reply, seeded=seeded))
+    return strategy.rejoined(JoinAnswer.of(reply.last_submission, seeded=seeded))
 
 
-def _seed(s: Session, strategy: Joining, reply: Mapping[str, Any]) -> bool:
+def _seed(s: Session, strategy: Joining, reply: Registered) -> bool:
     """Check the server's parameter table, configure the strategy, and upload this model as
     the initial parameters if the server has none. True if this worker's were taken."""
-    if reply.get("params") is not None:
-        s.local.check_server_table(reply["params"])
+    if reply.params is not None:
+        s.local.check_server_table(reply.params)
     strategy.configure(reply)
-    if reply.get("has_params"):
+    if reply.has_params:
         return False
     assert s.worker_id is not None
     try:
-        seeded_reply = s.client.upload_initial(s.worker_id, s.local.detached())
+        seeded = ParamsSeeded.from_json(s.client.upload_initial(s.worker_id, s.local.detached()))
     except Conflict:
         return False  # another worker was first
     log.info("worker %s provided the initial parameters", s.worker_id)
-    strategy.configure(seeded_reply)
+    strategy.configure(seeded)
     return True
 
 

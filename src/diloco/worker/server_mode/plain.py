@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from diloco.wire.messages import ParamsSeeded, Registered, UploadReceipt
 from diloco.worker.server_mode.joining import (
     JoinAnswer,
     join_server,
@@ -32,7 +33,9 @@ from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorke
 log = logging.getLogger(__name__)
 
 Submit = Callable[[str], dict[str, Any]]
-"""``submit(submission_id)``: upload the model's pseudo-gradient under that id; the reply."""
+"""``submit(submission_id)``: upload the model's pseudo-gradient under that id; the reply as
+the server sent it (an ``UploadReceipt``; a plain dict, so a subclass wrapping the worker's
+``_submit`` sees what the client returns)."""
 
 
 class PlainSync:
@@ -64,15 +67,15 @@ class PlainSync:
     def round(self) -> int:
         return self._s.base_round
 
-    def join(self, reply: Mapping[str, Any]) -> None:
+    def join(self, reply: Registered) -> None:
         join_server(self._s, self, reply)
 
-    def rejoin(self, reply: Mapping[str, Any]) -> str:
+    def rejoin(self, reply: Registered) -> str:
         return rejoin_server(self._s, self, reply)
 
     # --- Joining (server_mode/joining.py) -----------------------------------------------------
 
-    def configure(self, reply: Mapping[str, Any]) -> None:
+    def configure(self, reply: Registered | ParamsSeeded) -> None:
         pass  # the whole model is one unit: nothing to plan
 
     def joined(self, metadata: Mapping[str, str]) -> None:
@@ -128,11 +131,11 @@ class PlainSync:
             codec=s.encoder.metadata,
         )
 
-    def _counted(self, resent: bool, reply: Mapping[str, Any]) -> None:
+    def _counted(self, resent: bool, receipt: UploadReceipt) -> None:
         """The server answered the upload: unless it says an earlier body under the same id is
         the one it holds, this body counted, and the error-feedback residual moves now
         (``UploadEncoder``; the model has not moved since the body was encoded)."""
-        if self._body is not None and not (resent and reply.get("status") == "duplicate"):
+        if self._body is not None and not (resent and receipt.status == "duplicate"):
             self._body.commit()
         self._body = None
 
@@ -174,7 +177,7 @@ class PlainSync:
         # asks about it, and a failed sync sends the next upload under the same id.
         self._unresolved = self._last_submission = submission_id
         try:
-            reply = self._submit(submission_id)
+            receipt = UploadReceipt.from_json(self._submit(submission_id))
         except UnknownWorker:
             s.rejoin()  # the server says there whether it holds the upload
             return
@@ -182,23 +185,22 @@ class PlainSync:
             if exc.code != "upload_in_progress":  # that one may still be counted
                 self._unresolved = self._last_submission = None  # answered: not counted
             s.metrics["refused_submissions"] += 1
-            action = exc.body.get("action")
             log.info("worker %s: submission refused (%s): %s", s.worker_id, exc.code, exc.detail)
-            if action == "rebase":
-                s.refresh(counted=False, min_round=int(exc.body.get("round", 0)))
+            if exc.reply.action == "rebase":
+                s.refresh(counted=False, min_round=exc.reply.round or 0)
             return  # "continue": keep training on the same snapshot; "wait"/"retry": next sync
         self._unresolved = None
-        self._counted(resent, reply)
-        self._count_refused(reply.get("refused_rounds"))
-        if reply.get("refused"):  # async: this very update was refused (not finite)
+        self._counted(resent, receipt)
+        self._count_refused(receipt.refused_rounds or ())
+        if receipt.refused:  # async: this very update was refused (not finite)
             s.drop_steps(
                 self._upload_steps,
                 "worker %s: the server refused the update of this upload (%s); its %d local "
                 "steps are dropped",
-                reply["refused"],
+                receipt.refused,
                 self._upload_steps,
             )
-        if resent and reply.get("status") == "duplicate":
+        if resent and receipt.status == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
             # with them rather than counted a second time.
@@ -206,11 +208,11 @@ class PlainSync:
                 s.local_step,
                 "worker %s: an upload whose answer was lost had been counted in round %s; "
                 "the %d local steps taken since are dropped",
-                reply.get("round"),
+                receipt.round,
                 s.local_step,
             )
         s.samples = 0.0
-        self._await_round(submission_id, int(reply["round"]))
+        self._await_round(submission_id, receipt.round)
 
     def _await_round(self, submission_id: str, counted_round: int) -> None:
         """Adopt the result of the round that counted the upload; if it does not come, the
@@ -249,13 +251,11 @@ class PlainSync:
                 s.settings.max_barrier_wait,
             )
 
-    def _count_refused(self, rounds: object) -> None:
+    def _count_refused(self, rounds: tuple[int, ...]) -> None:
         """The server refused these rounds (a result that would not be finite) and discarded
         every upload in them, ours too where we took part: those steps are dropped."""
-        if not isinstance(rounds, list):
-            return
         for r in rounds:
-            steps = self._adopted_uploads.pop(r, None) if isinstance(r, int) else None
+            steps = self._adopted_uploads.pop(r, None)
             if steps is not None:
                 self._s.drop_steps(
                     steps,
@@ -271,12 +271,12 @@ class PlainSync:
         s = self._s
         resent = self._unresolved is not None
         try:
-            reply = self._submit(self._unresolved or uuid.uuid4().hex)
+            receipt = UploadReceipt.from_json(self._submit(self._unresolved or uuid.uuid4().hex))
         except (Conflict, UnknownWorker) as exc:
             log.warning("worker %s: final submission not counted: %s", s.worker_id, exc.detail)
             return
-        self._counted(resent, reply)
-        if resent and reply.get("status") == "duplicate":  # the earlier upload was held
+        self._counted(resent, receipt)
+        if resent and receipt.status == "duplicate":  # the earlier upload was held
             s.drop_steps(
                 s.local_step,
                 "worker %s: its last upload had been counted; the %d local steps since are dropped",

@@ -22,13 +22,13 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece, Schedule, plan
 from diloco.core.pseudo_gradient import PIECE
+from diloco.wire.messages import ParamsSeeded, Registered, UploadReceipt
 from diloco.worker.server_mode.fragment_exchange import Exchange, FragmentSender
 from diloco.worker.server_mode.fragment_plan import plan_from_server
 from diloco.worker.server_mode.joining import (
@@ -72,10 +72,6 @@ class StreamingSync:
     # --- SyncStrategy: joining ----------------------------------------------------------------
 
     @property
-    def mode(self) -> str:
-        return self._sender.mode
-
-    @property
     def last_submission(self) -> str | None:
         return self._last_submission
 
@@ -83,22 +79,19 @@ class StreamingSync:
     def round(self) -> int:
         return min(self.rounds) if self.rounds else self._s.base_round  # the furthest behind
 
-    def join(self, reply: Mapping[str, Any]) -> None:
+    def join(self, reply: Registered) -> None:
         join_server(self._s, self, reply)
 
-    def rejoin(self, reply: Mapping[str, Any]) -> str:
+    def rejoin(self, reply: Registered) -> str:
         return rejoin_server(self._s, self, reply)
 
     # --- Joining (server_mode/joining.py) -----------------------------------------------------
 
-    def configure(self, reply: Mapping[str, Any]) -> None:
-        if reply.get("mode"):
-            self._sender.mode = str(reply["mode"])
-        if reply.get("fragments") is not None:
-            self._set_plan(plan_from_server(reply["fragments"], self._s.local.table()))
-        rounds = reply.get("fragment_rounds")
-        if rounds is not None:
-            self.rounds = [int(r) for r in rounds]
+    def configure(self, reply: Registered | ParamsSeeded) -> None:
+        if reply.fragments is not None:
+            self._set_plan(plan_from_server(reply.fragments, self._s.local.table()))
+        if reply.fragment_rounds is not None:
+            self.rounds = list(reply.fragment_rounds)
 
     def joined(self, metadata: Mapping[str, str]) -> None:
         """A full download's metadata holds every fragment's round."""
@@ -371,7 +364,7 @@ class StreamingSync:
                 fragment=k,
                 codec=s.encoder.metadata,
             )
-            if not (resent and reply.get("status") == "duplicate"):
+            if not (resent and UploadReceipt.from_json(reply).status == "duplicate"):
                 body.commit()
             s.metrics["fragments_sent"] += 1
         except (Conflict, UnknownWorker) as exc:

@@ -31,6 +31,7 @@ from diloco.wire import (
     check_against,
     tensor_views,
 )
+from diloco.wire.messages import Table
 from diloco.worker.state.adoption import StreamedAdoption
 from diloco.worker.state.update_buffer import UpdateBuffer, is_update
 from diloco.worker.transport.client import SYNC_FAILURES
@@ -78,8 +79,9 @@ class LocalModel:
         """Each parameter's name and shape, in the model's order."""
         return {n: tuple(p.shape) for n, p in self.params.items()}
 
-    def check_server_table(self, entries: list[Any]) -> None:
-        """Raise ValueError unless the server's ``[[name, shape], ...]`` is this model's."""
+    def check_server_table(self, entries: Table | list[Any]) -> None:
+        """Raise ValueError unless the server's table (``[[name, shape], ...]``) is this
+        model's."""
         server = {str(n): tuple(int(d) for d in shape) for n, shape in entries}
         own = self.table()
         if server != own:

@@ -30,6 +30,17 @@ from diloco.wire import (
 )
 from diloco.wire.decode import tensor_views
 from diloco.wire.encode import byte_view
+from diloco.wire.messages import (
+    Deregister,
+    ErrorBody,
+    Heartbeat,
+    QuorumAsk,
+    QuorumOutcome,
+    Register,
+    RegisterInfo,
+    UploadMeta,
+)
+from diloco.wire.messages.quorums import ERROR_LIMIT
 from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
@@ -42,13 +53,15 @@ CLIENT_HEADER = "X-Diloco-Client"
 
 
 class ServerError(Exception):
-    """The server answered with an error status. ``code`` and ``body`` are its JSON reply."""
+    """The server answered with an error status. ``body`` is its JSON reply as it came,
+    ``reply`` the same read as an ``ErrorBody`` (``code`` and ``detail`` are its fields)."""
 
     def __init__(self, status: int, body: Mapping[str, Any]) -> None:
         self.status = status
         self.body = dict(body)
-        self.code = str(body.get("error", "http_error"))
-        self.detail = str(body.get("detail", ""))
+        self.reply = ErrorBody.of(self.body)
+        self.code = self.reply.error
+        self.detail = self.reply.detail
         super().__init__(f"HTTP {status} {self.code}: {self.detail}")
 
 
@@ -57,7 +70,7 @@ class UnknownWorker(ServerError):
 
 
 class Conflict(ServerError):
-    """409: the submission does not fit the current round; ``body['action']`` says what to do."""
+    """409: the submission does not fit the current round; ``reply.action`` says what to do."""
 
 
 class Unreachable(Exception):
@@ -238,21 +251,26 @@ class DiLoCoClient:
         return self._with_retries(f"{method} {path}", call)
 
     # --- JSON endpoints -----------------------------------------------------------------------
+    # Bodies are built by their message classes (``diloco.wire.messages``); replies come back as
+    # the JSON objects the server sent, which the worker reads with the reply classes.
 
     def register(
         self,
         worker_id: str | None = None,
         *,
         hostname: str | None = None,
-        info: dict[str, Any] | None = None,
+        info: RegisterInfo | Mapping[str, Any] | None = None,
         last_submission_id: str | None = None,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"hostname": hostname or socket.gethostname(), "info": info or {}}
-        if worker_id:
-            body["worker_id"] = worker_id
-        if last_submission_id:
-            body["last_submission_id"] = last_submission_id
-        return self._json("POST", "/register", body)
+        """``Register``; the reply is a ``Registered``. ``info`` given as a mapping is checked
+        as a ``RegisterInfo`` (``MessageError`` before anything is sent)."""
+        body = Register(
+            worker_id=worker_id or None,
+            hostname=hostname or socket.gethostname(),
+            info=info if isinstance(info, RegisterInfo) else RegisterInfo.from_json(info or {}),
+            last_submission_id=last_submission_id or None,
+        )
+        return self._json("POST", "/register", body.to_json())
 
     def heartbeat(
         self,
@@ -263,24 +281,19 @@ class DiLoCoClient:
         step_age_s: float | None = None,
         syncing: bool | None = None,
     ) -> dict[str, Any]:
-        """Liveness plus what the status page shows. ``step_age_s`` (seconds since the training
-        loop's last optimizer step) and ``syncing`` let the server tell a hung loop from a busy one."""
-        body: dict[str, Any] = {"worker_id": worker_id}
-        fields = {
-            "steps_per_second": steps_per_second,
-            "loss": loss,
-            "step_age_s": step_age_s,
-            "syncing": syncing,
-        }
-        body.update({k: v for k, v in fields.items() if v is not None})
-        return self._json("POST", "/heartbeat", body)
+        """``Heartbeat``: liveness plus what the status page shows. ``step_age_s`` (seconds since
+        the training loop's last optimizer step) and ``syncing`` let the server tell a hung loop
+        from a busy one. The reply is a ``HeartbeatReply``."""
+        body = Heartbeat(worker_id, steps_per_second, loss, step_age_s, syncing)
+        return self._json("POST", "/heartbeat", body.to_json())
 
     def quorum(self, worker_id: str, *, round: int, hash: str) -> dict[str, Any]:
-        """All-reduce mode: ask for this round's quorum, presenting the state held (``hash``
-        empty: none the worker can vouch for). A long poll: the quorum, or ``{"status":
-        "pending"}`` when the server's wait ended first."""
-        body = {"worker_id": worker_id, "round": round, "hash": hash, "has_state": bool(hash)}
-        return self._json("POST", "/quorum", body)
+        """All-reduce mode: ask for this round's quorum (``QuorumAsk``), presenting the state
+        held (``hash`` empty: none the worker can vouch for). A long poll: an ``Assignment``, or
+        ``Pending`` when the server's wait ended first (``messages.quorum_reply`` tells them
+        apart)."""
+        body = QuorumAsk(worker_id, round, hash, has_state=bool(hash))
+        return self._json("POST", "/quorum", body.to_json())
 
     def quorum_outcome(
         self,
@@ -292,16 +305,18 @@ class DiLoCoClient:
         hash: str = "",
         error: str = "",
     ) -> dict[str, Any]:
-        """All-reduce mode: how quorum ``quorum_id``'s round ended here."""
-        body: dict[str, Any] = {"worker_id": worker_id, "quorum_id": quorum_id, "ok": ok}
-        if ok:
-            body.update(round=round, hash=hash)
-        else:
-            body["error"] = error[:500]
-        return self._json("POST", "/quorum/outcome", body)
+        """All-reduce mode: how quorum ``quorum_id``'s round ended here (``QuorumOutcome``;
+        the reply is an ``OutcomeRecorded``)."""
+        body = (
+            QuorumOutcome(worker_id, quorum_id, ok, round, hash)
+            if ok
+            else QuorumOutcome(worker_id, quorum_id, ok, error=error[:ERROR_LIMIT])
+        )
+        return self._json("POST", "/quorum/outcome", body.to_json())
 
     def deregister(self, worker_id: str) -> dict[str, Any]:
-        return self._json("POST", "/deregister", {"worker_id": worker_id})
+        """``Deregister``; the reply is a ``Deregistered``."""
+        return self._json("POST", "/deregister", Deregister(worker_id).to_json())
 
     def status(self) -> dict[str, Any]:
         return self._json("GET", "/status")
@@ -347,24 +362,23 @@ class DiLoCoClient:
         the server's loss history; a loss that is not finite is left out. ``codec``: the
         ``codec_metadata`` of the codec the specs are parts of (``{"codec": "int8", ...}``);
         the body then keeps the specs' order (each tensor's parts together). None: raw fp32
-        or bf16 tensors, named by their dtype."""
-        meta = {
-            "worker_id": worker_id,
-            "base_round": str(base_round),
-            "submission_id": submission_id,
-            "weight": repr(float(weight)),
-            **(dict(codec) if codec is not None else _raw_codec(specs)),
-        }
-        if fragment is not None:
-            meta["fragment"] = str(fragment)
-        if loss is not None and math.isfinite(loss):
-            meta["loss"] = repr(float(loss))
-        if steps is not None:
-            meta["steps"] = str(int(steps))
-        layout = build_layout(specs, meta, ordered=codec is not None)
+        or bf16 tensors, named by their dtype. The metadata is an ``UploadMeta``; the reply an
+        ``UploadReceipt``."""
+        meta = UploadMeta(
+            worker_id,
+            submission_id,
+            base_round,
+            weight,
+            fragment,
+            loss if loss is not None and math.isfinite(loss) else None,
+            steps,
+            dict(codec) if codec is not None else _raw_codec(specs),
+        )
+        layout = build_layout(specs, meta.to_metadata(), ordered=codec is not None)
         return self._post_tensors("submit", "/submit_pseudograd", layout, produce)
 
     def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The initial parameters of a run that has none; the reply is a ``ParamsSeeded``."""
         layout = build_layout([spec_of(n, t) for n, t in tensors.items()], {"worker_id": worker_id})
         return self._post_tensors(
             "initial params",
