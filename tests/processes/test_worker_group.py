@@ -26,6 +26,21 @@ def _server(num_workers: int) -> DiLoCoServer:
     return server
 
 
+def _two_ddp_groups(
+    config: ServerConfig, tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Two DDP groups of two ranks (``group_ranks.ddp_rank``, no faults) through a server run
+    with ``config``; its status and parameters once both groups have left (none in all-reduce
+    mode)."""
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=90)
+        return server.status(), ({} if config.allreduce else server.global_params())
+
+
 def _assert_ranks_identical(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     assert len(a) == len(b)
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -36,17 +51,7 @@ def _assert_ranks_identical(a: list[dict[str, Any]], b: list[dict[str, Any]]) ->
 
 
 def test_two_ddp_groups_match_single_process_reference(tmp_path: Path) -> None:
-    server = _server(num_workers=2)
-    try:
-        groups = [
-            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
-        ]
-        for ctx in groups:
-            ranks.join(ctx, timeout=90)
-        status = server.status()
-        got = server.global_params()
-    finally:
-        server.stop()
+    status, got = _two_ddp_groups(ServerConfig(port=0, num_workers=2), tmp_path)
     assert status["round"] == ranks.ROUNDS
     assert status["registrations"] == 2  # one per group, made by its rank 0
     for g in range(2):
@@ -184,16 +189,7 @@ def test_two_ddp_groups_in_allreduce_mode_match_the_server_mode_reference(tmp_pa
     """All-reduce mode with worker groups: each group's rank 0 takes part in the quorums, its
     ranks share the result as after any sync; every rank of both groups ends on the same
     parameters, those of two groups through a parameter server (the same maths)."""
-    server = DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)).start()
-    try:
-        groups = [
-            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
-        ]
-        for ctx in groups:
-            ranks.join(ctx, timeout=90)
-        status = server.status()
-    finally:
-        server.stop()
+    status, _ = _two_ddp_groups(ServerConfig(port=0, num_workers=2, allreduce=True), tmp_path)
     assert status["rounds_completed"] == ranks.ROUNDS
     records = {(g, r): torch.load(tmp_path / f"g{g}r{r}.pt") for g in range(2) for r in range(2)}
     for g in range(2):
