@@ -19,8 +19,12 @@ on an error too, is terminated, then killed (``processes.reap``).
 
 from __future__ import annotations
 
+import os
+import signal
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -233,6 +237,33 @@ class SessionRun:
     def _start(self) -> None:
         raise NotImplementedError
 
+    def round(self) -> dict[str, Any]:
+        """One round, recorded in ``rounds``."""
+        raise NotImplementedError
+
+    def finish(self) -> dict[str, Any]:
+        """The run's figures, once its rounds are done."""
+        raise NotImplementedError
+
+    def measure(self) -> dict[str, Any]:
+        """Every round the run was opened for, then its figures."""
+        for _ in range(self.total_rounds):
+            self.round()
+        return self.finish()
+
+    def kill_victim(self) -> Killed:
+        """A kill run: wait until every member is inside the kill round's all-reduce (the
+        victim, the last member, blocking there), SIGKILL the victim, and collect the
+        survivors' "done"."""
+        n, s = self.n, self.session
+        wait = self.setup_timeout + self.args.round_timeout
+        inside, late = wait_inside(s.inbox, self.victim_conn, n, wait)
+        os.kill(s.members[-1].pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        done = s.inbox.collect("done", n - 1, wait, "the survivors after the kill")
+        before = {str(i): t_kill - v["t"] for i, v in sorted(inside.items())}
+        return Killed(t_kill, done, before, late)
+
     def kill_of(self, i: int) -> dict[str, Any] | None:
         """Member ``i``'s kill settings: None outside a kill run; the last member is the victim,
         which says it is inside on a pipe of its own (``victim_conn``, ``wait_inside``)."""
@@ -240,6 +271,27 @@ class SessionRun:
             return None
         victim = i == self.n - 1
         return {**self.kill, "victim": victim, "conn": self._victim_end if victim else None}
+
+
+@dataclass
+class Killed:
+    """What a kill run saw: when the victim was killed (``time.monotonic``), each survivor's
+    "done" payload by index, how long before the kill each member said it was inside, and who
+    did not say so in time."""
+
+    t_kill: float
+    done: dict[int, Any]
+    inside_before_kill_s: dict[str, float]
+    not_inside: list[str]
+
+
+def median_phases(phases: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each phase's median over the dicts (workers of a round, or rounds of a run); None when
+    there are none, or one is missing (a stamp did not fire)."""
+    known = [p for p in phases if p is not None]
+    if not phases or len(known) < len(phases):
+        return None
+    return {k: statistics.median(p[k] for p in known) for k in known[0]}
 
 
 def wait_inside(
