@@ -32,6 +32,10 @@ class ModelShape:
     def nbytes(self) -> int:
         return 4 * self.numel
 
+    def record(self) -> dict[str, int]:
+        """The model as a results file records it."""
+        return {"dim": self.dim, "layers": self.layers, "numel": self.numel}
+
     def describe(self) -> str:
         """The model as a run's heading names it."""
         return (

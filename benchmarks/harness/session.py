@@ -264,6 +264,14 @@ class SessionRun:
         before = {str(i): t_kill - v["t"] for i, v in sorted(inside.items())}
         return Killed(t_kill, done, before, late)
 
+    def pace_of(self, i: int) -> tuple[Any, ...]:
+        """What member ``i`` takes last, after its own arguments: the rounds it runs, the start
+        and finish barriers, how long it may wait at one (the first wait spans the setup), and
+        its kill settings (``kill_of``)."""
+        s = self.session
+        wait = self.setup_timeout + self.args.round_timeout
+        return (self.total_rounds, s.barrier, s.finished, wait, self.kill_of(i))
+
     def kill_of(self, i: int) -> dict[str, Any] | None:
         """Member ``i``'s kill settings: None outside a kill run; the last member is the victim,
         which says it is inside on a pipe of its own (``victim_conn``, ``wait_inside``)."""

@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 **run_head("netns_links", started, info),
                 "load_average": loads,
                 "code": code,
-                "model": {"dim": shape_.dim, "layers": shape_.layers, "numel": shape_.numel},
+                "model": shape_.record(),
                 "rate_mb_s": args.rate_mb,
                 "delay_ms": args.delay_ms,
                 "warmup_rounds": args.warmup,

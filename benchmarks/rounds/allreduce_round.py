@@ -67,7 +67,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any
 
 from benchmarks.harness import smoke
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 **run_head("allreduce_round", started, info),
                 "code": code,
-                "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
+                "model": {**shape.record(), "fp32_bytes": model_bytes},
                 "warmup_rounds": args.warmup,
                 "measured_rounds": args.rounds,
                 "round_definition": "max over workers of force_sync() end - min over workers "

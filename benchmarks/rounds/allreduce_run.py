@@ -126,20 +126,9 @@ class ConfigRun(SessionRun):
             address = f"127.0.0.1:{self.proxy.ports['http']}"
         self.ready = s.start_members(
             worker_main,
-            lambda i: (
-                address,
-                self.shape,
-                cfg.mode,
-                cfg.bf16,
-                self.total_rounds,
-                s.barrier,
-                s.finished,
-                self.setup_timeout + args.round_timeout,
-                self.kill_of(i),
-            ),
+            lambda i: (address, self.shape, cfg.mode, cfg.bf16, *self.pace_of(i)),
             "worker",
         )
-        self.workers = s.members
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = self.session.call_hub("status")

@@ -67,7 +67,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any
 
 import psutil
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {
             **run_head("sync_round", now(), info),
-            "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
+            "model": {**shape.record(), "fp32_bytes": model_bytes},
             "bf16_uploads": all(c.up == "bf16" for c in comms),
             "comm": [c.label for c in comms],
             "comm_base": BASE_COMM,

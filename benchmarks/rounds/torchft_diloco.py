@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 **run_head("torchft_diloco", started, info),
                 "code": code,
                 "versions": versions,
-                "model": {"dim": shape.dim, "layers": shape.layers, "numel": shape.numel},
+                "model": shape.record(),
                 "warmup_rounds": args.warmup,
                 "measured_rounds": args.rounds,
                 "results": results,

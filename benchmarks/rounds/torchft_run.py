@@ -53,15 +53,10 @@ class TorchftRun(SessionRun):
                 self.min_replicas,
                 args.torchft_timeout,
                 args.torchft_quorum_timeout,
-                self.total_rounds,
-                s.barrier,
-                s.finished,
-                self.setup_timeout + args.round_timeout,
-                self.kill_of(i),
+                *self.pace_of(i),
             ),
             "replica",
         )
-        self.replicas = s.members
 
     def round(self) -> dict[str, Any]:
         n, args = self.n, self.args
