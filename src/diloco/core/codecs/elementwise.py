@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, accumulate_, numel_of
+from diloco.core.accumulate import accumulate_
+from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, numel_of
 from diloco.core.finite import max_abs
 
 
