@@ -2,8 +2,8 @@
 
 The hub is a spawned child that sends a hello (a dict with at least its ``pid``) on its pipe
 and then answers commands on it: a diloco server (``server_child.server_main``: ``"status"``,
-``"stop"``), or torchft's lighthouse. The members are spawned children called as
-``target(index, queue, *args)``: they report ``("ready", i, ...)`` on the queue, then per round
+``"stop"``), torchft's lighthouse, or the raw-socket server (``loopback``). The members are
+spawned children called as ``target(index, queue, *args)``: they report ``("ready", i, ...)`` on the queue, then per round
 ``("prepared", i, ...)`` (idle at the start barrier from then on) and ``("round", i, ...)``,
 and at last ``("done", i, ...)``; a failure is ``("error", i, text)``, which the parent raises
 at once. A round: the parent's arrival at the start barrier (N members + the parent) starts it,
@@ -13,8 +13,8 @@ before its own bookkeeping, so that nothing of it competes for the cores with a 
 progress; it is held here for the whole session (a multiprocessing barrier the parent drops is
 torn down).
 
-Every child's RSS is polled from here (``rss.RssPoller``), and whatever still runs at the end,
-on an error too, is terminated, then killed (``processes.reap``).
+Every child's RSS is polled from here (``rss.RssPoller``; not for the raw-socket limit), and
+whatever still runs at the end, on an error too, is terminated, then killed (``processes.reap``).
 """
 
 from __future__ import annotations
@@ -38,23 +38,35 @@ class Session:
     RSS polling runs while it is open, and every child is reaped when it closes."""
 
     def __init__(
-        self, ctx: Any, n: int, *, total_rounds: int, setup_timeout: float, round_timeout: float
+        self,
+        ctx: Any,
+        n: int,
+        *,
+        total_rounds: int,
+        setup_timeout: float,
+        round_timeout: float,
+        poll_rss: bool = True,
     ) -> None:
         self.ctx, self.n, self.total_rounds = ctx, n, total_rounds
         self.setup_timeout, self.round_timeout = setup_timeout, round_timeout
         self.procs: list[Any] = []
         self.members: list[Any] = []
+        #: Polled only with ``poll_rss``: a run that measures a ceiling of the machine (the
+        #: raw-socket limit) keeps the parent's polling thread off its cores.
         self.poller = RssPoller()
+        self._poll_rss = poll_rss
         self.hub_conn: Any = None
         self.rounds_started = 0
         self._prepared = -1  # the last round for which every member said it is prepared
 
     def __enter__(self) -> Session:
-        self.poller.__enter__()
+        if self._poll_rss:
+            self.poller.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.poller.__exit__()
+        if self._poll_rss:
+            self.poller.__exit__()
         reap(self.procs)
 
     # --- starting --------------------------------------------------------------------------
