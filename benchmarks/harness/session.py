@@ -304,6 +304,23 @@ class Killed:
     inside_before_kill_s: dict[str, float]
     not_inside: list[str]
 
+    @property
+    def worker_maxrss(self) -> list[int]:
+        """Each survivor's peak RSS, by index."""
+        return [self.done[i]["maxrss"] for i in sorted(self.done)]
+
+    def logs(self, more: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """Each survivor's log of syncs, times in seconds after the kill: every entry's round,
+        start and end, then what ``more(entry)`` adds."""
+        t = self.t_kill
+        return {
+            str(i): [
+                {"round": e["round"], "start": e["t0"] - t, "end": e["t1"] - t, **more(e)}
+                for e in self.done[i]["log"]
+            ]
+            for i in sorted(self.done)
+        }
+
 
 def median_phases(phases: list[dict[str, float] | None]) -> dict[str, float] | None:
     """Each phase's median over the dicts (workers of a round, or rounds of a run); None when

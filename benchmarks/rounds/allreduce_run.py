@@ -262,20 +262,13 @@ class ConfigRun(SessionRun):
             "survivors": [_after_kill(i, done[i], t_kill) for i in sorted(done)],
             "server_rounds_completed": final["status"].get("rounds_completed"),
             "server_rounds_discarded": final["status"].get("rounds_discarded"),
-            "worker_maxrss": [done[i]["maxrss"] for i in sorted(done)],
-            "logs": {  # each survivor's syncs, times in s after the kill
-                str(i): [
-                    {
-                        "round": e["round"],
-                        "start": e["t0"] - t_kill,
-                        "end": e["t1"] - t_kill,
-                        "discarded": e["delta"].get("discarded_rounds", 0),
-                        "events": [(w, t - t_kill) for w, t in e["events"]],
-                    }
-                    for e in done[i]["log"]
-                ]
-                for i in sorted(done)
-            },
+            "worker_maxrss": k.worker_maxrss,
+            "logs": k.logs(
+                lambda e: {
+                    "discarded": e["delta"].get("discarded_rounds", 0),
+                    "events": [(w, t - t_kill) for w, t in e["events"]],
+                }
+            ),
         }
 
 

@@ -148,22 +148,15 @@ class TorchftRun(SessionRun):
             "inside_before_kill_s": k.inside_before_kill_s,
             "not_inside": k.not_inside,
             "survivors": survivors,
-            "worker_maxrss": [done[i]["maxrss"] for i in sorted(done)],
-            "logs": {  # each survivor's syncs, times in s after the kill
-                str(i): [
-                    {
-                        "round": e["round"],
-                        "start": e["t0"] - t_kill,
-                        "end": e["t1"] - t_kill,
-                        "committed": e["committed"],
-                        "participants": e["participants"],
-                        "stamps": {k: v - t_kill for k, v in e["stamps"].items()},
-                        "error": e["error"],
-                    }
-                    for e in done[i]["log"]
-                ]
-                for i in sorted(done)
-            },
+            "worker_maxrss": k.worker_maxrss,
+            "logs": k.logs(
+                lambda e: {
+                    "committed": e["committed"],
+                    "participants": e["participants"],
+                    "stamps": {key: v - t_kill for key, v in e["stamps"].items()},
+                    "error": e["error"],
+                }
+            ),
         }
 
 
