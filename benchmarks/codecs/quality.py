@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trials, summarise
+from benchmarks.harness.trials import Trial, by_name, per_worker_budget, run_trials, summarise
 
 REFERENCE = "up bf16, down fp32"
 DOWNLINKS = [
@@ -41,12 +41,7 @@ DOWNLINKS = [
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
-    common: dict[str, Any] = {
-        "seed": seed,
-        "workers": args.workers,
-        "sync_every": args.sync_every,
-        "total_steps": args.steps * args.workers,
-    }
+    common = per_worker_budget(args, seed)
     trials = []
     for codec in ("fp32", "bf16", "int8", "int4", "lowrank"):
         feedbacks = (True, False) if codec in ("int8", "int4", "lowrank") else (True,)
@@ -79,7 +74,6 @@ def table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         row["up_per_round"] = per_round(row, "last_bytes_up")
         row["down_per_round"] = per_round(row, "last_bytes_down")
-    names = list(dict.fromkeys(r["name"] for r in rows))
     ref = {r["seed"]: r for r in rows if r["name"] == REFERENCE}
     ref_bytes = (
         statistics.mean(r["up_per_round"] + r["down_per_round"] for r in ref.values())
@@ -88,8 +82,7 @@ def table(rows: list[dict[str, Any]]) -> None:
     )
     ref_sd = statistics.stdev(r["eval_loss"] for r in ref.values()) if len(ref) > 1 else 0.0
     out = []
-    for name in names:
-        group = [r for r in rows if r["name"] == name]
+    for name, group in by_name(rows).items():
         up = statistics.mean(r["up_per_round"] for r in group)
         down = statistics.mean(r["down_per_round"] for r in group)
         diffs = [r["eval_loss"] - ref[r["seed"]]["eval_loss"] for r in group if r["seed"] in ref]

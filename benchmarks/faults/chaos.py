@@ -97,14 +97,19 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
         p.start()
     events = {"worker_kills": 0, "server_kills": 0}
     metrics: dict[int, list[dict[str, Any]]] = {r: [] for r in procs}
+
+    def drain() -> None:
+        """Each finished worker life's metrics, as far as they have arrived."""
+        while not out.empty():
+            rank, m = out.get()
+            metrics[rank].append(m)
+
     t0 = time.monotonic()
     next_fault = t0 + rng.uniform(*cfg["fault_every"])
     try:
         while any(p.is_alive() for p in procs.values()):
             time.sleep(0.2)
-            while not out.empty():
-                rank, m = out.get()
-                metrics[rank].append(m)
+            drain()
             if chaos and time.monotonic() > next_fault and min(progress[:]) < cfg["steps"] * 0.9:
                 next_fault = time.monotonic() + rng.uniform(*cfg["fault_every"])
                 if rng.random() < cfg["server_share"]:
@@ -123,9 +128,7 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
                             target=_worker, args=(r, cfg, server.address, progress, out)
                         )
                         procs[r].start()
-        while not out.empty():
-            rank, m = out.get()
-            metrics[rank].append(m)
+        drain()
         client = DiLoCoClient(server.address)
         status = client.status()
         _, params = client.get_global_params()

@@ -109,21 +109,23 @@ def worker_main(args: argparse.Namespace) -> int:
         merge_alpha=args.alpha,
     )
 
-    def state_hash() -> str | None:
-        strategy = getattr(worker, "_strategy", None)  # QuorumSync's hash of its state
-        return getattr(strategy, "_hash", None)
+    def say_state(event: str, **more: Any) -> None:
+        """An event with the state the worker holds: its round, the model's checksum, and
+        QuorumSync's hash of its state."""
+        strategy = getattr(worker, "_strategy", None)
+        say(
+            event=event,
+            round=worker.base_round,
+            crc=tensor_checksum(model.parameters()),
+            state=getattr(strategy, "_hash", None),
+            **more,
+        )
 
     stopping_since: float | None = None
     final: dict[str, Any] = {}
     with worker:
         synced = SyncWatch(worker, streaming=args.fragments > 1)
-        say(
-            event="joined",
-            round=worker.base_round,
-            crc=tensor_checksum(model.parameters()),
-            state=state_hash(),
-            quorum=client.last and client.last[0],
-        )
+        say_state("joined", quorum=client.last and client.last[0])
         while True:
             x, y = sample_batch(tokens, 16, 64, gen)
             loss = loss_on(model, x, y)
@@ -131,11 +133,8 @@ def worker_main(args: argparse.Namespace) -> int:
             opt.step()  # the worker's hook runs the sync every sync_every steps
             opt.zero_grad()
             if synced():
-                say(
-                    event="sync",
-                    round=worker.base_round,
-                    crc=tensor_checksum(model.parameters()),
-                    state=state_hash(),
+                say_state(
+                    "sync",
                     quorum=client.last and client.last[0],
                     members=client.last and client.last[1],
                 )
@@ -148,11 +147,8 @@ def worker_main(args: argparse.Namespace) -> int:
                     final = {"eval_loss": None, "at_sync": False}
                     break
         metrics = worker.sync_metrics
-    say(
-        event="final",
-        round=worker.base_round,
-        crc=tensor_checksum(model.parameters()),
-        state=state_hash(),
+    say_state(
+        "final",
         **final,
         metrics={k: v for k, v in metrics.items() if isinstance(v, int | float)},
     )

@@ -10,17 +10,16 @@ round right beside one of its own and both see the same load on a shared machine
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import threading
 import time
 from typing import Any
 
-import psutil
-
-from benchmarks.harness.processes import Inbox, check_alive, reap, start_and_collect
 from benchmarks.harness.report import MB, cpu_median, summary
 from benchmarks.harness.rss import maxrss
+from benchmarks.harness.session import Session
 
 SOCKBUF = 4 * 1024 * 1024
 
@@ -47,11 +46,13 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _raw_server_main(conn: Any, num_clients: int, up: int, down: int, rounds: int) -> None:
+    """The hub of the raw-socket session: its hello names its port; after the last round it
+    answers ``"stop"`` with its errors and peak RSS."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     _tune(listener)  # inherited by accepted sockets: the window is sized before the handshake
     listener.bind(("127.0.0.1", 0))
     listener.listen(num_clients)
-    conn.send(listener.getsockname()[1])
+    conn.send({"pid": os.getpid(), "port": listener.getsockname()[1]})
     recv_buf = memoryview(bytearray(up))  # one receive buffer, as the server's one upload slot
     send_buf = memoryview(bytearray(down))  # one published payload, streamed to everyone
     uploads_done = threading.Barrier(num_clients)
@@ -80,12 +81,17 @@ def _raw_server_main(conn: Any, num_clients: int, up: int, down: int, rounds: in
     for t in threads:
         t.join()
     listener.close()
+    try:
+        conn.recv()  # "stop"
+    except EOFError:
+        return  # the parent went
     conn.send({"errors": [repr(e) for e in errors], "maxrss": maxrss()})
 
 
 def _raw_client_main(
-    idx: int, port: int, up: int, down: int, rounds: int, barrier: Any, out: Any
+    idx: int, out: Any, port: int, up: int, down: int, rounds: int, barrier: Any
 ) -> None:
+    """A member of the raw-socket session."""
     try:
         buf = memoryview(bytearray(max(up, down)))  # sent from, then received into (as a worker)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -111,7 +117,9 @@ def _raw_client_main(
 
 
 class LoopbackRun:
-    """The raw-socket limit: a plain server process and N client processes, one round at a time.
+    """The raw-socket limit: a plain server process and N client processes, one round at a time:
+    a ``Session`` (without RSS polling: the parent's poller would load the machine whose ceiling
+    this measures).
 
     ``up`` and ``down`` are one client's bytes per round; the first ``warmup`` of the
     ``warmup + rounds`` rounds are marked and left out of the summaries."""
@@ -129,66 +137,42 @@ class LoopbackRun:
         round_timeout: float,
         verbose: bool = False,
     ) -> None:
-        self.ctx, self.n, self.up, self.down = ctx, n, up, down
-        self.warmup, self.total_rounds = warmup, warmup + rounds
-        self.setup_timeout, self.round_timeout, self.verbose = setup_timeout, round_timeout, verbose
-        self.procs: list[Any] = []
+        self.n, self.up, self.down = n, up, down
+        self.warmup, self.verbose = warmup, verbose
+        self.session = Session(
+            ctx,
+            n,
+            total_rounds=warmup + rounds,
+            setup_timeout=setup_timeout,
+            round_timeout=round_timeout,
+            poll_rss=False,
+        )
         self.rounds: list[dict[str, Any]] = []
 
     def __enter__(self) -> LoopbackRun:
+        s = self.session.__enter__()
         try:
-            self._start()
+            total = s.total_rounds
+            hello = s.start_hub(_raw_server_main, (self.n, self.up, self.down, total), "raw-server")
+            s.start_members(
+                _raw_client_main,
+                lambda i: (hello["port"], self.up, self.down, total, s.barrier),
+                "raw-client",
+            )
         except BaseException:
-            reap(self.procs)
+            s.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        reap(self.procs)
-
-    def _start(self) -> None:
-        ctx, n = self.ctx, self.n
-        self.parent_conn, child_conn = ctx.Pipe()
-        self.server = ctx.Process(
-            target=_raw_server_main,
-            args=(child_conn, n, self.up, self.down, self.total_rounds),
-            name="raw-server",
-            daemon=True,
-        )
-        self.procs.append(self.server)
-        self.server.start()
-        if not self.parent_conn.poll(self.setup_timeout):
-            raise TimeoutError("raw server did not report its port")
-        port = self.parent_conn.recv()
-        self.server_proc = psutil.Process(self.server.pid)
-        self.barrier = ctx.Barrier(n + 1)
-        self.inbox = Inbox(ctx.Queue())
-        self.clients = [
-            ctx.Process(
-                target=_raw_client_main,
-                args=(i, port, self.up, self.down, self.total_rounds, self.barrier, self.inbox.q),
-                name=f"raw-client-{i}",
-                daemon=True,
-            )
-            for i in range(n)
-        ]
-        self.procs.extend(self.clients)
-        for c in self.clients:
-            c.start()
-        self.inbox.collect("ready", n, self.setup_timeout, f"loopback N={n} setup")
+        self.session.__exit__()
 
     def round(self) -> dict[str, Any]:
-        n = self.n
+        n, s = self.n, self.session
         r = len(self.rounds)
-        check_alive(self.procs, f"loopback N={n} round {r}")
-        msgs, cpu = start_and_collect(
-            self.barrier,
-            self.inbox,
-            self.server_proc,
-            n,
-            self.round_timeout,
-            f"loopback N={n} round {r}",
-        )
+        what = f"loopback N={n} round {r}"
+        s.check(what)
+        msgs, cpu = s.run_round(what)  # raw clients have nothing to prepare between rounds
         t0 = min(m["t0"] for m in msgs.values())
         result = {
             "round": r,
@@ -204,16 +188,12 @@ class LoopbackRun:
         return result
 
     def finish(self) -> dict[str, Any]:
-        n = self.n
-        self.inbox.collect("done", n, self.setup_timeout, f"loopback N={n} shutdown")
-        if not self.parent_conn.poll(60):
-            raise TimeoutError("raw server did not finish")
-        final = self.parent_conn.recv()
+        n, s = self.n, self.session
+        s.finish_members(f"loopback N={n} shutdown")
+        final = s.stop_hub()
         if final["errors"]:
             raise RuntimeError(f"raw server errors: {final['errors']}")
-        self.server.join(30)
-        for c in self.clients:
-            c.join(30)
+        s.join_members()
         measured = [r for r in self.rounds if not r["warmup"]]
         return {
             "workers": n,

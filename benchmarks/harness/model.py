@@ -11,8 +11,12 @@ fork-before-exec copy small.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from benchmarks.harness.processes import run_child
+from benchmarks.harness.report import fmt_mb
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,17 @@ class ModelShape:
     @property
     def nbytes(self) -> int:
         return 4 * self.numel
+
+    def record(self) -> dict[str, int]:
+        """The model as a results file records it."""
+        return {"dim": self.dim, "layers": self.layers, "numel": self.numel}
+
+    def describe(self) -> str:
+        """The model as a run's heading names it."""
+        return (
+            f"{self.layers} x Linear({self.dim}, {self.dim}, bias=False) = "
+            f"{self.numel:,} params, {fmt_mb(self.nbytes)} MB fp32"
+        )
 
 
 def choose_shape(params: float, max_dim: int) -> ModelShape:
@@ -59,6 +74,14 @@ def write_params_main(path: str, shape: ModelShape) -> None:
     torch.set_num_threads(1)
     model = build_model(shape)
     save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, path)
+
+
+def write_params(ctx: Any, folder: str, shape: ModelShape, timeout: float) -> str:
+    """``write_params_main`` run in a child of ``ctx`` (the parent never imports torch), writing
+    into ``folder``: the file's path."""
+    path = os.path.join(folder, "init.safetensors")
+    run_child(ctx, write_params_main, (path, shape), timeout, "writing the initial parameters")
+    return path
 
 
 def noise_buffer(shape: ModelShape) -> Any:

@@ -1,9 +1,10 @@
-"""What the benchmarks print and write: round summaries, the one table printer, machine facts,
-the one JSON writer.
+"""What the benchmarks print and write: round summaries, the one table printer and the cells
+the round tables share, machine facts, a run's heading, the one JSON writer.
 
 Every results table of every benchmark goes through ``print_table``: markdown, so that a run's
 output can be pasted into docs/benchmarks.md as it is. The JSON files under benchmarks/results/
-were written with the shapes the scripts build, so keys stay put.
+were written with the shapes the scripts build, so keys stay put; ``run_head`` gives the keys
+every process-level benchmark's file starts with.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 import platform
 import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,53 @@ def table_lines(head: list[str], rows: list[list[str]]) -> list[str]:
         assert len(row) == len(head), (head, row)
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def spread(s: dict[str, float]) -> str:
+    """A ``summary`` of seconds as a cell: ``median (min-max)``."""
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def times_model(b: float, model_bytes: int) -> str:
+    """Bytes as a cell: MB and how many models that is, ``806 (2.00x)``."""
+    return f"{fmt_mb(b)} ({b / model_bytes:.2f}x)"
+
+
+def above_base(mem: dict[str, Any], model_bytes: int) -> str:
+    """A process's peak RSS above its RSS after importing torch (``maxrss``, ``base_rss``), in
+    models: ``1.02x``."""
+    return f"{(mem['maxrss'] - mem['base_rss']) / model_bytes:.2f}x"
+
+
+def seconds(x: float | None) -> str:
+    """Seconds as a cell, ``-`` for none."""
+    return "-" if x is None else f"{x:.2f}"
+
+
+def ok(flag: bool) -> str:
+    """A check as a cell: ``yes``, or a ``NO`` that stands out."""
+    return "yes" if flag else "NO"
+
+
+def now() -> str:
+    """The local time as the benchmarks stamp a run: ``2026-11-26 15:25:30 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def run_head(benchmark: str, date: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """The keys a results file starts with: the benchmark, when it ran (``now()``), the command
+    line, the machine (``machine_info()``)."""
+    return {
+        "benchmark": benchmark,
+        "date": date,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": machine,
+    }
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    """The machine line under a run's heading."""
+    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
 
 
 def machine_info() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Resident memory of benchmark processes: exact peaks read inside, a polled view from outside.
+"""Resident memory of benchmark processes: exact peaks read inside, a polled view from outside,
+and whether a run fits in the memory available.
 
 ``ru_maxrss`` read by a process at its end is exact but says nothing until then; the parent's
 ``RssPoller`` sees every child while it runs but can miss a spike shorter than its period. The
@@ -70,3 +71,24 @@ class RssPoller:
                     continue
                 if value > self.peaks.get(pid, 0):
                     self.peaks[pid] = value
+
+
+def fits(need: int, what: str, force: bool) -> str | None:
+    """None when ``need`` bytes fit in the memory available now with a GiB to spare (or
+    ``force``); else the line that says ``what`` is skipped, and why."""
+    avail = psutil.virtual_memory().available
+    if need > avail - 2**30 and not force:
+        return (
+            f"{what}: skipped, needs about {need / 2**30:.1f} GiB, "
+            f"{avail / 2**30:.1f} GiB available (use a smaller --params, or --force)"
+        )
+    return None
+
+
+def skipped_for_memory(need: int, what: str, force: bool, skipped: list[str]) -> bool:
+    """``fits``, and when it does not, the line printed and added to ``skipped``: True then."""
+    msg = fits(need, what, force)
+    if msg:
+        print(msg, flush=True)
+        skipped.append(msg)
+    return msg is not None

@@ -2,8 +2,8 @@
 
 The hub is a spawned child that sends a hello (a dict with at least its ``pid``) on its pipe
 and then answers commands on it: a diloco server (``server_child.server_main``: ``"status"``,
-``"stop"``), or torchft's lighthouse. The members are spawned children called as
-``target(index, queue, *args)``: they report ``("ready", i, ...)`` on the queue, then per round
+``"stop"``), torchft's lighthouse, or the raw-socket server (``loopback``). The members are
+spawned children called as ``target(index, queue, *args)``: they report ``("ready", i, ...)`` on the queue, then per round
 ``("prepared", i, ...)`` (idle at the start barrier from then on) and ``("round", i, ...)``,
 and at last ``("done", i, ...)``; a failure is ``("error", i, text)``, which the parent raises
 at once. A round: the parent's arrival at the start barrier (N members + the parent) starts it,
@@ -13,14 +13,18 @@ before its own bookkeeping, so that nothing of it competes for the cores with a 
 progress; it is held here for the whole session (a multiprocessing barrier the parent drops is
 torn down).
 
-Every child's RSS is polled from here (``rss.RssPoller``), and whatever still runs at the end,
-on an error too, is terminated, then killed (``processes.reap``).
+Every child's RSS is polled from here (``rss.RssPoller``; not for the raw-socket limit), and
+whatever still runs at the end, on an error too, is terminated, then killed (``processes.reap``).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -34,23 +38,35 @@ class Session:
     RSS polling runs while it is open, and every child is reaped when it closes."""
 
     def __init__(
-        self, ctx: Any, n: int, *, total_rounds: int, setup_timeout: float, round_timeout: float
+        self,
+        ctx: Any,
+        n: int,
+        *,
+        total_rounds: int,
+        setup_timeout: float,
+        round_timeout: float,
+        poll_rss: bool = True,
     ) -> None:
         self.ctx, self.n, self.total_rounds = ctx, n, total_rounds
         self.setup_timeout, self.round_timeout = setup_timeout, round_timeout
         self.procs: list[Any] = []
         self.members: list[Any] = []
+        #: Polled only with ``poll_rss``: a run that measures a ceiling of the machine (the
+        #: raw-socket limit) keeps the parent's polling thread off its cores.
         self.poller = RssPoller()
+        self._poll_rss = poll_rss
         self.hub_conn: Any = None
         self.rounds_started = 0
         self._prepared = -1  # the last round for which every member said it is prepared
 
     def __enter__(self) -> Session:
-        self.poller.__enter__()
+        if self._poll_rss:
+            self.poller.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.poller.__exit__()
+        if self._poll_rss:
+            self.poller.__exit__()
         reap(self.procs)
 
     # --- starting --------------------------------------------------------------------------
@@ -233,6 +249,41 @@ class SessionRun:
     def _start(self) -> None:
         raise NotImplementedError
 
+    def round(self) -> dict[str, Any]:
+        """One round, recorded in ``rounds``."""
+        raise NotImplementedError
+
+    def finish(self) -> dict[str, Any]:
+        """The run's figures, once its rounds are done."""
+        raise NotImplementedError
+
+    def measure(self) -> dict[str, Any]:
+        """Every round the run was opened for, then its figures."""
+        for _ in range(self.total_rounds):
+            self.round()
+        return self.finish()
+
+    def kill_victim(self) -> Killed:
+        """A kill run: wait until every member is inside the kill round's all-reduce (the
+        victim, the last member, blocking there), SIGKILL the victim, and collect the
+        survivors' "done"."""
+        n, s = self.n, self.session
+        wait = self.setup_timeout + self.args.round_timeout
+        inside, late = wait_inside(s.inbox, self.victim_conn, n, wait)
+        os.kill(s.members[-1].pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        done = s.inbox.collect("done", n - 1, wait, "the survivors after the kill")
+        before = {str(i): t_kill - v["t"] for i, v in sorted(inside.items())}
+        return Killed(t_kill, done, before, late)
+
+    def pace_of(self, i: int) -> tuple[Any, ...]:
+        """What member ``i`` takes last, after its own arguments: the rounds it runs, the start
+        and finish barriers, how long it may wait at one (the first wait spans the setup), and
+        its kill settings (``kill_of``)."""
+        s = self.session
+        wait = self.setup_timeout + self.args.round_timeout
+        return (self.total_rounds, s.barrier, s.finished, wait, self.kill_of(i))
+
     def kill_of(self, i: int) -> dict[str, Any] | None:
         """Member ``i``'s kill settings: None outside a kill run; the last member is the victim,
         which says it is inside on a pipe of its own (``victim_conn``, ``wait_inside``)."""
@@ -240,6 +291,44 @@ class SessionRun:
             return None
         victim = i == self.n - 1
         return {**self.kill, "victim": victim, "conn": self._victim_end if victim else None}
+
+
+@dataclass
+class Killed:
+    """What a kill run saw: when the victim was killed (``time.monotonic``), each survivor's
+    "done" payload by index, how long before the kill each member said it was inside, and who
+    did not say so in time."""
+
+    t_kill: float
+    done: dict[int, Any]
+    inside_before_kill_s: dict[str, float]
+    not_inside: list[str]
+
+    @property
+    def worker_maxrss(self) -> list[int]:
+        """Each survivor's peak RSS, by index."""
+        return [self.done[i]["maxrss"] for i in sorted(self.done)]
+
+    def logs(self, more: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """Each survivor's log of syncs, times in seconds after the kill: every entry's round,
+        start and end, then what ``more(entry)`` adds."""
+        t = self.t_kill
+        return {
+            str(i): [
+                {"round": e["round"], "start": e["t0"] - t, "end": e["t1"] - t, **more(e)}
+                for e in self.done[i]["log"]
+            ]
+            for i in sorted(self.done)
+        }
+
+
+def median_phases(phases: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each phase's median over the dicts (workers of a round, or rounds of a run); None when
+    there are none, or one is missing (a stamp did not fire)."""
+    known = [p for p in phases if p is not None]
+    if not phases or len(known) < len(phases):
+        return None
+    return {k: statistics.median(p[k] for p in known) for k in known[0]}
 
 
 def wait_inside(

@@ -329,6 +329,25 @@ def run_trials(
             yield seed, trial, run_trial(trial)
 
 
+def per_worker_budget(args: Any, seed: int) -> dict[str, Any]:
+    """The ``Trial`` fields a sweep's configurations share when each worker trains
+    ``args.steps`` steps: ``seed``, ``args.workers``, ``args.sync_every`` and the total."""
+    return {
+        "seed": seed,
+        "workers": args.workers,
+        "sync_every": args.sync_every,
+        "total_steps": args.steps * args.workers,
+    }
+
+
+def by_name(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows (one per configuration and seed) grouped by configuration, in run order."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["name"], []).append(r)
+    return groups
+
+
 def summarise(rows: list[dict[str, Any]], key: str) -> str:
     """``key`` over the seeds' rows: the value, or mean ± standard deviation."""
     values = [r[key] for r in rows]

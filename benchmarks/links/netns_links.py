@@ -61,7 +61,6 @@ import argparse
 import atexit
 import importlib.util
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import statistics
@@ -71,9 +70,21 @@ import time
 from typing import Any
 
 from benchmarks.harness import smoke
-from benchmarks.harness.model import ModelShape, choose_shape, write_params_main
-from benchmarks.harness.processes import run_child
-from benchmarks.harness.report import MB, fmt_mb, machine_info, print_table, summary, write_json
+from benchmarks.harness.model import ModelShape, choose_shape, write_params
+from benchmarks.harness.report import (
+    MB,
+    fmt_mb,
+    machine_info,
+    now,
+    ok,
+    print_machine,
+    print_table,
+    run_head,
+    spread,
+    summary,
+    write_json,
+)
+from benchmarks.harness.rss import skipped_for_memory
 from benchmarks.harness.source import use_src
 from benchmarks.links.netns import (
     SERVER_NS,
@@ -87,7 +98,7 @@ from benchmarks.links.netns import (
     worker_ns,
 )
 from benchmarks.rounds.allreduce_round import print_phases
-from benchmarks.rounds.allreduce_run import Config, ConfigRun, estimate_bytes, fits
+from benchmarks.rounds.allreduce_run import Config, config_run, estimate_bytes
 
 # --- the diloco rounds ------------------------------------------------------------------------
 
@@ -125,17 +136,9 @@ def run_config(
     """One configuration on a fresh server and N fresh workers: ``ConfigRun``'s rounds, with the
     bytes each link carried read from the qdisc counters around every round (not without a
     topology: a smoke run on loopback)."""
-    with ConfigRun(
-        ctx,
-        cfg,
-        n,
-        shape_,
-        params_path if cfg.mode == "server" else None,
-        args,
-        rounds=args.warmup + args.rounds,
-    ) as s:
+    with config_run(ctx, cfg, n, shape_, params_path, args) as s:
         links = []
-        for _ in range(args.warmup + args.rounds):
+        for _ in range(s.total_rounds):
             before = topo.link_bytes() if topo is not None else {}
             s.round()
             after = topo.link_bytes() if topo is not None else {}
@@ -211,13 +214,13 @@ def print_results(results: list[dict[str, Any]]) -> None:
                 d["comm"]
                 + (" up, fp32 down" if d["mode"] == "server" and d["comm"] == "bf16" else ""),
                 str(d["workers"]),
-                f"{d['round_s']['median']:.2f} ({d['round_s']['min']:.2f}-{d['round_s']['max']:.2f})",
+                spread(d["round_s"]),
                 f"{d['wire']['wire_s']:.2f}",
                 f"{d['ratio']:.2f}",
                 f"{d['wire']['wire_overlapped_s']:.2f}",
                 _pair(d["link_bytes_median"], "server_in", "server_out"),
                 _pair(d["link_bytes_median"], "worker_up", "worker_down"),
-                "yes" if d["all_rounds_ok"] else "NO",
+                ok(d["all_rounds_ok"]),
             ]
             for d in results
         ],
@@ -301,8 +304,7 @@ def smoke_on_loopback(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     results = []
     with tempfile.TemporaryDirectory(prefix="netns-links-") as tmp:
-        params_path = os.path.join(tmp, "init.safetensors")
-        run_child(ctx, write_params_main, (params_path, shape_), args.setup_timeout, "params")
+        params_path = write_params(ctx, tmp, shape_, args.setup_timeout)
         for cfg in configs_of(args):
             results.append(run_config(ctx, None, cfg, 2, shape_, params_path, args))
     print_results(results)
@@ -355,15 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     spec = importlib.util.find_spec("diloco")  # finds, does not import (the parent stays light)
     code = use_src(None) | {"diloco_imported_from": spec.origin if spec else None}
     info = machine_info() | {"lscpu_model": lscpu_model()}
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    started = now()
     print(
-        f"{started}; model: {shape_.layers} x Linear({shape_.dim}, {shape_.dim}, bias=False) = "
-        f"{shape_.numel:,} params, {fmt_mb(shape_.nbytes)} MB fp32; links {args.rate_mb:g} MB/s "
+        f"{started}; model: {shape_.describe()}; links {args.rate_mb:g} MB/s "
         f"each way, delay {args.delay_ms:g} ms; N = {', '.join(map(str, args.workers))}; rounds "
         f"{args.warmup} warm-up + {args.rounds} measured",
         flush=True,
     )
-    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
+    print_machine(info)
     print(f"code: {code}", flush=True)
     print(f"load average at start: {load()}", flush=True)
 
@@ -379,21 +380,12 @@ def main(argv: list[str] | None = None) -> int:
                 checks = check_links(int(args.check_mb * MB))
                 print_links(checks, args.rate_mb)
             if not args.links_only:
-                params_path = os.path.join(tmp, "init.safetensors")
-                run_child(
-                    ctx,
-                    write_params_main,
-                    (params_path, shape_),
-                    args.setup_timeout,
-                    "writing the initial parameters",
-                )
+                params_path = write_params(ctx, tmp, shape_, args.setup_timeout)
                 for n in sorted(set(args.workers)):
                     for cfg in configs:
                         tag = f"N={n} {cfg.mode} {'bf16' if cfg.bf16 else 'fp32'}"
-                        msg = fits(estimate_bytes(n, shape_.nbytes, cfg), tag, args.force)
-                        if msg:
-                            print(msg, flush=True)
-                            skipped.append(msg)
+                        need = estimate_bytes(n, shape_.nbytes, cfg)
+                        if skipped_for_memory(need, tag, args.force, skipped):
                             continue
                         t = time.monotonic()
                         d = run_config(NetnsContext(ctx), topo, cfg, n, shape_, params_path, args)
@@ -422,13 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             {
-                "benchmark": "netns_links",
-                "date": started,
-                "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "machine": info,
+                **run_head("netns_links", started, info),
                 "load_average": loads,
                 "code": code,
-                "model": {"dim": shape_.dim, "layers": shape_.layers, "numel": shape_.numel},
+                "model": shape_.record(),
                 "rate_mb_s": args.rate_mb,
                 "delay_ms": args.delay_ms,
                 "warmup_rounds": args.warmup,

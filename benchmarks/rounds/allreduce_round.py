@@ -63,20 +63,31 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any
 
 from benchmarks.harness import smoke
-from benchmarks.harness.model import ModelShape, choose_shape, write_params_main
-from benchmarks.harness.processes import run_child
-from benchmarks.harness.report import fmt_mb, machine_info, print_table, write_json
+from benchmarks.harness.model import ModelShape, choose_shape, write_params
+from benchmarks.harness.report import (
+    above_base,
+    fmt_mb,
+    machine_info,
+    now,
+    ok,
+    print_machine,
+    print_table,
+    run_head,
+    seconds,
+    spread,
+    times_model,
+    write_json,
+)
+from benchmarks.harness.rss import skipped_for_memory
 from benchmarks.harness.source import use_src
-from benchmarks.rounds.allreduce_run import Config, ConfigRun, add_args, estimate_bytes, fits
+from benchmarks.rounds.allreduce_run import Config, ConfigRun, add_args, config_run, estimate_bytes
 
 # --- driving ---------------------------------------------------------------------------------
 
@@ -84,18 +95,8 @@ from benchmarks.rounds.allreduce_run import Config, ConfigRun, add_args, estimat
 def run_config(
     ctx: Any, cfg: Config, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    with ConfigRun(
-        ctx,
-        cfg,
-        n,
-        shape,
-        params_path if cfg.mode == "server" else None,
-        args,
-        rounds=args.warmup + args.rounds,
-    ) as s:
-        for _ in range(args.warmup + args.rounds):
-            s.round()
-        return s.finish()
+    with config_run(ctx, cfg, n, shape, params_path, args) as s:
+        return s.measure()
 
 
 def run_kill(ctx: Any, shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
@@ -125,10 +126,6 @@ def run_kill(ctx: Any, shape: ModelShape, args: argparse.Namespace) -> dict[str,
     return res
 
 
-def _x(b: float, model: int) -> str:
-    return f"{fmt_mb(b)} ({b / model:.2f}x)"
-
-
 def _kb(b: float) -> str:
     return f"{b / 1e3:,.1f} KB" if b < 1e6 else f"{fmt_mb(b)} MB"
 
@@ -151,7 +148,7 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             [
                 str(d["workers"]),
                 d["config"],
-                f"{d['round_s']['median']:.2f} ({d['round_s']['min']:.2f}-{d['round_s']['max']:.2f})",
+                spread(d["round_s"]),
                 (
                     "-"
                     if d["server_bytes"] is None
@@ -164,10 +161,10 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
                 fmt_mb(d["collective_bytes_per_worker"])
                 if d["collective_bytes_per_worker"]
                 else "-",
-                _x(d["server"]["maxrss"], model_bytes),
-                _x(d["worker"]["maxrss"], model_bytes),
-                f"{(d['worker']['maxrss'] - d['worker']['base_rss']) / model_bytes:.2f}x",
-                "yes" if d["all_rounds_ok"] else "NO",
+                times_model(d["server"]["maxrss"], model_bytes),
+                times_model(d["worker"]["maxrss"], model_bytes),
+                above_base(d["worker"], model_bytes),
+                ok(d["all_rounds_ok"]),
             ]
             for d in results
         ],
@@ -216,10 +213,6 @@ def print_kill(res: dict[str, Any]) -> None:
         f"heartbeats every {res['heartbeat_interval_s']:g} s, collective timeout "
         f"{res['collective_timeout_s']:g} s); seconds after the SIGKILL:"
     )
-
-    def f(x: Any) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
     print_table(
         [
             "survivor",
@@ -232,10 +225,10 @@ def print_kill(res: dict[str, Any]) -> None:
         [
             [
                 str(s["worker"]),
-                f(s.get("failure_reported_s")),
-                f(s.get("next_quorum_s")),
-                f(s.get("blocked_s")),
-                f(s.get("round_sync_s")),
+                seconds(s.get("failure_reported_s")),
+                seconds(s.get("next_quorum_s")),
+                seconds(s.get("blocked_s")),
+                seconds(s.get("round_sync_s")),
                 ", ".join(f"{x:.2f}" for x in s.get("later_rounds_s", [])) or "-",
             ]
             for s in res["survivors"]
@@ -278,15 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         configs.insert(1, Config("server", True, proxied=False))
     code = use_src(args.src)
     info = machine_info()
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    started = now()
     print(
-        f"{started}; model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
-        f"{shape.numel:,} params, {fmt_mb(model_bytes)} MB fp32; configurations "
+        f"{started}; model: {shape.describe()}; configurations "
         f"{', '.join(c.label for c in configs)}; rounds {args.warmup} warm-up + {args.rounds} "
         "measured",
         flush=True,
     )
-    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
+    print_machine(info)
     print(f"code: {code}", flush=True)
 
     ctx = mp.get_context("spawn")
@@ -295,22 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     kill: list[dict[str, Any]] | None = None
     try:
-        params_path = os.path.join(tmp, "init.safetensors")
-        if not args.no_server_mode:
-            run_child(
-                ctx,
-                write_params_main,
-                (params_path, shape),
-                args.setup_timeout,
-                "writing the initial parameters",
-            )
+        params_path = (
+            "" if args.no_server_mode else write_params(ctx, tmp, shape, args.setup_timeout)
+        )
         for n in sorted(set(args.workers)):
             for cfg in configs:
                 tag = f"N={n} {cfg.label}"
-                msg = fits(estimate_bytes(n, model_bytes, cfg), tag, args.force)
-                if msg:
-                    print(msg, flush=True)
-                    skipped.append(msg)
+                if skipped_for_memory(
+                    estimate_bytes(n, model_bytes, cfg), tag, args.force, skipped
+                ):
                     continue
                 print(f"{tag} ...", flush=True)
                 t = time.monotonic()
@@ -328,11 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.kill:
             kshape = choose_shape(args.kill_params or args.params, args.max_dim)
             cfg = Config("allreduce", not args.kill_fp32, proxied=False)
-            msg = fits(estimate_bytes(args.kill_workers, kshape.nbytes, cfg), "kill", args.force)
-            if msg:
-                print(msg, flush=True)
-                skipped.append(msg)
-            else:
+            need = estimate_bytes(args.kill_workers, kshape.nbytes, cfg)
+            if not skipped_for_memory(need, "kill", args.force, skipped):
                 kill = []
                 for i in range(args.kill_repeats):
                     print(
@@ -358,12 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             {
-                "benchmark": "allreduce_round",
-                "date": started,
-                "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "machine": info,
+                **run_head("allreduce_round", started, info),
                 "code": code,
-                "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
+                "model": {**shape.record(), "fp32_bytes": model_bytes},
                 "warmup_rounds": args.warmup,
                 "measured_rounds": args.rounds,
                 "round_definition": "max over workers of force_sync() end - min over workers "

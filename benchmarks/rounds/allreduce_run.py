@@ -12,10 +12,7 @@ back to back and SIGKILLs one of them inside a chosen round's all-reduce.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +23,7 @@ from benchmarks.harness.model import ModelShape
 from benchmarks.harness.processes import cpu_s
 from benchmarks.harness.report import summary
 from benchmarks.harness.server_child import server_main
-from benchmarks.harness.session import SessionRun, wait_inside
+from benchmarks.harness.session import SessionRun, median_phases
 from benchmarks.rounds.allreduce_children import worker_main
 
 OVERHEAD = 350 * 2**20  # an interpreter with torch and diloco imported
@@ -50,6 +47,22 @@ def estimate_bytes(n: int, model_bytes: int, cfg: Config) -> int:
     if cfg.mode == "server":
         return int(4.5 * model_bytes + OVERHEAD + n * (3 * model_bytes + OVERHEAD))
     return int(OVERHEAD + n * (4.2 * model_bytes + OVERHEAD))
+
+
+def config_run(
+    ctx: Any, cfg: Config, n: int, shape: ModelShape, params_path: str, args: argparse.Namespace
+) -> ConfigRun:
+    """A round run of ``args.warmup + args.rounds`` rounds; the server loads ``params_path`` in
+    server mode (all-reduce mode holds no parameters)."""
+    return ConfigRun(
+        ctx,
+        cfg,
+        n,
+        shape,
+        params_path if cfg.mode == "server" else None,
+        args,
+        rounds=args.warmup + args.rounds,
+    )
 
 
 class ConfigRun(SessionRun):
@@ -113,20 +126,9 @@ class ConfigRun(SessionRun):
             address = f"127.0.0.1:{self.proxy.ports['http']}"
         self.ready = s.start_members(
             worker_main,
-            lambda i: (
-                address,
-                self.shape,
-                cfg.mode,
-                cfg.bf16,
-                self.total_rounds,
-                s.barrier,
-                s.finished,
-                self.setup_timeout + args.round_timeout,
-                self.kill_of(i),
-            ),
+            lambda i: (address, self.shape, cfg.mode, cfg.bf16, *self.pace_of(i)),
             "worker",
         )
-        self.workers = s.members
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = self.session.call_hub("status")
@@ -153,7 +155,6 @@ class ConfigRun(SessionRun):
         t0 = min(m["t0"] for m in msgs.values())
         t1 = max(m["t1"] for m in msgs.values())
         deltas = [m["delta"] for m in msgs.values()]
-        ph = [m["phases"] for m in msgs.values()]
         result = {
             "round": r,
             "warmup": r < args.warmup,
@@ -161,11 +162,7 @@ class ConfigRun(SessionRun):
             "start_spread_s": max(m["t0"] for m in msgs.values()) - t0,
             "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
             "cpu_s": cpu,
-            "phases": (
-                {k: statistics.median(p[k] for p in ph) for k in ph[0]}
-                if ph and None not in ph
-                else None
-            ),
+            "phases": median_phases([m["phases"] for m in msgs.values()]),
             "proxy": counts,
             "server_status_bytes_in": status1["bytes_in"] - status0["bytes_in"],
             "server_status_bytes_out": status1["bytes_out"] - status0["bytes_out"],
@@ -195,7 +192,6 @@ class ConfigRun(SessionRun):
             return statistics.median(f(r) for r in measured)
 
         proxied = self.proxy is not None
-        phase_keys = measured[0]["phases"].keys() if measured[0]["phases"] else []
         return {
             "config": self.cfg.label,
             "mode": self.cfg.mode,
@@ -204,9 +200,7 @@ class ConfigRun(SessionRun):
             "workers": n,
             "rounds": self.rounds,
             "round_s": summary([r["wall_s"] for r in measured]),
-            "phases_median": {k: med(lambda r, k=k: r["phases"][k]) for k in phase_keys}
-            if all(r["phases"] for r in measured)
-            else None,
+            "phases_median": median_phases([r["phases"] for r in measured]),
             "cpu_s_median": {k: med(lambda r, k=k: r["cpu_s"][k]) for k in measured[0]["cpu_s"]},
             "server_bytes": (
                 {
@@ -254,42 +248,27 @@ class ConfigRun(SessionRun):
     # --- kill mode -------------------------------------------------------------------------
 
     def kill_inside(self) -> dict[str, Any]:
-        """Wait until every worker is inside round ``kill["round"]``'s all-reduce (the victim
-        blocking there), SIGKILL the victim, wait for the survivors to finish their rounds."""
-        n, args, s = self.n, self.args, self.session
-        victim = self.workers[-1]
-        wait = self.setup_timeout + args.round_timeout
-        inside, late = wait_inside(s.inbox, self.victim_conn, n, wait)
-        os.kill(victim.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        done = s.inbox.collect("done", n - 1, wait, "the survivors after the kill")
-        final = s.stop_hub()
-        survivors = []
-        for i in sorted(done):
-            survivors.append(_after_kill(i, done[i], t_kill))
+        """Kill the victim inside round ``kill["round"]``'s all-reduce (``kill_victim``), wait
+        for the survivors to finish their rounds."""
+        k = self.kill_victim()
+        final = self.session.stop_hub()
+        t_kill, done = k.t_kill, k.done
         return {
-            "workers": n,
-            "victim": n - 1,
+            "workers": self.n,
+            "victim": self.n - 1,
             "kill_round": self.kill["round"] if self.kill else None,
-            "inside_before_kill_s": {str(i): t_kill - v["t"] for i, v in sorted(inside.items())},
-            "not_inside": late,
-            "survivors": survivors,
+            "inside_before_kill_s": k.inside_before_kill_s,
+            "not_inside": k.not_inside,
+            "survivors": [_after_kill(i, done[i], t_kill) for i in sorted(done)],
             "server_rounds_completed": final["status"].get("rounds_completed"),
             "server_rounds_discarded": final["status"].get("rounds_discarded"),
-            "worker_maxrss": [done[i]["maxrss"] for i in sorted(done)],
-            "logs": {  # each survivor's syncs, times in s after the kill
-                str(i): [
-                    {
-                        "round": e["round"],
-                        "start": e["t0"] - t_kill,
-                        "end": e["t1"] - t_kill,
-                        "discarded": e["delta"].get("discarded_rounds", 0),
-                        "events": [(w, t - t_kill) for w, t in e["events"]],
-                    }
-                    for e in done[i]["log"]
-                ]
-                for i in sorted(done)
-            },
+            "worker_maxrss": k.worker_maxrss,
+            "logs": k.logs(
+                lambda e: {
+                    "discarded": e["delta"].get("discarded_rounds", 0),
+                    "events": [(w, t - t_kill) for w, t in e["events"]],
+                }
+            ),
         }
 
 
@@ -353,13 +332,3 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="import diloco from this src/ dir in every child (e.g. a `git archive HEAD src` "
         "snapshot, so that edits to the working tree during a run cannot reach it)",
     )
-
-
-def fits(need: int, what: str, force: bool) -> str | None:
-    avail = psutil.virtual_memory().available
-    if need > avail - 2**30 and not force:
-        return (
-            f"{what}: skipped, needs about {need / 2**30:.1f} GiB, "
-            f"{avail / 2**30:.1f} GiB available (use a smaller --params, or --force)"
-        )
-    return None

@@ -63,21 +63,19 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any
 
 import psutil
 
 from benchmarks.harness import smoke
 from benchmarks.harness.loopback import LoopbackRun, estimate_loopback_bytes
-from benchmarks.harness.model import ModelShape, choose_shape, write_params_main
-from benchmarks.harness.processes import ask_child, run_child
-from benchmarks.harness.report import fmt_mb, machine_info, write_json
+from benchmarks.harness.model import ModelShape, choose_shape, write_params
+from benchmarks.harness.processes import ask_child
+from benchmarks.harness.report import machine_info, now, print_machine, run_head, write_json
 from benchmarks.rounds.sync_children import Comm, check_comms_main, estimate_bytes, parse_comm
 from benchmarks.rounds.sync_run import DiLoCoRun
 from benchmarks.rounds.sync_tables import (
@@ -255,13 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     model_bytes = shape.nbytes
     info = machine_info()
     print(
-        f"model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
-        f"{shape.numel:,} params, {fmt_mb(model_bytes)} MB fp32; "
+        f"model: {shape.describe()}; "
         f"comm (upload/download codec) {', '.join(c.label for c in comms)}; "
         f"rounds {args.warmup} warm-up + {args.rounds} measured",
         flush=True,
     )
-    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
+    print_machine(info)
 
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="diloco-bench-")
@@ -271,14 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         errors = _check_comms(ctx, comms, args.setup_timeout)
         if errors:
             ap.error("--comm: " + "; ".join(errors))
-        params_path = os.path.join(tmp, "init.safetensors")
-        run_child(
-            ctx,
-            write_params_main,
-            (params_path, shape),
-            args.setup_timeout,
-            "writing the initial parameters",
-        )
+        params_path = write_params(ctx, tmp, shape, args.setup_timeout)
         for n in sorted(set(args.workers)):
             need = max(estimate_bytes(n, model_bytes, c) for c in comms)
             avail = psutil.virtual_memory().available
@@ -339,11 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print_comm_table(results, model_bytes)
     if args.json:
         doc = {
-            "benchmark": "sync_round",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "machine": info,
-            "model": {**asdict(shape), "numel": shape.numel, "fp32_bytes": model_bytes},
+            **run_head("sync_round", now(), info),
+            "model": {**shape.record(), "fp32_bytes": model_bytes},
             "bf16_uploads": all(c.up == "bf16" for c in comms),
             "comm": [c.label for c in comms],
             "comm_base": BASE_COMM,

@@ -10,7 +10,7 @@ import os
 import statistics
 from typing import Any
 
-from benchmarks.harness.report import fmt_mb, print_table
+from benchmarks.harness.report import above_base, fmt_mb, ok, print_table, spread, times_model
 
 TARGET_EFFICIENCY = 0.5  # for 4 workers: round time within 2x the loopback limit
 TARGET_SERVER_X = 4.5
@@ -27,7 +27,7 @@ def paired_efficiency(d: dict[str, Any], lb: dict[str, Any]) -> float:
 
 def _marked_peak(peak: int, model_bytes: int, target_x: float) -> str:
     mark = " ok" if peak <= target_x * model_bytes else " MISS"
-    return f"{fmt_mb(peak)} ({peak / model_bytes:.2f}x){mark}"
+    return times_model(peak, model_bytes) + mark
 
 
 def _main_row(res: dict[str, Any], model_bytes: int) -> list[str]:
@@ -39,7 +39,7 @@ def _main_row(res: dict[str, Any], model_bytes: int) -> list[str]:
         eff_mark = " ok" if eff >= TARGET_EFFICIENCY else " MISS"
     return [
         str(d["workers"]),
-        f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f})",
+        spread(rs),
         f"{lb['round_s']['median']:.2f}",
         f"{eff:.2f}{eff_mark}",
         fmt_mb(d["upload_bytes_per_worker"]),
@@ -67,11 +67,11 @@ def _details_row(res: dict[str, Any], model_bytes: int) -> list[str]:
         f"{lb_sent:.2f}",
         fmt_mb(s["polled_peak_rss"]),
         f"{fmt_mb(s['base_rss'])} / {fmt_mb(s['rss_after_load'])}",
-        f"{(s['maxrss'] - s['base_rss']) / model_bytes:.2f}x",
+        above_base(s, model_bytes),
         fmt_mb(w["polled_peak_rss"]),
         fmt_mb(w["base_rss"]),
-        f"{(w['maxrss'] - w['base_rss']) / model_bytes:.2f}x",
-        "yes" if d["all_rounds_ok"] else "NO",
+        above_base(w, model_bytes),
+        ok(d["all_rounds_ok"]),
     ]
 
 
@@ -125,7 +125,7 @@ def _comm_row(res: dict[str, Any], model_bytes: int) -> list[str]:
     return [
         d["comm"],
         str(d["workers"]),
-        f"{rs['median']:.2f} ({rs['min']:.2f}-{rs['max']:.2f})",
+        spread(rs),
         mb(d["upload_bytes_per_worker"]),
         mb(d["download_bytes_per_worker"]),
         f"{mb(d['server_bytes_in_per_round'])} / {mb(d['server_bytes_out_per_round'])}",
@@ -135,7 +135,7 @@ def _comm_row(res: dict[str, Any], model_bytes: int) -> list[str]:
         _ratio(vs.get("bytes_up")),
         _ratio(vs.get("bytes_down")),
         _ratio(vs.get("round_s")),
-        "yes" if d["all_rounds_ok"] else "NO",
+        ok(d["all_rounds_ok"]),
     ]
 
 

@@ -48,16 +48,26 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.model import choose_shape
-from benchmarks.harness.report import fmt_mb, machine_info, print_table, write_json
+from benchmarks.harness.report import (
+    above_base,
+    fmt_mb,
+    machine_info,
+    now,
+    ok,
+    print_machine,
+    print_table,
+    run_head,
+    seconds,
+    spread,
+    times_model,
+    write_json,
+)
+from benchmarks.harness.rss import skipped_for_memory
 from benchmarks.harness.source import use_src
 from benchmarks.rounds import allreduce_round, allreduce_run
 from benchmarks.rounds.torchft_run import run_torchft, run_torchft_kill
 
 # --- report ----------------------------------------------------------------------------------
-
-
-def _x(b: float, model: int) -> str:
-    return f"{fmt_mb(b)} ({b / model:.2f}x)"
 
 
 def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
@@ -74,10 +84,10 @@ def print_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             [
                 str(d["workers"]),
                 d["config"],
-                f"{d['round_s']['median']:.2f} ({d['round_s']['min']:.2f}-{d['round_s']['max']:.2f})",
-                _x(d["worker"]["maxrss"], model_bytes),
-                f"{(d['worker']['maxrss'] - d['worker']['base_rss']) / model_bytes:.2f}x",
-                "yes" if d["all_rounds_ok"] else "NO",
+                spread(d["round_s"]),
+                times_model(d["worker"]["maxrss"], model_bytes),
+                above_base(d["worker"], model_bytes),
+                ok(d["all_rounds_ok"]),
             ]
             for d in results
         ],
@@ -98,10 +108,6 @@ def print_torchft_kill(res: dict[str, Any]) -> None:
         f"Manager and ProcessGroupGloo timeout {res['timeout_s']:g} s, quorum timeout "
         f"{res['quorum_timeout_s']:g} s); seconds after the SIGKILL:"
     )
-
-    def f(x: Any) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
     print_table(
         [
             "survivor",
@@ -117,10 +123,10 @@ def print_torchft_kill(res: dict[str, Any]) -> None:
                 "-"
                 if s["raised"] is None
                 else f"{s['raised']['s_after_kill']:.2f}: {s['raised']['error'][:80]}",
-                f"{f(s['failed_sync_ended_s'])} ({s['failed_sync_committed']}, "
+                f"{seconds(s['failed_sync_ended_s'])} ({s['failed_sync_committed']}, "
                 f"{s['failed_sync_participants']})",
-                f(s["next_quorum_s"]),
-                f(s["blocked_s"]),
+                seconds(s["next_quorum_s"]),
+                seconds(s["blocked_s"]),
                 ", ".join(f"{x:.2f}" for x in s["later_syncs_s"]) or "-",
             ]
             for s in res["survivors"]
@@ -219,17 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     shape = choose_shape(args.params, args.max_dim)
     model_bytes = shape.nbytes
     info = machine_info()
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    started = now()
     from importlib.metadata import version  # the parent never imports torch
 
     versions = {k: version(k) for k in ("torchft", "torch") if k != "torchft" or have_torchft}
     print(
-        f"{started}; model: {shape.layers} x Linear({shape.dim}, {shape.dim}, bias=False) = "
-        f"{shape.numel:,} params, {fmt_mb(model_bytes)} MB fp32; rounds {args.warmup} warm-up "
+        f"{started}; model: {shape.describe()}; rounds {args.warmup} warm-up "
         f"+ {args.rounds} measured; {versions}",
         flush=True,
     )
-    print(f"machine: {info['nproc']} CPUs, {info['ram_gib']} GiB RAM, {info['cpu']}", flush=True)
+    print_machine(info)
     print(f"code: {code}", flush=True)
     ctx = mp.get_context("spawn")
     results: list[dict[str, Any]] = []
@@ -250,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 else allreduce_run.estimate_bytes(n, model_bytes, cfg)
             )
             tag = f"N={n} {label if cfg is None else cfg.label}"
-            msg = allreduce_run.fits(need, tag, args.force)
-            if msg:
-                print(msg, flush=True)
-                skipped.append(msg)
+            if skipped_for_memory(need, tag, args.force, skipped):
                 continue
             print(f"{tag} ...", flush=True)
             t = time.monotonic()
@@ -301,13 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json,
             {
-                "benchmark": "torchft_diloco",
-                "date": started,
-                "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                "machine": info,
+                **run_head("torchft_diloco", started, info),
                 "code": code,
                 "versions": versions,
-                "model": {"dim": shape.dim, "layers": shape.layers, "numel": shape.numel},
+                "model": shape.record(),
                 "warmup_rounds": args.warmup,
                 "measured_rounds": args.rounds,
                 "results": results,

@@ -9,15 +9,12 @@ survivor's log of syncs against the moment of the kill.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
-import time
 from typing import Any
 
 from benchmarks.harness.model import ModelShape
 from benchmarks.harness.report import summary
-from benchmarks.harness.session import SessionRun, wait_inside
+from benchmarks.harness.session import SessionRun, median_phases
 from benchmarks.rounds.torchft_children import lighthouse_main, replica_main
 
 
@@ -56,33 +53,23 @@ class TorchftRun(SessionRun):
                 self.min_replicas,
                 args.torchft_timeout,
                 args.torchft_quorum_timeout,
-                self.total_rounds,
-                s.barrier,
-                s.finished,
-                self.setup_timeout + args.round_timeout,
-                self.kill_of(i),
+                *self.pace_of(i),
             ),
             "replica",
         )
-        self.replicas = s.members
 
     def round(self) -> dict[str, Any]:
         n, args = self.n, self.args
         r = len(self.rounds)
         what = f"N={n} torchft round {r}"
         msgs, cpu = self.session.start_round(what)
-        ph = [m["phases"] for m in msgs.values()]
         result = {
             "round": r,
             "warmup": r < args.warmup,
             "wall_s": max(m["t1"] for m in msgs.values()) - min(m["t0"] for m in msgs.values()),
             "worker_sync_s": [m["t1"] - m["t0"] for m in msgs.values()],
             "cpu_s": {"lighthouse": cpu["server"], "workers": cpu["workers"]},
-            "phases": (
-                {k: statistics.median(p[k] for p in ph) for k in ph[0]}
-                if ph and None not in ph
-                else None
-            ),
+            "phases": median_phases([m["phases"] for m in msgs.values()]),
             "committed": [m["committed"] for m in msgs.values()],
             "consistent": len({m["checksum"] for m in msgs.values()}) == 1,
         }
@@ -95,17 +82,12 @@ class TorchftRun(SessionRun):
         n = self.n
         done = self.session.finish_members("replica shutdown")
         measured = [r for r in self.rounds if not r["warmup"]]
-        keys = list(measured[0]["phases"]) if measured[0]["phases"] else []
         return {
             "config": "torchft fp32",
             "workers": n,
             "rounds": self.rounds,
             "round_s": summary([r["wall_s"] for r in measured]),
-            "phases_median": (
-                {k: statistics.median(r["phases"][k] for r in measured) for k in keys}
-                if all(r["phases"] for r in measured)
-                else None
-            ),
+            "phases_median": median_phases([r["phases"] for r in measured]),
             "cpu_s_median": {
                 k: statistics.median(r["cpu_s"][k] for r in measured)
                 for k in ("lighthouse", "workers")
@@ -117,14 +99,10 @@ class TorchftRun(SessionRun):
         }
 
     def kill_inside(self) -> dict[str, Any]:
-        n, args, s = self.n, self.args, self.session
-        victim = self.replicas[-1]
-        wait = self.setup_timeout + args.round_timeout
-        s.barrier.wait(wait)  # all replicas ready: they start together
-        inside, late = wait_inside(s.inbox, self.victim_conn, n, wait)
-        os.kill(victim.pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        done = s.inbox.collect("done", n - 1, wait, "the survivors after the kill")
+        n, args = self.n, self.args
+        self.session.barrier.wait(self.setup_timeout + args.round_timeout)  # they start together
+        k = self.kill_victim()
+        t_kill, done = k.t_kill, k.done
         survivors = []
         for i in sorted(done):
             log = done[i]["log"]
@@ -167,33 +145,24 @@ class TorchftRun(SessionRun):
             "join_timeout_s": self.join_timeout_s,
             "timeout_s": args.torchft_timeout,
             "quorum_timeout_s": args.torchft_quorum_timeout,
-            "inside_before_kill_s": {str(i): t_kill - v["t"] for i, v in sorted(inside.items())},
-            "not_inside": late,
+            "inside_before_kill_s": k.inside_before_kill_s,
+            "not_inside": k.not_inside,
             "survivors": survivors,
-            "worker_maxrss": [done[i]["maxrss"] for i in sorted(done)],
-            "logs": {  # each survivor's syncs, times in s after the kill
-                str(i): [
-                    {
-                        "round": e["round"],
-                        "start": e["t0"] - t_kill,
-                        "end": e["t1"] - t_kill,
-                        "committed": e["committed"],
-                        "participants": e["participants"],
-                        "stamps": {k: v - t_kill for k, v in e["stamps"].items()},
-                        "error": e["error"],
-                    }
-                    for e in done[i]["log"]
-                ]
-                for i in sorted(done)
-            },
+            "worker_maxrss": k.worker_maxrss,
+            "logs": k.logs(
+                lambda e: {
+                    "committed": e["committed"],
+                    "participants": e["participants"],
+                    "stamps": {key: v - t_kill for key, v in e["stamps"].items()},
+                    "error": e["error"],
+                }
+            ),
         }
 
 
 def run_torchft(ctx: Any, n: int, shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     with TorchftRun(ctx, n, shape, args, rounds=args.warmup + args.rounds) as s:
-        for _ in range(args.warmup + args.rounds):
-            s.round()
-        return s.finish()
+        return s.measure()
 
 
 def run_torchft_kill(

@@ -22,7 +22,7 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trials, summarise
+from benchmarks.harness.trials import Trial, by_name, run_trials, summarise
 
 RATIO = (0.58, 0.75, 1.51, 3.33)
 
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     table = []
-    for name in dict.fromkeys(r["name"] for r in rows):
-        group = [r for r in rows if r["name"] == name]
+    for name, group in by_name(rows).items():
         stale = [r["staleness"]["mean"] for r in group if r["staleness"]["mean"] is not None]
         table.append(
             [

@@ -22,16 +22,11 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, run_trials, summarise
+from benchmarks.harness.trials import Trial, by_name, per_worker_budget, run_trials, summarise
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
-    common: dict[str, Any] = {
-        "seed": seed,
-        "workers": args.workers,
-        "sync_every": args.sync_every,
-        "total_steps": args.steps * args.workers,
-    }
+    common = per_worker_budget(args, seed)
     trials = [Trial("plain", worker={"bf16_comm": not args.fp32}, **common)]
     for pattern, tau, alpha in itertools.product(("sequential", "strided"), (0, 1), (0.0, 0.5)):
         trials.append(
@@ -88,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     table = []
-    for name in dict.fromkeys(r["name"] for r in rows):
-        group = [r for r in rows if r["name"] == name]
+    for name, group in by_name(rows).items():
         table.append(
             [
                 name,

@@ -1,9 +1,14 @@
-"""The single-process DiLoCo references that the equivalence tests hold the server and workers
-to: the model, its batches, the inner optimizer and one training step."""
+"""What the equivalence tests share: the model, its batches, the inner optimizer and one
+training step of the single-process references, and the same training through a real server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from tests.helpers.threads import in_threads
 
 
 def make_model() -> torch.nn.Module:
@@ -32,3 +37,39 @@ def train_step(
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def through_server(
+    num_workers: int, steps: int, mode: str = "sync", **worker_kw: Any
+) -> tuple[dict[str, torch.Tensor], list[dict[str, float]], int]:
+    """The same training through a real server: ``num_workers`` workers in threads, each
+    ``steps`` steps on its own ``batches``; the server's parameters at the end, each worker's
+    metrics, and the server's round. ``worker_kw``: ``DiLoCoWorker``'s (``sync_every`` at least)."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers, mode=mode)) as server:
+        # Built here, not in the threads: torch.manual_seed is process-global and would interleave.
+        models = [make_model() for _ in range(num_workers)]
+
+        def work(i: int) -> dict[str, float]:
+            model = models[i]
+            inner = make_inner(model)
+            with DiLoCoWorker(
+                model,
+                inner,
+                server.address,
+                bf16_comm=False,
+                worker_id=f"w{i}",
+                heartbeat_interval=0,
+                **worker_kw,
+            ) as worker:
+                for batch in batches(i, steps):
+                    train_step(model, inner, batch)
+            return worker.sync_metrics
+
+        metrics = in_threads(num_workers, work, timeout=60)
+        return server.global_params(), metrics, server.status()["round"]
+
+
+def assert_same_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``expected`` in ``got``, equal up to float rounding (named when not)."""
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")

@@ -6,8 +6,6 @@ codecs and the bytes of a round."""
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +25,7 @@ from diloco.core.codecs import (
 from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
 from diloco.wire import encode
-from tests.helpers.codecs import SHAPES, grads, model, wait_status
+from tests.helpers.codecs import SHAPES, grads, in_order, model, wait_status
 from tests.helpers.fragments import FRAG2, in_fragment
 from tests.helpers.http import (
     EXACT,
@@ -57,27 +55,6 @@ def joined(server: DiLoCoServer, worker_id: str, codec: Codec | None, **info: An
     resp = join(server, worker_id, codec, **info)
     assert resp.status_code == 200, resp.text
     return resp.json()
-
-
-def in_order(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> bytes:
-    """A safetensors body with the tensors in the given order (``wire.encode`` sorts them by
-    width): each tensor's parts together, as the protocol lays them out."""
-    header: dict[str, Any] = {"__metadata__": dict(meta)}
-    raw, pos = [], 0
-    for name, t in tensors.items():
-        data = t.contiguous().view(torch.uint8).numpy().tobytes()
-        header[name] = {
-            "dtype": {torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16"}.get(
-                t.dtype, "F32"
-            ),
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + len(data)],
-        }
-        raw.append(data)
-        pos += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(raw)
 
 
 def codec_body(

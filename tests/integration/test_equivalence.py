@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from tests.helpers.reference import batches, make_inner, make_model, train_step
+from tests.helpers.reference import (
+    assert_same_params,
+    batches,
+    make_inner,
+    make_model,
+    through_server,
+    train_step,
+)
 
 SYNC_EVERY = 4
 ROUNDS = 3
-
-
-
-
-
-
-
-
 
 
 def reference_diloco(num_workers: int) -> dict[str, torch.Tensor]:
@@ -49,49 +45,16 @@ def reference_diloco(num_workers: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in global_model.named_parameters()}
 
 
-def run_through_server(num_workers: int) -> dict[str, torch.Tensor]:
-    with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers)) as server:
-        errors: list[BaseException] = []
-
-        # Built here, not in the threads: torch.manual_seed is process-global and would interleave.
-        models = [make_model() for _ in range(num_workers)]
-
-        def work(i: int) -> None:
-            try:
-                model = models[i]
-                inner = make_inner(model)
-                with DiLoCoWorker(
-                    model,
-                    inner,
-                    server.address,
-                    sync_every=SYNC_EVERY,
-                    bf16_comm=False,
-                    worker_id=f"w{i}",
-                    heartbeat_interval=0,
-                ) as worker:
-                    for batch in batches(i, SYNC_EVERY * ROUNDS):
-                        train_step(model, inner, batch)
-                assert worker.sync_metrics["rounds"] == ROUNDS
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(num_workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, errors
-        assert server.status()["round"] == ROUNDS
-        return server.global_params()
-
-
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_workers_through_server_match_single_process_diloco(num_workers: int) -> None:
     expected = reference_diloco(num_workers)
-    got = run_through_server(num_workers)
+    got, metrics, server_round = through_server(
+        num_workers, SYNC_EVERY * ROUNDS, sync_every=SYNC_EVERY
+    )
+    assert all(m["rounds"] == ROUNDS for m in metrics)
+    assert server_round == ROUNDS
     assert set(got) == set(expected)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_params(got, expected)
 
 
 def test_reference_actually_moves_parameters() -> None:

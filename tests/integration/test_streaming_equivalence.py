@@ -8,14 +8,18 @@ SGD-Nesterov per fragment over that fragment's elements.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.core.fragments import fragment_due, split_sequential, split_strided
-from tests.helpers.reference import batches, make_inner, make_model, train_step
+from tests.helpers.reference import (
+    assert_same_params,
+    batches,
+    make_inner,
+    make_model,
+    through_server,
+    train_step,
+)
 
 SYNC_EVERY = 6
 PERIODS = 2
@@ -104,41 +108,17 @@ def run_through_server(
     tau: int = 0,
     mode: str = "sync",
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
-    with DiLoCoServer(ServerConfig(port=0, num_workers=num_workers, mode=mode)) as server:
-        errors: list[BaseException] = []
-        metrics: list[dict[str, float]] = [{} for _ in range(num_workers)]
-        models = [make_model() for _ in range(num_workers)]
-
-        def work(i: int) -> None:
-            try:
-                model = models[i]
-                inner = make_inner(model)
-                with DiLoCoWorker(
-                    model,
-                    inner,
-                    server.address,
-                    sync_every=SYNC_EVERY,
-                    bf16_comm=False,
-                    worker_id=f"w{i}",
-                    heartbeat_interval=0,
-                    num_fragments=num_fragments,
-                    fragment_pattern=pattern,
-                    merge_alpha=alpha,
-                    overlap_steps=tau,
-                ) as worker:
-                    for batch in batches(i, STEPS):
-                        train_step(model, inner, batch)
-                metrics[i] = worker.sync_metrics
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(num_workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors, errors
-        return server.global_params(), metrics
+    got, metrics, _ = through_server(
+        num_workers,
+        STEPS,
+        mode,
+        sync_every=SYNC_EVERY,
+        num_fragments=num_fragments,
+        fragment_pattern=pattern,
+        merge_alpha=alpha,
+        overlap_steps=tau,
+    )
+    return got, metrics
 
 
 @pytest.mark.parametrize(
@@ -157,8 +137,7 @@ def test_streaming_workers_match_single_process_streaming_diloco(
     expected = reference_streaming(2, num_fragments, pattern, alpha, tau)
     got, metrics = run_through_server(2, num_fragments, pattern, alpha, tau)
     assert set(got) == set(expected)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_params(got, expected)
     for m in metrics:
         assert m["fragments_sent"] == num_fragments * PERIODS + num_fragments - 1
         assert m["rounds"] == num_fragments * PERIODS
@@ -175,8 +154,7 @@ def test_one_streaming_worker_on_an_async_server_matches_the_reference(
     # fragment round of one (sync): the async path must land exactly where the reference does.
     expected = reference_streaming(1, 3, pattern, alpha, tau)
     got, (m,) = run_through_server(1, 3, pattern, alpha, tau, mode="async")
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_params(got, expected)
     assert m["rounds"] == 3 * PERIODS and m["failed_syncs"] == 0
 
 

@@ -135,25 +135,10 @@ def test_late_joiner_is_refused_then_takes_part_next_round() -> None:
         first_model, second_model = make_model(), make_model()
         o1 = torch.optim.SGD(first_model.parameters(), lr=1.0)
         o2 = torch.optim.SGD(second_model.parameters(), lr=1.0)
-        w1 = DiLoCoWorker(
-            first_model,
-            o1,
-            srv.address,
-            sync_every=2,
-            heartbeat_interval=0,
-            worker_id="a",
-            bf16_comm=False,
-        ).start()
+        kw = {"sync_every": 2, "heartbeat_interval": 0, "bf16_comm": False}
+        w1 = DiLoCoWorker(first_model, o1, srv.address, worker_id="a", **kw).start()
         # Round 0 opened with {a}; b joins after it opened.
-        w2 = DiLoCoWorker(
-            second_model,
-            o2,
-            srv.address,
-            sync_every=2,
-            heartbeat_interval=0,
-            worker_id="b",
-            bf16_comm=False,
-        ).start()
+        w2 = DiLoCoWorker(second_model, o2, srv.address, worker_id="b", **kw).start()
         assert srv.status()["expected"] == ["a"]
         fake_step(second_model, o2, 1.0)
         fake_step(second_model, o2, 1.0)  # b submits to round 0: not expected, keeps training

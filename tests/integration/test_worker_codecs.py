@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from diloco.wire import iter_body
 from diloco.worker import resume
 from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.faultproxy import Fault, FaultProxy
+from tests.helpers.threads import in_threads
 
 CONTINUE = len(b"HTTP/1.1 100 Continue\r\n\r\n")  # an upload's interim answer
 
@@ -286,33 +286,24 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(codec: str, rounds: int = 6, every: int = 5) -> tuple[dict[str, torch.Tensor], float]:
     init = {n: p.detach().clone() for n, p in make_model().named_parameters()}
     with DiLoCoServer(ServerConfig(port=0, num_workers=2), initial_params=init) as srv:
-        errors: list[BaseException] = []
 
         def run(rank: int) -> None:
-            try:
-                model = make_model()
-                opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-                x, y = _data(rank)
-                with DiLoCoWorker(
-                    model, opt, srv.address, sync_every=every, heartbeat_interval=0, codec=codec
-                ) as w:
-                    for step in range(rounds * every):
-                        i = (step * 32) % 256
-                        loss = torch.nn.functional.mse_loss(model(x[i : i + 32]), y[i : i + 32])
-                        opt.zero_grad()
-                        loss.backward()
-                        opt.step()
-                        w.report(samples=32)
-                    assert w.sync_metrics["failed_syncs"] == 0
-            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                errors.append(exc)
+            model = make_model()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            x, y = _data(rank)
+            with DiLoCoWorker(
+                model, opt, srv.address, sync_every=every, heartbeat_interval=0, codec=codec
+            ) as w:
+                for step in range(rounds * every):
+                    i = (step * 32) % 256
+                    loss = torch.nn.functional.mse_loss(model(x[i : i + 32]), y[i : i + 32])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    w.report(samples=32)
+                assert w.sync_metrics["failed_syncs"] == 0
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        in_threads(2, run, timeout=60)
         params = srv.global_params()
     model = make_model()
     model.load_state_dict(params)

@@ -5,7 +5,6 @@ full download; a server without a lossy downlink is never asked for updates."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.threads import in_threads
 
 ROUNDS = 4
 EVERY = 3
@@ -85,22 +85,10 @@ def train(
 @pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
 def test_workers_stay_bit_identical_to_the_published_parameters(codec: str) -> None:
     with DiLoCoServer(ServerConfig(port=0, num_workers=2, download_codec=codec)) as srv:
-        results: dict[int, tuple[torch.nn.Module, dict[str, float]]] = {}
         checked: dict[int, list[int]] = {0: [], 1: []}
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            try:
-                results[rank] = train(srv.address, rank, ROUNDS, checked[rank])
-            except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(80)
-        assert not errors, errors
+        results = in_threads(
+            2, lambda rank: train(srv.address, rank, ROUNDS, checked[rank]), timeout=80
+        )
         final = srv.global_params()
         true = srv.global_params(true=True)
         status = srv.status()

@@ -4,12 +4,12 @@ share one run: wrapper prefixes never reach the wire."""
 from __future__ import annotations
 
 import importlib.util
-import threading
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig, load_into
+from tests.helpers.threads import in_threads
 from tests.helpers.workers import fake_step, make_model
 
 
@@ -25,36 +25,25 @@ def test_a_wrapped_worker_and_a_plain_one_share_a_run(tmp_path) -> None:
     cfg = ServerConfig(
         port=0, num_workers=2, outer_lr=1.0, outer_momentum=0.0, save_dir=str(tmp_path)
     )
-    errors: list[BaseException] = []
     with DiLoCoServer(cfg) as srv:
 
         def run(model: torch.nn.Module, worker_id: str, delta: float) -> None:
-            try:
-                opt = torch.optim.SGD(model.parameters(), lr=1.0)
-                with DiLoCoWorker(
-                    model,
-                    opt,
-                    srv.address,
-                    sync_every=2,
-                    heartbeat_interval=0,
-                    worker_id=worker_id,
-                    bf16_comm=False,
-                ) as w:
-                    fake_step(model, opt, delta)
-                    fake_step(model, opt, delta)
-                    assert w.sync_metrics["rounds"] == 1
-            except BaseException as exc:
-                errors.append(exc)
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            with DiLoCoWorker(
+                model,
+                opt,
+                srv.address,
+                sync_every=2,
+                heartbeat_interval=0,
+                worker_id=worker_id,
+                bf16_comm=False,
+            ) as w:
+                fake_step(model, opt, delta)
+                fake_step(model, opt, delta)
+                assert w.sync_metrics["rounds"] == 1
 
-        threads = [
-            threading.Thread(target=run, args=(wrapped, "wrapped", 0.25)),
-            threading.Thread(target=run, args=(plain, "plain", 0.75)),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        runs = [(wrapped, "wrapped", 0.25), (plain, "plain", 0.75)]
+        in_threads(2, lambda i: run(*runs[i]), timeout=60)
         got = srv.global_params()
         assert set(got) == {"weight", "bias"}  # the wrapped worker may have seeded them
         for name, t0 in start.items():

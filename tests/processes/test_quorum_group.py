@@ -23,6 +23,7 @@ from diloco.server.allreduce.rendezvous import Rendezvous
 from diloco.worker.allreduce import connect as quorum_connect
 from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed, average, state_hash
 from tests.helpers.quorum import member_tensors, mixed_tensors
+from tests.helpers.threads import in_threads
 
 pytestmark = pytest.mark.slow
 
@@ -320,11 +321,7 @@ def test_bad_calls_are_refused_on_every_rank_and_the_quorum_forgotten(rendezvous
         except QuorumFailed as err:
             refused.append(rank) if "closed" in str(err) else None
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
+    in_threads(2, member, timeout=20)
     assert [len(errors[r]) for r in range(2)] == [2, 2], errors
     assert "non-finite weight" in errors[0][0] and "tables" in errors[1][1]
     assert sums == {0: 1.0, 1: 1.0}

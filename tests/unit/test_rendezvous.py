@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from diloco.server.allreduce.rendezvous import Rendezvous, quorum_prefix
+from diloco.server.allreduce.rendezvous import Rendezvous
+from diloco.wire.messages import quorum_prefix
 
 
 @pytest.mark.timeout(30)

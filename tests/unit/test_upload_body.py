@@ -5,7 +5,6 @@ lands the same bits as decoding first."""
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Callable, Mapping
 
@@ -19,6 +18,7 @@ from diloco.server.errors import ApiError
 from diloco.server.intake.upload_body import UploadBody
 from diloco.wire import Layout, WireError, encode, tensor_views
 from diloco.wire.layout import parse_header
+from tests.helpers.codecs import in_order
 
 BIG = {"w": (2048, 1536), "b": (1536,)}  # w: 3M elements, 12 MiB in fp32
 CODECS = [("int8", {}), ("int4", {}), ("lowrank", {"rank": 4})]
@@ -27,25 +27,6 @@ CODECS = [("int8", {}), ("int4", {}), ("lowrank", {"rank": 4})]
 def grads(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-
-
-def interleaved(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> bytes:
-    """A body with each tensor's parts together, in the given order (``encode`` sorts by width)."""
-    codes = {torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
-    header: dict[str, object] = {"__metadata__": dict(meta)}
-    raw, pos = [], 0
-    for name, t in tensors.items():
-        data = t.contiguous().view(torch.uint8).numpy().tobytes()
-        header[name] = {
-            "dtype": codes[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + len(data)],
-        }
-        raw.append(data)
-        pos += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(raw)
 
 
 def landed(data: bytes) -> tuple[Layout, dict[str, torch.Tensor]]:
@@ -96,7 +77,7 @@ def test_the_receive_buffer_is_freed_in_payload_order(
     shapes = {"a": (64, 48), "b": (3 * CHUNK // 2,), "c": (100, 30)}
     codec = codec_by_name(name, **options)
     wire = encode_named(codec, grads(shapes, 2))
-    for data in (encode(wire, codec_metadata(codec)), interleaved(wire, codec_metadata(codec))):
+    for data in (encode(wire, codec_metadata(codec)), in_order(wire, codec_metadata(codec))):
         layout, views = landed(data)
         body = UploadBody.read(layout, shapes, [name])
         entries = body.entries(views, shapes)

@@ -127,7 +127,7 @@ class WeightedSum:
                 scratch = self._scratch[:n]
                 scratch.copy_(piece)
                 piece = scratch
-            _accumulate(flat_acc[start + at : start + at + n], piece, weight, first)
+            accumulate_(flat_acc[start + at : start + at + n], piece, weight, first)
             if done is not None:
                 done(at + n)
 
@@ -154,7 +154,10 @@ class WeightedSum:
         self.count = 0
 
 
-def _accumulate(acc: torch.Tensor, t: torch.Tensor, weight: float, first: bool) -> None:
+def accumulate_(acc: torch.Tensor, t: torch.Tensor, weight: float, first: bool) -> None:
+    """``acc += weight * t``, or ``acc = weight * t`` when ``first``: one ``add_`` with
+    ``alpha`` (``copy_`` for weight 1). Every contribution lands in a sum through this, a plain
+    one here and a decoded one in the codecs (``core/codecs/``), so both give the same bits."""
     if not first:
         acc.add_(t, alpha=weight)
     elif weight == 1:

@@ -61,21 +61,10 @@ class DiLoCoCallback(WorkerCallback, Callback):
     training, sync the local steps not yet synced, so the module ends with the run's parameters.
     """
 
-    def __init__(
-        self,
-        server_addr: str | None = None,
-        sync_every: int | None = None,
-        bf16_comm: bool | None = None,
-        worker_id: str | None = None,
-        *,
-        final_sync: bool = True,
-        **worker_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            server_addr, sync_every, bf16_comm, worker_id, final_sync=final_sync, **worker_kwargs
-        )
-        self._saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
-        self._codec_state: dict[str, torch.Tensor] | None = None
+    # A checkpoint's worker state and residual, held from ``load_state_dict`` (which Lightning
+    # calls before training starts) until ``on_train_start`` joins with them.
+    _saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
+    _codec_state: dict[str, torch.Tensor] | None = None
 
     def on_train_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule

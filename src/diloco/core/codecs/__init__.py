@@ -6,13 +6,13 @@ tensor is a list of wire tensors (``Part``s) that travel in one safetensors body
 holds one as a value the server's running sum adds chunk by chunk. See docs/design/codecs.md.
 """
 
+from diloco.core.accumulate import accumulate_
 from diloco.core.codecs.base import (
     CHUNK,
     SEP,
     Codec,
     CodecError,
     Part,
-    accumulate_,
     check_name,
     wire_names,
 )

@@ -97,18 +97,6 @@ def numel_of(shape: Sequence[int]) -> int:
     return n
 
 
-def accumulate_(acc: torch.Tensor, t: torch.Tensor, weight: float, first: bool) -> None:
-    """``acc += weight * t``, or ``acc = weight * t`` when ``first``: the arithmetic of
-    ``core.accumulate.WeightedSum`` (one ``add_`` with ``alpha``; ``copy_`` for weight 1), so a
-    decoded upload lands in the sum with the same bits as a plain one would."""
-    if not first:
-        acc.add_(t, alpha=weight)
-    elif weight == 1:
-        acc.copy_(t)
-    else:
-        torch.mul(t, weight, out=acc)
-
-
 class Codec:
     """One way to put an fp32 tensor on the wire. Subclasses set ``name`` (the string in the
     body's ``__metadata__``) and ``lossy`` (whether ``decode(encode(t))`` may differ from ``t``:

@@ -1,6 +1,6 @@
 """Codecs that encode each element (or each block of elements) on its own, and so can encode and
-accumulate a tensor piece by piece: the lossless fp32 and today's bf16, and the base class of the
-quantizers.
+accumulate a tensor piece by piece: the plain casts (the lossless fp32 and today's bf16), and the
+base class of the quantizers.
 
 A *piece* is a flat range ``[start, stop)`` of a tensor's elements whose ``start`` is a multiple
 of the codec's ``align`` and whose ``stop`` is too, or is the end of the tensor. The worker computes
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, accumulate_, numel_of
+from diloco.core.accumulate import accumulate_
+from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, numel_of
 from diloco.core.finite import max_abs
 
 
@@ -98,14 +99,14 @@ class BlockCodec(Codec):
         return out
 
 
-class Fp32Codec(BlockCodec):
-    """Lossless: the fp32 tensor itself."""
+class CastCodec(BlockCodec):
+    """A codec whose one part is the tensor cast to ``dtype``, element for element."""
 
-    name = "fp32"
-    lossy = False
+    dtype: torch.dtype
+    """The wire dtype of the part."""
 
     def flat_parts(self, n: int) -> list[Part]:
-        return [Part("", torch.float32, (n,))]
+        return [Part("", self.dtype, (n,))]
 
     @torch.no_grad()
     def encode_piece(
@@ -113,6 +114,17 @@ class Fp32Codec(BlockCodec):
     ) -> list[torch.Tensor]:
         (dst,) = self.empty_parts(piece.numel(), piece.device) if out is None else out
         return [dst.copy_(piece)]
+
+    def check_part(self, shape: Sequence[int], index: int, t: torch.Tensor) -> None:
+        _check_finite(t)
+
+
+class Fp32Codec(CastCodec):
+    """Lossless: the fp32 tensor itself."""
+
+    name = "fp32"
+    lossy = False
+    dtype = torch.float32
 
     @torch.no_grad()
     def add_piece_into(
@@ -120,27 +132,15 @@ class Fp32Codec(BlockCodec):
     ) -> None:
         accumulate_(acc, parts[0], weight, first)  # fp32 needs no scratch: no full temporary
 
-    def check_part(self, shape: Sequence[int], index: int, t: torch.Tensor) -> None:
-        _check_finite(t)
 
-
-class Bf16Codec(BlockCodec):
+class Bf16Codec(CastCodec):
     """Today's uplink: a plain round-to-nearest cast to bf16 (2 bytes per element). Lossy in the
     strict sense (8 significant bits), so a worker may keep error feedback for it; without it,
     it is what every release before the codecs sent."""
 
     name = "bf16"
     lossy = True
-
-    def flat_parts(self, n: int) -> list[Part]:
-        return [Part("", torch.bfloat16, (n,))]
-
-    @torch.no_grad()
-    def encode_piece(
-        self, piece: torch.Tensor, out: Sequence[torch.Tensor] | None = None
-    ) -> list[torch.Tensor]:
-        (dst,) = self.empty_parts(piece.numel(), piece.device) if out is None else out
-        return [dst.copy_(piece)]
+    dtype = torch.bfloat16
 
     @torch.no_grad()
     def add_piece_into(
@@ -154,9 +154,6 @@ class Bf16Codec(BlockCodec):
             s = scratch[: piece.numel()]
             s.copy_(piece)
             accumulate_(acc[at : at + piece.numel()], s, weight, first)
-
-    def check_part(self, shape: Sequence[int], index: int, t: torch.Tensor) -> None:
-        _check_finite(t)
 
 
 def _check_finite(t: torch.Tensor) -> None:

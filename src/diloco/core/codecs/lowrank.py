@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, accumulate_, numel_of
+from diloco.core.accumulate import accumulate_
+from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, numel_of
 from diloco.core.codecs.elementwise import BlockCodec
 from diloco.core.finite import FP32_MAX, max_abs
 

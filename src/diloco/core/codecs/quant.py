@@ -28,7 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from diloco.core.codecs.base import CHUNK, CodecError, Part, accumulate_
+from diloco.core.accumulate import accumulate_
+from diloco.core.codecs.base import CHUNK, CodecError, Part
 from diloco.core.codecs.elementwise import BlockCodec
 
 SCALE = "@scale"

@@ -18,27 +18,14 @@ deployment must keep this port, and the workers' gloo ports, unreachable from ou
 from __future__ import annotations
 
 import logging
-import re
 from datetime import timedelta
 from types import TracebackType
 
 import torch.distributed as dist
 
+from diloco.wire.messages import quorum_prefix
+
 log = logging.getLogger(__name__)
-
-_QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def quorum_prefix(quorum_id: str) -> str:
-    """The store prefix of one quorum, ``quorum/<id>`` (``PrefixStore`` adds the ``/``).
-
-    Ids are restricted so that no quorum's prefix is another's (``a`` against ``a/b``).
-    ``worker/allreduce/collective.py`` applies the same rule; the two packages may not import each
-    other.
-    """
-    if not _QUORUM_ID.fullmatch(quorum_id):
-        raise ValueError(f"quorum id must match {_QUORUM_ID.pattern}, got {quorum_id!r}")
-    return f"quorum/{quorum_id}"
 
 
 class Rendezvous:

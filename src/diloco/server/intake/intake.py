@@ -32,7 +32,7 @@ from diloco.server.rounds.model import Model
 from diloco.server.rounds.units import Unit, plan_pieces
 from diloco.wire import Layout, PayloadReader, WireError, aread_payload, byte_view, tensor_views
 from diloco.wire.decode import AsyncStream
-from diloco.wire.messages import UploadReceipt
+from diloco.wire.messages import UploadMeta, UploadReceipt
 
 
 class Intake:
@@ -124,33 +124,25 @@ class Intake:
         return store
 
     async def receive(
-        self,
-        unit: Unit,
-        layout: Layout,
-        body: UploadBody,
-        stream: AsyncStream,
-        worker_id: str,
-        submission_id: str,
-        base: int,
-        weight: float,
+        self, unit: Unit, layout: Layout, body: UploadBody, stream: AsyncStream, meta: UploadMeta
     ) -> UploadReceipt:
-        """Receive an accepted upload's body (its header checked as ``body``) and hand it to the
-        unit's aggregator; returns the aggregator's reply fields. Raises (and counts nothing) if
-        the body is cut, non-finite, or its worker is gone or superseded when it ends."""
+        """Receive an accepted upload's body (its header checked as ``body``, its metadata
+        ``meta``) and hand it to the unit's aggregator; returns the aggregator's reply fields.
+        Raises (and counts nothing) if the body is cut, non-finite, or its worker is gone or
+        superseded when it ends."""
         agg = unit.aggregator
         first = (
-            self._begin_first_write(unit, agg, layout, weight, worker_id) if body.plain else None
+            self._begin_first_write(unit, agg, layout, meta.weight, meta.worker_id)
+            if body.plain
+            else None
         )
         if first is None:
-            return await self._into_slot(
-                unit, layout, body, stream, worker_id, submission_id, base, weight
-            )
+            return await self._into_slot(unit, layout, body, stream, meta)
         self.run_log.waited(unit.index, 0.0)
         try:
             await first.run(PayloadReader(stream))
-            self._check_current(unit, worker_id, submission_id)
-            landed = Landed(worker_id, submission_id, base, weight, layout.total_size, [], True)
-            return await agg.accept(landed)
+            self._check_current(unit, meta)
+            return await agg.accept(_landed(meta, layout, [], written=True))
         finally:
             first.finish(lambda: self._first_writes.pop(unit.index, None))
 
@@ -175,15 +167,7 @@ class Intake:
             await first.done.wait()
 
     async def _into_slot(
-        self,
-        unit: Unit,
-        layout: Layout,
-        body: UploadBody,
-        stream: AsyncStream,
-        worker_id: str,
-        submission_id: str,
-        base: int,
-        weight: float,
+        self, unit: Unit, layout: Layout, body: UploadBody, stream: AsyncStream, meta: UploadMeta
     ) -> UploadReceipt:
         """The ordinary path: the whole body into an upload slot, checked, then counted."""
         assert self.pool is not None
@@ -193,16 +177,16 @@ class Intake:
             payload = lease.slot.buffer[: layout.payload_size]
             await aread_payload(stream, byte_view(payload), room=lease.slot.room)
             entries = body.entries(tensor_views(layout, payload), unit.table)
-            landed = Landed(worker_id, submission_id, base, weight, layout.total_size, entries)
+            landed = _landed(meta, layout, entries)
             if agg.reads_late():  # the update reads the body under the lease
-                await self._check_upload(unit, body, worker_id, submission_id, entries)
+                await self._check_upload(unit, body, meta, entries)
                 return await agg.accept(landed)
             # The next upload may start filling this buffer behind the add.
             drain = await lease.hand_over()
             try:
-                await self._check_upload(unit, body, worker_id, submission_id, entries)
+                await self._check_upload(unit, body, meta, entries)
                 landed.sum_add = body.add(
-                    unit.sum, layout, unit.names, entries, weight, drain.report
+                    unit.sum, layout, unit.names, entries, meta.weight, drain.report
                 )
                 landed.add = lambda add: self._add(unit, drain, add)
                 return await agg.accept(landed)
@@ -222,24 +206,19 @@ class Intake:
             pending[unit.index] -= 1
 
     async def _check_upload(
-        self,
-        unit: Unit,
-        body: UploadBody,
-        worker_id: str,
-        submission_id: str,
-        entries: list[Entry],
+        self, unit: Unit, body: UploadBody, meta: UploadMeta, entries: list[Entry]
     ) -> None:
         """What a landed body must pass before it counts: finite values (and a codec's sound
         scales), its worker still registered, and no newer upload of the same worker begun
         meanwhile."""
         await asyncio.to_thread(body.check, unit.names, entries)
-        self._check_current(unit, worker_id, submission_id)
+        self._check_current(unit, meta)
 
-    def _check_current(self, unit: Unit, worker_id: str, submission_id: str) -> None:
+    def _check_current(self, unit: Unit, meta: UploadMeta) -> None:
         """The worker of a landed body is still registered and began no newer upload."""
-        if self.registry.get(worker_id) is None:
-            raise unknown_worker(worker_id)  # evicted while uploading
-        if not unit.aggregator.is_current(worker_id, submission_id):
+        if self.registry.get(meta.worker_id) is None:
+            raise unknown_worker(meta.worker_id)  # evicted while uploading
+        if not unit.aggregator.is_current(meta.worker_id, meta.submission_id):
             # The worker left and came back while this body was in flight.
             raise conflict(
                 "superseded",
@@ -248,3 +227,18 @@ class Intake:
                 round=unit.round,
                 fragment=self.model.fragment_of(unit),
             )
+
+
+def _landed(
+    meta: UploadMeta, layout: Layout, entries: list[Entry], *, written: bool = False
+) -> Landed:
+    """The aggregator's view of a body that landed and passed its checks."""
+    return Landed(
+        meta.worker_id,
+        meta.submission_id,
+        meta.base_round,
+        meta.weight,
+        layout.total_size,
+        entries,
+        written,
+    )

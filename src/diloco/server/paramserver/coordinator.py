@@ -297,16 +297,7 @@ class Coordinator:
             raise refusal(check, head.base_round, fragment)
         agg.begin_upload(head.worker_id, head.submission_id)
         try:
-            counted = await self.intake.receive(
-                unit,
-                layout,
-                body,
-                stream,
-                head.worker_id,
-                head.submission_id,
-                head.base_round,
-                head.weight,
-            )
+            counted = await self.intake.receive(unit, layout, body, stream, head)
         except BaseException:
             agg.abort_upload(head.worker_id, head.submission_id)
             self._maybe_close()

@@ -49,6 +49,7 @@ from diloco.wire.messages.quorums import (
     OutcomeRecorded,
     QuorumAsk,
     QuorumOutcome,
+    quorum_prefix,
     quorum_reply,
 )
 from diloco.wire.messages.uploads import ParamsSeeded, Pending, UploadMeta, UploadReceipt
@@ -92,5 +93,6 @@ __all__ = [
     "UpdateOptimizer",
     "UploadMeta",
     "UploadReceipt",
+    "quorum_prefix",
     "quorum_reply",
 ]

@@ -6,6 +6,7 @@ is ``server/quorum.py``'s; what a worker does with its assignment, ``worker/allr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Self
 
@@ -16,6 +17,20 @@ from diloco.wire.messages.uploads import Pending
 HASH_LIMIT = 256
 ERROR_LIMIT = 500
 """A failure's ``error`` is cut to this many characters (not refused: it is a log line)."""
+
+QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a quorum id may be: restricted so that no quorum's store prefix is another's (``a``
+against ``a/b``)."""
+
+
+def quorum_prefix(quorum_id: str) -> str:
+    """The rendezvous store prefix of one quorum, ``quorum/<id>`` (``PrefixStore`` adds the
+    ``/``): the server hosts the store and forgets a quorum's keys under it
+    (``server/allreduce/rendezvous.py``), the members build their process group on it
+    (``worker/allreduce/connect.py``). A ``ValueError`` for an id outside ``QUORUM_ID``."""
+    if not QUORUM_ID.fullmatch(quorum_id):
+        raise ValueError(f"quorum id must match {QUORUM_ID.pattern}, got {quorum_id!r}")
+    return f"quorum/{quorum_id}"
 
 
 @dataclass(frozen=True)

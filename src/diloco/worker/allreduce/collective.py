@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
+from diloco.wire.messages import quorum_prefix
 from diloco.worker.allreduce.connect import connect, shut
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 BUCKET_BYTES = 32 << 20
 """Collectives move at most this many bytes at a time: extra memory stays one bucket, whatever
 the model's size, and a large model still travels in few collectives."""
-
-# The server's rule (server/allreduce/rendezvous.py).
-_QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
 
 class QuorumFailed(RuntimeError):
     """A quorum could not form or one of its collectives failed (a peer died or stopped
@@ -106,8 +102,7 @@ class QuorumCollective:
         rendezvous from, which is on the network the peers share (gloo's own default, the
         hostname's address, is loopback on many hosts).
         """
-        if not _QUORUM_ID.fullmatch(quorum_id):
-            raise ValueError(f"quorum id must match {_QUORUM_ID.pattern}, got {quorum_id!r}")
+        quorum_prefix(quorum_id)  # a ValueError for an id the protocol refuses
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         if not timeout > 0:

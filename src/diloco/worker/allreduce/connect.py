@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.wire.messages import quorum_prefix
+
 log = logging.getLogger(__name__)
 
 BUILD_MARGIN_S = 1.0
@@ -38,7 +40,7 @@ def connect(
     def build() -> tuple[Any, Any]:
         store = dist.TCPStore(host, port, is_master=False, timeout=limit)
         # PrefixStore joins with "/": keys land under quorum/<id>/, the rendezvous' layout.
-        prefixed = dist.PrefixStore(f"quorum/{quorum_id}", store)
+        prefixed = dist.PrefixStore(quorum_prefix(quorum_id), store)
         if device.type == "cuda":
             return _nccl(prefixed, rank, size, limit, device), store
         address = interface or _route_address(host, port)
