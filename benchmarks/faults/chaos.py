@@ -110,7 +110,12 @@ def run(cfg: dict[str, Any], chaos: bool, workdir: Path) -> dict[str, Any]:
         while any(p.is_alive() for p in procs.values()):
             time.sleep(0.2)
             drain()
-            if chaos and time.monotonic() > next_fault and min(progress[:]) < cfg["steps"] * 0.9:
+            done = min(progress[:])
+            # The smoke run's first fault comes by progress, not the clock: on an idle machine
+            # its few steps end before the first fault the clock would bring.
+            first = cfg.get("first_fault_at") is not None and not any(events.values())
+            due = time.monotonic() > next_fault or (first and done >= cfg["first_fault_at"])
+            if chaos and due and done < cfg["steps"] * 0.9:
                 next_fault = time.monotonic() + rng.uniform(*cfg["fault_every"])
                 if rng.random() < cfg["server_share"]:
                     server.kill9()
@@ -171,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     smoke.add_flag(parser)
     args = parser.parse_args(argv)
-    if args.smoke:  # 2 workers, 8 rounds each run, a fault every 4-5 s
+    first_fault_at = None
+    if args.smoke:  # 2 workers, 8 rounds each run, a fault at a quarter, then every 4-5 s
         args.workers, args.steps, args.sync_every = 2, 80, 10
         args.fault_min, args.fault_max, args.server_share = 4.0, 5.0, 0.5
+        first_fault_at = args.steps // 4
     cfg = {
         "workers": args.workers,
         "steps": args.steps,
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "lr": 3e-3,
         "fault_every": (args.fault_min, args.fault_max),
         "server_share": args.server_share,
+        "first_fault_at": first_fault_at,
     }
     results = []
     for chaos in (False, True):
