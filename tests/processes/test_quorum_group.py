@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from diloco.server.allreduce.rendezvous import Rendezvous
+from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.worker.allreduce import connect as quorum_connect
 from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed, average, state_hash
 from tests.helpers.quorum import member_tensors, mixed_tensors
@@ -79,7 +79,7 @@ class Member:
 
 @pytest.fixture(scope="module")
 def rendezvous():
-    with Rendezvous("127.0.0.1", timeout=TIMEOUT) as rv:
+    with RendezvousStore("127.0.0.1", timeout=TIMEOUT) as rv:
         yield rv
 
 
@@ -106,7 +106,7 @@ def trio(spawn):
     return spawn(3)
 
 
-def form(members: list[Member], rendezvous: Rendezvous, quorum: str) -> None:
+def form(members: list[Member], rendezvous: RendezvousStore, quorum: str) -> None:
     host, port = rendezvous.address()
     for rank, m in enumerate(members):
         m.ask(
@@ -187,7 +187,7 @@ def test_broadcast_from_rank_1_reaches_every_rank_bit_for_bit(trio, rendezvous, 
         assert all(torch.equal(a, b) for a, b in zip(got, source, strict=True))
 
 
-def start_fault(members: list[Member], rendezvous: Rendezvous, quorum: str, tmp_path: Path):
+def start_fault(members: list[Member], rendezvous: RendezvousStore, quorum: str, tmp_path: Path):
     """The last member stops partway through a large average. It trips at its 4th collective
     (table check, weight sum, bucket 1, bucket 2): having completed bucket 1, every member is
     past the small collectives and inside the bucket sequence; it has issued bucket 2 and its

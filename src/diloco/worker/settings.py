@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco.core.codecs import FOUR_BIT, Codec, CodecError, LowRankCodec, codec_from_metadata
-from diloco.core.codecs.registry import PREFIX
+from diloco.core.codecs.by_name import PREFIX
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
 from diloco.wire.messages import ErrorBody
 from diloco.worker.transport.address import DEFAULT_PORT

@@ -16,13 +16,7 @@ from diloco.core.codecs.base import (
     check_name,
     wire_names,
 )
-from diloco.core.codecs.elementwise import Bf16Codec, BlockCodec, Fp32Codec
-from diloco.core.codecs.encoded import Encoded
-from diloco.core.codecs.error_feedback import ErrorFeedback
-from diloco.core.codecs.fourbit import GROUP, Fp4Codec, Int4Codec
-from diloco.core.codecs.lowrank import LowRankCodec
-from diloco.core.codecs.quant import AbsmaxQuantizer, Int8Codec
-from diloco.core.codecs.registry import (
+from diloco.core.codecs.by_name import (
     CODECS,
     FOUR_BIT,
     codec_by_name,
@@ -34,6 +28,12 @@ from diloco.core.codecs.registry import (
     from_wire,
     to_wire,
 )
+from diloco.core.codecs.elementwise import Bf16Codec, BlockCodec, Fp32Codec
+from diloco.core.codecs.encoded import Encoded
+from diloco.core.codecs.error_feedback import ErrorFeedback
+from diloco.core.codecs.fourbit import GROUP, Fp4Codec, Int4Codec
+from diloco.core.codecs.lowrank import LowRankCodec
+from diloco.core.codecs.quant import AbsmaxQuantizer, Int8Codec
 
 __all__ = [
     "CHUNK",

@@ -20,7 +20,7 @@ from typing import NoReturn
 import torch
 
 from diloco.server.allreduce.quorum_book import QuorumBook
-from diloco.server.allreduce.rendezvous import Rendezvous
+from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.run_table import RunTable
 from diloco.server.config import ServerConfig
 from diloco.server.errors import allreduce_mode
@@ -92,7 +92,7 @@ class AllReduceFront:
             heartbeat_of=self._heartbeat_of,
         )
         #: The store each quorum meets at, while the server runs (``open``).
-        self.rendezvous: Rendezvous | None = None
+        self.rendezvous: RendezvousStore | None = None
 
     def _heartbeat_of(self, worker_id: str) -> tuple[float, float] | None:
         """When the server last heard from the worker and its heartbeat interval (0: none, or
@@ -106,7 +106,7 @@ class AllReduceFront:
 
     def open(self) -> None:
         """The rendezvous, on the server's host (a free port), for as long as the server runs."""
-        self.rendezvous = Rendezvous(self.config.host, timeout=self.config.collective_timeout)
+        self.rendezvous = RendezvousStore(self.config.host, timeout=self.config.collective_timeout)
         self.book.rendezvous = self.rendezvous.address()
         self.book.forget = self.rendezvous.forget
 

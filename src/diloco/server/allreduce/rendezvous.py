@@ -28,7 +28,7 @@ from diloco.wire.messages import quorum_prefix
 log = logging.getLogger(__name__)
 
 
-class Rendezvous:
+class RendezvousStore:
     """Hosts the store on ``host`` (the address workers reach; see the module's security note)
     and ``port`` (0: any free port, the real one is ``.port``).
 
@@ -79,7 +79,7 @@ class Rendezvous:
             raise RuntimeError("the rendezvous is closed")
         return self._store
 
-    def __enter__(self) -> Rendezvous:
+    def __enter__(self) -> RendezvousStore:
         return self
 
     def __exit__(

@@ -28,7 +28,7 @@ from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.run_log import RunLog
 from diloco.server.params.store import ParamStore
 from diloco.server.rounds.aggregator import Aggregator, Landed
-from diloco.server.rounds.model import Model
+from diloco.server.rounds.synced_model import Model
 from diloco.server.rounds.units import Unit, plan_pieces
 from diloco.wire import Layout, PayloadReader, WireError, aread_payload, byte_view, tensor_views
 from diloco.wire.decode import AsyncStream

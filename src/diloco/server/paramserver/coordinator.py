@@ -50,10 +50,10 @@ from diloco.server.rounds.aggregator import Aggregator, Verdict
 from diloco.server.rounds.async_aggregator import AsyncAggregator
 from diloco.server.rounds.barrier import SyncBarrier
 from diloco.server.rounds.checkpoints import Checkpoints
-from diloco.server.rounds.model import Model
 from diloco.server.rounds.outer_steps import OuterSteps
 from diloco.server.rounds.submissions import duplicate_reply, refusal
 from diloco.server.rounds.sync_aggregator import SyncAggregator
+from diloco.server.rounds.synced_model import Model
 from diloco.server.rounds.units import OptimizerFactory, Unit
 from diloco.wire import Layout
 from diloco.wire.decode import AsyncStream

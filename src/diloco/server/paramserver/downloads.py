@@ -12,7 +12,7 @@ from diloco.server.errors import unknown_worker
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.run_log import RunLog
 from diloco.server.params.store import Snapshot
-from diloco.server.rounds.model import Model
+from diloco.server.rounds.synced_model import Model
 from diloco.wire.messages import Pending
 
 

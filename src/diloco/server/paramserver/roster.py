@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from diloco.server.config import ServerConfig
 from diloco.server.members.registry import WorkerRegistry
-from diloco.server.rounds.model import Model
+from diloco.server.rounds.synced_model import Model
 from diloco.wire.messages import LastSubmission, Registered, RegisterInfo
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.records import SaveRecord
 from diloco.server.params.store import ParamStore
-from diloco.server.rounds.model import Model
+from diloco.server.rounds.synced_model import Model
 from diloco.server.rounds.units import Unit
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from diloco.server.errors import ApiError, conflict
 from diloco.server.observe.run_log import RunLog
 from diloco.server.rounds.aggregator import Verdict
 from diloco.server.rounds.checkpoints import Checkpoints
-from diloco.server.rounds.model import Model
+from diloco.server.rounds.synced_model import Model
 from diloco.server.rounds.units import Unit
 
 

@@ -33,7 +33,7 @@ class Unit:
     """One independently synchronised part of the model and its server-side state."""
 
     #: How its submissions become updates: set once, right after construction, by whoever
-    #: plans the units (server/rounds/model.py), since the aggregator itself needs the unit.
+    #: plans the units (server/rounds/synced_model.py), since the aggregator itself needs the unit.
     aggregator: Aggregator
 
     def __init__(

@@ -6,16 +6,17 @@ of requests, tolerant reading of replies, ``MessageError`` naming the field that
 What the server decides travels in its replies (the mode, the fragment plan, the long polls'
 length, all-reduce mode's outer step and collective timeout...); a worker never restates it.
 
-- ``membership.py``: registration, heartbeats, deregistration;
+- ``registration.py``: registration, heartbeats, deregistration;
 - ``uploads.py``: an upload's metadata (safetensors string pairs) and receipt, the initial
   parameters' reply, a long poll's 202;
 - ``quorums.py``: all-reduce mode's quorum asks, assignments and outcomes;
-- ``control.py``: ``/control/*``;
-- ``errors.py``: the body of every error reply.
+- ``operator.py``: the operator's ``/control/*`` requests;
+- ``error_body.py``: the body of every error reply.
 """
 
 from diloco.wire.messages.codec import Message, MessageError, Reply, Request
-from diloco.wire.messages.control import (
+from diloco.wire.messages.error_body import ACTIONS, ErrorBody
+from diloco.wire.messages.operator import (
     Kicked,
     KickWorker,
     NumWorkersUpdated,
@@ -29,8 +30,15 @@ from diloco.wire.messages.control import (
     UpdateNumWorkers,
     UpdateOptimizer,
 )
-from diloco.wire.messages.errors import ACTIONS, ErrorBody
-from diloco.wire.messages.membership import (
+from diloco.wire.messages.quorums import (
+    Assignment,
+    OutcomeRecorded,
+    QuorumAsk,
+    QuorumOutcome,
+    quorum_prefix,
+    quorum_reply,
+)
+from diloco.wire.messages.registration import (
     Deregister,
     Deregistered,
     Heartbeat,
@@ -43,14 +51,6 @@ from diloco.wire.messages.membership import (
     RegisterInfo,
     Rendezvous,
     Table,
-)
-from diloco.wire.messages.quorums import (
-    Assignment,
-    OutcomeRecorded,
-    QuorumAsk,
-    QuorumOutcome,
-    quorum_prefix,
-    quorum_reply,
 )
 from diloco.wire.messages.uploads import ParamsSeeded, Pending, UploadMeta, UploadReceipt
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Self
 
 from diloco.wire.messages.codec import MessageError, Reply, Request, at_least, spec, text
-from diloco.wire.messages.membership import Rendezvous
+from diloco.wire.messages.registration import Rendezvous
 from diloco.wire.messages.uploads import Pending
 
 HASH_LIMIT = 256

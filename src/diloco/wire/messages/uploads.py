@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from diloco.wire.messages.codec import MessageError, Reply, spec
-from diloco.wire.messages.membership import Plan
+from diloco.wire.messages.registration import Plan
 
 # Bounds of a reported weight (weighting='samples'). A weight multiplies an fp32 upload and the
 # sum of weights divides the sum: 1e39 is a finite Python float but infinite in fp32, and

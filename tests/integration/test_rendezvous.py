@@ -7,13 +7,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from diloco.server.allreduce.rendezvous import Rendezvous
+from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.wire.messages import quorum_prefix
 
 
 @pytest.mark.timeout(30)
 def test_one_store_serves_every_quorum_under_its_own_prefix() -> None:
-    with Rendezvous("127.0.0.1", timeout=5.0) as rv:
+    with RendezvousStore("127.0.0.1", timeout=5.0) as rv:
         host, port = rv.address()
         assert (host, port) == ("127.0.0.1", rv.port) and port > 0
         client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
