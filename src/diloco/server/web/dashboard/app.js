@@ -14,7 +14,7 @@
   const query = new URLSearchParams(window.location.search);
   const REFRESH_MS = Math.max(100, Number(query.get("refresh")) || 1000);
   const MAX_POINTS = 600;
-  const MAX_LOSS_ROUNDS = 2048; // as many as the server keeps (server/loss_history.py)
+  const MAX_LOSS_ROUNDS = 2048; // as many as the server keeps (server/observe/loss_history.py)
   const PALETTE = ["#2f6fb2", "#d64045", "#2e9b4f", "#8c5bb5", "#d98b00", "#1b9aaa",
     "#6b7480", "#c2549d"];
   const SVG_NS = "http://www.w3.org/2000/svg";
