@@ -10,12 +10,15 @@ import re
 from dataclasses import dataclass, replace
 from typing import Self
 
-from diloco.wire.messages.codec import MessageError, Reply, Request, at_least, spec, text
+from diloco.wire.messages.codec import MessageError, Reply, Request, Rule, at_least, spec, text
 from diloco.wire.messages.registration import Rendezvous
-from diloco.wire.messages.uploads import Pending
+from diloco.wire.messages.uploads import MAX_WEIGHT, Pending
 
 HASH_LIMIT = 256
 ERROR_LIMIT = 500
+STAGES = ("", "join", "resync", "average", "check", "commit")
+"""Where a failed round broke off on a member (``QuorumOutcome.stage``; "" when not said)."""
+EXCLUDED_LIMIT = 1024
 """A failure's ``error`` is cut to this many characters (not refused: it is a log line)."""
 
 QUORUM_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -45,6 +48,13 @@ class QuorumAsk(Request):
     """That state's hash; empty: none it can vouch for (it must receive the run's)."""
     has_state: bool | None = spec(default=None, omit=True)
     """It holds state; absent: whether a hash is given (read as that)."""
+    weight: float | None = spec(
+        default=None,
+        omit=True,
+        rule=Rule(f"a number in [0, {MAX_WEIGHT:g}]", lambda v: 0 <= v <= MAX_WEIGHT),
+    )
+    """The weight it would contribute (0 joining, 1 under equal weighting, its samples under
+    ``samples``): bounded as an upload's weight in server mode; absent: not said."""
 
     @property
     def holds(self) -> bool:
@@ -119,6 +129,15 @@ class QuorumOutcome(Request):
     """When ok: that state's hash."""
     error: str = spec(default="", omit=True)
     """When not ok: why (cut to ``ERROR_LIMIT`` characters)."""
+    stage: str = spec(default="", omit=True, rule=Rule(f"one of {STAGES}", lambda v: v in STAGES))
+    """When not ok: where the round broke off (``STAGES``)."""
+    excluded: tuple[str, ...] = spec(
+        default=(),
+        omit=True,
+        rule=Rule(f"at most {EXCLUDED_LIMIT} worker ids", lambda v: len(v) <= EXCLUDED_LIMIT),
+    )
+    """The members (worker ids) whose contribution the quorum's checks left out of this round:
+    a non-finite pseudo-gradient, a norm far outside the quorum's, a weight out of bounds."""
 
     def checked(self) -> Self:
         if self.ok and self.round is None:

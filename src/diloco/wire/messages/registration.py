@@ -167,6 +167,10 @@ class Registered(Reply):
     """All-reduce mode: ``equal`` (each member weighs 1) or ``samples`` (its reported samples)."""
     outer: OuterStep | None = spec(default=None, omit=True)
     """All-reduce mode: the outer step every worker applies."""
+    norm_bound: float | None = spec(default=None, omit=True)
+    """All-reduce mode: a member whose pseudo-gradient norm is above this many times the
+    quorum's median norm contributes nothing that round (``--clip-norm-factor``, else the
+    mode's default)."""
 
     @property
     def allreduce(self) -> bool:
