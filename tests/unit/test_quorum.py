@@ -299,7 +299,9 @@ def test_a_member_asking_again_before_reporting_discards_its_quorum() -> None:
     tb = run.ask("b", 0, "h0")  # b failed without reporting and retries
     assert run.book.rounds_discarded == 1
     q = reply(tb)
-    assert q["quorum_id"] == "i0-2" and (q["round"], q["source"], q["resync"]) == (1, 0, [1])
+    # a alone (1 of 2, no strict majority) applied the discarded quorum's step: its state is not
+    # agreed, so the quorum starts from the agreed round 0 (b), and a receives it.
+    assert q["quorum_id"] == "i0-2" and (q["round"], q["source"], q["resync"]) == (0, 1, [0])
 
 
 def test_outcome_errors() -> None:
@@ -323,14 +325,16 @@ def test_outcome_errors() -> None:
 
 def test_save_every_and_a_requested_save_that_survives_a_discard() -> None:
     run = Run("a", save_every=2)
-    assert reply(run.ask("a", 0, "h"))["save"] is False  # round 0 -> 1
-    run.book.open = None
-    assert reply(run.ask("a", 1, "h"))["save"] is True  # round 1 -> 2
-    run.book.open = None
-    assert run.book.request_save().to_json() == {"status": "requested", "round": 1}
-    qid = str(reply(run.ask("a", 2, "h"))["quorum_id"])
+    q = reply(run.ask("a", 0, "h0"))
+    assert q["save"] is False  # round 0 -> 1
+    run.report("a", q["quorum_id"], round_=1, hash_="h1")
+    q = reply(run.ask("a", 1, "h1"))
+    assert q["save"] is True  # round 1 -> 2
+    run.report("a", q["quorum_id"], round_=2, hash_="h2")
+    assert run.book.request_save().to_json() == {"status": "requested", "round": 2}
+    qid = str(reply(run.ask("a", 2, "h2"))["quorum_id"])
     run.report("a", qid, ok=False)
-    assert reply(run.ask("a", 2, "h"))["save"] is True
+    assert reply(run.ask("a", 2, "h2"))["save"] is True
 
 
 def test_a_wait_that_times_out_withdraws_the_request() -> None:
@@ -498,15 +502,17 @@ def test_without_heartbeats_a_silent_member_is_waited_for_until_its_eviction() -
 
 
 def test_the_next_quorum_names_the_quorum_that_made_its_starting_state() -> None:
-    """b's commit point failed after a's passed: a reports its new state to the quorum already
-    discarded by b's failure; the next quorum starts from a's state and names that quorum, so b
-    knows its own contribution is in it."""
-    run = Run("a", "b")
-    qid = formed(run, "a", "b")
+    """b's commit point failed after a's and c's passed: they report their new state to the
+    quorum already discarded by b's failure; made by a strict majority of its members, that
+    state is agreed: the next quorum starts from it and names that quorum, so b knows its own
+    contribution is in it."""
+    run = Run("a", "b", "c")
+    qid = formed(run, "a", "b", "c")
     run.report("b", qid, ok=False)
     assert run.report("a", qid, round_=1, hash_="h1")["status"] == "discarded"
-    ta, tb = run.ask("a", 1, "h1"), run.ask("b", 0, "h0")
-    assert reply(tb)["made_by"] == reply(ta)["made_by"] == qid
+    assert run.report("c", qid, round_=1, hash_="h1")["status"] == "discarded"
+    ta, tb, tc = run.ask("a", 1, "h1"), run.ask("b", 0, "h0"), run.ask("c", 1, "h1")
+    assert reply(tb)["made_by"] == reply(ta)["made_by"] == reply(tc)["made_by"] == qid
     assert reply(tb)["resync"] == [1]
     # A start no member reported making (a fresh run's) names none.
     fresh = Run("a")

@@ -54,3 +54,28 @@ def server_mode() -> ApiError:
         "this server holds the parameters (it runs without --allreduce): upload "
         "pseudo-gradients to POST /submit_pseudograd instead",
     )
+
+
+def unagreed_state(claim: tuple[int, str], latest: tuple[int, str] | None) -> ApiError:
+    """409 for a quorum request presenting a state the run never agreed on (all-reduce mode):
+    it could otherwise become the quorum's source and replace every replica's state."""
+    last = f"round {latest[0]}, hash {latest[1]}" if latest else "none yet"
+    return conflict(
+        "unagreed_state",
+        f"the state presented (round {claim[0]}, hash {claim[1]}) is not one the run agreed on "
+        f"(the last agreed: {last}); ask again presenting no state (has_state false) to receive "
+        "the run's, keeping your progress on top",
+        round=latest[0] if latest else None,
+        action="rebase",
+    )
+
+
+def left_out(worker_id: str, reason: str, seconds: float, rejoin: bool) -> ApiError:
+    """409 for a quorum request from a worker the next quorums do without (all-reduce mode):
+    it trains on alone (``continue``), or registers again first (``rejoin``)."""
+    until = "until it registers again" if rejoin else f"for another {seconds:.1f} s"
+    return conflict(
+        "left_out",
+        f"worker {worker_id!r} is left out of quorums {until}: {reason}",
+        action="rejoin" if rejoin else "continue",
+    )

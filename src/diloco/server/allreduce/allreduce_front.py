@@ -144,6 +144,7 @@ class AllReduceFront:
                 log.info("fragmenting %s set by worker %s", asked, worker_id)
             self.table.adopt(table)
             self._comm[worker_id] = comm
+            self.book.registered(worker_id)  # a leave until it registers again ends
 
         return counts
 
@@ -194,7 +195,12 @@ class AllReduceFront:
         return self.book.round
 
     async def quorum(self, ask: QuorumAsk) -> Assignment | None:
+        """The worker's quorum reply (``book.ask``: 410, 409 ``left_out`` or
+        ``unagreed_state``); its weight, bounded by the message (400 ``bad_field``), is logged:
+        the members exchange their weights among themselves."""
         ticket = self.book.ask(ask)
+        if ask.weight is not None:
+            log.debug("worker %s asks for a quorum with weight %g", ask.worker_id, ask.weight)
         self.registry.touch(ask.worker_id)  # a worker asking is alive, and has joined
         reply = await self.book.wait(ticket, self.config.poll_timeout)
         if reply is None:

@@ -34,10 +34,23 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from diloco.server.allreduce.quorum_records import Ended, QuorumRecord, choose
-from diloco.server.allreduce.suspects import HeartbeatOf, Suspects
-from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
-from diloco.server.observe.records import QuorumStatus, QuorumSummary
+from diloco.server.allreduce.quorum_records import Agreed, Ended, QuorumRecord, choose, learn
+from diloco.server.allreduce.suspects import (
+    EXCLUSIONS_LEFT_OUT,
+    HeartbeatOf,
+    LeftOut,
+    Suspects,
+    quiet,
+)
+from diloco.server.errors import (
+    ApiError,
+    bad_request,
+    conflict,
+    left_out,
+    unagreed_state,
+    unknown_worker,
+)
+from diloco.server.observe.records import LeftOutStatus, QuorumStatus, QuorumSummary
 from diloco.wire.messages import (
     Assignment,
     OutcomeRecorded,
@@ -51,6 +64,10 @@ log = logging.getLogger(__name__)
 
 FINISHED_KEPT = 256
 """Ended quorums remembered, so a late or retried outcome gets its answer and not a 404."""
+BLAMED_STAGES = ("", "join", "resync", "average", "commit")
+"""Where a member's failure counts towards leaving one member out (``suspects.LeftOut``): a
+connection or a collective broke. A failed check of the average ("check") is the checks'
+business (``QuorumOutcome.excluded``)."""
 
 
 class Ticket:
@@ -61,11 +78,18 @@ class Ticket:
         self.ask = ask
         self.reply: Assignment | None = None
         self.gone = False
+        self.refused: ApiError | None = None  # left out while waiting
         self.done = False
         self._event = asyncio.Event()
 
-    def settle(self, reply: Assignment | None = None, *, gone: bool = False) -> None:
-        self.reply, self.gone, self.done = reply, gone, True
+    def settle(
+        self,
+        reply: Assignment | None = None,
+        *,
+        gone: bool = False,
+        refused: ApiError | None = None,
+    ) -> None:
+        self.reply, self.gone, self.refused, self.done = reply, gone, refused, True
         self._event.set()
 
     async def wait(self) -> None:
@@ -90,6 +114,7 @@ class QuorumBook:
         rendezvous: tuple[str, int] | None = None,
         resume_grace: float = 0.0,
         heartbeat_of: HeartbeatOf | None = None,
+        left_out_base: float | None = None,
     ) -> None:
         self.instance = instance
         self._live = live
@@ -113,7 +138,9 @@ class QuorumBook:
         self._since: dict[str, float] = {}  # first request not yet placed, across re-polls
         self._closed_at = -float("inf")
         self._formed = 0
-        self._agreed: tuple[int, str] | None = None
+        # Every state the run agreed on: only these may be a quorum's source.
+        self._agreed = Agreed()
+        self._unheld_logged = False
         self._ended: OrderedDict[str, Ended] = OrderedDict()
         # Which quorum's step made each state members reported: a member whose commit point
         # failed after the others' passed learns from it that its contribution is in the state
@@ -127,7 +154,11 @@ class QuorumBook:
         self._resume_until = clock() + resume_grace
         # Members of a failed quorum gone silent: the next quorum does not wait for their
         # eviction (server/allreduce/suspects.py).
-        self._suspects = Suspects(heartbeat_of or (lambda worker: None))
+        self._heartbeat_of: HeartbeatOf = heartbeat_of or (lambda worker: None)
+        self._suspects = Suspects(self._heartbeat_of)
+        # Workers left out although they ask: blamed for failed joins, or excluded too often.
+        self._left_out = LeftOut(2 * collective_timeout if left_out_base is None else left_out_base)
+        self._exclusions: dict[str, int] = {}  # rounds in a row the checks excluded it
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -137,9 +168,11 @@ class QuorumBook:
         worker = ask.worker_id
         if worker not in self._live():
             raise unknown_worker(worker)
+        self._refuse(ask)
         q = self.open
         if q is not None and worker in q.members and worker not in q.outcomes:
-            self._discard(q, f"member {worker} asked for a new quorum before reporting")
+            self._discard(q, f"member {worker} asked for a new quorum before reporting", blame=True)
+            self._refuse(ask)  # it may be the member that failure left out
         self._suspects.heard(worker)
         older = self._pending.pop(worker, None)
         if older is not None:
@@ -161,7 +194,32 @@ class QuorumBook:
                 del self._pending[ticket.ask.worker_id]
         if ticket.gone:
             raise unknown_worker(ticket.ask.worker_id)
+        if ticket.refused is not None:
+            raise ticket.refused
         return ticket.reply
+
+    def _refuse(self, ask: QuorumAsk) -> None:
+        """409 ``left_out`` for a worker the quorums do without for now; 409
+        ``unagreed_state`` for a state presented that the run never agreed on, and no member
+        reported making (one reported by a quorum still open, or by a minority of a discarded
+        one, is let in: only ``choose``'s ``acceptable`` states are a source, the others receive
+        it). A round-0 state is a worker's own start: it receives the run's. Changes nothing."""
+        worker, now = ask.worker_id, self._clock()
+        leave = self._left_out.of(worker, now)
+        if leave is not None:
+            raise left_out(worker, leave.reason, leave.until - now, leave.rejoin)
+        claim = (ask.round, ask.hash)
+        known = claim in self._agreed or claim in self._made_by
+        if ask.holds and ask.round > 0 and len(self._agreed) and not known:
+            log.warning(
+                "worker %s presented a state the run never agreed on (round %d, hash %s; the "
+                "last agreed: %s): refused",
+                worker,
+                ask.round,
+                ask.hash,
+                self._agreed.latest,
+            )
+            raise unagreed_state(claim, self._agreed.latest)
 
     def pending(self) -> tuple[str, ...]:
         return tuple(sorted(self._pending))
@@ -175,7 +233,9 @@ class QuorumBook:
         q = self.open
         if q is not None and now >= q.deadline:
             missing = [w for w in q.members if w not in q.outcomes]
-            self._discard(q, f"no outcome from {', '.join(missing)} by its deadline")
+            self._discard(q, f"no outcome from {', '.join(missing)} by its deadline", blame=True)
+        elif q is not None and q.first_report is not None:
+            self._complete_without_silent(q, now)
         if self.open is None and self._pending:
             self._try_form(now)
 
@@ -189,16 +249,54 @@ class QuorumBook:
             await asyncio.sleep(interval)
             self.tick()
 
+    def _complete_without_silent(self, q: QuorumRecord, now: float) -> None:
+        """Members that all reported ok while the others went silent since the first report
+        (the suspects' rule: they died after the commit point, before their report): the
+        quorum completes with the reports present, and the silent are suspects."""
+        assert q.first_report is not None
+        missing = [w for w in q.members if w not in q.outcomes]
+        if not all(o.ok for o in q.outcomes.values()):
+            return
+        if not all(quiet(self._heartbeat_of, w, q.first_report, now) for w in missing):
+            return
+        log.warning(
+            "quorum %s: %s silent since the first report (%.1f s ago): completed with the "
+            "reports of %s; they are left out of the next quorum until heard from",
+            q.id,
+            ", ".join(missing),
+            now - q.first_report,
+            ", ".join(sorted(q.outcomes)),
+        )
+        self._suspects.failed(missing, (), q.first_report)
+        self._complete(q)
+
     def _try_form(self, now: float) -> None:
         silent = self._suspects.silent(now)
-        live = self._live() - silent
+        out = self._left_out.current(now)
+        live = self._live() - silent - set(out)
         waiting = sorted(w for w in self._pending if w in live)
         fresh = self._formed == 0 and all(self._pending[w].ask.round == 0 for w in waiting)
         resuming = self._formed == 0 and not fresh and now < self._resume_until
         needed = max(self.num_workers, self.min_workers) if fresh or resuming else self.min_workers
-        if len(waiting) < needed or not any(self._pending[w].ask.holds for w in waiting):
+        if len(waiting) < needed:
             return
-        agreed = self._agreed
+        asks = [self._pending[w].ask for w in waiting]
+        # Without records (a fresh run, or a restarted server) the members' majority says what
+        # was agreed; then only agreed states can be a source.
+        learned = learn(asks) if not len(self._agreed) else None
+        acceptable = (
+            (lambda r, h: (r, h) == learned) if learned else (lambda r, h: (r, h) in self._agreed)
+        )
+        if not any(a.holds and acceptable(a.round, a.hash) for a in asks):
+            if set(waiting) == live and not self._unheld_logged:
+                self._unheld_logged = True
+                log.error(
+                    "no worker asking holds a state the run agreed on (the last: %s): no quorum "
+                    "forms until one does",
+                    self._agreed.latest,
+                )
+            return
+        agreed = self._agreed.latest
         current = agreed is None or any(
             (a.round, a.hash) == agreed for a in (self._pending[w].ask for w in waiting) if a.holds
         )
@@ -220,10 +318,25 @@ class QuorumBook:
                 "they count again once heard from)",
                 ", ".join(sorted(silent)),
             )
-        self._form(tuple(waiting), now)
+        if learned is not None:
+            held = sum((a.round, a.hash) == learned for a in asks)
+            self._agreed.add(learned, "learned from the first quorum's members")
+            (log.warning if learned[0] > 0 else log.info)(
+                "no agreed state recorded (a fresh run, or the server restarted): the run's "
+                "state is taken as round %d, hash %s, held by %d of %d members %s",
+                learned[0],
+                learned[1],
+                held,
+                len(asks),
+                ", ".join(waiting),
+            )
+        self._unheld_logged = False
+        self._form(tuple(waiting), now, acceptable)
 
-    def _form(self, members: tuple[str, ...], now: float) -> None:
-        start = choose([self._pending[w].ask for w in members], self._agreed)
+    def _form(
+        self, members: tuple[str, ...], now: float, acceptable: Callable[[int, str], bool]
+    ) -> None:
+        start = choose([self._pending[w].ask for w in members], self._agreed.latest, acceptable)
         self._formed += 1
         every = self.save_every > 0 and (start.round + 1) % self.save_every == 0
         q = QuorumRecord(
@@ -286,6 +399,9 @@ class QuorumBook:
                 )
             self._member(worker, qid, ended.members)
             self._note_made(outcome, ended.start_round)  # it applied the step all the same
+            if ended.status == "discarded" and outcome.ok and outcome.round is not None:
+                ended.made.setdefault(worker, (outcome.round, outcome.hash))
+                self._made_by_majority(qid, ended)
             return OutcomeRecorded(
                 status=ended.status, quorum_id=qid, round=self.round, detail=ended.reason or None
             )
@@ -298,9 +414,17 @@ class QuorumBook:
             )
         if worker not in q.outcomes:  # a retried report: the first one stands
             q.outcomes[worker] = outcome
+            if q.first_report is None:
+                q.first_report = self._clock()
             self._note_made(outcome, q.start.round)
             if not outcome.ok:
-                self._discard(q, f"member {worker} failed: {outcome.error or 'no reason given'}")
+                self._discard(
+                    q,
+                    f"member {worker} failed"
+                    f"{' at ' + outcome.stage if outcome.stage else ''}: "
+                    f"{outcome.error or 'no reason given'}",
+                    blame=outcome.stage in BLAMED_STAGES,
+                )
             elif len(q.outcomes) == len(q.members):
                 self._complete(q)
             self.tick()
@@ -313,19 +437,35 @@ class QuorumBook:
             while len(self._made_by) > FINISHED_KEPT:
                 self._made_by.popitem(last=False)
 
+    def _made_by_majority(self, qid: str, ended: Ended) -> None:
+        """The two generals: a state a strict majority of a discarded quorum's members reported
+        after its commit point is one the run agreed on (the others receive it)."""
+        made = list(ended.made.values())
+        for state in set(made):
+            if 2 * made.count(state) > len(ended.members) and self._agreed.add(
+                state, f"made by a majority of discarded quorum {qid}"
+            ):
+                log.warning(
+                    "quorum %s was discarded, but a majority of its members (%d of %d) applied "
+                    "its step: round %d, hash %s is agreed",
+                    qid,
+                    made.count(state),
+                    len(ended.members),
+                    *state,
+                )
+
     @staticmethod
     def _member(worker: str, qid: str, members: tuple[str, ...]) -> None:
         if worker not in members:
             raise conflict("not_a_member", f"worker {worker!r} is not a member of quorum {qid!r}")
 
     def _complete(self, q: QuorumRecord) -> None:
-        results = [(q.outcomes[w].round, q.outcomes[w].hash) for w in q.members]
+        reported = [w for w in q.members if w in q.outcomes]
+        results = [(q.outcomes[w].round, q.outcomes[w].hash) for w in reported]
         counts = Counter(results)
         new_round, new_hash = next(r for r in results if counts[r] == max(counts.values()))
         assert new_round is not None
-        diverged = [
-            w for w, r in zip(q.members, results, strict=True) if r != (new_round, new_hash)
-        ]
+        diverged = [w for w, r in zip(reported, results, strict=True) if r != (new_round, new_hash)]
         if diverged:
             log.error(
                 "quorum %s: %s ended with another state than the majority's (round %d, %s); "
@@ -335,19 +475,56 @@ class QuorumBook:
                 new_round,
                 new_hash,
             )
-        self._agreed = (new_round, new_hash)
+        self._agreed.add((new_round, new_hash), f"quorum {q.id} completed")
         self.round = new_round
         if new_round > q.start.round:
             self.rounds_completed += 1
         log.info("quorum %s completed: round %d, hash %s", q.id, new_round, new_hash)
+        self._left_out.completed(reported, self._clock())
+        self._count_exclusions(q, reported)
         self._end(q, Ended(q.members, "recorded", "", q.start.round))
 
-    def _discard(self, q: QuorumRecord, reason: str) -> None:
+    def _count_exclusions(self, q: QuorumRecord, reported: list[str]) -> None:
+        """Members the checks excluded (named in an ok report): counted in a row; at
+        ``EXCLUSIONS_LEFT_OUT`` the worker is left out until it registers again."""
+        named = {w for o in q.outcomes.values() if o.ok for w in o.excluded}
+        for member in reported:
+            if member not in named:
+                self._exclusions.pop(member, None)
+                continue
+            count = self._exclusions[member] = self._exclusions.get(member, 0) + 1
+            if count >= EXCLUSIONS_LEFT_OUT:
+                leave = self._left_out.exclude(member)
+                log.warning("worker %s left out of quorums: %s", member, leave.reason)
+
+    def consecutive_exclusions(self, worker_id: str) -> int:
+        """Completed quorums in a row whose checks excluded the worker's contribution."""
+        return self._exclusions.get(worker_id, 0)
+
+    def _discard(self, q: QuorumRecord, reason: str, *, blame: bool = False) -> None:
+        """``blame``: a join or a collective failed (or a member missed the deadline); two
+        such in a row with the same members leave one out (``suspects.LeftOut``)."""
         self.rounds_discarded += 1
         self._save_requested = self._save_requested or q.save_requested
         log.warning("quorum %s (round %d) discarded: %s", q.id, q.start.round, reason)
-        self._suspects.failed(q.members, q.outcomes, self._clock())
-        self._end(q, Ended(q.members, "discarded", reason, q.start.round))
+        now = self._clock()
+        self._suspects.failed(q.members, q.outcomes, now)
+        made = {
+            w: (o.round, o.hash)
+            for w, o in q.outcomes.items()
+            if o.ok and o.round == q.start.round + 1
+        }
+        ended = Ended(q.members, "discarded", reason, q.start.round, made)
+        self._end(q, ended)
+        self._made_by_majority(q.id, ended)
+        blamed = self._left_out.failed(q.members, now) if blame else None
+        if blamed is not None:
+            worker, leave = blamed
+            log.warning("worker %s left out of quorums: %s", worker, leave.reason)
+            ticket = self._pending.pop(worker, None)
+            self._since.pop(worker, None)
+            if ticket is not None:
+                ticket.settle(refused=left_out(worker, leave.reason, leave.until - now, False))
 
     def _end(self, q: QuorumRecord, ended: Ended) -> None:
         self.open = None
@@ -381,6 +558,11 @@ class QuorumBook:
             self._discard(q, f"member {worker_id} left or was evicted")
         self.tick()
 
+    def registered(self, worker_id: str) -> None:
+        """A worker registered (again): a leave until then ends, its exclusions start over."""
+        self._left_out.registered(worker_id)
+        self._exclusions.pop(worker_id, None)
+
     def request_save(self) -> SaveRequested:
         """An operator's save: rank 0 of the next quorum writes a checkpoint after its round."""
         self._save_requested = True
@@ -393,7 +575,7 @@ class QuorumBook:
         return Rendezvous(host=host, port=port)
 
     def public(self) -> QuorumSummary:
-        q = self.open
+        q, now = self.open, self._clock()
         return QuorumSummary(
             instance=self.instance,
             round=self.round,
@@ -401,4 +583,8 @@ class QuorumBook:
             rounds_completed=self.rounds_completed,
             rounds_discarded=self.rounds_discarded,
             pending_quorum=self.pending(),
+            left_out=tuple(
+                LeftOutStatus(w, leave.reason, None if leave.rejoin else leave.until - now)
+                for w, leave in sorted(self._left_out.current(now).items())
+            ),
         )

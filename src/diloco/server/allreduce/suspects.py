@@ -1,5 +1,6 @@
-"""All-reduce mode: members of a failed quorum that went silent, left out of the next quorum
-before the heartbeat timeout evicts them.
+"""All-reduce mode: who the next quorum does without. Members of a failed quorum that went
+silent, left out of the next quorum before the heartbeat timeout evicts them (``Suspects``), and
+workers left out although they ask (``LeftOut``: below).
 
 A quorum waits for every live worker. When a member dies inside a collective, the others'
 collective fails within milliseconds and they ask again; without this the next quorum would
@@ -18,6 +19,7 @@ instance.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 MARGIN_S = 0.5
 """Added to two heartbeat intervals: a heartbeat in flight, the server's tick."""
@@ -62,3 +64,119 @@ class Suspects:
 
     def __contains__(self, worker: object) -> bool:
         return worker in self._since
+
+
+def quiet(heartbeat_of: HeartbeatOf, worker: str, since: float, now: float) -> bool:
+    """``worker`` has sent nothing since ``since`` for two of its heartbeat intervals plus the
+    margin: the suspects' rule, for a member missing from a quorum whose others all reported
+    (it died after the commit point, before its report). A worker that left is not (its leaving
+    discarded the quorum), nor one without heartbeats."""
+    beat = heartbeat_of(worker)
+    if beat is None:
+        return False
+    last_seen, interval = beat
+    return last_seen <= since and interval > 0 and now >= since + 2 * interval + MARGIN_S
+
+
+BLAME_AFTER = 2
+"""Quorums of the same members discarded in a row (a join or a collective failed) before one of
+them is left out."""
+LEAVE_CAP = 32
+"""The longest leave, in first leaves: a worker left out again without completing a quorum in
+between stays out twice as long as the time before."""
+EXCLUSIONS_LEFT_OUT = 3
+"""Rounds in a row whose checks left a worker's contribution out (``QuorumOutcome.excluded``)
+before it is left out of quorums until it registers again."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Why a worker is left out of quorums, and until when (``inf``: until it registers
+    again, ``rejoin``)."""
+
+    reason: str
+    until: float
+    rejoin: bool = False
+
+
+class LeftOut:
+    """Workers the next quorums do without although they ask: blamed for failed joins or
+    collectives, or excluded by the checks too often.
+
+    A failed join fails on every member, so one failure blames nobody. When ``BLAME_AFTER``
+    quorums of the same members are discarded in a row, the member whose last completed quorum
+    is oldest is left out (one that never completed one first: a newcomer behind a firewall);
+    among equals the one blamed least, then the next in turn, so that a tie cannot livelock
+    either. It stays out ``base`` seconds, doubled each time it is left out again before it
+    completes a quorum (capped at ``LEAVE_CAP * base``), then is tried again."""
+
+    def __init__(self, base: float) -> None:
+        self.base = base
+        self._failed: tuple[tuple[str, ...], int] = ((), 0)  # members, discards in a row
+        self._last_done: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}  # leaves since its last completed quorum
+        self._blamed: dict[str, int] = {}
+        self._turn = 0
+        self._leaves: dict[str, Leave] = {}
+
+    def completed(self, members: Iterable[str], now: float) -> None:
+        for member in members:
+            self._last_done[member] = now
+            self._strikes.pop(member, None)
+        self._failed = ((), 0)
+
+    def failed(self, members: tuple[str, ...], now: float) -> tuple[str, Leave] | None:
+        """A quorum of ``members`` was discarded (a join or collective failed): the member left
+        out because of it, if any."""
+        same, count = self._failed
+        count = count + 1 if same == members else 1
+        if count < BLAME_AFTER or len(members) < 2:
+            self._failed = (members, count)
+            return None
+        self._failed = ((), 0)
+        never = -float("inf")
+        oldest = min(self._last_done.get(m, never) for m in members)
+        tied = [m for m in members if self._last_done.get(m, never) == oldest]
+        least = min(self._blamed.get(m, 0) for m in tied)
+        tied = [m for m in tied if self._blamed.get(m, 0) == least]
+        worker = tied[self._turn % len(tied)]
+        self._turn += 1
+        self._blamed[worker] = self._blamed.get(worker, 0) + 1
+        strikes = self._strikes[worker] = self._strikes.get(worker, 0) + 1
+        span = self.base * min(2 ** (strikes - 1), LEAVE_CAP)
+        done = "never completed one" if oldest == never else "completed one longest ago"
+        leave = Leave(
+            f"{BLAME_AFTER} quorums of {', '.join(members)} failed in a row (join or "
+            f"collective) and of them it {done}; tried again after {span:g} s",
+            now + span,
+        )
+        self._leaves[worker] = leave
+        return worker, leave
+
+    def exclude(self, worker: str) -> Leave:
+        """Left out until it registers again (``EXCLUSIONS_LEFT_OUT`` exclusions in a row)."""
+        leave = Leave(
+            f"its contribution was excluded {EXCLUSIONS_LEFT_OUT} rounds in a row; register "
+            "again and join with weight 0 (receiving the run's state)",
+            float("inf"),
+            rejoin=True,
+        )
+        self._leaves[worker] = leave
+        return leave
+
+    def registered(self, worker: str) -> None:
+        """It registered again: a leave until then ends (a blame's runs its time)."""
+        leave = self._leaves.get(worker)
+        if leave is not None and leave.rejoin:
+            del self._leaves[worker]
+
+    def of(self, worker: str, now: float) -> Leave | None:
+        """Its leave, if still running (one that ran out is dropped: on probation)."""
+        leave = self._leaves.get(worker)
+        if leave is not None and now >= leave.until:
+            del self._leaves[worker]
+            return None
+        return leave
+
+    def current(self, now: float) -> dict[str, Leave]:
+        return {w: leave for w in list(self._leaves) if (leave := self.of(w, now)) is not None}

@@ -167,6 +167,15 @@ class QuorumStatus:
 
 
 @dataclass(frozen=True)
+class LeftOutStatus:
+    """A worker the quorums do without although it asks (``server/allreduce/suspects.py``)."""
+
+    worker_id: str
+    reason: str
+    seconds_left: float | None  # None: until it registers again
+
+
+@dataclass(frozen=True)
 class QuorumSummary:
     """What ``GET /status`` shows of the all-reduce mode's quorums
     (``server/allreduce/quorum_book.py``)."""
@@ -177,6 +186,7 @@ class QuorumSummary:
     rounds_completed: int
     rounds_discarded: int
     pending_quorum: tuple[str, ...]
+    left_out: tuple[LeftOutStatus, ...] = ()
 
 
 IDLE = QuorumSummary(None, 0, None, 0, 0, ())

@@ -30,6 +30,7 @@ from diloco.server.observe.records import (
     OMIT,
     DelayedNesterovSettings,
     FragmentStatus,
+    LeftOutStatus,
     OuterOptimizer,
     QuorumStatus,
     QuorumSummary,
@@ -131,6 +132,7 @@ class Status:
     rounds_completed: int = 0
     rounds_discarded: int = 0
     pending_quorum: tuple[str, ...] = ()
+    left_out: tuple[LeftOutStatus, ...] = ()  # and why (server/allreduce/suspects.py)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -323,6 +325,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         rounds_completed=ar.rounds_completed,
         rounds_discarded=ar.rounds_discarded,
         pending_quorum=ar.pending_quorum,
+        left_out=ar.left_out,
     )
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from diloco.wire.messages.codec import MessageError, Reply, spec
 
-ACTIONS = ("rebase", "continue", "wait", "retry", "reconfigure")
+ACTIONS = ("rebase", "continue", "wait", "retry", "reconfigure", "rejoin")
 """What a 409 tells the worker to do: rebase onto the current parameters, keep training on the
 same snapshot, wait for the round's result, send again shortly, restart with the run's
-settings."""
+settings, register again (and join with weight 0)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,7 +54,7 @@ from diloco.worker.allreduce.collective import (
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.session import Session
-from diloco.worker.transport.client import SYNC_FAILURES, UnknownWorker
+from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,15 @@ class QuorumSync:
         # The model holds progress over a snapshot that is being replaced (a broadcast to this
         # worker broke off): it presents no state and syncs until it receives one.
         self._needs_state = False
+        # The server refused the state this worker presented (409 ``unagreed_state``: the run
+        # never agreed on it): it presents none until it receives the run's, keeping its
+        # progress on top (the model still holds full parameters, not progress).
+        self._disowned = False
+        # Left out until it registers again (409 ``left_out``, action ``rejoin``: the checks
+        # excluded it too often): it registers again, receives the run's state in place of its
+        # own (its local progress is dropped) and contributes weight 0 to that round.
+        self._restarting = False
+        self._left_out_said = False  # the warning is logged once per leave
         # A quorum whose commit point failed here after this worker's pseudo-gradient was in
         # its complete average, and the total steps then: the others may have applied it.
         self._uncertain: tuple[str, int] | None = None
@@ -109,6 +118,11 @@ class QuorumSync:
                     return
             except UnknownWorker:
                 s.need_rejoin.set()
+            except Conflict as exc:
+                if exc.code == "left_out":  # the others go on without it: it trains alone
+                    self._was_left_out(exc)
+                    return
+                log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
             except SYNC_FAILURES as exc:
                 log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
 
@@ -152,7 +166,8 @@ class QuorumSync:
         quorum completes (``MAX_QUORUM_TRIES`` discarded, the wait for one past
         ``max_barrier_wait``, the server unreachable) False, and training goes on locally; the
         next sync tries again with the progress made until then. Only a worker left without
-        state keeps trying until it gets one."""
+        state keeps trying until it gets one. A worker left out of quorums (409 ``left_out``)
+        returns False at once and asks again at its next sync."""
         s = self._s
         wait = s.settings.max_barrier_wait
         deadline = time.monotonic() + wait if wait else None
@@ -160,10 +175,17 @@ class QuorumSync:
         while True:
             try:
                 self._rejoin_if_forgotten()
-                outcome = self._one_sync(weighted=True)
+                outcome = self._one_sync(weighted=not self._restarting)
             except UnknownWorker:
                 s.need_rejoin.set()
                 continue
+            except Conflict as exc:
+                s.metrics["failed_syncs"] += 1
+                if exc.code == "left_out":
+                    self._was_left_out(exc)
+                else:
+                    log.warning("worker %s: sync failed: %s", s.worker_id, exc)
+                return False
             except SYNC_FAILURES as exc:
                 s.metrics["failed_syncs"] += 1
                 log.warning("worker %s: sync failed: %s", s.worker_id, exc)
@@ -173,7 +195,10 @@ class QuorumSync:
             if outcome == "done":
                 s.metrics["rounds"] += 1
                 self._payload.completed()
+                self._restarting = self._left_out_said = False
                 return True
+            if outcome == "refused":
+                continue  # it asks again at once, presenting no state
             discarded += outcome == "discarded"
             late = deadline is not None and time.monotonic() > deadline
             if (discarded >= MAX_QUORUM_TRIES or late or self._leaving.is_set()) and (
@@ -187,6 +212,18 @@ class QuorumSync:
                 )
                 return False
 
+    def _was_left_out(self, exc: Conflict) -> None:
+        """409 ``left_out``: no quorum this sync, training goes on alone (logged once per
+        leave). With action ``rejoin`` it registers again before its next quorum, and that
+        quorum gives it the run's state."""
+        s = self._s
+        if exc.reply.action == "rejoin":
+            s.need_rejoin.set()
+            self._restarting = self._disowned = True
+        if not self._left_out_said:
+            self._left_out_said = True
+            log.warning("worker %s: %s; training goes on alone", s.worker_id, exc.detail)
+
     # --- one round ------------------------------------------------------------------------------
 
     def _rejoin_if_forgotten(self) -> None:
@@ -198,12 +235,25 @@ class QuorumSync:
 
     def _one_sync(self, *, weighted: bool) -> str:
         """Ask for a quorum and run its round: ``"done"``, ``"pending"`` (the long poll ended
-        first) or ``"discarded"`` (a member failed: counted, reported, nothing changed here)."""
+        first), ``"discarded"`` (a member failed: counted, reported, nothing changed here) or
+        ``"refused"`` (the server refused the state presented: the next ask presents none)."""
         s = self._s
         assert s.worker_id is not None
-        reply = s.client.quorum(
-            s.worker_id, round=s.base_round, hash="" if self._needs_state else self._hash
-        )
+        unsure = self._needs_state or self._disowned
+        try:
+            reply = s.client.quorum(
+                s.worker_id, round=s.base_round, hash="" if unsure else self._hash
+            )
+        except Conflict as exc:
+            if exc.code != "unagreed_state" or unsure:
+                raise
+            log.warning(
+                "worker %s: %s; asking again with no state (its progress is kept)",
+                s.worker_id,
+                exc.detail,
+            )
+            self._disowned = True
+            return "refused"
         q = quorum_reply(reply)
         if isinstance(q, Pending):
             return "pending"
@@ -286,17 +336,32 @@ class QuorumSync:
         if got != q.hash:
             raise QuorumFailed(q.quorum_id, f"state received has hash {got}, expected {q.hash}")
         uncertain, self._uncertain = self._uncertain, None
-        if uncertain is not None and uncertain[0] == q.made_by:
+        if self._restarting:
+            self._take_state()
+        elif uncertain is not None and uncertain[0] == q.made_by:
             # The state received was made by the quorum whose commit point failed here: this
             # worker's pseudo-gradient is in it, so its progress up to then must not count
             # again (rebasing it would).
             self._payload.settle_counted(q, uncertain[1])
         else:
             local.each_param(rebase_)
-        self._needs_state = False
+        self._needs_state = self._disowned = False
         s.base_round = q.round
         self._hash = got
         s.metrics["rebases"] += 1
+
+    def _take_state(self) -> None:
+        """Rejoining after too many exclusions: the model takes the state received; the local
+        progress the checks kept refusing is dropped (counted)."""
+        s = self._s
+        s.local.adopt_all()
+        dropped, s.local_step, s.samples = s.local_step, 0, 0.0
+        s.metrics["dropped_steps"] += dropped
+        log.warning(
+            "worker %s: rejoined with the run's state (%d local steps dropped)",
+            s.worker_id,
+            dropped,
+        )
 
     def _report(self, q: Assignment, **outcome: Any) -> None:
         s = self._s
