@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from diloco.server.allreduce.quorum_book import QuorumBook, Ticket
-from diloco.server.allreduce.quorum_records import Choice, choose
+from diloco.server.allreduce.quorum_records import Choice, choose, learn
 from diloco.server.errors import ApiError
 from diloco.wire import WireError
 from diloco.wire.messages import QuorumAsk as Ask
@@ -517,3 +517,259 @@ def test_the_next_quorum_names_the_quorum_that_made_its_starting_state() -> None
     # A start no member reported making (a fresh run's) names none.
     fresh = Run("a")
     assert reply(fresh.ask("a"))["made_by"] == ""
+
+
+# --- issue 26: only agreed states are a source; who is left out ------------------------------
+
+
+def fail(run: Run, worker: str, qid: str, stage: str = "join") -> None:
+    run.book.report(Outcome(worker, qid, False, error="injected", stage=stage))
+
+
+def ok(run: Run, worker: str, qid: str, round_: int, hash_: str, excluded: tuple = ()) -> None:
+    run.book.report(Outcome(worker, qid, True, round_, hash_, excluded=excluded))
+
+
+def completed_round(run: Run, workers: str, round_: int) -> None:
+    """Every worker asks at ``round_`` (hash ``h<round>``) and reports ``round_ + 1``."""
+    qid = formed(run, *workers, round_=round_)
+    for w in workers:
+        ok(run, w, qid, round_ + 1, f"h{round_ + 1}")
+
+
+def refusal(run: Run, worker: str, round_: int, hash_: str) -> ApiError:
+    error = api_error(run.ask, worker, round_, hash_)
+    assert isinstance(error, ApiError) and error.status == 409
+    return error
+
+
+def test_a_claim_the_run_never_agreed_on_is_refused_and_changes_nothing() -> None:
+    run = Run("a", "b", "c")
+    for r in range(2):
+        completed_round(run, "abc", r)
+    ta, tb = run.ask("a", 2, "h2"), run.ask("b", 2, "h2")
+    before = (run.book.pending(), run.book.open, run.book.round)
+    error = refusal(run, "c", 1002, "mine")
+    assert error.code == "unagreed_state" and error.reply.action == "rebase"
+    assert "round 1002, hash mine" in error.detail and "round 2, hash h2" in error.detail
+    assert (run.book.pending(), run.book.open, run.book.round) == before and not ta.done
+    # Asking again with no state, it receives the agreed state from a holder.
+    qc = reply(run.ask("c", 1002, "", has_state=False))
+    assert (qc["round"], qc["hash"], qc["source"], qc["resync"]) == (2, "h2", 0, [2])
+    assert reply(ta)["quorum_id"] == reply(tb)["quorum_id"] == qc["quorum_id"]
+    # A diverged hash at an agreed round is refused just the same; an older agreed state, or
+    # a worker's own round-0 start, is let in and receives the run's state.
+    assert refusal(run, "a", 2, "forged").code == "unagreed_state"
+
+
+def test_only_an_agreed_state_is_a_source_an_older_one_resyncs() -> None:
+    run = Run("a", "b", "c")
+    completed_round(run, "abc", 0)
+    qid = formed(run, "a", "b", "c", round_=1)
+    ok(run, "a", qid, 2, "h2")
+    ok(run, "b", qid, 2, "h2")
+    ok(run, "c", qid, 2, "h2-diverged")  # outvoted, yet reported: let in, never the source
+    tc, ta = run.ask("c", 2, "h2-diverged"), run.ask("a", 1, "h1")  # a holds an older state
+    run.book.tick()
+    assert not tc.done  # b, which holds the last agreed state, is live and not asking yet
+    tb = run.ask("b", 2, "h2")
+    q = reply(tb)
+    assert (q["round"], q["hash"], q["source"], q["resync"]) == (2, "h2", 1, [0, 2])
+    assert reply(ta)["quorum_id"] == reply(tc)["quorum_id"] == q["quorum_id"]
+
+
+def test_a_discarded_quorum_whose_majority_applied_its_step_made_an_agreed_state() -> None:
+    """The two generals: 2 of 3 passed the commit point and report after the discard; their
+    state is agreed (a source); one member's report alone would not be."""
+    run = Run("a", "b", "c")
+    qid = formed(run, "a", "b", "c")
+    fail(run, "c", qid, stage="commit")
+    ok(run, "a", qid, 1, "h1")
+    ok(run, "b", qid, 1, "h1")
+    tc = run.ask("c", 0, "h0")
+    ta, tb = run.ask("a", 1, "h1"), run.ask("b", 1, "h1")
+    assert (reply(tc)["round"], reply(tc)["source"], reply(tb)["resync"]) == (1, 0, [2])
+    assert reply(ta)["made_by"] == qid
+
+
+def test_learn_takes_a_strict_majority_else_the_most_common_lower_round_then_rank() -> None:
+    def asks(*states: tuple[int, str]) -> list[Ask]:
+        return [Ask(f"w{i}", r, h, bool(h)) for i, (r, h) in enumerate(states)]
+
+    assert learn(asks((1005, "x"), (5, "h"), (5, "h"))) == (5, "h")
+    assert learn(asks((9, "a"), (9, "a"), (3, "b"))) == (9, "a")  # a majority, even if higher
+    assert learn(asks((1005, "x"), (5, "h"))) == (5, "h")  # a tie: the lower round
+    assert learn(asks((5, "x"), (5, "h"), (0, ""))) == (5, "x")  # a tie, same round: rank
+    assert learn(asks((7, "a"), (7, "a"), (3, "b"), (8, "c"), (9, "d"))) == (7, "a")
+    assert learn(asks((0, ""))) is None
+
+
+@pytest.mark.parametrize("hijacker_first", [True, False])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_restarted_server_learns_the_state_from_the_returning_majority(
+    n: int, hijacker_first: bool
+) -> None:
+    """A server without records: its first quorum waits for num_workers, then takes the state
+    held by more than half of them (among 3), or on a tie the lower round (among 2): a member
+    claiming round + 1000 is never the source, whatever its rank; later it is refused."""
+    honest = ["h0", "h1"][: n - 1]
+    hijacker = "a" if hijacker_first else "z"
+    run = Run(*honest, hijacker, num_workers=n, resume_grace=100.0)
+    tickets = {w: run.ask(w, 5, "s5") for w in honest}
+    th = run.ask(hijacker, 1005, "forged")
+    q = reply(th)
+    members = q["members"]
+    assert (q["round"], q["hash"]) == (5, "s5")
+    assert members[q["source"]] in honest and q["resync"] == [members.index(hijacker)]
+    for w in [*honest, hijacker]:
+        ok(run, w, str(q["quorum_id"]), 6, "s6")
+    assert all(t.done for t in tickets.values())
+    assert refusal(run, hijacker, 1006, "forged2").code == "unagreed_state"
+
+
+def test_an_out_of_range_weight_is_refused_naming_the_field() -> None:
+    for weight in (1e300, -1.0, float("nan"), float("inf"), 1e12 * 1.5):
+        error = api_error(read_ask, {"worker_id": "a", "round": 0, "hash": "h", "weight": weight})
+        assert isinstance(error, WireError) and "weight" in str(error)
+    assert read_ask({"worker_id": "a", "round": 0, "hash": "h", "weight": 1e12}).weight == 1e12
+
+
+def firewalled(run: Run, bad: str, quorums: int) -> list[tuple[str, ...]]:
+    """Quorums of whoever is not left out, ``quorums`` times: one with ``bad`` and another
+    member fails at its join on every member; any other completes. Returns each quorum's
+    members."""
+    seen = []
+    for _ in range(quorums):
+        now = run.clock.now
+        asking = [w for w in sorted(run.live) if run.book._left_out.of(w, now) is None]
+        tickets = {w: run.ask(w, run.book.round, f"h{run.book.round}") for w in asking}
+        run.clock.now += 1.0  # every worker not left out asks: none is waited for
+        run.book.tick()
+        q = reply(next(t for t in tickets.values() if t.done))
+        qid, members = str(q["quorum_id"]), tuple(q["members"])
+        seen.append(members)
+        if bad in members and len(members) > 1:
+            for w in members:
+                fail(run, w, qid)
+        else:
+            for w in members:
+                ok(run, w, qid, q["round"] + 1, f"h{q['round'] + 1}")
+        for t in tickets.values():  # a worker left out while waiting hears it at once
+            if not t.done:
+                with pytest.raises(ApiError, match="left out"):
+                    asyncio.run(run.book.wait(t, 0.0))
+    return seen
+
+
+def test_a_firewalled_newcomer_is_left_out_after_two_failed_joins_and_the_others_go_on() -> None:
+    run = Run("a", "b", left_out_base=60.0)
+    for r in range(2):
+        completed_round(run, "ab", r)
+    run.live.add("c")
+    seen = firewalled(run, "c", 4)
+    assert seen[:2] == [("a", "b", "c")] * 2 and seen[2:] == [("a", "b")] * 2
+    assert run.book.round == 4 and run.book.rounds_discarded == 2
+    error = refusal(run, "c", 0, "hc")
+    assert error.code == "left_out" and error.reply.action == "continue"
+    assert "never completed one" in error.detail
+    (shown,) = run.book.public().left_out
+    assert shown.worker_id == "c" and 0 < (shown.seconds_left or 0) <= 60.0
+
+
+def test_a_tie_at_a_fresh_start_converges_and_the_left_out_are_tried_again_with_backoff() -> None:
+    """Nobody ever completed a quorum, so the first blames fall on honest workers: a, then c
+    once {b, c} fails without a (a's leave ends: it was blamed wrongly), then b (blamed least)
+    once {a, b} fails without c. The run then progresses without b, well before any leave ran
+    out. The leave runs out (probation); b's next failures leave it out twice as long."""
+    run = Run("a", "b", "c", left_out_base=60.0)
+    start = run.clock.now
+    seen = firewalled(run, "b", 9)
+    assert seen[:6] == [("a", "b", "c")] * 2 + [("b", "c")] * 2 + [("a", "b")] * 2
+    assert seen[6:] == [("a", "c")] * 3 and run.book.rounds_completed == 3
+    assert run.clock.now - start < 60.0  # no leave had to run out: nobody waited for one
+    assert [s.worker_id for s in run.book.public().left_out] == ["b"]
+    first = run.book._left_out.of("b", run.clock.now)
+    assert first is not None
+    run.clock.now = first.until  # its leave ran out: tried again
+    again = firewalled(run, "b", 3)
+    assert "b" in again[0] and "b" in again[1] and "b" not in again[2]
+    second = run.book._left_out.of("b", run.clock.now)
+    assert second is not None and "120 s" in second.reason  # doubled
+
+
+def test_a_failed_check_of_the_average_blames_nobody() -> None:
+    run = Run("a", "b")
+    for _ in range(3):
+        qid = formed(run, "a", "b")
+        fail(run, "a", qid, stage="check")
+    assert run.book.public().left_out == ()
+
+
+def test_a_worker_excluded_three_rounds_in_a_row_is_left_out_until_it_registers_again() -> None:
+    run = Run("a", "b", "c")
+    for r in range(3):
+        qid = formed(run, "a", "b", "c", round_=r)
+        for w in "abc":
+            ok(run, w, qid, r + 1, f"h{r + 1}", excluded=("c",) if r != 1 or w != "a" else ())
+        assert run.book.consecutive_exclusions("c") == r + 1
+    error = refusal(run, "c", 3, "h3")
+    assert error.code == "left_out" and error.reply.action == "rejoin"
+    run.clock.now += 1e6
+    assert refusal(run, "c", 3, "h3").code == "left_out"
+    (shown,) = run.book.public().left_out
+    assert shown.seconds_left is None
+    run.book.registered("c")
+    assert run.book.consecutive_exclusions("c") == 0
+    tc = run.ask("c", 3, "", has_state=False)
+    ta, tb = run.ask("a", 3, "h3"), run.ask("b", 3, "h3")
+    assert reply(tc)["resync"] == [2] and reply(ta)["members"] == ["a", "b", "c"]
+    assert tb.done
+
+
+def test_exclusions_not_in_a_row_do_not_add_up() -> None:
+    run = Run("a", "b")
+    for r in range(5):
+        qid = formed(run, "a", "b", round_=r)
+        for w in "ab":
+            ok(run, w, qid, r + 1, f"h{r + 1}", excluded=("b",) if r % 2 == 0 else ())
+    assert run.book.consecutive_exclusions("b") == 1 and run.book.public().left_out == ()
+
+
+def test_a_member_dead_after_the_commit_point_is_not_waited_for_past_the_suspect_window() -> None:
+    """a and b report ok; c died between its commit point and its report: once it has been
+    silent for two heartbeat intervals plus the margin since the first report, the quorum
+    completes with a and b's state, and their next quorum forms without c."""
+    beats = Beats(interval=1.0)
+    run = Run("a", "b", "c", heartbeat_of=beats)
+    beats.clock = run.clock
+    qid = formed(run, "a", "b", "c")
+    for w in "abc":
+        beats.beat(w)
+    run.clock.now += 0.1
+    ok(run, "a", qid, 1, "h1")
+    ok(run, "b", qid, 1, "h1")
+    ta, tb = run.ask("a", 1, "h1"), run.ask("b", 1, "h1")
+    run.clock.now += 2.4  # within two intervals and the margin
+    run.book.tick()
+    assert run.book.open is not None and run.book.open.id == qid and not ta.done
+    run.clock.now += 0.1
+    run.book.tick()
+    assert run.book.rounds_completed == 1 and run.book.round == 1
+    assert reply(ta)["members"] == reply(tb)["members"] == ["a", "b"]
+    assert (reply(ta)["round"], reply(ta)["hash"]) == (1, "h1")
+
+
+def test_a_member_heartbeating_after_the_others_reported_is_waited_for() -> None:
+    beats = Beats(interval=1.0)
+    run = Run("a", "b", "c", heartbeat_of=beats)
+    beats.clock = run.clock
+    qid = formed(run, "a", "b", "c")
+    ok(run, "a", qid, 1, "h1")
+    ok(run, "b", qid, 1, "h1")
+    run.clock.now += 1.0
+    beats.beat("c")  # alive: its report is only slow
+    run.clock.now += 10.0
+    run.book.tick()
+    assert run.book.open is not None and run.book.rounds_completed == 0
+    ok(run, "c", qid, 1, "h1")
+    assert run.book.rounds_completed == 1

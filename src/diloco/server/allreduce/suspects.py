@@ -18,8 +18,11 @@ instance.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 MARGIN_S = 0.5
 """Added to two heartbeat intervals: a heartbeat in flight, the server's tick."""
@@ -106,9 +109,11 @@ class LeftOut:
     A failed join fails on every member, so one failure blames nobody. When ``BLAME_AFTER``
     quorums of the same members are discarded in a row, the member whose last completed quorum
     is oldest is left out (one that never completed one first: a newcomer behind a firewall);
-    among equals the one blamed least, then the next in turn, so that a tie cannot livelock
-    either. It stays out ``base`` seconds, doubled each time it is left out again before it
-    completes a quorum (capped at ``LEAVE_CAP * base``), then is tried again."""
+    among equals the one blamed least, then the next in turn. Workers blamed since the last
+    completed quorum that are not among the members failing again were blamed wrongly: their
+    leave ends (so a tie at a fresh start tries each candidate once, and cannot livelock). A
+    leave lasts ``base`` seconds, doubled each time the worker is left out again before it
+    completes a quorum (capped at ``LEAVE_CAP * base``); then it is tried again."""
 
     def __init__(self, base: float) -> None:
         self.base = base
@@ -118,12 +123,14 @@ class LeftOut:
         self._blamed: dict[str, int] = {}
         self._turn = 0
         self._leaves: dict[str, Leave] = {}
+        self._since_done: list[str] = []  # blamed since the last completed quorum
 
     def completed(self, members: Iterable[str], now: float) -> None:
         for member in members:
             self._last_done[member] = now
             self._strikes.pop(member, None)
         self._failed = ((), 0)
+        self._since_done.clear()
 
     def failed(self, members: tuple[str, ...], now: float) -> tuple[str, Leave] | None:
         """A quorum of ``members`` was discarded (a join or collective failed): the member left
@@ -134,6 +141,13 @@ class LeftOut:
             self._failed = (members, count)
             return None
         self._failed = ((), 0)
+        for wrongly in [w for w in self._since_done if w not in members]:
+            self._since_done.remove(wrongly)  # the others fail without it too
+            self._strikes[wrongly] = max(0, self._strikes.get(wrongly, 1) - 1)
+            leave = self._leaves.get(wrongly)
+            if leave is not None and not leave.rejoin:
+                del self._leaves[wrongly]
+                log.info("worker %s is tried again: quorums fail without it too", wrongly)
         never = -float("inf")
         oldest = min(self._last_done.get(m, never) for m in members)
         tied = [m for m in members if self._last_done.get(m, never) == oldest]
@@ -151,6 +165,7 @@ class LeftOut:
             now + span,
         )
         self._leaves[worker] = leave
+        self._since_done.append(worker)
         return worker, leave
 
     def exclude(self, worker: str) -> Leave:
