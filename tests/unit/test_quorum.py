@@ -766,10 +766,13 @@ def test_a_member_heartbeating_after_the_others_reported_is_waited_for() -> None
     qid = formed(run, "a", "b", "c")
     ok(run, "a", qid, 1, "h1")
     ok(run, "b", qid, 1, "h1")
-    run.clock.now += 1.0
-    beats.beat("c")  # alive: its report is only slow
-    run.clock.now += 10.0
-    run.book.tick()
+    for _ in range(20):  # alive (heartbeats): its report is only slow
+        run.clock.now += 1.0
+        beats.beat("c")
+        run.book.tick()
     assert run.book.open is not None and run.book.rounds_completed == 0
+    run.clock.now += 2.4  # then silent, within two intervals and the margin
+    run.book.tick()
+    assert run.book.open is not None
     ok(run, "c", qid, 1, "h1")
     assert run.book.rounds_completed == 1

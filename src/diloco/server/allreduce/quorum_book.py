@@ -257,17 +257,20 @@ class QuorumBook:
         missing = [w for w in q.members if w not in q.outcomes]
         if not all(o.ok for o in q.outcomes.values()):
             return
-        if not all(quiet(self._heartbeat_of, w, q.first_report, now) for w in missing):
+        gone = {w: quiet(self._heartbeat_of, w, q.first_report, now) for w in missing}
+        if any(since is None for since in gone.values()):
             return
         log.warning(
-            "quorum %s: %s silent since the first report (%.1f s ago): completed with the "
+            "quorum %s: %s silent since the first report %.2f s ago: completed with the "
             "reports of %s; they are left out of the next quorum until heard from",
             q.id,
             ", ".join(missing),
             now - q.first_report,
             ", ".join(sorted(q.outcomes)),
         )
-        self._suspects.failed(missing, (), q.first_report)
+        for worker, since in gone.items():
+            assert since is not None
+            self._suspects.failed([worker], (), since)  # silent since then: a suspect now
         self._complete(q)
 
     def _try_form(self, now: float) -> None:
@@ -503,7 +506,7 @@ class QuorumBook:
 
     def _discard(self, q: QuorumRecord, reason: str, *, blame: bool = False) -> None:
         """``blame``: a join or a collective failed (or a member missed the deadline); two
-        such in a row with the same members leave one out (``suspects.LeftOut``)."""
+        such in a row leave one member out (``suspects.LeftOut``)."""
         self.rounds_discarded += 1
         self._save_requested = self._save_requested or q.save_requested
         log.warning("quorum %s (round %d) discarded: %s", q.id, q.start.round, reason)

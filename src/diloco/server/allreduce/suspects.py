@@ -69,21 +69,23 @@ class Suspects:
         return worker in self._since
 
 
-def quiet(heartbeat_of: HeartbeatOf, worker: str, since: float, now: float) -> bool:
-    """``worker`` has sent nothing since ``since`` for two of its heartbeat intervals plus the
-    margin: the suspects' rule, for a member missing from a quorum whose others all reported
-    (it died after the commit point, before its report). A worker that left is not (its leaving
-    discarded the quorum), nor one without heartbeats."""
+def quiet(heartbeat_of: HeartbeatOf, worker: str, since: float, now: float) -> float | None:
+    """When ``worker`` went silent, if it has sent nothing since ``since`` or its last
+    heartbeat after it, whichever is later, for two of its heartbeat intervals plus the margin:
+    the suspects' rule, for a member missing from a quorum whose others all reported (it died
+    after the commit point, before its report). None while it may still speak, for a worker
+    that left (its leaving discarded the quorum) and for one without heartbeats."""
     beat = heartbeat_of(worker)
     if beat is None:
-        return False
+        return None
     last_seen, interval = beat
-    return last_seen <= since and interval > 0 and now >= since + 2 * interval + MARGIN_S
+    start = max(since, last_seen)
+    return start if interval > 0 and now >= start + 2 * interval + MARGIN_S else None
 
 
 BLAME_AFTER = 2
-"""Quorums of the same members discarded in a row (a join or a collective failed) before one of
-them is left out."""
+"""Quorums discarded in a row (a join or a collective failed) before a member of the last is
+left out."""
 LEAVE_CAP = 32
 """The longest leave, in first leaves: a worker left out again without completing a quorum in
 between stays out twice as long as the time before."""
@@ -107,8 +109,9 @@ class LeftOut:
     collectives, or excluded by the checks too often.
 
     A failed join fails on every member, so one failure blames nobody. When ``BLAME_AFTER``
-    quorums of the same members are discarded in a row, the member whose last completed quorum
-    is oldest is left out (one that never completed one first: a newcomer behind a firewall);
+    quorums are discarded in a row (whatever their members: a quorum formed without a member
+    slower to ask again must not start the count over), the member of the last whose last
+    completed quorum is oldest is left out (one that never completed one first: a newcomer behind a firewall);
     among equals the one blamed least, then the next in turn. Workers blamed since the last
     completed quorum that are not among the members failing again were blamed wrongly: their
     leave ends (so a tie at a fresh start tries each candidate once, and cannot livelock). A
@@ -117,7 +120,7 @@ class LeftOut:
 
     def __init__(self, base: float) -> None:
         self.base = base
-        self._failed: tuple[tuple[str, ...], int] = ((), 0)  # members, discards in a row
+        self._failed = 0  # quorums discarded in a row
         self._last_done: dict[str, float] = {}
         self._strikes: dict[str, int] = {}  # leaves since its last completed quorum
         self._blamed: dict[str, int] = {}
@@ -129,18 +132,16 @@ class LeftOut:
         for member in members:
             self._last_done[member] = now
             self._strikes.pop(member, None)
-        self._failed = ((), 0)
+        self._failed = 0
         self._since_done.clear()
 
     def failed(self, members: tuple[str, ...], now: float) -> tuple[str, Leave] | None:
         """A quorum of ``members`` was discarded (a join or collective failed): the member left
         out because of it, if any."""
-        same, count = self._failed
-        count = count + 1 if same == members else 1
-        if count < BLAME_AFTER or len(members) < 2:
-            self._failed = (members, count)
+        self._failed += 1
+        if self._failed < BLAME_AFTER or len(members) < 2:
             return None
-        self._failed = ((), 0)
+        self._failed = 0
         for wrongly in [w for w in self._since_done if w not in members]:
             self._since_done.remove(wrongly)  # the others fail without it too
             self._strikes[wrongly] = max(0, self._strikes.get(wrongly, 1) - 1)
@@ -160,8 +161,8 @@ class LeftOut:
         span = self.base * min(2 ** (strikes - 1), LEAVE_CAP)
         done = "never completed one" if oldest == never else "completed one longest ago"
         leave = Leave(
-            f"{BLAME_AFTER} quorums of {', '.join(members)} failed in a row (join or "
-            f"collective) and of them it {done}; tried again after {span:g} s",
+            f"{BLAME_AFTER} quorums failed in a row (join or collective), the last of "
+            f"{', '.join(members)}, and of them it {done}; tried again after {span:g} s",
             now + span,
         )
         self._leaves[worker] = leave
