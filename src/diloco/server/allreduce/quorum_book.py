@@ -15,12 +15,19 @@ Contract (the routes, ``POST /quorum`` and ``POST /quorum/outcome``: docs/design
   last quorum's end at the soonest; 0: never). Members of a discarded quorum that stay silent
   (no report, request or heartbeat) for two of their heartbeat intervals are not waited for
   (``server/allreduce/suspects.py``).
-- Ranks follow the worker ids' order. The quorum starts from the highest round any member with
-  state holds, at the hash most members hold at that round (the last agreed hash when a member
-  holds it; otherwise ties go to the lowest rank). ``source`` is the lowest rank holding it;
-  ``resync`` the ranks that must receive it (no state, an older round, another hash).
-- The quorum completes when every member reported ok: the state most members report (round and
-  hash) becomes the agreed one and the server's round; a round that advanced counts in
+- ``ask`` refuses (409, nothing changes) a worker left out for now (``left_out``: blamed for
+  two quorums in a row failed at a join or collective, or excluded by the checks
+  ``EXCLUSIONS_LEFT_OUT`` rounds in a row: ``suspects.LeftOut``), and a state above round 0
+  the run never agreed on that no member reported making (``unagreed_state``).
+- Ranks follow the worker ids' order. The quorum starts from the highest round any member holds
+  among the states the run agreed on (``quorum_records.Agreed``; a server without records takes
+  its first quorum's majority, ``quorum_records.learn``), at the hash most members hold at that
+  round (the last agreed hash when a member holds it; otherwise ties go to the lowest rank).
+  ``source`` is the lowest rank holding it; ``resync`` the ranks that must receive it (no
+  state, an older round, another hash, a state not agreed).
+- The quorum completes when every member reported ok, or when those that did not went silent
+  (the suspects' rule) after the others all reported ok: the state most members report (round
+  and hash) becomes the agreed one and the server's round; a round that advanced counts in
   ``rounds_completed``. A member reporting a failure, a member leaving (deregistered, evicted)
   before reporting, a member asking again before reporting (it failed and retries) or the
   deadline (``3 * collective_timeout + poll_margin`` after forming) discards it: the workers
