@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.config import ServerConfig
 from diloco.server.observe.metrics import Family
 from diloco.server.observe.status import Status
@@ -134,6 +135,12 @@ class Quorums(Protocol):
 
     def outcome(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         """``POST /quorum/outcome``: one member's result, recorded."""
+        ...
+
+    @property
+    def rendezvous(self) -> RendezvousStore | None:
+        """``POST /rendezvous/<op>``: the quorums' keys (None before ``open``, after
+        ``close``)."""
         ...
 
 
