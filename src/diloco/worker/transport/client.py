@@ -40,8 +40,8 @@ from diloco.wire.messages import (
     RegisterInfo,
     UploadMeta,
 )
-from diloco.wire.messages.rendezvous import StoreCall
 from diloco.wire.messages.quorums import ERROR_LIMIT
+from diloco.wire.messages.rendezvous import StoreCall
 from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
