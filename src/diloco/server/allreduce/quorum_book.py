@@ -87,7 +87,7 @@ class QuorumBook:
         collective_timeout: float = 30.0,
         poll_margin: float = 30.0,
         save_every: int = 0,
-        rendezvous: tuple[str, int] | None = None,
+        rendezvous: Rendezvous | None = None,
         resume_grace: float = 0.0,
         heartbeat_of: HeartbeatOf | None = None,
     ) -> None:
@@ -100,9 +100,7 @@ class QuorumBook:
         self.collective_timeout = collective_timeout
         self.poll_margin = poll_margin
         self.save_every = save_every
-        self.rendezvous = (
-            rendezvous  # (host, port) of server/allreduce/rendezvous.py, once it listens
-        )
+        self.rendezvous = rendezvous  # where server/allreduce/rendezvous.py is served
         #: Called with a quorum id once no member can still be reading its rendezvous keys.
         self.forget: Callable[[str], object] | None = None
         self.round = 0  # of the state the last quorum started from or completed with
@@ -388,9 +386,16 @@ class QuorumBook:
 
     def meeting_point(self) -> Rendezvous:
         """Where quorums meet, as a registration reply names it."""
-        assert self.rendezvous is not None, "the rendezvous is not listening yet"
-        host, port = self.rendezvous
-        return Rendezvous(host=host, port=port)
+        assert self.rendezvous is not None, "the rendezvous is not served yet"
+        return self.rendezvous
+
+    def members_of(self, quorum_id: str) -> tuple[str, ...] | None:
+        """The members of the open quorum or of one that ended and is still remembered (who
+        may touch its rendezvous keys); None for a quorum unknown here."""
+        if self.open is not None and self.open.id == quorum_id:
+            return self.open.members
+        ended = self._ended.get(quorum_id)
+        return ended.members if ended is not None else None
 
     def public(self) -> QuorumSummary:
         q = self.open

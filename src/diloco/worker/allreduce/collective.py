@@ -3,10 +3,11 @@ the collectives a round needs on it (a weighted average of pseudo-gradients, a b
 joiner, a state hash).
 
 A quorum is the set of live workers the server picked for a round
-(``server/allreduce/rendezvous.py``).
-Each member calls ``QuorumCollective.build`` with the rendezvous address, the quorum's id, its rank
-and the quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on a
-``PrefixStore`` of that quorum. ``torch.distributed.init_process_group`` is never called: a
+(``server/allreduce/quorum_book.py``).
+Each member calls ``QuorumCollective.build`` with where the quorums meet (a ``connect.Meeting``:
+the server's authenticated rendezvous, ``http_store.py``), the quorum's id, its rank and the
+quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on that quorum's
+store. ``torch.distributed.init_process_group`` is never called: a
 broken quorum cannot poison the default group, the next round's group, or a worker group
 (``worker/groups/group.py``) living in the same process.
 
@@ -17,8 +18,8 @@ sockets (SIGSTOP, a frozen host) fails it when the timeout runs out. Either way,
 other error of a collective, the caller gets ``QuorumFailed`` and the collective is closed for good:
 the round is discarded and a new quorum (a new id) repeats it.
 
-Gloo and NCCL here are not authenticated; see the security note in
-``server/allreduce/rendezvous.py``.
+The rendezvous is authenticated; gloo's and NCCL's peer connections are not (see
+docs/design/security.md).
 The NCCL path is written to the same contract but untested (no GPU in this project's tests).
 A ``QuorumCollective`` is used by one thread at a time.
 """
@@ -38,13 +39,14 @@ import torch.distributed as dist
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
 from diloco.wire.messages import quorum_prefix
-from diloco.worker.allreduce.connect import connect, shut
+from diloco.worker.allreduce.connect import Meeting, connect, shut
 
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 32 << 20
 """Collectives move at most this many bytes at a time: extra memory stays one bucket, whatever
 the model's size, and a large model still travels in few collectives."""
+
 
 class QuorumFailed(RuntimeError):
     """A quorum could not form or one of its collectives failed (a peer died or stopped
@@ -82,8 +84,7 @@ class QuorumCollective:
     @classmethod
     def build(
         cls,
-        host: str,
-        port: int,
+        meeting: Meeting,
         quorum_id: str,
         rank: int,
         size: int,
@@ -92,14 +93,14 @@ class QuorumCollective:
         *,
         interface: str | None = None,
     ) -> QuorumCollective:
-        """Join quorum ``quorum_id`` as ``rank`` of ``size`` through the rendezvous at
-        ``host:port``. Returns once every member has joined; takes at most twice ``timeout`` plus
+        """Join quorum ``quorum_id`` as ``rank`` of ``size`` through ``meeting``'s rendezvous.
+        Returns once every member has joined; takes at most twice ``timeout`` plus
         ``quorum_connect.BUILD_MARGIN_S`` seconds (connecting, then meeting the others), else raises
         ``QuorumFailed``.
 
         ``device``: CPU builds gloo, CUDA builds NCCL (untested here). ``interface``: the local
         address gloo listens on for its peers; by default the one this machine routes to the
-        rendezvous from, which is on the network the peers share (gloo's own default, the
+        server from, which is on the network the peers share (gloo's own default, the
         hostname's address, is loopback on many hosts).
         """
         quorum_prefix(quorum_id)  # a ValueError for an id the protocol refuses
@@ -111,7 +112,7 @@ class QuorumCollective:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"quorum collectives run on cpu (gloo) or cuda (NCCL), not {device}")
         try:
-            backend, store = connect(host, port, quorum_id, rank, size, timeout, device, interface)
+            backend, store = connect(meeting, quorum_id, rank, size, timeout, device, interface)
         except (RuntimeError, OSError) as err:  # torch's DistError family, gloo's, the deadline
             raise QuorumFailed(quorum_id, f"rank {rank} could not join: {err}") from err
         log.debug("joined quorum %s as rank %d of %d", quorum_id, rank, size)

@@ -51,6 +51,7 @@ from diloco.worker.allreduce.collective import (
     broadcast,
     state_hash,
 )
+from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.session import Session
@@ -220,10 +221,8 @@ class QuorumSync:
     def _round(self, q: Assignment, weighted: bool) -> tuple[int, str]:
         s, payload = self._s, self._payload
         try:
-            where = q.rendezvous
-            with QuorumCollective.build(
-                where.host, where.port, q.quorum_id, q.rank, q.size, q.timeout
-            ) as quorum:
+            meeting = HttpMeeting(s.client, s.worker_id or "", q.rendezvous)
+            with QuorumCollective.build(meeting, q.quorum_id, q.rank, q.size, q.timeout) as quorum:
                 if q.resync:
                     self._share_state(quorum, q)
                 tensors, weight = payload.contribution(q, weighted)

@@ -41,6 +41,7 @@ from diloco.wire.messages import (
     UploadMeta,
 )
 from diloco.wire.messages.quorums import ERROR_LIMIT
+from diloco.wire.messages.rendezvous import StoreCall
 from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
@@ -202,6 +203,16 @@ class DiLoCoClient:
             session.close()
         self._bulk.close()
 
+    def end_thread(self) -> None:
+        """The calling thread makes no more calls: close its session now (a short-lived
+        thread, as a quorum's joining thread, would otherwise leave one open per round)."""
+        session: requests.Session | None = getattr(self._local, "session", None)
+        if session is None:
+            return
+        self._local.session = None
+        self._sessions.remove(session)
+        session.close()
+
     # --- plumbing -----------------------------------------------------------------------------
 
     def _sleep_before(self, attempt: int) -> None:
@@ -313,6 +324,12 @@ class DiLoCoClient:
             else QuorumOutcome(worker_id, quorum_id, ok, error=error[:ERROR_LIMIT])
         )
         return self._json("POST", "/quorum/outcome", body.to_json())
+
+    def rendezvous(self, path: str, op: str, body: StoreCall) -> dict[str, Any]:
+        """All-reduce mode: one call on a quorum's rendezvous keys (``POST <path>/<op>``,
+        ``messages/rendezvous.py``), with this client's token, TLS, timeouts and retries. A
+        wait in ``body`` must end within the read timeout."""
+        return self._json("POST", f"{path}/{op}", body.to_json())
 
     def deregister(self, worker_id: str) -> dict[str, Any]:
         """``Deregister``; the reply is a ``Deregistered``."""
