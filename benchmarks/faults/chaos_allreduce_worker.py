@@ -89,8 +89,8 @@ def worker_main(args: argparse.Namespace) -> int:
 
         last: tuple[str, list[str]] | None = None
 
-        def quorum(self, worker_id: str, *, round: int, hash: str) -> dict[str, Any]:
-            reply = super().quorum(worker_id, round=round, hash=hash)
+        def quorum(self, worker_id: str, **ask: Any) -> dict[str, Any]:
+            reply = super().quorum(worker_id, **ask)
             if "quorum_id" in reply:
                 self.last = (reply["quorum_id"], list(reply["members"]))
             return reply

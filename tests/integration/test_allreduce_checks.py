@@ -221,3 +221,22 @@ def test_a_non_finite_loss_is_not_sent_with_heartbeats() -> None:
             client.heartbeat("w0", loss=2.5)
             shown = {x["worker_id"]: x["loss"] for x in srv.status()["workers"]}
     assert shown == {"w0": 2.5}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("factor", "bound"), [(None, 10.0), (3.0, 3.0)])
+def test_the_norm_bound_comes_from_the_servers_clip_norm_factor(
+    factor: float | None, bound: float
+) -> None:
+    """``--clip-norm-factor`` is accepted with ``--allreduce`` (``--trim-fraction`` is not) and
+    reaches the worker in its registration reply; unset, the mode's default."""
+    with pytest.raises(ValueError, match="--trim-fraction"):
+        ServerConfig(allreduce=True, trim_fraction=0.1)
+    config = ServerConfig(port=0, num_workers=1, allreduce=True, clip_norm_factor=factor)
+    with DiLoCoServer(config) as srv:
+        model = torch.nn.Linear(4, 4)
+        with DiLoCoWorker(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), srv.address, worker_id="w0"
+        ) as w:
+            strategy: Any = w._strategy
+            assert strategy._state.rules.norm_bound == bound

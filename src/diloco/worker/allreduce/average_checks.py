@@ -2,8 +2,9 @@
 (docs/design/allreduce.md, "Checks"): ``checked_average``, the quorum loop's average.
 
 Cost: one pass over the member's pseudo-gradient for its norm and finiteness, one tiny
-all-reduce of three scalars per member, and one pass over the average for its check; the tensor
-all-reduce itself is ``collective.reduce_scaled``'s, one per bucket, as ``average``'s.
+all-reduce of three scalars per member, and the average's norm taken from each bucket while it is
+in cache; the tensor all-reduce itself is ``collective.reduce_scaled``'s, one per bucket, as
+``average``'s.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def checked_average(
     member left out contributes zeros (it still takes part, so the collective's shape is the
     same on every rank), the others ``w_i / total``. If no member is admitted, or the admitted
     weights sum to 0, the tensors are zeroed on every rank. After the all-reduce the result is
-    checked (one pass): finite, and its norm at most ``verdict.bound`` (plus ``slack``). The
+    checked: finite, and its norm at most ``verdict.bound`` (plus ``slack``). The
     check's outcome is returned (``sound``), not acted on: the caller folds it into the commit
     point, so that a failed check discards the round on every member.
 
@@ -76,17 +77,18 @@ def checked_average(
     finite, norm = measure(quorum, flats)
     verdict = judge(*exchange(quorum, finite, norm, weight), norm_bound, MAX_WEIGHT)
     total = verdict.total
-    reduce_scaled(
+    got = reduce_scaled(
         quorum,
         flats,
         verdict.weights[quorum.rank] / total if total else 0.0,
         total,
         dtype,
         bucket_bytes,
+        norm=True,
     )
     if total == 0:
         return Averaged(verdict, 0.0, True)
-    got = global_norm(flats)
+    # The result's norm was taken bucket by bucket during the all-reduce (no further pass).
     return Averaged(verdict, got, got <= verdict.bound * (1 + slack(dtype, quorum.size)) + TINY)
 
 

@@ -207,13 +207,18 @@ def reduce_scaled(
     total: float,
     dtype: torch.dtype,
     bucket_bytes: int,
-) -> None:
+    *,
+    norm: bool = False,
+) -> float:
     """The sum over the quorum of each rank's ``scale * flats``, in place, bucket by bucket (one
-    all-reduce each); all zeros on every rank when ``total`` is 0."""
+    all-reduce each); all zeros on every rank when ``total`` is 0. With ``norm``, returns the
+    result's L2 norm (fp32 per bucket, combined in fp64; NaN or inf if any value is not), taken
+    from each bucket while it is in cache rather than in another pass over the model (else 0)."""
     if total == 0.0:
         for flat in flats:
             flat.zero_()
-        return
+        return 0.0
+    squares = 0.0
     # Each rank scales by w_i / sum(w) before the sum, not after: one pass fewer over the model,
     # and bf16 carries values of the result's size whatever the weights' magnitude.
     for bucket, pieces in _packed(flats, dtype, bucket_bytes, quorum.device):
@@ -223,8 +228,11 @@ def reduce_scaled(
             else:
                 _scaled_copy(part, own, scale)
         quorum.collective("all-reduce", allreduce_work(bucket, quorum.timeout))
+        if norm:
+            squares += float(torch.linalg.vector_norm(bucket, dtype=torch.float32)) ** 2
         for own, part in pieces:
             own.copy_(part)
+    return math.sqrt(squares)
 
 
 def broadcast(

@@ -250,7 +250,7 @@ class QuorumSync:
             if total > 0:
                 payload.step(q)
                 s.base_round = q.round + 1
-            if left_out and weighted:
+            if left_out:
                 payload.left_out(q)
             new_hash = self._hash = self._state.hash()
             if q.save and q.rank == 0:
