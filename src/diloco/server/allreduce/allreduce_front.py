@@ -150,6 +150,7 @@ class AllReduceFront:
                 log.info("fragmenting %s set by worker %s", asked, worker_id)
             self.table.adopt(table)
             self._comm[worker_id] = comm
+            self.book.registered(worker_id)
 
         return counts
 
@@ -174,6 +175,7 @@ class AllReduceFront:
             collective_timeout=config.collective_timeout,
             weighting=config.weighting,
             outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
+            norm_bound=config.norm_bound,
         )
 
     def left(self, worker_id: str) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from diloco.server.allreduce.quorum_records import Ended, QuorumRecord, choose
 from diloco.server.allreduce.suspects import HeartbeatOf, Suspects
 from diloco.server.errors import ApiError, bad_request, conflict, unknown_worker
-from diloco.server.observe.records import QuorumStatus, QuorumSummary
+from diloco.server.observe.records import QuorumStatus, QuorumSummary, WorkerExclusions
 from diloco.wire.messages import (
     Assignment,
     OutcomeRecorded,
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 FINISHED_KEPT = 256
 """Ended quorums remembered, so a late or retried outcome gets its answer and not a 404."""
+EXCLUSIONS_KEPT = 4096
+"""Workers whose exclusion counts are kept (the oldest forgotten first): a bound on memory
+that an authenticated worker inventing ids cannot grow."""
 
 
 class Ticket:
@@ -126,6 +129,13 @@ class QuorumBook:
         # Members of a failed quorum gone silent: the next quorum does not wait for their
         # eviction (server/allreduce/suspects.py).
         self._suspects = Suspects(heartbeat_of or (lambda worker: None))
+        # Members the quorums' checks left out (``note_excluded``): rounds per worker, rounds
+        # in a row (reset by a completed quorum that admitted it, or a registration), the last
+        # quorum's, and the quorum they were counted for (each quorum once).
+        self.excluded_rounds: Counter[str] = Counter()
+        self._excluded_in_a_row: Counter[str] = Counter()
+        self.excluded_last: tuple[str, ...] = ()
+        self._excluded_counted: str | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -294,6 +304,8 @@ class QuorumBook:
                 f"'round' must be {q.start.round + 1} (the quorum's round + 1), or "
                 f"{q.start.round} when no step was taken; got {outcome.round}",
             )
+        if outcome.excluded:
+            self.note_excluded(q.id, q.members, outcome.excluded)
         if worker not in q.outcomes:  # a retried report: the first one stands
             q.outcomes[worker] = outcome
             self._note_made(outcome, q.start.round)
@@ -335,6 +347,9 @@ class QuorumBook:
             )
         self._agreed = (new_round, new_hash)
         self.round = new_round
+        for w in q.members:
+            if not (self._excluded_counted == q.id and w in self.excluded_last):
+                self._excluded_in_a_row.pop(w, None)
         if new_round > q.start.round:
             self.rounds_completed += 1
         log.info("quorum %s completed: round %d, hash %s", q.id, new_round, new_hash)
@@ -363,6 +378,40 @@ class QuorumBook:
                 except Exception:  # the store is a cache of connection details, not state
                     log.exception("could not drop the rendezvous keys of quorum %s", qid)
             self._to_forget.clear()
+
+    # --- exclusions (worker/allreduce/average_checks.py) ---------------------------------------
+
+    def note_excluded(self, qid: str, members: tuple[str, ...], excluded: tuple[str, ...]) -> None:
+        """A member of quorum ``qid`` reports the members its checks left out: counted once per
+        quorum (every member reaches the same verdict), names that are not members ignored."""
+        if self._excluded_counted == qid:
+            return
+        named = tuple(w for w in members if w in excluded)
+        if not named:
+            return
+        self._excluded_counted = qid
+        self.excluded_last = named
+        for w in named:
+            self.excluded_rounds[w] += 1
+            self._excluded_in_a_row[w] += 1
+        for counts in (self.excluded_rounds, self._excluded_in_a_row):
+            while len(counts) > EXCLUSIONS_KEPT:
+                del counts[next(iter(counts))]
+        log.warning(
+            "quorum %s left out %s (a non-finite pseudo-gradient, a norm far above the "
+            "quorum's median, or a weight out of bounds; the members' logs say which)",
+            qid,
+            ", ".join(f"{w} ({self._excluded_in_a_row[w]} in a row)" for w in named),
+        )
+
+    def consecutive_exclusions(self, worker_id: str) -> int:
+        """Quorums in a row whose checks left the worker out (0 once a completed quorum admitted
+        it, or it registered again)."""
+        return self._excluded_in_a_row.get(worker_id, 0)
+
+    def registered(self, worker_id: str) -> None:
+        """The worker registered (again): its exclusions in a row start again."""
+        self._excluded_in_a_row.pop(worker_id, None)
 
     # --- membership, control, status ----------------------------------------------------------
 
@@ -406,4 +455,9 @@ class QuorumBook:
             rounds_completed=self.rounds_completed,
             rounds_discarded=self.rounds_discarded,
             pending_quorum=self.pending(),
+            excluded_last=self.excluded_last,
+            excluded_rounds=tuple(
+                WorkerExclusions(w, n, self.consecutive_exclusions(w))
+                for w, n in sorted(self.excluded_rounds.items())
+            ),
         )

@@ -53,9 +53,12 @@ class QuorumFailed(RuntimeError):
     answering within the timeout, the rendezvous was unreachable). The cause is chained
     (``__cause__``). The collective is closed; results of the interrupted call must not be used."""
 
-    def __init__(self, quorum_id: str, message: str) -> None:
+    def __init__(self, quorum_id: str, message: str, *, stage: str = "") -> None:
         super().__init__(f"quorum {quorum_id}: {message}")
         self.quorum_id = quorum_id
+        #: Where the round broke off (``QuorumOutcome.stage``): set by the quorum loop where
+        #: it is not known here.
+        self.stage = stage
 
 
 class QuorumCollective:
@@ -190,23 +193,46 @@ def average(
     """
     if not dtype.is_floating_point:
         raise ValueError(f"the communication dtype must be floating point, not {dtype}")
-    flats = _flat_views(tensors)
-    _check_tables(quorum, f"average {dtype} {bucket_bytes};" + _table(tensors))
+    flats = flat_views(tensors)
+    check_tables(quorum, f"average {dtype} {bucket_bytes};" + table_of(tensors))
     total = _weight_sum(quorum, weight)
+    reduce_scaled(quorum, flats, weight / total if total else 0.0, total, dtype, bucket_bytes)
+    return total
+
+
+def reduce_scaled(
+    quorum: QuorumCollective,
+    flats: list[torch.Tensor],
+    scale: float,
+    total: float,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    norm: bool = False,
+) -> float:
+    """The sum over the quorum of each rank's ``scale * flats``, in place, bucket by bucket (one
+    all-reduce each); all zeros on every rank when ``total`` is 0. With ``norm``, returns the
+    result's L2 norm (fp32 per bucket, combined in fp64; NaN or inf if any value is not), taken
+    from each bucket while it is in cache rather than in another pass over the model (else 0)."""
     if total == 0.0:
         for flat in flats:
             flat.zero_()
         return 0.0
+    squares = 0.0
     # Each rank scales by w_i / sum(w) before the sum, not after: one pass fewer over the model,
     # and bf16 carries values of the result's size whatever the weights' magnitude.
-    scale = weight / total
     for bucket, pieces in _packed(flats, dtype, bucket_bytes, quorum.device):
         for own, part in pieces:
-            _scaled_copy(part, own, scale)
-        quorum.collective("all-reduce", _allreduce(bucket, quorum.timeout))
+            if scale == 0.0:
+                part.zero_()  # 0 * NaN is NaN: a member left out sends zeros, not its tensor
+            else:
+                _scaled_copy(part, own, scale)
+        quorum.collective("all-reduce", allreduce_work(bucket, quorum.timeout))
+        if norm:
+            squares += float(torch.linalg.vector_norm(bucket, dtype=torch.float32)) ** 2
         for own, part in pieces:
             own.copy_(part)
-    return total
+    return math.sqrt(squares)
 
 
 def broadcast(
@@ -224,7 +250,7 @@ def broadcast(
         raise ValueError(f"src must be a rank in [0, {quorum.size}), got {src}")
     # Bytes, not values: a bucket of one dtype carries any mix of dtypes without conversion.
     flats = [t.detach().reshape(-1).view(torch.uint8) for t in _contiguous(tensors)]
-    _check_tables(quorum, f"broadcast {src} {bucket_bytes};" + _table(tensors))
+    check_tables(quorum, f"broadcast {src} {bucket_bytes};" + table_of(tensors))
     sending = quorum.rank == src
     for bucket, pieces in _packed(flats, torch.uint8, bucket_bytes, quorum.device):
         if sending:
@@ -239,10 +265,19 @@ def broadcast(
 def all_equal(quorum: QuorumCollective, value: str) -> bool:
     """Whether every member holds the same hex hash ``value`` (``state_hash``'s): one MAX
     all-reduce of ``[v, -v]`` gives the largest and the smallest value held. A collective."""
+    same, _ = compare(quorum, value, veto=False)
+    return same
+
+
+def compare(quorum: QuorumCollective, value: str, *, veto: bool) -> tuple[bool, bool]:
+    """``all_equal`` with a veto folded into the same collective (``[v, -v, veto]``, MAX):
+    (every member holds ``value``, some member vetoed). Every member that completes the
+    collective learns both, so a veto (a failed check of the average) fails the comparison on
+    every member, never on some."""
     v = float(int(value, 16))  # 32 bits: exact in fp64
-    t = torch.tensor([v, -v], dtype=torch.float64)
-    quorum.collective("hash check", _allreduce(t, quorum.timeout, dist.ReduceOp.MAX))
-    return bool(t[0].item() == v and -t[1].item() == v)
+    t = torch.tensor([v, -v, 1.0 if veto else 0.0], dtype=torch.float64)
+    quorum.collective("hash check", allreduce_work(t, quorum.timeout, dist.ReduceOp.MAX))
+    return bool(t[0].item() == v and -t[1].item() == v), bool(t[2].item() > 0)
 
 
 def state_hash(tensors: Iterable[torch.Tensor]) -> str:
@@ -273,23 +308,23 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     return tensors
 
 
-def _flat_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def flat_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for i, t in enumerate(_contiguous(tensors)):
         if not t.is_floating_point():
             raise ValueError(f"tensor {i} is {t.dtype}: only floating point tensors are averaged")
     return [t.detach().view(-1) for t in tensors]
 
 
-def _table(tensors: Sequence[torch.Tensor]) -> str:
+def table_of(tensors: Sequence[torch.Tensor]) -> str:
     return ";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors)
 
 
-def _check_tables(quorum: QuorumCollective, layout: str) -> None:
+def check_tables(quorum: QuorumCollective, layout: str) -> None:
     """Every rank raises ValueError together unless all ranks describe the same ``layout``:
     one tiny all-reduce (MAX of the fingerprint and of its negation gives max and -min)."""
     mark = int(checksum([layout.encode()]), 16)
     pair = torch.tensor([mark, -mark], dtype=torch.int64, device=quorum.device)
-    quorum.collective("table check", _allreduce(pair, quorum.timeout, dist.ReduceOp.MAX))
+    quorum.collective("table check", allreduce_work(pair, quorum.timeout, dist.ReduceOp.MAX))
     if int(pair[0]) != -int(pair[1]):
         raise ValueError(
             f"quorum {quorum.quorum_id}: the members' tensor tables (or call arguments) differ"
@@ -303,7 +338,7 @@ def _weight_sum(quorum: QuorumCollective, weight: float) -> float:
     pair = torch.tensor(
         [0.0 if bad else weight, 1.0 if bad else 0.0], dtype=torch.float64, device=quorum.device
     )
-    quorum.collective("weight sum", _allreduce(pair, quorum.timeout))
+    quorum.collective("weight sum", allreduce_work(pair, quorum.timeout))
     if pair[1].item() > 0:
         raise ValueError(
             f"quorum {quorum.quorum_id}: {int(pair[1].item())} member(s) gave a negative or "
@@ -347,7 +382,7 @@ def _scaled_copy(part: torch.Tensor, own: torch.Tensor, scale: float) -> None:
         part.copy_(own.to(part.device).mul_(scale))
 
 
-def _allreduce(
+def allreduce_work(
     tensor: torch.Tensor, timeout: float, op: Any = dist.ReduceOp.SUM
 ) -> Callable[[Any], Any]:
     options = dist.AllreduceOptions()
