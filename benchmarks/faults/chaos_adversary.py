@@ -138,15 +138,22 @@ class Stranger(threading.Thread):
         ("POST", "/register"),
         ("POST", "/heartbeat"),
         ("GET", "/status"),
-        ("POST", "/rendezvous/set"),
-        ("POST", "/rendezvous/get"),
-        ("POST", "/rendezvous/delete"),
-        ("GET", "/rendezvous"),
+        *(
+            ("POST", f"/rendezvous/{op}")
+            for op in ("set", "get", "add", "compare_set", "wait", "delete", "count")
+        ),
     )
 
-    def __init__(self, address: str, worker_pids: Callable[[], list[int]], seed: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        worker_pids: Callable[[], list[int]],
+        seed: int,
+        open_quorum: Callable[[], str | None] = lambda: None,
+    ) -> None:
         super().__init__(daemon=True)
         self.address = address.rstrip("/")
+        self.open_quorum = open_quorum  # the quorum a scanner of the dashboard would target
         self.worker_pids = worker_pids
         self.rng = random.Random(seed)
         self.stop = threading.Event()
@@ -158,9 +165,14 @@ class Stranger(threading.Thread):
             self._http()
             self._tcp()
 
+    def quorum_id(self) -> str:
+        return self.open_quorum() or "x"
+
     def _http(self) -> None:
         method, path = self.rng.choice(self.ROUTES)
-        body = json.dumps({"worker_id": "w0", "quorum_id": "x", "key": "x", "round": 0}).encode()
+        body = json.dumps(
+            {"worker_id": "w0", "quorum_id": self.quorum_id(), "key": "0", "value": "AAAA"}
+        ).encode()
         token = self.rng.choice((None, "guess", "x" * 64))
         req = urllib.request.Request(
             self.address + path, data=body if method == "POST" else None, method=method

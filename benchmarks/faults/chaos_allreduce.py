@@ -134,7 +134,7 @@ def report(res: dict[str, Any]) -> str:
             ("honest workers' final states finite", adv["honest_finals_finite"]),
             ("honest syncs after the first fault", adv["honest_syncs_after_first_fault"]),
             ("first honest sync after the first fault, s", adv["wait_after_first_fault_s"]),
-            ("faulty worker's completed syncs", adv["bad_syncs"]),
+            ("faulty worker's syncs reported", adv["bad_syncs"]),
             ("faulty worker's exits", adv["bad_exits"]),
         ]
         if adv["stranger"]:

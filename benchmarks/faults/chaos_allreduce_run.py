@@ -91,6 +91,7 @@ class Run:
         self.crashes: list[dict[str, Any]] = []
         self.adversary_exits: list[dict[str, Any]] = []  # the faulty worker's own exits
         self.stranger: dict[str, Any] = {}
+        self.stranger_since: float | None = None  # when the stranger began
         self.sources: set[str] = set()  # where the workers imported diloco from
         self.t0 = time.monotonic()
 
@@ -212,6 +213,13 @@ class Run:
             time.sleep(0.005)
         return None
 
+    def open_quorum(self) -> str | None:
+        """The id of the quorum open at the server's last status (the driver knows it; a
+        stranger is handed it, as if it had guessed right)."""
+        st = self.server.last_status.get(self.server.starts, {})
+        q = st.get("quorum")
+        return str(q["id"]) if isinstance(q, dict) and "id" in q else None
+
     def aim(self) -> tuple[bool, float]:
         """Whether this kill waits for an open quorum, and the delay after it opens."""
         aimed = self.rng.random() < self.cfg["aim_share"]
@@ -310,9 +318,13 @@ class Run:
         stranger = None
         if c["adversary"] == "stranger":
             stranger = Stranger(
-                self.server.address, lambda: [w.proc.pid for w in self.live()], c["seed"]
+                self.server.address,
+                lambda: [w.proc.pid for w in self.live()],
+                c["seed"],
+                self.open_quorum,
             )
             stranger.start()
+            self.stranger_since = self.now()
         end_faults = self.t0 + c["duration"] - c["settle"]
         end = self.t0 + c["duration"]
         next_fault = self.t0 + c["first_fault"]
@@ -470,7 +482,7 @@ class Run:
         c = self.cfg
         bad = [w for w in self.workers if not w.honest]
         honest_finals = [w.final for w in self.workers if w.honest and w.final is not None]
-        first_fault = min((f["t"] for w in bad for f in w.faults), default=None)
+        first_fault = min((f["t"] for w in bad for f in w.faults), default=self.stranger_since)
         honest_syncs = sorted(t for w in self.workers if w.honest for t, *_ in w.syncs)
         after = [t for t in honest_syncs if first_fault is not None and t > first_fault]
         return {
