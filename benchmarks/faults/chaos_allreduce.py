@@ -57,11 +57,13 @@ found. Not part of the test suite: it takes minutes.
 import argparse
 import json
 import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.faults.chaos_adversary import ADVERSARIES, BAD_WORKER
 from benchmarks.faults.chaos_allreduce_run import Run, compared
 from benchmarks.faults.chaos_allreduce_server import short_reason
 from benchmarks.faults.chaos_allreduce_worker import parse_worker_args, worker_main
@@ -94,6 +96,14 @@ def report(res: dict[str, Any]) -> str:
             f"{c['alpha']}; replicas compared by their state (hash of snapshot and momentum) "
             "and its round, not their models"
         )
+    adv = res["adversary"]
+    if adv["kind"]:
+        lines.append(
+            f"adversary: {adv['kind']} (worker {BAD_WORKER!r} faulty from step "
+            f"{adv['fault_step']}, left out of the replica checks below)"
+            if adv["kind"] != "stranger"
+            else "adversary: a stranger without the token, on every route and worker port"
+        )
     lines.append("")
     ends = [w["final"] for w in res["workers_detail"] if w["final"] and w["final"]["at_sync"]]
     rounds = sorted({f["round"] for f in ends})
@@ -119,6 +129,20 @@ def report(res: dict[str, Any]) -> str:
         (f"workers at the end: at round / distinct {what_differs(c)}", finals),
         ("wall time, s", res["wall_s"]),
     ]
+    if adv["kind"]:
+        rows += [
+            ("honest workers' final states finite", adv["honest_finals_finite"]),
+            ("honest syncs after the first fault", adv["honest_syncs_after_first_fault"]),
+            ("first honest sync after the first fault, s", adv["wait_after_first_fault_s"]),
+            ("faulty worker's syncs reported", adv["bad_syncs"]),
+            ("faulty worker's exits", adv["bad_exits"]),
+        ]
+        if adv["stranger"]:
+            st = adv["stranger"]
+            rows += [
+                ("stranger: HTTP requests / accepted", f"{st['http']} / {st['http_accepted']}"),
+                ("stranger: connections to worker ports", st["tcp"]),
+            ]
     lines += table_lines(
         ["", "value"], [[k, f"{v:.4f}" if isinstance(v, float) else str(v)] for k, v in rows]
     )
@@ -206,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--alpha", type=float, default=0.5, help="streaming: local share alpha in merges"
     )
+    parser.add_argument(
+        "--adversary",
+        choices=ADVERSARIES,
+        help="one faulty party besides the honest workers (issue 26): a worker whose model "
+        "goes NaN or +1e30, that claims 1e300 samples, claims round + 1000 with its own state, "
+        "whose joins always fail, that dies between commit point and report; or a stranger "
+        "without the token hammering routes and the workers' ports",
+    )
+    parser.add_argument(
+        "--fault-step", type=int, default=12, help="the faulty worker's first faulty step"
+    )
     parser.add_argument("--logs", help="folder for the logs (default: a temporary one)")
     parser.add_argument("--json")
     parser.add_argument("--txt")
@@ -243,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         "fragments": args.fragments,
         "overlap": args.overlap,
         "alpha": args.alpha,
+        "adversary": args.adversary,
+        "fault_step": args.fault_step,
+        "token": secrets.token_hex(16),
+        "weighting": "samples" if args.adversary == "weight" else "equal",
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="chaos_allreduce_"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -284,6 +323,17 @@ def check_smoke(res: dict[str, Any]) -> None:
         bool(ends) and all(len(states) == 1 for states in held.values()),
         f"the workers that ended at the same round hold one state ({held})",
     )
+    adv = res["adversary"]
+    if adv["kind"]:
+        smoke.require(adv["honest_finals_finite"], "the honest workers end finite")
+        smoke.require(
+            adv["kind"] == "join-fails"
+            or adv["honest_syncs_after_first_fault"] >= 1
+            or not adv["faults"],
+            "the honest workers progress after the fault",
+        )
+        if adv["stranger"]:
+            smoke.require(adv["stranger"]["http_accepted"] == 0, "no stranger's request accepted")
     smoke.passed("chaos_allreduce")
 
 

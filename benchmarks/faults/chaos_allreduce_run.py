@@ -10,6 +10,7 @@ different states, no worker may stall past the hang limit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.faults.chaos_adversary import BAD_WORKER, KINDS, Stranger
 from benchmarks.faults.chaos_allreduce_server import Server
 from benchmarks.harness.source import ROOT
 
@@ -52,6 +54,11 @@ class Worker:
     dumped: bool = False
     killed: bool = False
     exited: bool = False
+    faults: list[dict[str, Any]] = field(default_factory=list)  # a faulty worker's "fault" events
+
+    @property
+    def honest(self) -> bool:
+        return self.worker_id != BAD_WORKER
 
     @property
     def name(self) -> str:
@@ -82,6 +89,9 @@ class Run:
         self.server_longest_silence = 0.0
         self.hangs: list[dict[str, Any]] = []
         self.crashes: list[dict[str, Any]] = []
+        self.adversary_exits: list[dict[str, Any]] = []  # the faulty worker's own exits
+        self.stranger: dict[str, Any] = {}
+        self.stranger_since: float | None = None  # when the stranger began
         self.sources: set[str] = set()  # where the workers imported diloco from
         self.t0 = time.monotonic()
 
@@ -90,20 +100,25 @@ class Run:
 
     # --- workers ----------------------------------------------------------------------------
 
-    def start_worker(self, slot: int, worker_id: str, joiner: bool) -> Worker:
+    def start_worker(
+        self, slot: int, worker_id: str, joiner: bool, fault: str | None = None
+    ) -> Worker:
         c = self.cfg
         incarnation = sum(w.slot == slot for w in self.workers)
         log = self.logs / f"worker_slot{slot}_{worker_id}_{incarnation}.log"
+        shard = slot % c["workers"]  # the faulty worker trains on shard 0's data
         args = [
             *[sys.executable, "-m", "benchmarks.faults.chaos_allreduce", "worker"],
-            *["--address", self.server.address],
-            *["--worker-id", worker_id, "--shard", str(slot), "--shards", str(c["workers"])],
+            *["--address", self.server.address, "--token", c["token"]],
+            *["--worker-id", worker_id, "--shard", str(shard), "--shards", str(c["workers"])],
             *["--seed", str(c["seed"]), "--incarnation", str(slot * 1000 + incarnation)],
             *["--sync-every", str(c["sync_every"]), "--lr", str(c["lr"])],
             *["--final-wait", str(c["final_wait"])],
             *["--fragments", str(c["fragments"]), "--overlap", str(c["overlap"])],
             *["--alpha", str(c["alpha"])],
         ]
+        if fault is not None:
+            args += ["--fault", fault, "--fault-step", str(c["fault_step"])]
         proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -141,6 +156,11 @@ class Run:
                     self._progress(w, t, ev["round"])
                 elif ev.get("event") == "final":
                     w.final = ev
+                elif ev.get("event") == "fault":
+                    w.faults.append({"t": self.now(), **ev})
+                    self.note(
+                        "fault", worker=w.name, **{k: v for k, v in ev.items() if k != "event"}
+                    )
 
     def _progress(self, w: Worker, t: float, round_: int) -> None:
         stall = t - w.last_progress
@@ -151,12 +171,15 @@ class Run:
     def live(self) -> list[Worker]:
         return [w for w in self.workers if w.proc.poll() is None and not w.killed]
 
+    def live_honest(self) -> list[Worker]:
+        return [w for w in self.live() if w.honest]
+
     def check_stalls(self) -> None:
         """A live worker without a completed sync for longer than the hang limit: dump its
         stacks (once per stall) and record it."""
         t = time.monotonic()
         with self.lock:
-            for w in self.live():
+            for w in self.live_honest():  # a faulty worker may never sync, by design
                 stall = t - w.last_progress
                 if stall > w.longest_stall:
                     w.longest_stall, w.longest_stall_end_round = stall, None
@@ -190,13 +213,20 @@ class Run:
             time.sleep(0.005)
         return None
 
+    def open_quorum(self) -> str | None:
+        """The id of the quorum open at the server's last status (the driver knows it; a
+        stranger is handed it, as if it had guessed right)."""
+        st = self.server.last_status.get(self.server.starts, {})
+        q = st.get("quorum")
+        return str(q["id"]) if isinstance(q, dict) and "id" in q else None
+
     def aim(self) -> tuple[bool, float]:
         """Whether this kill waits for an open quorum, and the delay after it opens."""
         aimed = self.rng.random() < self.cfg["aim_share"]
         return aimed, self.rng.uniform(0.0, self.cfg["aim_delay"])
 
     def kill_worker(self) -> None:
-        live = self.live()
+        live = self.live_honest()
         if not live:
             return
         w = self.rng.choice(live)
@@ -250,7 +280,7 @@ class Run:
             down_s=round(delay, 2),
         )
         time.sleep(delay)
-        self.server.expected[self.server.starts + 1] = len(self.live())
+        self.server.expected[self.server.starts + 1] = len(self.live_honest())
         self.server.start()
         self.server_unanswered_since = None
 
@@ -283,6 +313,18 @@ class Run:
         self.server.start()
         for slot in range(c["workers"]):
             self.start_worker(slot, f"w{slot}", joiner=False)
+        if c["adversary"] in KINDS:
+            self.start_worker(c["workers"], BAD_WORKER, joiner=False, fault=c["adversary"])
+        stranger = None
+        if c["adversary"] == "stranger":
+            stranger = Stranger(
+                self.server.address,
+                lambda: [w.proc.pid for w in self.live()],
+                c["seed"],
+                self.open_quorum,
+            )
+            stranger.start()
+            self.stranger_since = self.now()
         end_faults = self.t0 + c["duration"] - c["settle"]
         end = self.t0 + c["duration"]
         next_fault = self.t0 + c["first_fault"]
@@ -298,7 +340,8 @@ class Run:
                 for w in self.workers:
                     if not w.killed and not w.exited and w.proc.poll() is not None:
                         w.exited = True  # nothing asked it to leave: a crash
-                        self.crashes.append({"worker": w.name, "rc": w.proc.returncode})
+                        crash = {"worker": w.name, "rc": w.proc.returncode}
+                        (self.crashes if w.honest else self.adversary_exits).append(crash)
                         self.note("worker_exited", worker=w.name, rc=w.proc.returncode)
                 if c["chaos"] and t >= next_fault and t < end_faults:
                     if self.rng.random() < c["server_share"]:
@@ -334,6 +377,9 @@ class Run:
             time.sleep(0.5)
             self.poll_server()
         finally:
+            if stranger is not None:
+                stranger.stop.set()
+                self.stranger = dict(stranger.counts, accepted=stranger.accepted[:20])
             for w in self.workers:
                 if w.proc.poll() is None:
                     w.proc.kill()
@@ -347,6 +393,8 @@ class Run:
         # run's state was lost, every worker holding it left, and the run went on from older).
         by_round: dict[int, dict[tuple[str | None, str | None], set[str]]] = {}
         for w in self.workers:
+            if not w.honest:  # its state is whatever it made of it; the run's must not follow
+                continue
             for t, r, model_crc, state, qid in w.syncs:
                 key = qid or f"?{w.name}@{t}"
                 crc, state = compared(model_crc, state, self.cfg["fragments"])
@@ -364,7 +412,7 @@ class Run:
             for r, v in sorted(by_round.items())
             if len(v) > 1
         }
-        finals = [w.final for w in self.workers if w.final is not None]
+        finals = [w.final for w in self.workers if w.final is not None and w.honest]
         evals = [f for f in finals if f.get("eval_loss") is not None]
         best = max(evals, key=lambda f: f["round"]) if evals else None
         max_round = max((r for r in by_round), default=0)
@@ -388,6 +436,7 @@ class Run:
                 "final": w.final,
             }
             for w in self.workers
+            if w.honest
         ]
         c = self.cfg
         return {
@@ -420,7 +469,35 @@ class Run:
             "worker_discarded_rounds": sum(
                 int(f["metrics"].get("discarded_rounds", 0)) for f in finals
             ),
+            "adversary": self.adversary_summary(),
             "wall_s": self.now(),
             "workers_detail": worker_rows,
             "events": self.events,
+        }
+
+    def adversary_summary(self) -> dict[str, Any]:
+        """What the faulty party did and what it cost the honest workers: their finals finite,
+        the rounds they completed after its first fault, and (``commit-death``) how long the
+        survivors waited from its death to their next completed round."""
+        c = self.cfg
+        bad = [w for w in self.workers if not w.honest]
+        honest_finals = [w.final for w in self.workers if w.honest and w.final is not None]
+        first_fault = min((f["t"] for w in bad for f in w.faults), default=self.stranger_since)
+        honest_syncs = sorted(t for w in self.workers if w.honest for t, *_ in w.syncs)
+        after = [t for t in honest_syncs if first_fault is not None and t > first_fault]
+        return {
+            "kind": c["adversary"],
+            "fault_step": c["fault_step"],
+            "faults": [f for w in bad for f in w.faults],
+            "bad_syncs": sum(len(w.syncs) for w in bad),
+            "bad_exits": self.adversary_exits,
+            "honest_finals_finite": all(
+                f.get("eval_loss") is None or math.isfinite(f["eval_loss"]) for f in honest_finals
+            ),
+            "honest_syncs_after_first_fault": len(after),
+            "wait_after_first_fault_s": round(after[0] - first_fault, 2)
+            if after and first_fault is not None
+            else None,
+            "stranger": self.stranger,
+            "last_status": self.server.last_status.get(self.server.starts, {}).get("quorum"),
         }

@@ -42,6 +42,7 @@ class Server(ServerProcess):
             *["--poll-timeout", str(cfg["poll_timeout"])],
             *["--collective-timeout", str(cfg["collective_timeout"])],
             *["--join-timeout", str(cfg["join_timeout"])],
+            *["--token", cfg["token"], "--weighting", cfg["weighting"]],
         ]
         if cfg["fragments"] > 1:
             args += ["--num-fragments", str(cfg["fragments"])]
@@ -59,7 +60,15 @@ class Server(ServerProcess):
         self.early_rounds = 0
         self.last_status: dict[int, dict[str, Any]] = {}  # per life
         self._lock = threading.Lock()
-        super().__init__(args, log, env=cfg["env"], timeout=120, on_line=self._scan, start=False)
+        super().__init__(
+            args,
+            log,
+            env=cfg["env"],
+            timeout=120,
+            on_line=self._scan,
+            start=False,
+            token=cfg["token"],
+        )
 
     def start(self, extra_args: Sequence[str] = ()) -> None:
         self.expected.setdefault(self.starts + 1, 0)

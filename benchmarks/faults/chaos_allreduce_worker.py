@@ -54,6 +54,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     import torch
 
+    from benchmarks.faults import chaos_adversary
     from diloco.demo.data import build_corpus, sample_batch
     from diloco.demo.model import build_model, evaluate, loss_on
     from diloco.wire.checksum import tensor_checksum
@@ -89,13 +90,23 @@ def worker_main(args: argparse.Namespace) -> int:
 
         last: tuple[str, list[str]] | None = None
 
-        def quorum(self, worker_id: str, *, round: int, hash: str) -> dict[str, Any]:
-            reply = super().quorum(worker_id, round=round, hash=hash)
+        def quorum(self, worker_id: str, **ask: Any) -> dict[str, Any]:
+            reply = super().quorum(worker_id, **ask)
             if "quorum_id" in reply:
                 self.last = (reply["quorum_id"], list(reply["members"]))
             return reply
 
-    client = RecordingClient(args.address, retries=8, backoff=0.2, max_backoff=2.0, read_timeout=30)
+    client_class: type[RecordingClient] = RecordingClient
+    if args.fault == "weight":
+        client_class = chaos_adversary.weight_client(RecordingClient)
+    client = client_class(
+        args.address,
+        token=args.token,
+        retries=8,
+        backoff=0.2,
+        max_backoff=2.0,
+        read_timeout=30,
+    )
     worker = DiLoCoWorker(
         model,
         opt,
@@ -123,6 +134,13 @@ def worker_main(args: argparse.Namespace) -> int:
 
     stopping_since: float | None = None
     final: dict[str, Any] = {}
+    fault = (
+        chaos_adversary.install(args.fault, args.fault_step, worker, model, say)
+        if args.fault
+        else None
+    )
+    samples = 1e300 if args.fault == "weight" else 16.0  # a batch: 16 sequences
+    steps = 0
     with worker:
         synced = SyncWatch(worker, streaming=args.fragments > 1)
         say_state("joined", quorum=client.last and client.last[0])
@@ -130,8 +148,12 @@ def worker_main(args: argparse.Namespace) -> int:
             x, y = sample_batch(tokens, 16, 64, gen)
             loss = loss_on(model, x, y)
             loss.backward()
+            worker.report(loss=float(loss), samples=samples)
             opt.step()  # the worker's hook runs the sync every sync_every steps
             opt.zero_grad()
+            steps += 1
+            if fault is not None:
+                fault(steps)
             if synced():
                 say_state(
                     "sync",
@@ -167,4 +189,13 @@ def parse_worker_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--token")
+    p.add_argument("--fault", choices=chaos_adversary_kinds(), help="this worker is faulty")
+    p.add_argument("--fault-step", type=int, default=12)
     return p.parse_args(argv)
+
+
+def chaos_adversary_kinds() -> tuple[str, ...]:
+    from benchmarks.faults.chaos_adversary import KINDS
+
+    return KINDS

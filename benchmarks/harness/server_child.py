@@ -52,12 +52,15 @@ def server_main(
 
         print(f"server: {where.__file__}, checkpoints every {save_every} round(s)", flush=True)
     server = DiLoCoServer(server_config).start()
+    # All-reduce mode's rendezvous is served on the HTTP port now (counted there): no store
+    # port. A server of another checkout (``server_src``) may still host a TCPStore.
     store_port = None
     if config.get("allreduce"):
         book: Any = server.front.book  # type: ignore[attr-defined]
-        store_port = int(book.rendezvous[1])
-        if store_proxy is not None:
-            book.rendezvous = (str(store_proxy[0]), int(store_proxy[1]))
+        if isinstance(book.rendezvous, tuple):
+            store_port = int(book.rendezvous[1])
+            if store_proxy is not None:
+                book.rendezvous = (str(store_proxy[0]), int(store_proxy[1]))
     conn.send(
         {
             "address": server.address,

@@ -44,8 +44,10 @@ class ServerProcess:
         timeout: float = 60.0,
         on_line: Callable[[str, int], None] | None = None,
         start: bool = True,
+        token: str | None = None,
     ) -> None:
         self.args, self.log_path, self.launcher = list(args), log, list(launcher)
+        self.token = token  # the run's bearer token, for ``status``
         self.env, self.timeout, self.on_line = env, timeout, on_line
         self.port = 0
         self.starts = 0  # lives so far
@@ -101,8 +103,11 @@ class ServerProcess:
 
     def status(self, timeout: float = 2.0) -> dict[str, Any] | None:
         """``GET /status``, or None if the server does not answer within ``timeout``."""
+        request = urllib.request.Request(f"http://{self.address}/status")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(f"http://{self.address}/status", timeout=timeout) as r:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
                 reply: dict[str, Any] = json.loads(r.read())
                 return reply
         except Exception:

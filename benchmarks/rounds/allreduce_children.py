@@ -80,7 +80,7 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         return
     ar._bench_instrumented = True  # type: ignore[attr-defined]
     build = ar.QuorumCollective.build.__func__  # type: ignore[attr-defined]
-    average, all_equal, outer = ar.average, ar.all_equal, whole.apply_outer_step
+    average, all_equal, outer = ar.checked_average, ar.compare, whole.apply_outer_step
 
     def timed_build(cls: Any, *a: Any, **k: Any) -> Any:
         group = build(cls, *a, **k)
@@ -103,8 +103,8 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         stamps.mark("outer_done")
 
     ar.QuorumCollective.build = classmethod(timed_build)  # type: ignore[method-assign,assignment]
-    ar.average = timed_average
-    ar.all_equal = timed_all_equal
+    ar.checked_average = timed_average
+    ar.compare = timed_all_equal
     whole.apply_outer_step = fragments.apply_outer_step = timed_outer  # the payloads' step
 
 

@@ -141,3 +141,39 @@ def run_streaming(
             states[rank][w.base_round] = held(w)
         out.append({"params": params, "metrics": metrics, "states": states[rank]})
     return out
+
+
+def run_faulty(
+    address: str,
+    n: int,
+    rounds: int,
+    fault: Hook,
+    *,
+    samples: Callable[[int], float] = lambda _: 1,
+    **kw: Any,
+) -> tuple[list[dict[str, Any]], dict[int, dict[int, tuple[str, dict[str, torch.Tensor]]]]]:
+    """``n`` workers in threads, ``rounds * EVERY`` seeded SGD steps each, ``fault(rank, step,
+    worker)`` before each step (where a test breaks one worker's model). Returns per worker its
+    final parameters and metrics, and by rank, by the round of the state held after each sync
+    (or merge) with no round in flight: (the hash of the shared state, the model's parameters)."""
+    held: dict[int, dict[int, tuple[str, dict[str, torch.Tensor]]]] = {r: {} for r in range(n)}
+
+    def note(rank: int, step: int, w: DiLoCoWorker) -> None:
+        strategy: Any = w._strategy
+        payload = strategy._payload
+        if w.local_step == 0 and getattr(payload, "_inflight", None) is None:
+            params = {k: v.detach().clone() for k, v in w._local.params.items()}
+            held[rank][w.base_round] = (strategy._state.hash(), params)
+
+    done = _train(
+        address,
+        n,
+        rounds * EVERY,
+        None,
+        bf16=False,
+        samples=samples,
+        before_step=fault,
+        after_step=note,
+        **kw,
+    )
+    return [{"params": p, "metrics": m} for p, m, _ in done], held

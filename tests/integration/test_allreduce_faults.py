@@ -72,7 +72,7 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
     instead of keeping its (already counted) progress on top, so it adds nothing (weight 0) to
     the next average, where a rebase would add its pseudo-gradient a second time."""
     original = QuorumCollective.collective
-    original_average = quorum_sync.average
+    original_average = quorum_sync.checked_average
     checks: list[int] = []
     weights_after: list[float] = []  # w2's weights in the averages after the fault
 
@@ -84,13 +84,13 @@ def test_a_commit_point_that_fails_on_one_member_after_the_others_passed_counts_
                 self.close()
                 raise QuorumFailed(self.quorum_id, "hash check failed: injected")
 
-    def average(group: QuorumCollective, tensors: Any, weight: float, *a: Any) -> float:
+    def average(group: QuorumCollective, tensors: Any, weight: float, *a: Any, **k: Any) -> Any:
         if group.rank == 2 and len(checks) >= 3:
             weights_after.append(weight)
-        return original_average(group, tensors, weight, *a)
+        return original_average(group, tensors, weight, *a, **k)
 
     monkeypatch.setattr(QuorumCollective, "collective", collective)
-    monkeypatch.setattr(quorum_sync, "average", average)
+    monkeypatch.setattr(quorum_sync, "checked_average", average)
     with DiLoCoServer(ServerConfig(port=0, num_workers=3, allreduce=True)) as srv:
         results = run_workers(srv.address, 3, ROUNDS)
         status = srv.status()

@@ -4,13 +4,11 @@ routes refused, and the settings refused at start. A real server on loopback; no
 
 from __future__ import annotations
 
-import datetime
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import requests
-import torch.distributed as dist
 
 from diloco.cli.main import main as cli_main
 from diloco.cli.status import render_status
@@ -74,18 +72,14 @@ def test_registration_tells_the_mode_rendezvous_and_table(make_server: ServerFac
     reply = resp.json()
     assert server.front.rendezvous is not None
     assert reply["mode"] == "allreduce" and reply["has_params"] is False
-    assert reply["rendezvous"] == {"host": "127.0.0.1", "port": server.front.rendezvous.port}
+    assert reply["rendezvous"] == {"path": "/rendezvous"}
     assert reply["collective_timeout"] == 12.5 and reply["round"] == 0
     assert reply["params"] == TABLE
     assert reply["outer"] == {"lr": 0.5, "momentum": 0.9, "nesterov": True}
     assert reply["instance"] == server.status()["instance"]
-    # The store really listens there: a worker's client can use it.
-    store = dist.TCPStore(
-        "127.0.0.1", reply["rendezvous"]["port"], is_master=False,
-        timeout=datetime.timedelta(seconds=5),
-    )  # fmt: skip
-    store.set("quorum/probe/k", "v")
-    assert store.get("quorum/probe/k") == b"v"
+    # It is served there: a call reaches the store (which knows no quorum "probe" yet).
+    probe = {"worker_id": "w-a", "quorum_id": "probe"}
+    assert_error(post_json(server, "/rendezvous/count", probe), 404, "unknown_quorum")
 
 
 def test_a_different_or_missing_table_is_refused_and_changes_nothing(
@@ -111,8 +105,7 @@ def test_two_concurrent_asks_get_one_quorum_and_outcomes_complete_the_round(
     assert qa["quorum_id"] == qb["quorum_id"]
     assert (qa["rank"], qb["rank"], qa["size"]) == (0, 1, 2)
     assert qa["members"] == ["w-a", "w-b"]
-    port = two.front.rendezvous.port  # type: ignore[attr-defined]
-    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": port}
+    assert qa["rendezvous"] == {"path": "/rendezvous"}
     assert (qa["round"], qa["hash"], qa["source"], qa["resync"]) == (0, "h0", 0, [])
     st = two.status()
     assert st["mode"] == "allreduce" and st["opened"] is True

@@ -16,6 +16,7 @@ from diloco.server.server import DiLoCoServer
 from diloco.server.web import security
 from diloco.server.web.app import OPEN_PATHS, build_app
 from diloco.wire import encode
+from diloco.wire.messages.rendezvous import OPS
 from diloco.worker.transport import client as client_module
 from tests.helpers.http import (
     AUTH,
@@ -77,6 +78,15 @@ REQUESTS: dict[tuple[str, str], tuple[str, bytes | None, dict[str, str]]] = {
         b'{"worker_id": "a", "quorum_id": "q-1", "ok": false, "error": "x"}',
         JSON,
     ),
+    **{
+        ("POST", f"/rendezvous/{op}"): (
+            f"/rendezvous/{op}",
+            b'{"worker_id": "a", "quorum_id": "q-1", "key": "k", "keys": ["k"], "value": "eA==",'
+            b' "amount": 1, "expected": "", "desired": "eA=="}',
+            JSON,
+        )
+        for op in OPS
+    },
 }
 
 

@@ -45,7 +45,7 @@ def test_a_worker_killed_inside_the_allreduce_is_left_out_before_its_eviction() 
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
         )
         killed_at: list[float] = []
 
@@ -120,7 +120,7 @@ def test_a_worker_killed_inside_a_fragments_allreduce_stalls_the_others_one_hear
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
         )
         killed = threading.Event()
 

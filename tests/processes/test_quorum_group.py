@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.worker.allreduce import connect as quorum_connect
 from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed, average, state_hash
 from tests.helpers.quorum import member_tensors, mixed_tensors
+from tests.helpers.rendezvous_host import RendezvousHost
 from tests.helpers.threads import in_threads
 
 pytestmark = pytest.mark.slow
@@ -79,8 +79,8 @@ class Member:
 
 @pytest.fixture(scope="module")
 def rendezvous():
-    with RendezvousStore("127.0.0.1", timeout=TIMEOUT) as rv:
-        yield rv
+    with RendezvousHost(TIMEOUT) as host:
+        yield host
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +106,11 @@ def trio(spawn):
     return spawn(3)
 
 
-def form(members: list[Member], rendezvous: RendezvousStore, quorum: str) -> None:
-    host, port = rendezvous.address()
+def form(members: list[Member], rendezvous: RendezvousHost, quorum: str) -> None:
     for rank, m in enumerate(members):
         m.ask(
             op="build",
-            host=host,
-            port=port,
+            server=rendezvous.address,
             quorum=quorum,
             rank=rank,
             size=len(members),
@@ -187,7 +185,7 @@ def test_broadcast_from_rank_1_reaches_every_rank_bit_for_bit(trio, rendezvous, 
         assert all(torch.equal(a, b) for a, b in zip(got, source, strict=True))
 
 
-def start_fault(members: list[Member], rendezvous: RendezvousStore, quorum: str, tmp_path: Path):
+def start_fault(members: list[Member], rendezvous: RendezvousHost, quorum: str, tmp_path: Path):
     """The last member stops partway through a large average. It trips at its 4th collective
     (table check, weight sum, bucket 1, bucket 2): having completed bucket 1, every member is
     past the small collectives and inside the bucket sequence; it has issued bucket 2 and its
@@ -261,7 +259,7 @@ def test_a_frozen_peer_fails_the_quorum_within_the_timeout(spawn, rendezvous, tm
 def test_a_member_alone_gives_up_joining_within_the_timeout(rendezvous):
     began = time.monotonic()
     with pytest.raises(QuorumFailed, match="could not join"):
-        QuorumCollective.build(*rendezvous.address(), "alone", 0, 2, 1.0)
+        QuorumCollective.build(rendezvous.meeting(0), "alone", 0, 2, 1.0)
     assert time.monotonic() - began < 1.0 + MARGIN
     assert not dist.is_initialized()
 
@@ -290,7 +288,7 @@ def test_a_join_that_overruns_its_own_timeouts_is_given_up_at_the_hard_limit(
     limit = 2 * 0.5 + quorum_connect.BUILD_MARGIN_S
     began = time.monotonic()
     with pytest.raises(QuorumFailed, match="longer than"):
-        QuorumCollective.build(*rendezvous.address(), "hung", 0, 2, 0.5)
+        QuorumCollective.build(rendezvous.meeting(0), "hung", 0, 2, 0.5)
     assert limit <= time.monotonic() - began < limit + MARGIN
     assert not shut.is_set()
     release.set()  # the construction ends late: what it built is shut down, not leaked
@@ -301,12 +299,13 @@ def test_a_join_that_overruns_its_own_timeouts_is_given_up_at_the_hard_limit(
 def test_bad_calls_are_refused_on_every_rank_and_the_quorum_forgotten(rendezvous):
     """In one process (two threads): a bad weight or a mismatched table raises ValueError on
     every rank, the group stays usable; the rendezvous then drops the quorum's keys."""
+    meetings = [rendezvous.meeting(rank) for rank in range(2)]
     errors: dict[int, list[str]] = {0: [], 1: []}
     sums: dict[int, float] = {}
     refused: list[int] = []
 
     def member(rank: int) -> None:
-        with QuorumCollective.build(*rendezvous.address(), "threads", rank, 2, TIMEOUT) as group:
+        with QuorumCollective.build(meetings[rank], "threads", rank, 2, TIMEOUT) as group:
             for weight, tensors in [
                 (-1.0 if rank else 1.0, [torch.ones(3)]),
                 (1.0, [torch.ones(3 + rank)]),
@@ -326,8 +325,8 @@ def test_bad_calls_are_refused_on_every_rank_and_the_quorum_forgotten(rendezvous
     assert "non-finite weight" in errors[0][0] and "tables" in errors[1][1]
     assert sums == {0: 1.0, 1: 1.0}
     assert sorted(refused) == [0, 1]  # a closed group is never used again
-    assert rendezvous.forget("threads") == 2  # one address per member
-    assert rendezvous.forget("threads") == 0
+    assert rendezvous.call(lambda store: store.forget("threads")) == 2  # an address per member
+    assert rendezvous.call(lambda store: store.forget("threads")) == 0
 
 
 def test_state_hash_takes_strided_and_one_element_views() -> None:

@@ -29,13 +29,11 @@ from diloco.worker.allreduce.collective import (
     broadcast,
     state_hash,
 )
+from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.quorum import member_tensors, mixed_tensors
+from tests.helpers.rendezvous_host import member_meeting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-
-
 
 
 def _send(message: dict[str, Any]) -> None:
@@ -80,8 +78,10 @@ def _handle(cmd: dict[str, Any], group: QuorumCollective | None) -> tuple[dict[s
     if op == "build":
         if group is not None:
             group.close()
+        client = DiLoCoClient(cmd["server"], retries=0, read_timeout=30.0)
+        meeting = member_meeting(client, cmd["rank"])
         group = QuorumCollective.build(
-            cmd["host"], cmd["port"], cmd["quorum"], cmd["rank"], cmd["size"], cmd["timeout"]
+            meeting, cmd["quorum"], cmd["rank"], cmd["size"], cmd["timeout"]
         )
         return {"ok": True}, group
     assert group is not None, "build first"

@@ -32,7 +32,7 @@ def registered(mode: str) -> Registered:
         codecs=("fp32",),
         fragments=None,
         fragment_rounds=None,
-        rendezvous=Rendezvous(host="127.0.0.1", port=1) if allreduce else None,
+        rendezvous=Rendezvous(path="/rendezvous") if allreduce else None,
         collective_timeout=30.0 if allreduce else None,
         weighting="equal" if allreduce else None,
         outer=OuterStep(lr=0.7, momentum=0.9, nesterov=True) if allreduce else None,

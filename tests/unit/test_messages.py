@@ -45,6 +45,18 @@ from diloco.wire.messages import (
     SaveState,
     Shutdown,
     ShuttingDown,
+    StoreAdd,
+    StoreCompareSet,
+    StoreCount,
+    StoreDelete,
+    StoreDeleted,
+    StoreDone,
+    StoreGet,
+    StoreNumber,
+    StoreReady,
+    StoreSet,
+    StoreValue,
+    StoreWait,
     UpdateNumWorkers,
     UpdateOptimizer,
     UploadMeta,
@@ -86,7 +98,7 @@ ALLREDUCE = dataclasses.replace(
     fragments=None,
     fragment_rounds=None,
     last_submission=LastSubmission(counted_in=None, in_params=False),
-    rendezvous=Rendezvous(host="10.0.0.5", port=29500),
+    rendezvous=Rendezvous(path="/rendezvous"),
     collective_timeout=10.0,
     weighting="samples",
     outer=OuterStep(lr=0.7, momentum=0.9, nesterov=True),
@@ -100,7 +112,7 @@ ASSIGNMENT = Assignment(
     hash="h4",
     source=0,
     resync=(1,),
-    rendezvous=Rendezvous(host="127.0.0.1", port=1234),
+    rendezvous=Rendezvous(path="/rendezvous"),
     timeout=30.0,
     save=True,
     made_by="i-2",
@@ -116,7 +128,7 @@ EXAMPLES: list[Message] = [
     SERVER_MODE,
     ALLREDUCE,
     LastSubmission(counted_in=None, in_params=False),
-    Rendezvous(host="h", port=1),
+    Rendezvous(path="/r"),
     OuterStep(lr=0.5, momentum=0.0, nesterov=False),
     Heartbeat("w-1", 12.5, 2.25, 0.1, True),
     Heartbeat("w-1"),
@@ -160,6 +172,20 @@ EXAMPLES: list[Message] = [
     UpdateNumWorkers(4),
     NumWorkersUpdated(num_workers=4),
     Shutdown(save=False),
+    StoreSet("w-1", "i-3", "0/1", "AAEC"),
+    StoreGet("w-1", "i-3", "0/1", 2.5),
+    StoreGet("w-1", "i-3", "0/1"),
+    StoreAdd("w-1", "i-3", "n", -3),
+    StoreCompareSet("w-1", "i-3", "k", "", "eA=="),
+    StoreWait("w-1", "i-3", ("0/0", "0/1"), 1.0),
+    StoreDelete("w-1", "i-3", "k"),
+    StoreCount("w-1", "i-3"),
+    StoreDone(),
+    StoreValue(found=True, value="eA=="),
+    StoreValue(found=False),
+    StoreNumber(value=4),
+    StoreReady(ready=False),
+    StoreDeleted(deleted=True),
     ShuttingDown(save=True, round=2),
     ErrorBody(error="bad_field", detail="'x' must be a string"),
     ErrorBody(
@@ -415,7 +441,7 @@ def test_a_reply_still_refuses_what_it_cannot_use() -> None:
     err = _error(Assignment, {k: v for k, v in ASSIGNMENT.to_json().items() if k != "rank"})
     assert err.field == "rank"
     err = _error(Assignment, {**ASSIGNMENT.to_json(), "rendezvous": {"host": "h"}})
-    assert err.field == "rendezvous.port"
+    assert err.field == "rendezvous.path"
     err = _error(Registered, {**SERVER_MODE.to_json(), "fragment_rounds": ["1"]})
     assert err.field == "fragment_rounds"
 

@@ -15,9 +15,10 @@ from diloco.server.errors import ApiError
 from diloco.wire import WireError
 from diloco.wire.messages import QuorumAsk as Ask
 from diloco.wire.messages import QuorumOutcome as Outcome
+from diloco.wire.messages import Rendezvous
 from tests.helpers.clock import FakeClock
 
-RENDEZVOUS = ("127.0.0.1", 29400)
+RENDEZVOUS = Rendezvous(path="/rendezvous")
 
 
 class Run:
@@ -90,7 +91,7 @@ def test_a_quorum_forms_when_every_live_worker_asks_with_ranks_by_id() -> None:
     assert qa["members"] == qb["members"] == ["a", "b"]
     assert qa["quorum_id"] == qb["quorum_id"] == "i0-1"
     assert qa["size"] == 2 and qa["timeout"] == 10.0 and qa["save"] is False
-    assert qa["rendezvous"] == {"host": "127.0.0.1", "port": 29400}
+    assert qa["rendezvous"] == {"path": "/rendezvous"}
     status = run.book.public()
     assert status.quorum is not None and status.quorum.members == ("a", "b")
     assert status.pending_quorum == ()

@@ -1,5 +1,7 @@
 """Robust aggregation of one sync round's pseudo-gradients: per-worker norm clipping relative to
-the median of the round's norms, and a coordinate-wise trimmed mean.
+the median of the round's norms, and a coordinate-wise trimmed mean (server mode); and which
+members of an all-reduce quorum are left out of a round, judged from the scalars they exchange
+(``judge``).
 
 Both need every upload of the round at once (the median of the norms is known only when the last
 upload has arrived; the trimmed mean sorts each coordinate over the workers), so with either one
@@ -43,6 +45,73 @@ def clip_scales(norms: Sequence[float], factor: float) -> list[float]:
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     limit = factor * median
     return [1.0 if n <= limit else limit / n for n in norms]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which members of a quorum contribute to its average, by rank (``judge``)."""
+
+    reasons: tuple[str, ...]
+    """Per rank: "" for a member admitted, else why it is left out."""
+    weights: tuple[float, ...]
+    """Per rank: its weight in the average (0 when left out)."""
+    total: float
+    """The admitted weights' sum (0: no step is taken)."""
+    bound: float
+    """``sum(w_i / total * norm_i)`` over the admitted: by the triangle inequality, the largest
+    norm their weighted average can have (0 when ``total`` is 0)."""
+
+    @property
+    def excluded(self) -> tuple[int, ...]:
+        """The ranks left out."""
+        return tuple(i for i, why in enumerate(self.reasons) if why)
+
+
+def judge(
+    finite: Sequence[bool],
+    norms: Sequence[float],
+    weights: Sequence[float],
+    factor: float,
+    max_weight: float,
+) -> Verdict:
+    """Per member (by rank) whether its pseudo-gradient enters the quorum's average. Every member
+    calls this with the same numbers (exchanged before the tensor all-reduce), so every member
+    reaches the same verdict without another message.
+
+    A member is left out if its pseudo-gradient is not finite (``finite`` False, or its norm not
+    finite), if its weight is not finite or outside ``[0, max_weight]``, or if its norm is above
+    ``factor`` times the median norm of the members admitted with a positive weight. The median
+    of an even count is the lower middle value: with two members, the smaller norm sets the
+    limit, so one huge member cannot raise its own limit (the mean of the two would). Members of
+    weight 0 (a join) add nothing: they are neither judged by their norm nor counted in the
+    median."""
+    n = len(finite)
+    if len(norms) != n or len(weights) != n:
+        raise ValueError(
+            f"need one flag, norm and weight per member, got {n}, {len(norms)}, {len(weights)}"
+        )
+    if not factor > 0:
+        raise ValueError(f"norm bound factor must be positive, got {factor}")
+    reasons = []
+    for ok, norm, weight in zip(finite, norms, weights, strict=True):
+        if not (ok and math.isfinite(norm)):
+            reasons.append("non-finite pseudo-gradient")
+        elif not (math.isfinite(weight) and 0 <= weight <= max_weight):
+            reasons.append(f"weight {weight:g} outside [0, {max_weight:g}]")
+        else:
+            reasons.append("")
+    judged = [i for i in range(n) if not reasons[i] and weights[i] > 0]
+    if judged:
+        ordered = sorted(norms[i] for i in judged)
+        median = ordered[(len(ordered) - 1) // 2]
+        for i in judged:
+            if norms[i] > factor * median:
+                times = f"{norms[i] / median:.3g} x" if median > 0 else "above"
+                reasons[i] = f"norm {norms[i]:.3g}, {times} the median {median:.3g}"
+    kept = tuple(0.0 if why else float(w) for why, w in zip(reasons, weights, strict=True))
+    total = sum(kept)
+    bound = sum(w / total * norms[i] for i, w in enumerate(kept) if w > 0) if total > 0 else 0.0
+    return Verdict(tuple(reasons), kept, total, bound)
 
 
 def trim_count(n: int, fraction: float) -> int:

@@ -32,6 +32,12 @@ DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)))
 _ASYNC = "async mode (arXiv 2401.09135)"
 _DYNAMIC = "dynamic local updates and streaming fragments"
 _ALLREDUCE = "all-reduce mode (issue 19)"
+ALLREDUCE_NORM_BOUND = 10.0
+"""All-reduce mode's ``--clip-norm-factor`` when unset: a member is left out of a round when its
+pseudo-gradient norm is above 10 x the quorum's median. Honest members' norms differ by a few
+times (data, speed), a diverged member's by orders of magnitude; and unlike the server mode's
+clipping, which scales an upload down, leaving out drops a member's whole round, so the default
+errs wide."""
 
 
 @dataclass(frozen=True)
@@ -160,12 +166,15 @@ class ServerConfig:
         None,
         "sync: clip each upload to C x the median of the round's upload norms "
         "(robust aggregation; keeps the round's uploads: one model of memory per "
-        "worker)",
+        f"worker); --allreduce: leave out of a round a member whose norm is above C x the "
+        f"quorum's median (default {ALLREDUCE_NORM_BOUND:g})",
         metavar="C",
     )
     """Sync: clip each upload of a round to this many times the median of the round's upload
     norms (robust aggregation; 2 to 5 is typical). None: no clipping. The server then keeps the
-    round's uploads until it closes: memory grows by one model (fragment) per worker."""
+    round's uploads until it closes: memory grows by one model (fragment) per worker. All-reduce
+    mode: a member whose pseudo-gradient norm is above this many times the quorum's median
+    contributes nothing to that round (None: ``ALLREDUCE_NORM_BOUND``; ``norm_bound``)."""
 
     trim_fraction: float = _flag(
         0.0,
@@ -359,6 +368,14 @@ class ServerConfig:
         return self.download_codec != "fp32"
 
     @property
+    def norm_bound(self) -> float:
+        """All-reduce mode: the factor over the quorum's median norm above which a member is
+        left out of a round (``Registered.norm_bound``)."""
+        if self.clip_norm_factor is not None:
+            return self.clip_norm_factor
+        return ALLREDUCE_NORM_BOUND
+
+    @property
     def robust(self) -> bool:
         """Robust aggregation is on: sync rounds keep their uploads (``clip_norm_factor``,
         ``trim_fraction``)."""
@@ -506,9 +523,9 @@ class ServerConfig:
             "--init": (self.initial_params is not None, none_held),
             "--save-dir": (self.save_dir is not None, none_held),
             "--from-checkpoint": (self.from_checkpoint is not None, none_held),
-            "--clip-norm-factor/--trim-fraction": (
-                self.robust,
-                "a collective average has no robust variant",
+            "--trim-fraction": (
+                self.trim_fraction > 0,
+                "a collective average has no trimmed variant",
             ),
         }
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]

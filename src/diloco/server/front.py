@@ -13,7 +13,7 @@ side or raise the 409 that names the mode (``allreduce_mode``, ``server_mode``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -119,6 +119,32 @@ class Parameters(Protocol):
         ...
 
 
+class QuorumKeys(Protocol):
+    """All-reduce mode's rendezvous (``server/allreduce/rendezvous.py``'s ``RendezvousStore``):
+    a quorum's keys, for a member of it only; each call raises the ``ApiError`` that refuses
+    it (403, 404, 410, 413) before anything changes."""
+
+    def set(self, worker: str, quorum_id: str, key: str, value: bytes) -> None: ...
+
+    async def get(self, worker: str, quorum_id: str, key: str, wait: float) -> bytes | None:
+        """The value once set within ``wait`` seconds (bounded by the store), else None."""
+        ...
+
+    def add(self, worker: str, quorum_id: str, key: str, amount: int) -> int: ...
+
+    def compare_set(
+        self, worker: str, quorum_id: str, key: str, expected: bytes, desired: bytes
+    ) -> bytes: ...
+
+    async def wait(self, worker: str, quorum_id: str, wanted: Iterable[str], wait: float) -> bool:
+        """Every key of ``wanted`` set within ``wait`` seconds (bounded by the store)."""
+        ...
+
+    def delete(self, worker: str, quorum_id: str, key: str) -> bool: ...
+
+    def count(self, worker: str, quorum_id: str) -> int: ...
+
+
 class Quorums(Protocol):
     """The routes of a front whose workers average among themselves: their quorums."""
 
@@ -134,6 +160,12 @@ class Quorums(Protocol):
 
     def outcome(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         """``POST /quorum/outcome``: one member's result, recorded."""
+        ...
+
+    @property
+    def rendezvous(self) -> QuorumKeys | None:
+        """``POST /rendezvous/<op>``: the quorums' keys (None before ``open``, after
+        ``close``)."""
         ...
 
 

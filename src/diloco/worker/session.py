@@ -32,7 +32,9 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
     ``update_downloads`` rounds received as updates, ``full_downloads`` as full parameters, and
     ``checksum_mismatches`` updates whose result differed from the server's (each followed by
     a full download). In all-reduce mode ``discarded_rounds`` counts quorums that failed (a
-    member died or timed out) and were repeated, and ``collective_bytes`` the payload this
+    member died or timed out) and were repeated, ``excluded_rounds`` rounds whose checks left
+    this worker's contribution out (its steps are counted in ``dropped_steps``), and
+    ``collective_bytes`` the payload this
     worker averaged with its quorums (the pseudo-gradient in the communication dtype, per
     round; a ring all-reduce moves about 2(N-1)/N of it each way on the wire)."""
     return {
@@ -60,6 +62,7 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
         "full_downloads": 0,
         "checksum_mismatches": 0,
         "discarded_rounds": 0,
+        "excluded_rounds": 0,
         "collective_bytes": 0,
     }
 

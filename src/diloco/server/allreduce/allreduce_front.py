@@ -1,6 +1,6 @@
 """All-reduce mode's front (``ServerConfig.allreduce``, ``server/front.py``'s ``Front``). The
-workers average among themselves over a rendezvous the server hosts (``rendezvous.py``); the
-server holds no parameters. It keeps the same registry, membership and health checks as the
+workers average among themselves, meeting at a rendezvous the server serves on its own
+authenticated API (``rendezvous.py``); the server holds no parameters. It keeps the same registry, membership and health checks as the
 parameter server, and adds: each registration's parameter table checked against the run's
 (``run_table.py``) and the reply's additions, ``POST /quorum`` and ``POST /quorum/outcome``
 (``quorum_book.py``), and an operator's save passed to the next quorum.
@@ -42,8 +42,10 @@ from diloco.wire.messages import (
     QuorumOutcome,
     Registered,
     RegisterInfo,
+    Rendezvous,
     SaveRequested,
 )
+from diloco.wire.messages.rendezvous import PATH as RENDEZVOUS_PATH
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class AllReduceFront:
             resume_grace=config.heartbeat_timeout,
             heartbeat_of=self._heartbeat_of,
         )
-        #: The store each quorum meets at, while the server runs (``open``).
+        #: The keys each quorum meets at, while the server runs (``open``).
         self.rendezvous: RendezvousStore | None = None
 
     def _heartbeat_of(self, worker_id: str) -> tuple[float, float] | None:
@@ -105,9 +107,13 @@ class AllReduceFront:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """The rendezvous, on the server's host (a free port), for as long as the server runs."""
-        self.rendezvous = RendezvousStore(self.config.host, timeout=self.config.collective_timeout)
-        self.book.rendezvous = self.rendezvous.address()
+        """The rendezvous, in memory and served by the server's routes, for as long as the
+        server runs: a member may touch the keys of its own quorum only (the book's)."""
+        # Its waits are asyncio's, in real time: not on the front's clock, which tests fake.
+        self.rendezvous = RendezvousStore(
+            self.book.members_of, max_wait=self.config.collective_timeout
+        )
+        self.book.rendezvous = Rendezvous(path=RENDEZVOUS_PATH)
         self.book.forget = self.rendezvous.forget
 
     async def run(self) -> None:
@@ -169,6 +175,7 @@ class AllReduceFront:
             collective_timeout=config.collective_timeout,
             weighting=config.weighting,
             outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
+            norm_bound=config.norm_bound,
         )
 
     def left(self, worker_id: str) -> None:

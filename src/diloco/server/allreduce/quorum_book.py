@@ -57,7 +57,12 @@ from diloco.server.errors import (
     unagreed_state,
     unknown_worker,
 )
-from diloco.server.observe.records import LeftOutStatus, QuorumStatus, QuorumSummary
+from diloco.server.observe.records import (
+    LeftOutStatus,
+    QuorumStatus,
+    QuorumSummary,
+    WorkerExclusions,
+)
 from diloco.wire.messages import (
     Assignment,
     OutcomeRecorded,
@@ -75,6 +80,9 @@ BLAMED_STAGES = ("", "join", "resync", "average", "commit")
 """Where a member's failure counts towards leaving one member out (``suspects.LeftOut``): a
 connection or a collective broke. A failed check of the average ("check") is the checks'
 business (``QuorumOutcome.excluded``)."""
+EXCLUSIONS_KEPT = 4096
+"""Workers whose exclusion counts are kept (the oldest forgotten first): a bound on memory
+that an authenticated worker inventing ids cannot grow."""
 
 
 class Ticket:
@@ -118,7 +126,7 @@ class QuorumBook:
         collective_timeout: float = 30.0,
         poll_margin: float = 30.0,
         save_every: int = 0,
-        rendezvous: tuple[str, int] | None = None,
+        rendezvous: Rendezvous | None = None,
         resume_grace: float = 0.0,
         heartbeat_of: HeartbeatOf | None = None,
         left_out_base: float | None = None,
@@ -132,9 +140,7 @@ class QuorumBook:
         self.collective_timeout = collective_timeout
         self.poll_margin = poll_margin
         self.save_every = save_every
-        self.rendezvous = (
-            rendezvous  # (host, port) of server/allreduce/rendezvous.py, once it listens
-        )
+        self.rendezvous = rendezvous  # where server/allreduce/rendezvous.py is served
         #: Called with a quorum id once no member can still be reading its rendezvous keys.
         self.forget: Callable[[str], object] | None = None
         self.round = 0  # of the state the last quorum started from or completed with
@@ -165,7 +171,13 @@ class QuorumBook:
         self._suspects = Suspects(self._heartbeat_of)
         # Workers left out although they ask: blamed for failed joins, or excluded too often.
         self._left_out = LeftOut(2 * collective_timeout if left_out_base is None else left_out_base)
-        self._exclusions: dict[str, int] = {}  # rounds in a row the checks excluded it
+        # Members the quorums' checks left out (``note_excluded``): rounds per worker, rounds
+        # in a row (reset by a completed quorum that admitted it, or a registration), the last
+        # quorum's, and the quorum they were counted for (each quorum once).
+        self.excluded_rounds: Counter[str] = Counter()
+        self._excluded_in_a_row: Counter[str] = Counter()
+        self.excluded_last: tuple[str, ...] = ()
+        self._excluded_counted: str | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -422,6 +434,8 @@ class QuorumBook:
                 f"'round' must be {q.start.round + 1} (the quorum's round + 1), or "
                 f"{q.start.round} when no step was taken; got {outcome.round}",
             )
+        if outcome.excluded:
+            self.note_excluded(q.id, q.members, outcome.excluded)
         if worker not in q.outcomes:  # a retried report: the first one stands
             q.outcomes[worker] = outcome
             if q.first_report is None:
@@ -487,29 +501,14 @@ class QuorumBook:
             )
         self._agreed.add((new_round, new_hash), f"quorum {q.id} completed")
         self.round = new_round
+        for w in q.members:
+            if not (self._excluded_counted == q.id and w in self.excluded_last):
+                self._excluded_in_a_row.pop(w, None)
         if new_round > q.start.round:
             self.rounds_completed += 1
         log.info("quorum %s completed: round %d, hash %s", q.id, new_round, new_hash)
         self._left_out.completed(reported, self._clock())
-        self._count_exclusions(q, reported)
         self._end(q, Ended(q.members, "recorded", "", q.start.round))
-
-    def _count_exclusions(self, q: QuorumRecord, reported: list[str]) -> None:
-        """Members the checks excluded (named in an ok report): counted in a row; at
-        ``EXCLUSIONS_LEFT_OUT`` the worker is left out until it registers again."""
-        named = {w for o in q.outcomes.values() if o.ok for w in o.excluded}
-        for member in reported:
-            if member not in named:
-                self._exclusions.pop(member, None)
-                continue
-            count = self._exclusions[member] = self._exclusions.get(member, 0) + 1
-            if count >= EXCLUSIONS_LEFT_OUT:
-                leave = self._left_out.exclude(member)
-                log.warning("worker %s left out of quorums: %s", member, leave.reason)
-
-    def consecutive_exclusions(self, worker_id: str) -> int:
-        """Completed quorums in a row whose checks excluded the worker's contribution."""
-        return self._exclusions.get(worker_id, 0)
 
     def _discard(self, q: QuorumRecord, reason: str, *, blame: bool = False) -> None:
         """``blame``: a join or a collective failed (or a member missed the deadline); two
@@ -553,6 +552,46 @@ class QuorumBook:
                     log.exception("could not drop the rendezvous keys of quorum %s", qid)
             self._to_forget.clear()
 
+    # --- exclusions (worker/allreduce/average_checks.py) ---------------------------------------
+
+    def note_excluded(self, qid: str, members: tuple[str, ...], excluded: tuple[str, ...]) -> None:
+        """A member of quorum ``qid`` reports the members its checks left out: counted once per
+        quorum (every member reaches the same verdict), names that are not members ignored."""
+        if self._excluded_counted == qid:
+            return
+        named = tuple(w for w in members if w in excluded)
+        if not named:
+            return
+        self._excluded_counted = qid
+        self.excluded_last = named
+        for w in named:
+            self.excluded_rounds[w] += 1
+            self._excluded_in_a_row[w] += 1
+        for counts in (self.excluded_rounds, self._excluded_in_a_row):
+            while len(counts) > EXCLUSIONS_KEPT:
+                del counts[next(iter(counts))]
+        log.warning(
+            "quorum %s left out %s (a non-finite pseudo-gradient, a norm far above the "
+            "quorum's median, or a weight out of bounds; the members' logs say which)",
+            qid,
+            ", ".join(f"{w} ({self._excluded_in_a_row[w]} in a row)" for w in named),
+        )
+        for w in named:
+            if self._excluded_in_a_row[w] >= EXCLUSIONS_LEFT_OUT:
+                leave = self._left_out.exclude(w)
+                log.warning("worker %s left out of quorums: %s", w, leave.reason)
+
+    def consecutive_exclusions(self, worker_id: str) -> int:
+        """Quorums in a row whose checks left the worker out (0 once a completed quorum admitted
+        it, or it registered again)."""
+        return self._excluded_in_a_row.get(worker_id, 0)
+
+    def registered(self, worker_id: str) -> None:
+        """The worker registered (again): its exclusions in a row start again, and a leave
+        until then (``EXCLUSIONS_LEFT_OUT`` of them) ends."""
+        self._excluded_in_a_row.pop(worker_id, None)
+        self._left_out.registered(worker_id)
+
     # --- membership, control, status ----------------------------------------------------------
 
     def on_leave(self, worker_id: str) -> None:
@@ -568,11 +607,6 @@ class QuorumBook:
             self._discard(q, f"member {worker_id} left or was evicted")
         self.tick()
 
-    def registered(self, worker_id: str) -> None:
-        """A worker registered (again): a leave until then ends, its exclusions start over."""
-        self._left_out.registered(worker_id)
-        self._exclusions.pop(worker_id, None)
-
     def request_save(self) -> SaveRequested:
         """An operator's save: rank 0 of the next quorum writes a checkpoint after its round."""
         self._save_requested = True
@@ -580,9 +614,16 @@ class QuorumBook:
 
     def meeting_point(self) -> Rendezvous:
         """Where quorums meet, as a registration reply names it."""
-        assert self.rendezvous is not None, "the rendezvous is not listening yet"
-        host, port = self.rendezvous
-        return Rendezvous(host=host, port=port)
+        assert self.rendezvous is not None, "the rendezvous is not served yet"
+        return self.rendezvous
+
+    def members_of(self, quorum_id: str) -> tuple[str, ...] | None:
+        """The members of the open quorum or of one that ended and is still remembered (who
+        may touch its rendezvous keys); None for a quorum unknown here."""
+        if self.open is not None and self.open.id == quorum_id:
+            return self.open.members
+        ended = self._ended.get(quorum_id)
+        return ended.members if ended is not None else None
 
     def public(self) -> QuorumSummary:
         q, now = self.open, self._clock()
@@ -596,5 +637,10 @@ class QuorumBook:
             left_out=tuple(
                 LeftOutStatus(w, leave.reason, None if leave.rejoin else leave.until - now)
                 for w, leave in sorted(self._left_out.current(now).items())
+            ),
+            excluded_last=self.excluded_last,
+            excluded_rounds=tuple(
+                WorkerExclusions(w, n, self.consecutive_exclusions(w))
+                for w, n in sorted(self.excluded_rounds.items())
             ),
         )

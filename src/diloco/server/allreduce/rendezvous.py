@@ -1,91 +1,209 @@
-"""The all-reduce mode's rendezvous: one ``torch.distributed.TCPStore`` the server hosts for its
-whole life, where each round's quorum of workers meets to build its process group.
+"""The all-reduce mode's rendezvous: a key/value store per quorum, in the server's memory,
+where each round's quorum builds its process group (gloo's, or NCCL's, connection details).
 
-The server holds no parameters in this mode; it forms a quorum per round and hands each member
-``address()``, a quorum id, a rank and the quorum's size. The members connect to this store as
-clients (``worker/allreduce/collective.py``) and gloo (or NCCL) exchanges its connection details
-through it under the quorum's own key prefix, ``quorum/<id>/``, so one store serves every round and
-a quorum that failed leaves nothing behind that the next one could trip over. Tensors never pass
-through the store: the members connect to one another.
+It is served by the server's own HTTP API (``server/web/rendezvous_routes.py``, behind the
+bearer token like every route) and no other port: a stranger without the token cannot read,
+write, wait on or delete a key. Beyond the token, a call must name a worker that is a member of
+the quorum whose keys it touches (``members_of``, the quorum book's knowledge: the open quorum,
+or one that ended and is still remembered); others are refused (403 ``not_a_member``), an
+unknown quorum is 404 ``unknown_quorum``, a quorum whose keys were dropped 410
+``quorum_ended``. Tensors never pass through here: the members connect to one another.
 
-Security assumption (deployment): the store and gloo's peer connections are NOT authenticated,
-unlike the HTTP API (bearer token). Anyone who reaches the store's port can read or overwrite a
-quorum's keys and so take part in, or break, a round. The rendezvous must therefore bind to the
-address the workers reach on a private network (not ``0.0.0.0`` on a public host), and the
-deployment must keep this port, and the workers' gloo ports, unreachable from outside it.
+Bounds, before anything is stored: keys and values by their messages
+(``wire/messages/rendezvous.py``), keys per quorum (``KEYS_BASE`` + ``KEYS_PER_MEMBER`` per
+member: 413 ``store_full``), quorums holding keys (``QUORUMS_KEPT``, the oldest dropped first),
+and every wait by ``max_wait`` (the collective timeout). ``forget(quorum_id)`` drops a finished
+quorum's keys (the book calls it once no member can still be connecting).
+
+Pure state with asyncio waits and an injected clock: no HTTP here. Used from the server's event
+loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from datetime import timedelta
-from types import TracebackType
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
-import torch.distributed as dist
-
-from diloco.wire.messages import quorum_prefix
+from diloco.server.errors import ApiError
+from diloco.wire.messages.rendezvous import COUNT_LIMIT
 
 log = logging.getLogger(__name__)
 
+KEYS_BASE = 16
+KEYS_PER_MEMBER = 8
+"""Keys a quorum may hold: gloo sets one per member (its address), NCCL a few more."""
+QUORUMS_KEPT = 64
+"""Quorums whose keys are held at once: a run that discards quorums without completing one
+never forgets them (``QuorumBook``), so the oldest go past this many (long timed out)."""
+FORGOTTEN_KEPT = 1024
+"""Forgotten quorum ids remembered, to answer 410 rather than 404."""
+
+MembersOf = Callable[[str], "tuple[str, ...] | None"]
+"""A quorum's members by id; None for a quorum the server does not know (or no longer)."""
+
+
+class _Keys:
+    """One quorum's keys, and an event set (then replaced) at every change, for the waits."""
+
+    def __init__(self, members: tuple[str, ...]) -> None:
+        self.members = frozenset(members)
+        self.limit = KEYS_BASE + KEYS_PER_MEMBER * len(members)
+        self.values: dict[str, bytes] = {}
+        self.changed = asyncio.Event()
+
+    def changes(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def room_for(self, key: str) -> None:
+        if key not in self.values and len(self.values) >= self.limit:
+            raise ApiError(
+                413,
+                "store_full",
+                f"a quorum of {len(self.members)} holds at most {self.limit} keys",
+            )
+
 
 class RendezvousStore:
-    """Hosts the store on ``host`` (the address workers reach; see the module's security note)
-    and ``port`` (0: any free port, the real one is ``.port``).
+    """The quorums' keys. ``members_of`` says who may touch a quorum's; ``max_wait`` (seconds)
+    bounds every wait; ``clock`` measures them."""
 
-    ``timeout`` bounds the store's own waits (seconds). The store does not wait for workers at
-    start: quorums come and go, each with its own prefix. ``forget(quorum_id)`` drops a finished
-    quorum's keys so the store does not grow with the number of rounds; ``close()`` stops it.
-    """
+    def __init__(
+        self,
+        members_of: MembersOf,
+        *,
+        max_wait: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_wait <= 0:
+            raise ValueError(f"max_wait must be positive, got {max_wait}")
+        self._members_of = members_of
+        self.max_wait = max_wait
+        self._clock = clock
+        self._quorums: OrderedDict[str, _Keys] = OrderedDict()
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self.closed = False
 
-    def __init__(self, host: str, port: int = 0, *, timeout: float = 30.0) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        self.host = host
-        self._store: dist.TCPStore | None = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
-        )
-        self.port: int = self._store.port
-        log.info("rendezvous store listening on %s:%d", host, self.port)
+    # --- the ops (each checks the caller first; none stores anything before its checks) --------
 
-    def address(self) -> tuple[str, int]:
-        """(host, port) for the workers' ``QuorumCollective.build``."""
-        return self.host, self.port
+    def set(self, worker: str, quorum_id: str, key: str, value: bytes) -> None:
+        keys = self._keys(worker, quorum_id)
+        keys.room_for(key)
+        keys.values[key] = value
+        keys.changes()
 
-    def forget(self, quorum_id: str) -> int:
-        """Delete a quorum's keys once its round is over (every member built its group or the
-        quorum was abandoned); returns how many went. Deleting earlier would strand a member
-        still connecting. Each quorum leaves a few hundred bytes per member otherwise."""
-        store = self._require()
-        head = quorum_prefix(quorum_id) + "/"
-        gone = 0
-        for key in store.list_keys():
-            if key.startswith(head) and store.delete_key(key):
-                gone += 1
+    async def get(self, worker: str, quorum_id: str, key: str, wait: float) -> bytes | None:
+        """``key``'s value, once set within ``wait`` seconds (cut to ``max_wait``); else None."""
+        ready = await self.wait(worker, quorum_id, (key,), wait)
+        return self._keys(worker, quorum_id).values[key] if ready else None
+
+    def add(self, worker: str, quorum_id: str, key: str, amount: int) -> int:
+        keys = self._keys(worker, quorum_id)
+        keys.room_for(key)
+        held = keys.values.get(key, b"0")
+        try:
+            count = int(held.decode("ascii")) + amount
+        except (UnicodeDecodeError, ValueError):
+            raise ApiError(409, "not_a_counter", f"key {key!r} holds no counter") from None
+        if abs(count) > COUNT_LIMIT:
+            raise ApiError(409, "counter_overflow", f"counter {key!r} would pass {COUNT_LIMIT}")
+        keys.values[key] = str(count).encode("ascii")
+        keys.changes()
+        return count
+
+    def compare_set(
+        self, worker: str, quorum_id: str, key: str, expected: bytes, desired: bytes
+    ) -> bytes:
+        """``desired`` stored if ``key`` holds ``expected`` (absent counts as empty); the value
+        held after the call, or ``expected`` for a key left absent."""
+        keys = self._keys(worker, quorum_id)
+        held = keys.values.get(key)
+        if (held if held is not None else b"") != expected:
+            return held if held is not None else expected
+        keys.room_for(key)
+        keys.values[key] = desired
+        keys.changes()
+        return desired
+
+    async def wait(self, worker: str, quorum_id: str, wanted: Iterable[str], wait: float) -> bool:
+        """Every key of ``wanted`` set within ``wait`` seconds (cut to ``max_wait``; 0: a
+        check). Access is checked again after every change: a quorum forgotten meanwhile
+        ends the wait with its 410."""
+        names = tuple(wanted)
+        deadline = self._clock() + min(max(wait, 0.0), self.max_wait)
+        while True:
+            keys = self._keys(worker, quorum_id)
+            if all(k in keys.values for k in names):
+                return True
+            left = deadline - self._clock()
+            if left <= 0 or self.closed:
+                return False
+            changed = keys.changed
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def delete(self, worker: str, quorum_id: str, key: str) -> bool:
+        keys = self._keys(worker, quorum_id)
+        gone = keys.values.pop(key, None) is not None
+        if gone:
+            keys.changes()
         return gone
 
+    def count(self, worker: str, quorum_id: str) -> int:
+        return len(self._keys(worker, quorum_id).values)
+
+    # --- life -----------------------------------------------------------------------------------
+
+    def forget(self, quorum_id: str) -> int:
+        """Drop a quorum's keys once its round is over (every member built its group, timed
+        out or moved on); returns how many went. Later calls on it are 410 ``quorum_ended``."""
+        keys = self._quorums.pop(quorum_id, None)
+        self._forgotten[quorum_id] = None
+        while len(self._forgotten) > FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
+        if keys is None:
+            return 0
+        keys.changes()  # a member still waiting learns at once that the quorum is over
+        return len(keys.values)
+
     def close(self) -> None:
-        """Stop the store (dropping the master's last reference closes its listener and its
-        clients' connections). Idempotent."""
-        if self._store is not None:
-            self._store = None
-            log.info("rendezvous store on %s:%d closed", self.host, self.port)
+        """The server stops: every wait ends now, and the keys go. Idempotent."""
+        self.closed = True
+        for keys in self._quorums.values():
+            keys.changes()
+        self._quorums.clear()
 
-    def _require(self) -> dist.TCPStore:
-        if self._store is None:
-            raise RuntimeError("the rendezvous is closed")
-        return self._store
+    def held(self) -> dict[str, int]:
+        """Keys held per quorum (for tests and the log)."""
+        return {qid: len(keys.values) for qid, keys in self._quorums.items()}
 
-    def __enter__(self) -> RendezvousStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    def _keys(self, worker: str, quorum_id: str) -> _Keys:
+        """The quorum's keys, for a member of it; made at its members' first call."""
+        if self.closed:
+            raise ApiError(503, "shutting_down", "the server is shutting down")
+        if quorum_id in self._forgotten:
+            raise ApiError(
+                410, "quorum_ended", f"quorum {quorum_id!r} is over; its keys were dropped"
+            )
+        members = self._members_of(quorum_id)
+        if members is None:
+            raise ApiError(404, "unknown_quorum", f"no quorum {quorum_id!r} on this server")
+        keys = self._quorums.get(quorum_id)
+        if worker not in (keys.members if keys is not None else members):
+            raise ApiError(
+                403, "not_a_member", f"worker {worker!r} is not a member of quorum {quorum_id!r}"
+            )
+        if keys is None:
+            keys = self._quorums[quorum_id] = _Keys(members)
+            while len(self._quorums) > QUORUMS_KEPT:
+                oldest, _ = next(iter(self._quorums.items()))
+                log.info(
+                    "rendezvous: quorum %s's keys dropped (%d quorums held)", oldest, QUORUMS_KEPT
+                )
+                self.forget(oldest)
+        return keys

@@ -61,6 +61,12 @@ QUORUM_FAMILIES = (
         "Quorums discarded: a member failed, left or missed the deadline (all-reduce mode).",
         lambda s: s.rounds_discarded,
     ),
+    Family(
+        "diloco_members_excluded_total",
+        "counter",
+        "Members the quorums' checks left out of a round's average (all-reduce mode).",
+        lambda s: sum(e.rounds for e in s.excluded_rounds),
+    ),
 )
 """All-reduce mode's families (``server/allreduce/allreduce_front.py`` lists them)."""
 

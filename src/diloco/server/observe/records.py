@@ -176,6 +176,16 @@ class LeftOutStatus:
 
 
 @dataclass(frozen=True)
+class WorkerExclusions:
+    """A worker the all-reduce quorums' checks left out (``GET /status``'s
+    ``excluded_rounds``): rounds in all, and in a row until now."""
+
+    worker_id: str
+    rounds: int
+    in_a_row: int
+
+
+@dataclass(frozen=True)
 class QuorumSummary:
     """What ``GET /status`` shows of the all-reduce mode's quorums
     (``server/allreduce/quorum_book.py``)."""
@@ -187,6 +197,8 @@ class QuorumSummary:
     rounds_discarded: int
     pending_quorum: tuple[str, ...]
     left_out: tuple[LeftOutStatus, ...] = ()
+    excluded_last: tuple[str, ...] = ()  # the members the last quorum with exclusions left out
+    excluded_rounds: tuple[WorkerExclusions, ...] = ()
 
 
 IDLE = QuorumSummary(None, 0, None, 0, 0, ())

@@ -42,6 +42,7 @@ from diloco.server.observe.records import (
     Staleness,
     State,
     UpdateEntry,
+    WorkerExclusions,
     WorkerStatus,
 )
 from diloco.server.params.store import F32_BYTES, ParamStore
@@ -133,6 +134,10 @@ class Status:
     rounds_discarded: int = 0
     pending_quorum: tuple[str, ...] = ()
     left_out: tuple[LeftOutStatus, ...] = ()  # and why (server/allreduce/suspects.py)
+    # The members the checks left out of a quorum's average: the last quorum's that left any
+    # out, and per worker (worker/allreduce/average_checks.py). Defaults, as above.
+    excluded_last: tuple[str, ...] = ()
+    excluded_rounds: tuple[WorkerExclusions, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -326,6 +331,8 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         rounds_discarded=ar.rounds_discarded,
         pending_quorum=ar.pending_quorum,
         left_out=ar.left_out,
+        excluded_last=ar.excluded_last,
+        excluded_rounds=ar.excluded_rounds,
     )
 
 

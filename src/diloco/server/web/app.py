@@ -8,7 +8,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 from aiohttp import web
 
@@ -18,7 +17,7 @@ from diloco.server.front import JSON_LIMIT, Front
 from diloco.server.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.observe.metrics import render as render_metrics
 from diloco.server.params.store import ParamStore, Snapshot
-from diloco.server.web import control, dashboard
+from diloco.server.web import control, dashboard, rendezvous_routes
 from diloco.server.web.control import Shutdown
 from diloco.server.web.counters import HttpCounters
 from diloco.server.web.json_bodies import read_json, reply
@@ -36,7 +35,6 @@ from diloco.wire import WireError, aread_layout
 from diloco.wire.decode import AsyncStream
 from diloco.wire.encode import chunks
 from diloco.wire.messages import (
-    Assignment,
     Deregister,
     ErrorBody,
     Heartbeat,
@@ -44,7 +42,6 @@ from diloco.wire.messages import (
     QuorumAsk,
     QuorumOutcome,
     Register,
-    Registered,
 )
 
 log = logging.getLogger(__name__)
@@ -58,8 +55,6 @@ COUNTERS: web.AppKey[HttpCounters] = web.AppKey("counters", HttpCounters)
 OPEN_PATHS = frozenset({"/healthz"})
 #: Routes whose body is tensors, taken from the socket where possible (server/web/socket_body.py).
 TENSOR_UPLOADS = frozenset({"/submit_pseudograd", "/initial_params"})
-#: Host names that say "every interface": a worker reaches the rendezvous where it reached us.
-WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
 def _error(status: int, code: str, detail: str) -> web.Response:
@@ -125,19 +120,11 @@ async def close_after_socket_body(request: web.Request, response: web.StreamResp
         response.headers["Connection"] = "close"  # the headers are built before this hook
 
 
-def _reachable(request: web.Request, answer: Registered | Assignment) -> Registered | Assignment:
-    """A rendezvous bound to every interface is reached at the host the worker reached us."""
-    meet, host = answer.rendezvous, request.url.host
-    if meet is None or meet.host not in WILDCARDS or not host:
-        return answer
-    return replace(answer, rendezvous=replace(meet, host=host))
-
-
 async def register(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     asked = Register.from_json(await read_json(request, front.register_limit))
     hostname = asked.hostname or request.remote or "?"
-    return reply(_reachable(request, front.membership.register(asked, hostname)))
+    return reply(front.membership.register(asked, hostname))
 
 
 async def deregister(request: web.Request) -> web.Response:
@@ -156,7 +143,7 @@ async def quorum(request: web.Request) -> web.Response:
     assigned = await quorums.quorum(QuorumAsk.from_json(await read_json(request)))
     if assigned is None:
         return reply(Pending(round=quorums.round), 202)
-    return reply(_reachable(request, assigned))
+    return reply(assigned)
 
 
 async def quorum_outcome(request: web.Request) -> web.Response:
@@ -329,6 +316,7 @@ def build_app(
         web.get("/metrics", metrics),
         web.get("/healthz", healthz),
         *control.routes(front, shutdown),
+        *rendezvous_routes.routes(front),
         *dashboard.routes(),
         web.route("*", "/{tail:.*}", not_found),  # last: JSON for every unknown path
     ]

@@ -10,6 +10,7 @@ length, all-reduce mode's outer step and collective timeout...); a worker never 
 - ``uploads.py``: an upload's metadata (safetensors string pairs) and receipt, the initial
   parameters' reply, a long poll's 202;
 - ``quorums.py``: all-reduce mode's quorum asks, assignments and outcomes;
+- ``rendezvous.py``: all-reduce mode's rendezvous store calls (a quorum's members only);
 - ``operator.py``: the operator's ``/control/*`` requests;
 - ``error_body.py``: the body of every error reply.
 """
@@ -52,6 +53,20 @@ from diloco.wire.messages.registration import (
     Rendezvous,
     Table,
 )
+from diloco.wire.messages.rendezvous import (
+    StoreAdd,
+    StoreCompareSet,
+    StoreCount,
+    StoreDelete,
+    StoreDeleted,
+    StoreDone,
+    StoreGet,
+    StoreNumber,
+    StoreReady,
+    StoreSet,
+    StoreValue,
+    StoreWait,
+)
 from diloco.wire.messages.uploads import ParamsSeeded, Pending, UploadMeta, UploadReceipt
 
 __all__ = [
@@ -87,6 +102,18 @@ __all__ = [
     "SaveState",
     "Saved",
     "Shutdown",
+    "StoreAdd",
+    "StoreCompareSet",
+    "StoreCount",
+    "StoreDelete",
+    "StoreDeleted",
+    "StoreDone",
+    "StoreGet",
+    "StoreNumber",
+    "StoreReady",
+    "StoreSet",
+    "StoreValue",
+    "StoreWait",
     "ShuttingDown",
     "Table",
     "UpdateNumWorkers",

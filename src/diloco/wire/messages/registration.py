@@ -101,13 +101,12 @@ class LastSubmission(Reply):
 
 @dataclass(frozen=True)
 class Rendezvous(Reply):
-    """Where the members of an all-reduce quorum meet (the server's TCPStore)."""
+    """Where the members of an all-reduce quorum meet: the key/value store the server serves
+    on its own authenticated HTTP API (``messages/rendezvous.py``), never an open port."""
 
-    host: str
-    """A host the worker can reach; a server bound to every interface names the host the
-    worker reached it at."""
-    port: int
-    """Its port."""
+    path: str
+    """The routes' common path on the server the worker registered with (``/rendezvous``):
+    each op is ``POST <path>/<op>``."""
 
 
 @dataclass(frozen=True)

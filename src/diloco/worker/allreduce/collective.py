@@ -3,10 +3,11 @@ the collectives a round needs on it (a weighted average of pseudo-gradients, a b
 joiner, a state hash).
 
 A quorum is the set of live workers the server picked for a round
-(``server/allreduce/rendezvous.py``).
-Each member calls ``QuorumCollective.build`` with the rendezvous address, the quorum's id, its rank
-and the quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on a
-``PrefixStore`` of that quorum. ``torch.distributed.init_process_group`` is never called: a
+(``server/allreduce/quorum_book.py``).
+Each member calls ``QuorumCollective.build`` with where the quorums meet (a ``connect.Meeting``:
+the server's authenticated rendezvous, ``http_store.py``), the quorum's id, its rank and the
+quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on that quorum's
+store. ``torch.distributed.init_process_group`` is never called: a
 broken quorum cannot poison the default group, the next round's group, or a worker group
 (``worker/groups/group.py``) living in the same process.
 
@@ -17,8 +18,8 @@ sockets (SIGSTOP, a frozen host) fails it when the timeout runs out. Either way,
 other error of a collective, the caller gets ``QuorumFailed`` and the collective is closed for good:
 the round is discarded and a new quorum (a new id) repeats it.
 
-Gloo and NCCL here are not authenticated; see the security note in
-``server/allreduce/rendezvous.py``.
+The rendezvous is authenticated; gloo's and NCCL's peer connections are not (see
+docs/design/security.md).
 The NCCL path is written to the same contract but untested (no GPU in this project's tests).
 A ``QuorumCollective`` is used by one thread at a time.
 """
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from diloco.wire.checksum import checksum
 from diloco.wire.encode import byte_view
 from diloco.wire.messages import quorum_prefix
-from diloco.worker.allreduce.connect import connect, shut
+from diloco.worker.allreduce.connect import Meeting, connect, shut
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,18 @@ BUCKET_BYTES = 32 << 20
 """Collectives move at most this many bytes at a time: extra memory stays one bucket, whatever
 the model's size, and a large model still travels in few collectives."""
 
+
 class QuorumFailed(RuntimeError):
     """A quorum could not form or one of its collectives failed (a peer died or stopped
     answering within the timeout, the rendezvous was unreachable). The cause is chained
     (``__cause__``). The collective is closed; results of the interrupted call must not be used."""
 
-    def __init__(self, quorum_id: str, message: str) -> None:
+    def __init__(self, quorum_id: str, message: str, *, stage: str = "") -> None:
         super().__init__(f"quorum {quorum_id}: {message}")
         self.quorum_id = quorum_id
+        #: Where the round broke off (``QuorumOutcome.stage``): set by the quorum loop where
+        #: it is not known here.
+        self.stage = stage
 
 
 class QuorumCollective:
@@ -82,8 +87,7 @@ class QuorumCollective:
     @classmethod
     def build(
         cls,
-        host: str,
-        port: int,
+        meeting: Meeting,
         quorum_id: str,
         rank: int,
         size: int,
@@ -92,14 +96,14 @@ class QuorumCollective:
         *,
         interface: str | None = None,
     ) -> QuorumCollective:
-        """Join quorum ``quorum_id`` as ``rank`` of ``size`` through the rendezvous at
-        ``host:port``. Returns once every member has joined; takes at most twice ``timeout`` plus
+        """Join quorum ``quorum_id`` as ``rank`` of ``size`` through ``meeting``'s rendezvous.
+        Returns once every member has joined; takes at most twice ``timeout`` plus
         ``quorum_connect.BUILD_MARGIN_S`` seconds (connecting, then meeting the others), else raises
         ``QuorumFailed``.
 
         ``device``: CPU builds gloo, CUDA builds NCCL (untested here). ``interface``: the local
         address gloo listens on for its peers; by default the one this machine routes to the
-        rendezvous from, which is on the network the peers share (gloo's own default, the
+        server from, which is on the network the peers share (gloo's own default, the
         hostname's address, is loopback on many hosts).
         """
         quorum_prefix(quorum_id)  # a ValueError for an id the protocol refuses
@@ -111,7 +115,7 @@ class QuorumCollective:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"quorum collectives run on cpu (gloo) or cuda (NCCL), not {device}")
         try:
-            backend, store = connect(host, port, quorum_id, rank, size, timeout, device, interface)
+            backend, store = connect(meeting, quorum_id, rank, size, timeout, device, interface)
         except (RuntimeError, OSError) as err:  # torch's DistError family, gloo's, the deadline
             raise QuorumFailed(quorum_id, f"rank {rank} could not join: {err}") from err
         log.debug("joined quorum %s as rank %d of %d", quorum_id, rank, size)
@@ -189,23 +193,46 @@ def average(
     """
     if not dtype.is_floating_point:
         raise ValueError(f"the communication dtype must be floating point, not {dtype}")
-    flats = _flat_views(tensors)
-    _check_tables(quorum, f"average {dtype} {bucket_bytes};" + _table(tensors))
+    flats = flat_views(tensors)
+    check_tables(quorum, f"average {dtype} {bucket_bytes};" + table_of(tensors))
     total = _weight_sum(quorum, weight)
+    reduce_scaled(quorum, flats, weight / total if total else 0.0, total, dtype, bucket_bytes)
+    return total
+
+
+def reduce_scaled(
+    quorum: QuorumCollective,
+    flats: list[torch.Tensor],
+    scale: float,
+    total: float,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    *,
+    norm: bool = False,
+) -> float:
+    """The sum over the quorum of each rank's ``scale * flats``, in place, bucket by bucket (one
+    all-reduce each); all zeros on every rank when ``total`` is 0. With ``norm``, returns the
+    result's L2 norm (fp32 per bucket, combined in fp64; NaN or inf if any value is not), taken
+    from each bucket while it is in cache rather than in another pass over the model (else 0)."""
     if total == 0.0:
         for flat in flats:
             flat.zero_()
         return 0.0
+    squares = 0.0
     # Each rank scales by w_i / sum(w) before the sum, not after: one pass fewer over the model,
     # and bf16 carries values of the result's size whatever the weights' magnitude.
-    scale = weight / total
     for bucket, pieces in _packed(flats, dtype, bucket_bytes, quorum.device):
         for own, part in pieces:
-            _scaled_copy(part, own, scale)
-        quorum.collective("all-reduce", _allreduce(bucket, quorum.timeout))
+            if scale == 0.0:
+                part.zero_()  # 0 * NaN is NaN: a member left out sends zeros, not its tensor
+            else:
+                _scaled_copy(part, own, scale)
+        quorum.collective("all-reduce", allreduce_work(bucket, quorum.timeout))
+        if norm:
+            squares += float(torch.linalg.vector_norm(bucket, dtype=torch.float32)) ** 2
         for own, part in pieces:
             own.copy_(part)
-    return total
+    return math.sqrt(squares)
 
 
 def broadcast(
@@ -223,7 +250,7 @@ def broadcast(
         raise ValueError(f"src must be a rank in [0, {quorum.size}), got {src}")
     # Bytes, not values: a bucket of one dtype carries any mix of dtypes without conversion.
     flats = [t.detach().reshape(-1).view(torch.uint8) for t in _contiguous(tensors)]
-    _check_tables(quorum, f"broadcast {src} {bucket_bytes};" + _table(tensors))
+    check_tables(quorum, f"broadcast {src} {bucket_bytes};" + table_of(tensors))
     sending = quorum.rank == src
     for bucket, pieces in _packed(flats, torch.uint8, bucket_bytes, quorum.device):
         if sending:
@@ -238,10 +265,19 @@ def broadcast(
 def all_equal(quorum: QuorumCollective, value: str) -> bool:
     """Whether every member holds the same hex hash ``value`` (``state_hash``'s): one MAX
     all-reduce of ``[v, -v]`` gives the largest and the smallest value held. A collective."""
+    same, _ = compare(quorum, value, veto=False)
+    return same
+
+
+def compare(quorum: QuorumCollective, value: str, *, veto: bool) -> tuple[bool, bool]:
+    """``all_equal`` with a veto folded into the same collective (``[v, -v, veto]``, MAX):
+    (every member holds ``value``, some member vetoed). Every member that completes the
+    collective learns both, so a veto (a failed check of the average) fails the comparison on
+    every member, never on some."""
     v = float(int(value, 16))  # 32 bits: exact in fp64
-    t = torch.tensor([v, -v], dtype=torch.float64)
-    quorum.collective("hash check", _allreduce(t, quorum.timeout, dist.ReduceOp.MAX))
-    return bool(t[0].item() == v and -t[1].item() == v)
+    t = torch.tensor([v, -v, 1.0 if veto else 0.0], dtype=torch.float64)
+    quorum.collective("hash check", allreduce_work(t, quorum.timeout, dist.ReduceOp.MAX))
+    return bool(t[0].item() == v and -t[1].item() == v), bool(t[2].item() > 0)
 
 
 def state_hash(tensors: Iterable[torch.Tensor]) -> str:
@@ -272,23 +308,23 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     return tensors
 
 
-def _flat_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def flat_views(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for i, t in enumerate(_contiguous(tensors)):
         if not t.is_floating_point():
             raise ValueError(f"tensor {i} is {t.dtype}: only floating point tensors are averaged")
     return [t.detach().view(-1) for t in tensors]
 
 
-def _table(tensors: Sequence[torch.Tensor]) -> str:
+def table_of(tensors: Sequence[torch.Tensor]) -> str:
     return ";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors)
 
 
-def _check_tables(quorum: QuorumCollective, layout: str) -> None:
+def check_tables(quorum: QuorumCollective, layout: str) -> None:
     """Every rank raises ValueError together unless all ranks describe the same ``layout``:
     one tiny all-reduce (MAX of the fingerprint and of its negation gives max and -min)."""
     mark = int(checksum([layout.encode()]), 16)
     pair = torch.tensor([mark, -mark], dtype=torch.int64, device=quorum.device)
-    quorum.collective("table check", _allreduce(pair, quorum.timeout, dist.ReduceOp.MAX))
+    quorum.collective("table check", allreduce_work(pair, quorum.timeout, dist.ReduceOp.MAX))
     if int(pair[0]) != -int(pair[1]):
         raise ValueError(
             f"quorum {quorum.quorum_id}: the members' tensor tables (or call arguments) differ"
@@ -302,7 +338,7 @@ def _weight_sum(quorum: QuorumCollective, weight: float) -> float:
     pair = torch.tensor(
         [0.0 if bad else weight, 1.0 if bad else 0.0], dtype=torch.float64, device=quorum.device
     )
-    quorum.collective("weight sum", _allreduce(pair, quorum.timeout))
+    quorum.collective("weight sum", allreduce_work(pair, quorum.timeout))
     if pair[1].item() > 0:
         raise ValueError(
             f"quorum {quorum.quorum_id}: {int(pair[1].item())} member(s) gave a negative or "
@@ -346,7 +382,7 @@ def _scaled_copy(part: torch.Tensor, own: torch.Tensor, scale: float) -> None:
         part.copy_(own.to(part.device).mul_(scale))
 
 
-def _allreduce(
+def allreduce_work(
     tensor: torch.Tensor, timeout: float, op: Any = dist.ReduceOp.SUM
 ) -> Callable[[Any], Any]:
     options = dist.AllreduceOptions()

@@ -1,6 +1,7 @@
-"""Connecting one member to a quorum's process group (``QuorumCollective.build``): the rendezvous
-store, then gloo (CPU) or NCCL (CUDA) built directly on a ``PrefixStore`` of the quorum, on the
-local address this machine routes to the rendezvous from; the whole under a hard time limit."""
+"""Connecting one member to a quorum's process group (``QuorumCollective.build``): the quorum's
+rendezvous store from a ``Meeting`` (``http_store.py``'s, on the server's authenticated API),
+then gloo (CPU) or NCCL (CUDA) built directly on it, on the local address this machine routes to
+the server from; the whole under a hard time limit."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-from diloco.wire.messages import quorum_prefix
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +22,25 @@ BUILD_MARGIN_S = 1.0
 hard limit on ``QuorumCollective.build``."""
 
 
+class Meeting(Protocol):
+    """Where a worker's quorums meet."""
+
+    def store(self, quorum_id: str, timeout: float) -> dist.Store:
+        """The quorum's keys, for this worker only; ``timeout`` bounds its waits."""
+        ...
+
+    def server(self) -> tuple[str, int]:
+        """(host, port) the rendezvous is reached at: gloo listens on the local address this
+        machine routes there from."""
+        ...
+
+    def joined(self) -> None:
+        """The joining thread is done with the store (called on it, whatever happened)."""
+        ...
+
+
 def connect(
-    host: str,
-    port: int,
+    meeting: Meeting,
     quorum_id: str,
     rank: int,
     size: int,
@@ -33,18 +48,19 @@ def connect(
     device: torch.device,
     interface: str | None,
 ) -> tuple[Any, Any]:
-    """The quorum's backend and the store connection it holds, within twice ``timeout`` plus
+    """The quorum's backend and the store it was built on, within twice ``timeout`` plus
     ``BUILD_MARGIN_S`` (``TimeoutError`` past it); torch's and gloo's errors pass through."""
     limit = timedelta(seconds=timeout)
 
     def build() -> tuple[Any, Any]:
-        store = dist.TCPStore(host, port, is_master=False, timeout=limit)
-        # PrefixStore joins with "/": keys land under quorum/<id>/, the rendezvous' layout.
-        prefixed = dist.PrefixStore(quorum_prefix(quorum_id), store)
-        if device.type == "cuda":
-            return _nccl(prefixed, rank, size, limit, device), store
-        address = interface or _route_address(host, port)
-        return _gloo(prefixed, rank, size, limit, address), store
+        try:
+            store = meeting.store(quorum_id, timeout)
+            if device.type == "cuda":
+                return _nccl(store, rank, size, limit, device), store
+            address = interface or _route_address(*meeting.server())
+            return _gloo(store, rank, size, limit, address), store
+        finally:
+            meeting.joined()
 
     return _within(build, 2 * timeout + BUILD_MARGIN_S, quorum_id)
 

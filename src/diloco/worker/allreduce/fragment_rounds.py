@@ -102,6 +102,8 @@ class FragmentRounds:
         self._filled = -1  # the fragment whose pseudo-gradient the buffer holds (-1: none)
         self._fill_weight = 0.0
         self._fill_mark = (0, 0.0)
+        # The checks left this worker's last round out: the merge takes the whole state.
+        self._left_out = False
         # Per fragment: the total steps and samples when its last contribution was taken.
         self._marks = [(session.total_steps, session.samples)] * len(self._plan)
 
@@ -152,13 +154,12 @@ class FragmentRounds:
             s.stall(lambda: self._park.wait(job.done))
         self._inflight = None
         if job.completed:
-            self._merge(job.fragment, self.alpha)
+            self._merge_round(job.fragment)
 
     def _fill(self, k: int) -> None:
         """Fragment ``k``'s pseudo-gradient into the buffer, with its weight (training thread,
         or the round's thread while the training thread is parked)."""
         s = self._s
-        steps, samples = self._marks[k]
         flat, offset = self._acc, 0
         with torch.no_grad():
             for piece in self._plan[k]:
@@ -166,15 +167,40 @@ class FragmentRounds:
                 out = flat[offset : offset + piece.numel]
                 torch.sub(snapshot, local.to(flat.device), out=out)
                 offset += piece.numel
-        new_steps = s.total_steps - steps
-        if new_steps <= 0:
-            self._fill_weight = 0.0  # nothing since its last contribution
-        elif self._by_samples:  # as the plain strategy: steps when no samples reported
-            self._fill_weight = s.samples - samples if s.samples > samples else float(new_steps)
-        else:
-            self._fill_weight = 1.0
+        self._fill_weight = self._weight_of(k)
         self._fill_mark = (s.total_steps, s.samples)
         self._filled = k
+
+    def _weight_of(self, k: int) -> float:
+        """Fragment ``k``'s weight: what was trained since its last contribution."""
+        s = self._s
+        steps, samples = self._marks[k]
+        new_steps = s.total_steps - steps
+        if new_steps <= 0:
+            return 0.0  # nothing since its last contribution
+        if self._by_samples:  # as the plain strategy: steps when no samples reported
+            return s.samples - samples if s.samples > samples else float(new_steps)
+        return 1.0
+
+    def _merge_round(self, k: int) -> None:
+        """A completed round's merge: fragment ``k`` by ``alpha``, or, when the checks left this
+        worker out, the whole model takes the state (training thread)."""
+        if not self._left_out:
+            self._merge(k, self.alpha)
+            return
+        self._left_out = False
+        s = self._s
+        dropped = s.total_steps - min(steps for steps, _ in self._marks)
+        for j in range(len(self._plan)):
+            self._merge(j, 0.0)
+        self._marks = [(s.total_steps, s.samples)] * len(self._plan)
+        s.drop_steps(
+            dropped,
+            "worker %s: its part of fragment %d's round was left out; the model takes the "
+            "run's state and drops %d steps of progress",
+            k,
+            dropped,
+        )
 
     def _merge(self, k: int, alpha: float) -> None:
         """``local = alpha * local + (1 - alpha) * global`` on fragment ``k`` (0: adopt)."""
@@ -232,6 +258,12 @@ class FragmentRounds:
             flat.zero_()  # nothing to add; finite bytes whatever the buffer held
         return [flat], weight
 
+    def weight_now(self, weighted: bool) -> float:
+        return self._weight_of(self._s.base_round % len(self._plan)) if weighted else 0.0
+
+    def left_out(self, q: Assignment) -> None:
+        self._left_out = True  # the model is the training thread's: taken at the merge
+
     def step(self, q: Assignment) -> None:
         k = q.round % len(self._plan)
         flat, offset = self._acc, 0
@@ -249,7 +281,7 @@ class FragmentRounds:
         k = self._filled
         self._marks[k] = self._fill_mark
         if not self._background:  # inline: merge before training goes on
-            self._merge(k, self.alpha)
+            self._merge_round(k)
         # ``samples`` stays cumulative here: each fragment's weight is its difference since
         # that fragment's last contribution (``_marks``).
 

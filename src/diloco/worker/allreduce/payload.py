@@ -5,11 +5,12 @@ steps (``WholeModel``), or one fragment per round, overlapped with training (``F
 The loop owns everything else of a round and calls the payload at fixed points:
 
     after_step / sync_now (the schedule)  ->  rounds.sync() or rounds.attempts()
-      ask for a quorum, build its collective
+      ask for a quorum (telling weight_now(weighted)), build its collective
       receiving_state(q)                  (only when this worker must receive the state)
       broadcast of the state, hash checked, rebase or settle_counted(q, steps)
-      contribution(q, weighted)           -> tensors and weight; averaged, commit point
-      step(q)                             (only when the weights summed to more than 0)
+      contribution(q, weighted)           -> tensors and weight; checked average, commit point
+      step(q)                             (only when the admitted weights summed to more than 0)
+      left_out(q)                         (only when the checks left this worker's part out)
       hash reported, save
       round_ended(has_state)              (always, even after a failure)
     completed()                           (a round completed with this worker's contribution)
@@ -82,6 +83,20 @@ class Payload(Protocol):
         weight in the average (0 unless ``weighted``; 0 too when nothing was trained since
         the share's last contribution). Raises ``QuorumFailed`` if the model cannot be read
         within ``q.timeout``."""
+        ...
+
+    def weight_now(self, weighted: bool) -> float:
+        """The weight this worker would contribute if a round started now (0 unless
+        ``weighted``), told in its quorum ask; cheap (counters only)."""
+        ...
+
+    def left_out(self, q: Assignment) -> None:
+        """The quorum's checks left this worker's contribution to round ``q`` out (a non-finite
+        pseudo-gradient, a norm far above the quorum's, a weight out of bounds): after the
+        round's step, if any, the model takes the agreed state (the whole model: its own
+        progress is not to be trusted), and the steps that progress spanned are counted in
+        ``dropped_steps``. A payload whose rounds run beside training does this on the training
+        thread, when it merges the round."""
         ...
 
     def step(self, q: Assignment) -> None:

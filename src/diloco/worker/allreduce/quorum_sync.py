@@ -13,11 +13,15 @@ optimizer's momentum) beside its payload's averaging buffers. One quorum round (
    source broadcasts the state. A resyncing worker keeps its local progress on top of the new
    state (a rebase) and checks the hash before anything else.
 3. The payload's pseudo-gradient (``snapshot - local``: the whole model, or one fragment) and
-   the quorum's weighted average of it (``average``).
+   the quorum's checked weighted average of it (``checked_average``): a member whose
+   pseudo-gradient is not finite, whose norm is far above the quorum's median or whose weight
+   is out of bounds is left out (it contributes nothing, then takes the agreed state:
+   ``Payload.left_out``), and the average is checked against the members' stated norms.
 4. The commit point: a hash of a sample of the average, compared across the quorum in one tiny
-   collective (its maximum and minimum). Only then the payload's outer step on the state, and
-   the new state's hash reported to the server, which compares the members' hashes (the
-   majority's state is the run's).
+   collective (its maximum and minimum) that also carries each member's veto (its check of the
+   average failed: the round is discarded on every member). Only then the payload's outer step
+   on the state, and the new state's hash reported to the server (with the members left out),
+   which compares the members' hashes (the majority's state is the run's).
 
 A failure before the commit point (a member died, a timeout) raises ``QuorumFailed``: the
 snapshot and the model are as they were, the failure is reported, and the next quorum repeats
@@ -37,20 +41,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from diloco.core import rebase_, to_progress_
 from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
+from diloco.worker.allreduce.average_checks import Averaged, checked_average
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
-    all_equal,
-    average,
     broadcast,
+    compare,
     state_hash,
 )
+from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.session import Session
@@ -93,6 +100,8 @@ class QuorumSync:
         # its complete average, and the total steps then: the others may have applied it.
         self._uncertain: tuple[str, int] | None = None
         self._leaving = threading.Event()  # no more quorums once set
+        # The members left out of the round in progress (worker ids), for its report.
+        self._excluded: tuple[str, ...] = ()
         self._s.base_round = 0
 
     # --- SyncStrategy -------------------------------------------------------------------------
@@ -242,7 +251,10 @@ class QuorumSync:
         unsure = self._needs_state or self._disowned
         try:
             reply = s.client.quorum(
-                s.worker_id, round=s.base_round, hash="" if unsure else self._hash
+                s.worker_id,
+                round=s.base_round,
+                hash="" if unsure else self._hash,
+                weight=self._payload.weight_now(weighted),
             )
         except Conflict as exc:
             if exc.code != "unagreed_state" or unsure:
@@ -257,33 +269,38 @@ class QuorumSync:
         q = quorum_reply(reply)
         if isinstance(q, Pending):
             return "pending"
+        self._excluded = ()
         try:
             new_round, new_hash = self._round(q, weighted)
         except QuorumFailed as exc:
             s.metrics["discarded_rounds"] += 1
-            log.warning("worker %s: round discarded: %s", s.worker_id, exc)
-            self._report(q, ok=False, error=str(exc))
+            log.warning("worker %s: round discarded (%s): %s", s.worker_id, exc.stage, exc)
+            self._report(q, ok=False, error=str(exc), stage=exc.stage, excluded=self._excluded)
             return "discarded"
-        self._report(q, ok=True, round=new_round, hash=new_hash)
+        self._report(q, ok=True, round=new_round, hash=new_hash, excluded=self._excluded)
         return "done"
 
     def _round(self, q: Assignment, weighted: bool) -> tuple[int, str]:
         s, payload = self._s, self._payload
         try:
-            where = q.rendezvous
-            with QuorumCollective.build(
-                where.host, where.port, q.quorum_id, q.rank, q.size, q.timeout
-            ) as quorum:
+            meeting = HttpMeeting(s.client, s.worker_id or "", q.rendezvous)
+            with _stage("join"):
+                quorum = QuorumCollective.build(meeting, q.quorum_id, q.rank, q.size, q.timeout)
+            with quorum:
                 if q.resync:
-                    self._share_state(quorum, q)
-                tensors, weight = payload.contribution(q, weighted)
-                total = self._average(quorum, q, tensors, weight)
+                    with _stage("resync"):
+                        self._share_state(quorum, q)
+                with _stage("average"):
+                    tensors, weight = payload.contribution(q, weighted)
+                total, left_out = self._average(quorum, q, tensors, weight)
             # The collective is closed. Every member applies the same step to the same state,
             # so the new hashes agree; the server compares them, and a member whose hash is not
             # the majority's is sent the state at its next quorum.
             if total > 0:
                 payload.step(q)
                 s.base_round = q.round + 1
+            if left_out:
+                payload.left_out(q)
             new_hash = self._hash = self._state.hash()
             if q.save and q.rank == 0:
                 self._state.save(q.quorum_id, *payload.checkpoint_state())
@@ -293,11 +310,15 @@ class QuorumSync:
 
     def _average(
         self, quorum: QuorumCollective, q: Assignment, tensors: list[torch.Tensor], weight: float
-    ) -> float:
-        """The quorum's weighted average of ``tensors`` in place, checked at the commit point;
-        the sum of the weights."""
+    ) -> tuple[float, bool]:
+        """The quorum's checked average of ``tensors`` in place (``checked_average``), agreed at
+        the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
-        total = average(quorum, tensors, weight, comm)
+        with _stage("average"):
+            averaged = checked_average(
+                quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
+            )
+        left_out = self._note_exclusions(q, averaged)
         # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
         # way); the HTTP bytes stay in bytes_up/bytes_down.
         itemsize = torch.empty((), dtype=comm).element_size()
@@ -306,17 +327,62 @@ class QuorumSync:
         # complete average; nothing has changed anywhere before it. It compares a sample of the
         # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
         # and the full hash of the new state is compared by the server.
+        # A member whose check of the average failed vetoes in the same collective, so the
+        # round is discarded on every member that completes it, never on some.
         sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
+        if not averaged.sound:
+            log.error(
+                "worker %s: quorum %s's average fails its check (norm %.6g, the members' stated "
+                "norms allow %.6g, or not finite): the round is discarded",
+                self._s.worker_id,
+                q.quorum_id,
+                averaged.norm,
+                averaged.verdict.bound,
+            )
         try:
-            same = all_equal(quorum, state_hash(sample))
-        except QuorumFailed:
-            if weight > 0:  # the others may have passed it and applied this worker's part
+            same, vetoed = compare(quorum, state_hash(sample), veto=not averaged.sound)
+        except QuorumFailed as exc:
+            exc.stage = exc.stage or "commit"
+            if weight > 0 and not left_out:  # the others may have applied this worker's part
                 self._uncertain = (q.quorum_id, self._s.total_steps)
             raise
-        if not same:
-            raise QuorumFailed(q.quorum_id, "the members' averages differ")
         self._uncertain = None  # the last quorum settled it either way
-        return total
+        if vetoed:
+            raise QuorumFailed(
+                q.quorum_id,
+                "the average failed its check on a member (not finite, or its norm above what "
+                "the members' stated norms allow: a member sent another tensor than it stated)",
+                stage="check",
+            )
+        if not same:
+            raise QuorumFailed(q.quorum_id, "the members' averages differ", stage="commit")
+        return averaged.total, left_out
+
+    def _note_exclusions(self, q: Assignment, averaged: Averaged) -> bool:
+        """Log and count the members the checks left out; whether this worker is one."""
+        s, verdict = self._s, averaged.verdict
+        if not verdict.excluded:
+            return False
+        names = [q.members[r] if r < len(q.members) else f"rank {r}" for r in verdict.excluded]
+        self._excluded = tuple(names)
+        log.warning(
+            "worker %s: quorum %s left out %s",
+            s.worker_id,
+            q.quorum_id,
+            "; ".join(
+                f"{n} ({verdict.reasons[r]})" for n, r in zip(names, verdict.excluded, strict=True)
+            ),
+        )
+        if q.rank not in verdict.excluded:
+            return False
+        s.metrics["excluded_rounds"] += 1
+        log.error(
+            "worker %s: its contribution to quorum %s was dropped: %s",
+            s.worker_id,
+            q.quorum_id,
+            verdict.reasons[q.rank],
+        )
+        return True
 
     def _share_state(self, quorum: QuorumCollective, q: Assignment) -> None:
         """The source's state to every member (those that hold it receive the same bytes); a
@@ -364,9 +430,21 @@ class QuorumSync:
         )
 
     def _report(self, q: Assignment, **outcome: Any) -> None:
+        """Tell the server how the round ended here (``QuorumOutcome``)."""
         s = self._s
         assert s.worker_id is not None
         try:
             s.client.quorum_outcome(s.worker_id, q.quorum_id, **outcome)
         except SYNC_FAILURES as exc:  # the server learns it from the next quorum's hashes
             log.warning("worker %s: could not report round %s: %s", s.worker_id, q.quorum_id, exc)
+
+
+@contextmanager
+def _stage(stage: str) -> Iterator[None]:
+    """A ``QuorumFailed`` raised inside says it broke off at ``stage``, unless it says already
+    (``QuorumOutcome.stage``)."""
+    try:
+        yield
+    except QuorumFailed as exc:
+        exc.stage = exc.stage or stage
+        raise

@@ -9,6 +9,7 @@ can go on from it and a run moves between the modes.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ class RunRules:
     momentum: float
     nesterov: bool
     by_samples: bool  # a member's weight in an average is its samples (else: 1 per member)
+    # A member whose norm is above this many times the quorum's median is left out of a round
+    # (``Registered.norm_bound``); a server that does not say (an older one) judges no norms.
+    norm_bound: float = math.inf
 
     @classmethod
     def of(cls, reply: Registered) -> RunRules:
@@ -51,6 +55,7 @@ class RunRules:
             momentum=outer.momentum,
             nesterov=outer.nesterov and outer.momentum > 0,
             by_samples=weighting == "samples",
+            norm_bound=reply.norm_bound if reply.norm_bound is not None else math.inf,
         )
 
 

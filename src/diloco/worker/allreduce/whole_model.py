@@ -55,6 +55,22 @@ class WholeModel:
                 torch.sub(local.snapshot[name], p.detach().to(acc.device), out=acc)
         return self._acc, weight
 
+    def weight_now(self, weighted: bool) -> float:
+        return self._weight() if weighted else 0.0
+
+    def left_out(self, q: Assignment) -> None:
+        """The model takes the state (``step`` already adopted it when one was taken)."""
+        s = self._s
+        s.local.adopt_all()
+        s.drop_steps(
+            s.local_step,
+            "worker %s: its contribution to quorum %s was left out; the model takes the run's "
+            "state and drops its %d local steps",
+            q.quorum_id,
+            s.local_step,
+        )
+        s.local_step, s.samples = 0, 0.0
+
     def step(self, q: Assignment) -> None:
         """The outer step on the shared state with the quorum's average; the model adopts it."""
         apply_outer_step(self._outer, self._state.globals, self._acc)

@@ -10,7 +10,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from diloco.wire.messages import (
     UploadMeta,
 )
 from diloco.wire.messages.quorums import ERROR_LIMIT
+from diloco.wire.messages.rendezvous import StoreCall
 from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
@@ -202,6 +203,16 @@ class DiLoCoClient:
             session.close()
         self._bulk.close()
 
+    def end_thread(self) -> None:
+        """The calling thread makes no more calls: close its session now (a short-lived
+        thread, as a quorum's joining thread, would otherwise leave one open per round)."""
+        session: requests.Session | None = getattr(self._local, "session", None)
+        if session is None:
+            return
+        self._local.session = None
+        self._sessions.remove(session)
+        session.close()
+
     # --- plumbing -----------------------------------------------------------------------------
 
     def _sleep_before(self, attempt: int) -> None:
@@ -284,15 +295,20 @@ class DiLoCoClient:
         """``Heartbeat``: liveness plus what the status page shows. ``step_age_s`` (seconds since
         the training loop's last optimizer step) and ``syncing`` let the server tell a hung loop
         from a busy one. The reply is a ``HeartbeatReply``."""
-        body = Heartbeat(worker_id, steps_per_second, loss, step_age_s, syncing)
+        # A loss that is not finite is left out (as in an upload's metadata): the server refuses
+        # one, and a diverged worker must stay a member for the quorum's checks to leave out.
+        finite = loss if loss is not None and math.isfinite(loss) else None
+        body = Heartbeat(worker_id, steps_per_second, finite, step_age_s, syncing)
         return self._json("POST", "/heartbeat", body.to_json())
 
-    def quorum(self, worker_id: str, *, round: int, hash: str) -> dict[str, Any]:
+    def quorum(
+        self, worker_id: str, *, round: int, hash: str, weight: float | None = None
+    ) -> dict[str, Any]:
         """All-reduce mode: ask for this round's quorum (``QuorumAsk``), presenting the state
-        held (``hash`` empty: none the worker can vouch for). A long poll: an ``Assignment``, or
-        ``Pending`` when the server's wait ended first (``messages.quorum_reply`` tells them
-        apart)."""
-        body = QuorumAsk(worker_id, round, hash, has_state=bool(hash))
+        held (``hash`` empty: none the worker can vouch for) and the weight it would contribute.
+        A long poll: an ``Assignment``, or ``Pending`` when the server's wait ended first
+        (``messages.quorum_reply`` tells them apart)."""
+        body = QuorumAsk(worker_id, round, hash, has_state=bool(hash), weight=weight)
         return self._json("POST", "/quorum", body.to_json())
 
     def quorum_outcome(
@@ -304,15 +320,31 @@ class DiLoCoClient:
         round: int | None = None,
         hash: str = "",
         error: str = "",
+        stage: str = "",
+        excluded: Sequence[str] = (),
     ) -> dict[str, Any]:
         """All-reduce mode: how quorum ``quorum_id``'s round ended here (``QuorumOutcome``;
-        the reply is an ``OutcomeRecorded``)."""
+        the reply is an ``OutcomeRecorded``): when not ok, where (``stage``) and why; either
+        way the members its checks left out (``excluded``)."""
         body = (
-            QuorumOutcome(worker_id, quorum_id, ok, round, hash)
+            QuorumOutcome(worker_id, quorum_id, ok, round, hash, excluded=tuple(excluded))
             if ok
-            else QuorumOutcome(worker_id, quorum_id, ok, error=error[:ERROR_LIMIT])
+            else QuorumOutcome(
+                worker_id,
+                quorum_id,
+                ok,
+                error=error[:ERROR_LIMIT],
+                stage=stage,
+                excluded=tuple(excluded),
+            )
         )
         return self._json("POST", "/quorum/outcome", body.to_json())
+
+    def rendezvous(self, path: str, op: str, body: StoreCall) -> dict[str, Any]:
+        """All-reduce mode: one call on a quorum's rendezvous keys (``POST <path>/<op>``,
+        ``messages/rendezvous.py``), with this client's token, TLS, timeouts and retries. A
+        wait in ``body`` must end within the read timeout."""
+        return self._json("POST", f"{path}/{op}", body.to_json())
 
     def deregister(self, worker_id: str) -> dict[str, Any]:
         """``Deregister``; the reply is a ``Deregistered``."""
