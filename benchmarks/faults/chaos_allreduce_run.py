@@ -284,8 +284,8 @@ class Run:
         self.server.start()
         self.server_unanswered_since = None
 
-    def note(self, kind: str, **info: Any) -> None:
-        ev = {"t": self.now(), "event": kind, **info}
+    def note(self, what: str, /, **info: Any) -> None:
+        ev = {"t": self.now(), "event": what, **info}
         self.events.append(ev)
         print(json.dumps(ev), file=sys.stderr, flush=True)
 
