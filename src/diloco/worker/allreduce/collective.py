@@ -212,8 +212,9 @@ def reduce_scaled(
 ) -> float:
     """The sum over the quorum of each rank's ``scale * flats``, in place, bucket by bucket (one
     all-reduce each); all zeros on every rank when ``total`` is 0. With ``norm``, returns the
-    result's L2 norm (fp32 per bucket, combined in fp64; NaN or inf if any value is not), taken
-    from each bucket while it is in cache rather than in another pass over the model (else 0)."""
+    result's L2 norm (of the values written back, fp32 per piece, combined in fp64; NaN or inf if
+    any value is not), taken while each bucket is in cache rather than in another pass over the
+    model (else 0)."""
     if total == 0.0:
         for flat in flats:
             flat.zero_()
@@ -228,10 +229,13 @@ def reduce_scaled(
             else:
                 _scaled_copy(part, own, scale)
         quorum.collective("all-reduce", allreduce_work(bucket, quorum.timeout))
-        if norm:
-            squares += float(torch.linalg.vector_norm(bucket, dtype=torch.float32)) ** 2
         for own, part in pieces:
             own.copy_(part)
+            if norm:
+                # Of the values written back (what the step will apply), while in cache. Not of
+                # a bf16 bucket: its norm in fp32 converts a copy first, 13x the time (190 ms
+                # against 14 ms per 100M parameters on one core).
+                squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
     return math.sqrt(squares)
 
 
