@@ -136,6 +136,12 @@ def report(res: dict[str, Any]) -> str:
             ("first honest sync after the first fault, s", adv["wait_after_first_fault_s"]),
             ("faulty worker's syncs reported", adv["bad_syncs"]),
             ("faulty worker's exits", adv["bad_exits"]),
+            (
+                "server log: contributions left out / workers left out / unagreed claims",
+                " / ".join(
+                    str(adv["server_defences"][k]) for k in ("excluded", "left_out", "unagreed")
+                ),
+            ),
         ]
         if adv["stranger"]:
             st = adv["stranger"]

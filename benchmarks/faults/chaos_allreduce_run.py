@@ -499,5 +499,6 @@ class Run:
             if after and first_fault is not None
             else None,
             "stranger": self.stranger,
+            "server_defences": dict(self.server.defences),
             "last_status": self.server.last_status.get(self.server.starts, {}).get("quorum"),
         }

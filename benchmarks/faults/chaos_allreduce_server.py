@@ -21,6 +21,9 @@ FORMED = re.compile(r"quorum (\S+) formed: (.*) at round (\d+)")
 REGISTERED = re.compile(r"worker (\S+) (?:re-)?registered from")
 DISCARDED = re.compile(r"quorum (\S+) \(round (\d+)\) discarded: (.*)")
 MAJORITY_DIFFERS = "ended with another state than the majority's"
+EXCLUDED = re.compile(r"quorum \S+ left out (.+?) \(\d+ in a row\)")
+LEFT_OUT = re.compile(r"worker (\S+) left out of quorums")
+UNAGREED = re.compile(r"worker (\S+) presented a state the run never agreed on")
 
 
 def short_reason(reason: str) -> str:
@@ -49,6 +52,9 @@ class Server(ServerProcess):
         self.completed = 0
         self.discarded = 0
         self.majority_differs: list[str] = []
+        # Issue 26's defences, as the log names them: a member's contribution left out of a
+        # round by the checks, a worker left out of quorums, a claim of an unagreed state.
+        self.defences = {"excluded": 0, "left_out": 0, "unagreed": 0}
         self.discard_reasons: dict[str, int] = {}
         self.formed_sizes: dict[int, int] = {}  # quorums formed, by their number of members
         self.formed: dict[str, tuple[int, bool]] = {}  # id: start round, formed early
@@ -103,5 +109,11 @@ class Server(ServerProcess):
                 self.discarded += 1
                 reason = short_reason(m.group(3))
                 self.discard_reasons[reason] = self.discard_reasons.get(reason, 0) + 1
+            for what, pattern in (
+                ("excluded", EXCLUDED),
+                ("left_out", LEFT_OUT),
+                ("unagreed", UNAGREED),
+            ):
+                self.defences[what] += bool(pattern.search(line))
             if MAJORITY_DIFFERS in line:
                 self.majority_differs.append(line.strip())

@@ -6,6 +6,7 @@ anything is stored; a quorum's keys live as long as the book says; gloo builds i
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,10 +19,10 @@ from diloco.server.allreduce.rendezvous import KEYS_BASE, KEYS_PER_MEMBER
 from diloco.server.server import DiLoCoServer
 from diloco.server.web.rendezvous_routes import BODY_LIMIT
 from diloco.wire.messages import Rendezvous
-from diloco.wire.messages.rendezvous import KEY_LIMIT, VALUE_LIMIT, encode
+from diloco.wire.messages.rendezvous import KEY_LIMIT, VALUE_LIMIT, StoreGet, encode
 from diloco.worker.allreduce.collective import QuorumCollective, average
 from diloco.worker.allreduce.http_store import HttpMeeting
-from diloco.worker.transport.client import DiLoCoClient
+from diloco.worker.transport.client import DiLoCoClient, Unreachable
 from tests.helpers.http import AUTH, TOKEN, assert_error, post_json
 from tests.helpers.servers import ServerFactory
 from tests.helpers.threads import in_threads
@@ -212,3 +213,16 @@ def test_members_in_threads_build_gloo_through_the_store_and_average(
         torch.testing.assert_close(got[0], torch.full((5,), mean))
     # Each member's joining thread closed its HTTP session: nothing left per round.
     assert all(not c._sessions for c in clients)
+
+
+def test_a_rendezvous_call_is_tried_once_the_keys_died_with_the_server() -> None:
+    """A server that cannot be reached has lost its quorums' keys (a restarted one never knew
+    them): the call fails at once instead of holding the member away from registering again
+    through the client's retries (here 5, with a backoff that would take seconds)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    client = DiLoCoClient(f"127.0.0.1:{port}", retries=5, backoff=5.0, connect_timeout=2.0)
+    with pytest.raises(Unreachable, match="after 1 attempts"):
+        client.rendezvous("/rendezvous", "get", StoreGet(worker_id="w0", quorum_id="q-1", key="0"))
+    assert client.retry_count == 0

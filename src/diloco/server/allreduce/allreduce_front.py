@@ -89,8 +89,12 @@ class AllReduceFront:
             collective_timeout=config.collective_timeout,
             poll_margin=config.poll_timeout,
             save_every=config.save_every,
-            # As the server mode holds a resumed round for the heartbeat timeout.
-            resume_grace=config.heartbeat_timeout,
+            # As the server mode holds a resumed round for the heartbeat timeout; and at least
+            # as long as a member of the quorum open when the server died may be held by its
+            # join (twice the collective timeout plus a second, worker/allreduce/connect.py):
+            # else the first worker back goes on alone and its rounds are lost when a majority
+            # returns with an older state (seen under chaos, issue 26).
+            resume_grace=max(config.heartbeat_timeout, 2 * config.collective_timeout + 1.0),
             heartbeat_of=self._heartbeat_of,
         )
         #: The keys each quorum meets at, while the server runs (``open``).

@@ -219,9 +219,12 @@ class DiLoCoClient:
         delay = min(self.max_backoff, self.backoff * 2**attempt)
         time.sleep(delay * (0.5 + self._rng.random() / 2))
 
-    def _with_retries(self, what: str, call: Callable[[], Any]) -> Any:
+    def _with_retries(
+        self, what: str, call: Callable[[], Any], retries: int | None = None
+    ) -> Any:
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
                 self.retry_count += 1
                 self._sleep_before(attempt - 1)
@@ -229,21 +232,19 @@ class DiLoCoClient:
                 return call()
             except NETWORK_ERRORS as exc:
                 last = exc
-                log.warning(
-                    "%s: attempt %d/%d failed: %s", what, attempt + 1, self.retries + 1, exc
-                )
+                log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, retries + 1, exc)
             except ServerError as exc:
                 if exc.status not in RETRY_STATUSES:
                     raise
                 last = exc
-                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, self.retries + 1, exc)
+                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, retries + 1, exc)
             except WireError as exc:
                 if exc.code != "truncated":
                     raise
                 last = exc  # the connection dropped mid-body
-                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, self.retries + 1, exc)
+                log.warning("%s: attempt %d/%d: %s", what, attempt + 1, retries + 1, exc)
         raise Unreachable(
-            f"{what}: {self.base_url} unreachable after {self.retries + 1} attempts: {last}"
+            f"{what}: {self.base_url} unreachable after {retries + 1} attempts: {last}"
         ) from last
 
     @staticmethod
@@ -251,7 +252,12 @@ class DiLoCoClient:
         return _reply_or_raise(resp.status_code, resp.content)
 
     def _json(
-        self, method: str, path: str, body: dict[str, Any] | None = None, **params: Any
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        _retries: int | None = None,
+        **params: Any,
     ) -> dict[str, Any]:
         def call() -> dict[str, Any]:
             resp = self._session.request(
@@ -259,7 +265,7 @@ class DiLoCoClient:
             )
             return self._json_or_raise(resp)
 
-        return self._with_retries(f"{method} {path}", call)
+        return self._with_retries(f"{method} {path}", call, _retries)
 
     # --- JSON endpoints -----------------------------------------------------------------------
     # Bodies are built by their message classes (``diloco.wire.messages``); replies come back as
@@ -343,8 +349,10 @@ class DiLoCoClient:
     def rendezvous(self, path: str, op: str, body: StoreCall) -> dict[str, Any]:
         """All-reduce mode: one call on a quorum's rendezvous keys (``POST <path>/<op>``,
         ``messages/rendezvous.py``), with this client's token, TLS, timeouts and retries. A
-        wait in ``body`` must end within the read timeout."""
-        return self._json("POST", f"{path}/{op}", body.to_json())
+        wait in ``body`` must end within the read timeout. One attempt: the keys live in the
+        server process, so a server that cannot be reached has lost the quorum (a restarted one
+        never knew it); retrying would only hold the member away from registering again."""
+        return self._json("POST", f"{path}/{op}", body.to_json(), _retries=0)
 
     def deregister(self, worker_id: str) -> dict[str, Any]:
         """``Deregister``; the reply is a ``Deregistered``."""
