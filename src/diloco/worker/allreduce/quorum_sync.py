@@ -403,7 +403,7 @@ class QuorumSync:
             raise QuorumFailed(q.quorum_id, f"state received has hash {got}, expected {q.hash}")
         uncertain, self._uncertain = self._uncertain, None
         if self._restarting:
-            self._take_state()
+            self._payload.take_state()  # its progress, excluded too often, is dropped
         elif uncertain is not None and uncertain[0] == q.made_by:
             # The state received was made by the quorum whose commit point failed here: this
             # worker's pseudo-gradient is in it, so its progress up to then must not count
@@ -415,19 +415,6 @@ class QuorumSync:
         s.base_round = q.round
         self._hash = got
         s.metrics["rebases"] += 1
-
-    def _take_state(self) -> None:
-        """Rejoining after too many exclusions: the model takes the state received; the local
-        progress the checks kept refusing is dropped (counted)."""
-        s = self._s
-        s.local.adopt_all()
-        dropped, s.local_step, s.samples = s.local_step, 0, 0.0
-        s.metrics["dropped_steps"] += dropped
-        log.warning(
-            "worker %s: rejoined with the run's state (%d local steps dropped)",
-            s.worker_id,
-            dropped,
-        )
 
     def _report(self, q: Assignment, **outcome: Any) -> None:
         """Tell the server how the round ended here (``QuorumOutcome``)."""
