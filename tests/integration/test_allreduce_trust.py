@@ -24,7 +24,8 @@ from tests.helpers.http import assert_error, post_json, post_raw
 from tests.helpers.threads import in_threads
 
 TABLE = [["b", [4]], ["w", [3, 4]]]
-BOOK = "diloco.server.allreduce.quorum_book"
+AGREEMENT = "diloco.server.allreduce.agreement"
+SUSPECTS = "diloco.server.allreduce.suspects"
 Results = list[tuple[dict[str, torch.Tensor], dict[str, float]]]
 
 
@@ -80,7 +81,7 @@ def test_a_member_claiming_a_state_the_run_never_agreed_on_is_refused(
     rounds = ROUNDS + 1
     with DiLoCoServer(config) as srv:
         reference = run_workers(srv.address, 3, rounds)
-    with caplog.at_level(logging.WARNING, logger=BOOK), DiLoCoServer(config) as srv:
+    with caplog.at_level(logging.WARNING, logger=AGREEMENT), DiLoCoServer(config) as srv:
         results = run_workers(srv.address, 3, rounds, after_sync=claim)
         status = srv.status()
     assert claimed.is_set()
@@ -193,7 +194,7 @@ def test_a_member_dead_between_its_commit_point_and_its_report_holds_nobody(
     done: list[int] = []
     monkeypatch.setattr(QuorumSync, "_report", report)
     config = ServerConfig(port=0, num_workers=3, allreduce=True, heartbeat_timeout=60.0)
-    with caplog.at_level(logging.WARNING, logger=BOOK), DiLoCoServer(config) as srv:
+    with caplog.at_level(logging.WARNING, logger=SUSPECTS), DiLoCoServer(config) as srv:
         results = run_workers(srv.address, 3, ROUNDS + 2, after_sync=note)
         status = srv.status()
     assert dead.is_set() and survivors_done.is_set()

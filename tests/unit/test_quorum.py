@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from diloco.server.allreduce.quorum_book import QuorumBook, Ticket
-from diloco.server.allreduce.quorum_records import Choice, choose, learn
+from diloco.server.allreduce.agreement import learn
+from diloco.server.allreduce.quorum_book import QuorumBook
+from diloco.server.allreduce.quorum_records import Choice, choose
+from diloco.server.allreduce.waiting import Ticket
 from diloco.server.errors import ApiError
 from diloco.wire import WireError
 from diloco.wire.messages import QuorumAsk as Ask

@@ -1,6 +1,7 @@
 """The quorum book's record of the members the checks left out (server/allreduce/quorum_book.py
-``note_excluded``, ``consecutive_exclusions``): counted once per quorum, reset by a completed
-quorum that admitted the member or by its registration, shown in the status summary."""
+``note_excluded``, ``consecutive_exclusions``; counted in server/allreduce/exclusions.py):
+counted once per quorum, reset by a completed quorum that admitted the member or by its
+registration, shown in the status summary."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_exclusions_are_counted_once_per_quorum_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     b = book()
-    with caplog.at_level(logging.WARNING, logger="diloco.server.allreduce.quorum_book"):
+    with caplog.at_level(logging.WARNING, logger="diloco.server.allreduce.exclusions"):
         qid = round_(b, 0, ("w2",))
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert warnings == [

@@ -1,15 +1,21 @@
 """All-reduce mode's quorum records (``server/allreduce/quorum_book.py`` keeps them): where a
-quorum starts (``choose``, pure), the states the run agreed (``Agreed``) and what a restarted
-server learns of them (``learn``), an open quorum and its outcomes, and an ended one. What
-``GET /status`` shows of them is ``server/observe/records.py``'s ``QuorumStatus``."""
+quorum starts (``choose``, pure), an open quorum and its outcomes (``QuorumRecord``: the
+assignment it hands each member, the state most members report), and the quorums that ended
+(``Finished``). The states the run agreed on, which ``choose`` is told, are ``agreement.py``'s;
+the requests waiting for a quorum are ``waiting.py``'s. What ``GET /status`` shows of them is
+``server/observe/records.py``'s ``QuorumStatus``."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from diloco.wire.messages import QuorumAsk, QuorumOutcome
+from diloco.server.errors import ApiError, bad_request, conflict
+from diloco.wire.messages import Assignment, QuorumAsk, QuorumOutcome, Rendezvous
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,55 +56,9 @@ def choose(
     return Choice(top, chosen, source, resync)
 
 
-def learn(asks: Sequence[QuorumAsk]) -> tuple[int, str] | None:
-    """What a server without records (it restarted) takes as the run's agreed state from the
-    members of its first quorum (by rank): the (round, hash) more than half of them hold;
-    without such a majority the most common, ties to the lower round (a member claiming rounds
-    the run never reached claims higher ones), then to the lowest rank. None: nobody holds
-    state."""
-    held = [(a.round, a.hash) for a in asks if a.holds]
-    if not held:
-        return None
-    counts = Counter(held)
-    most = max(counts.values())
-    if 2 * most > len(asks):
-        return next(s for s in held if counts[s] == most)
-    lowest = min(r for (r, _), c in counts.items() if c == most)
-    return next(s for s in held if counts[s] == most and s[0] == lowest)
-
-
-AGREED_KEPT = 100_000
-"""Agreed states remembered (about 150 bytes each: 15 MB at most). A claim older than all of
-them is refused like one never agreed: the worker then presents no state and receives the
-run's, which is what an older state would have got it anyway."""
-
-
-class Agreed:
-    """The (round, hash) states the run agreed on: each completed quorum's majority state, the
-    state a strict majority of a discarded quorum's members reported after its commit point (the
-    two generals), or what a restarted server learned (``learn``). Only these may be a quorum's
-    source."""
-
-    def __init__(self) -> None:
-        self._how: OrderedDict[tuple[int, str], str] = OrderedDict()
-        self.latest: tuple[int, str] | None = None  # the highest round agreed
-
-    def add(self, state: tuple[int, str], how: str) -> bool:
-        """Record ``state`` (``how`` it was agreed, for the log); False if it already was."""
-        if state in self._how:
-            return False
-        self._how[state] = how
-        while len(self._how) > AGREED_KEPT:
-            self._how.popitem(last=False)
-        if self.latest is None or state[0] >= self.latest[0]:
-            self.latest = state
-        return True
-
-    def __contains__(self, state: object) -> bool:
-        return state in self._how
-
-    def __len__(self) -> int:
-        return len(self._how)
+FINISHED_KEPT = 256
+"""Ended quorums remembered (and the states they made, ``agreement.py``), so a late or retried
+outcome gets its answer and not a 404."""
 
 
 @dataclass
@@ -114,6 +74,60 @@ class QuorumRecord:
     outcomes: dict[str, QuorumOutcome] = field(default_factory=dict)
     first_report: float | None = None  # when the first outcome came (a death after commit)
 
+    def assignment(self, rank: int, meet: Rendezvous, timeout: float, made_by: str) -> Assignment:
+        """The quorum reply of the member at ``rank``."""
+        start = self.start
+        return Assignment(
+            quorum_id=self.id,
+            rank=rank,
+            size=len(self.members),
+            members=self.members,
+            round=start.round,
+            hash=start.hash,
+            source=start.source,
+            resync=start.resync,
+            rendezvous=meet,
+            timeout=timeout,
+            save=self.save,
+            made_by=made_by,
+        )
+
+    def check(self, outcome: QuorumOutcome) -> None:
+        """409 ``not_a_member``; 400 for an ok outcome at another round than the quorum's + 1
+        (a step) or the quorum's (none)."""
+        check_member(outcome.worker_id, self.id, self.members)
+        start = self.start.round
+        if outcome.ok and outcome.round not in (start, start + 1):
+            raise bad_request(
+                "bad_field",
+                f"'round' must be {start + 1} (the quorum's round + 1), or {start} when no step "
+                f"was taken; got {outcome.round}",
+            )
+
+    def missing(self) -> list[str]:
+        """The members that have not reported, by rank."""
+        return [w for w in self.members if w not in self.outcomes]
+
+    def majority(self) -> tuple[tuple[int, str], list[str], list[str]]:
+        """The state most members that reported report (ties: the lowest rank's), those that
+        reported, and those of them that report another state."""
+        reported = [w for w in self.members if w in self.outcomes]
+        results = [(self.outcomes[w].round, self.outcomes[w].hash) for w in reported]
+        counts = Counter(results)
+        new_round, new_hash = next(r for r in results if counts[r] == max(counts.values()))
+        assert new_round is not None
+        diverged = [w for w, r in zip(reported, results, strict=True) if r != (new_round, new_hash)]
+        return (new_round, new_hash), reported, diverged
+
+    def made(self) -> dict[str, tuple[int, str]]:
+        """The states members reported after applying the step (they passed the commit point)."""
+        after = self.start.round + 1
+        return {
+            w: (o.round, o.hash)
+            for w, o in self.outcomes.items()
+            if o.ok and o.round is not None and o.round == after
+        }
+
 
 @dataclass(frozen=True)
 class Ended:
@@ -126,3 +140,57 @@ class Ended:
     # Discarded: the states members reported ok (they passed the commit point), by worker; a
     # strict majority of the members on one makes it agreed (the two generals).
     made: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+class Finished:
+    """The quorums that ended (the last ``FINISHED_KEPT``), and the ones whose rendezvous keys
+    are still to go."""
+
+    def __init__(self) -> None:
+        self._ended: OrderedDict[str, Ended] = OrderedDict()
+        self._to_forget: list[str] = []
+
+    def get(self, qid: str) -> Ended | None:
+        return self._ended.get(qid)
+
+    def of(self, outcome: QuorumOutcome) -> Ended:
+        """The ended quorum an outcome is reported to: 404 ``unknown_quorum`` for an id this
+        server never formed (it restarted: ask for a new quorum), 409 ``not_a_member``."""
+        qid = outcome.quorum_id
+        ended = self._ended.get(qid)
+        if ended is None:
+            raise ApiError(
+                404,
+                "unknown_quorum",
+                f"no quorum {qid!r} here (the server restarted?): ask for a new quorum",
+            )
+        check_member(outcome.worker_id, qid, ended.members)
+        return ended
+
+    def add(self, qid: str, ended: Ended, forget: Callable[[str], object] | None) -> None:
+        """Quorum ``qid`` ended. A discarded quorum's members may still be connecting: its keys
+        go (``forget``) once a later quorum completes (by then each of them has timed out or
+        moved on)."""
+        self._ended[qid] = ended
+        while len(self._ended) > FINISHED_KEPT:
+            self._ended.popitem(last=False)
+        self._to_forget.append(qid)
+        if ended.status == "recorded" and forget is not None:
+            for gone in self._to_forget:
+                try:
+                    forget(gone)
+                except Exception:  # the store is a cache of connection details, not state
+                    log.exception("could not drop the rendezvous keys of quorum %s", gone)
+            self._to_forget.clear()
+
+
+def check_member(worker: str, qid: str, members: tuple[str, ...]) -> None:
+    """409 ``not_a_member`` unless ``worker`` is one of quorum ``qid``'s ``members``."""
+    if worker not in members:
+        raise conflict("not_a_member", f"worker {worker!r} is not a member of quorum {qid!r}")
+
+
+def failure(outcome: QuorumOutcome) -> str:
+    """Why a member's failed outcome discards its quorum, for the log and the late reports."""
+    stage = f" at {outcome.stage}" if outcome.stage else ""
+    return f"member {outcome.worker_id} failed{stage}: {outcome.error or 'no reason given'}"

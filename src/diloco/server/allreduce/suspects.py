@@ -1,6 +1,6 @@
-"""All-reduce mode: who the next quorum does without. Members of a failed quorum that went
-silent, left out of the next quorum before the heartbeat timeout evicts them (``Suspects``), and
-workers left out although they ask (``LeftOut``: below).
+"""All-reduce mode: members of a failed quorum that went silent, left out of the next quorum
+before the heartbeat timeout evicts them (``Suspects``). Workers left out although they ask are
+``leaves.py``'s.
 
 A quorum waits for every live worker. When a member dies inside a collective, the others'
 collective fails within milliseconds and they ask again; without this the next quorum would
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diloco.server.allreduce.quorum_records import QuorumRecord
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,31 @@ class Suspects:
     def __contains__(self, worker: object) -> bool:
         return worker in self._since
 
+    def gone_after_reports(self, q: QuorumRecord, now: float) -> bool:
+        """An open quorum some members reported to, all ok: True when each member that did not
+        went silent since the first report (``quiet``: it died after the commit point, before
+        its report), and then they are suspects; the quorum may complete with the reports
+        present."""
+        assert q.first_report is not None
+        if not all(o.ok for o in q.outcomes.values()):
+            return False
+        missing = q.missing()
+        gone = {w: quiet(self._heartbeat_of, w, q.first_report, now) for w in missing}
+        if any(since is None for since in gone.values()):
+            return False
+        log.warning(
+            "quorum %s: %s silent since the first report %.2f s ago: completed with the "
+            "reports of %s; they are left out of the next quorum until heard from",
+            q.id,
+            ", ".join(missing),
+            now - q.first_report,
+            ", ".join(sorted(q.outcomes)),
+        )
+        for worker, since in gone.items():
+            assert since is not None
+            self.failed([worker], (), since)  # silent since then: a suspect now
+        return True
+
 
 def quiet(heartbeat_of: HeartbeatOf, worker: str, since: float, now: float) -> float | None:
     """When ``worker`` went silent, if it has sent nothing since ``since`` or its last
@@ -81,118 +109,3 @@ def quiet(heartbeat_of: HeartbeatOf, worker: str, since: float, now: float) -> f
     last_seen, interval = beat
     start = max(since, last_seen)
     return start if interval > 0 and now >= start + 2 * interval + MARGIN_S else None
-
-
-BLAME_AFTER = 2
-"""Quorums discarded in a row (a join or a collective failed) before a member of the last is
-left out."""
-LEAVE_CAP = 32
-"""The longest leave, in first leaves: a worker left out again without completing a quorum in
-between stays out twice as long as the time before."""
-EXCLUSIONS_LEFT_OUT = 3
-"""Rounds in a row whose checks left a worker's contribution out (``QuorumOutcome.excluded``)
-before it is left out of quorums until it registers again."""
-
-
-@dataclass(frozen=True)
-class Leave:
-    """Why a worker is left out of quorums, and until when (``inf``: until it registers
-    again, ``rejoin``)."""
-
-    reason: str
-    until: float
-    rejoin: bool = False
-
-
-class LeftOut:
-    """Workers the next quorums do without although they ask: blamed for failed joins or
-    collectives, or excluded by the checks too often.
-
-    A failed join fails on every member, so one failure blames nobody. When ``BLAME_AFTER``
-    quorums are discarded in a row (whatever their members: a quorum formed without a member
-    slower to ask again must not start the count over), the member of the last whose last
-    completed quorum is oldest is left out (one that never completed one first: a newcomer behind a firewall);
-    among equals the one blamed least, then the next in turn. Workers blamed since the last
-    completed quorum that are not among the members failing again were blamed wrongly: their
-    leave ends (so a tie at a fresh start tries each candidate once, and cannot livelock). A
-    leave lasts ``base`` seconds, doubled each time the worker is left out again before it
-    completes a quorum (capped at ``LEAVE_CAP * base``); then it is tried again."""
-
-    def __init__(self, base: float) -> None:
-        self.base = base
-        self._failed = 0  # quorums discarded in a row
-        self._last_done: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}  # leaves since its last completed quorum
-        self._blamed: dict[str, int] = {}
-        self._turn = 0
-        self._leaves: dict[str, Leave] = {}
-        self._since_done: list[str] = []  # blamed since the last completed quorum
-
-    def completed(self, members: Iterable[str], now: float) -> None:
-        for member in members:
-            self._last_done[member] = now
-            self._strikes.pop(member, None)
-        self._failed = 0
-        self._since_done.clear()
-
-    def failed(self, members: tuple[str, ...], now: float) -> tuple[str, Leave] | None:
-        """A quorum of ``members`` was discarded (a join or collective failed): the member left
-        out because of it, if any."""
-        self._failed += 1
-        if self._failed < BLAME_AFTER or len(members) < 2:
-            return None
-        self._failed = 0
-        for wrongly in [w for w in self._since_done if w not in members]:
-            self._since_done.remove(wrongly)  # the others fail without it too
-            self._strikes[wrongly] = max(0, self._strikes.get(wrongly, 1) - 1)
-            leave = self._leaves.get(wrongly)
-            if leave is not None and not leave.rejoin:
-                del self._leaves[wrongly]
-                log.info("worker %s is tried again: quorums fail without it too", wrongly)
-        never = -float("inf")
-        oldest = min(self._last_done.get(m, never) for m in members)
-        tied = [m for m in members if self._last_done.get(m, never) == oldest]
-        least = min(self._blamed.get(m, 0) for m in tied)
-        tied = [m for m in tied if self._blamed.get(m, 0) == least]
-        worker = tied[self._turn % len(tied)]
-        self._turn += 1
-        self._blamed[worker] = self._blamed.get(worker, 0) + 1
-        strikes = self._strikes[worker] = self._strikes.get(worker, 0) + 1
-        span = self.base * min(2 ** (strikes - 1), LEAVE_CAP)
-        done = "never completed one" if oldest == never else "completed one longest ago"
-        leave = Leave(
-            f"{BLAME_AFTER} quorums failed in a row (join or collective), the last of "
-            f"{', '.join(members)}, and of them it {done}; tried again after {span:g} s",
-            now + span,
-        )
-        self._leaves[worker] = leave
-        self._since_done.append(worker)
-        return worker, leave
-
-    def exclude(self, worker: str) -> Leave:
-        """Left out until it registers again (``EXCLUSIONS_LEFT_OUT`` exclusions in a row)."""
-        leave = Leave(
-            f"its contribution was excluded {EXCLUSIONS_LEFT_OUT} rounds in a row; register "
-            "again and join with weight 0 (receiving the run's state)",
-            float("inf"),
-            rejoin=True,
-        )
-        self._leaves[worker] = leave
-        return leave
-
-    def registered(self, worker: str) -> None:
-        """It registered again: a leave until then ends (a blame's runs its time)."""
-        leave = self._leaves.get(worker)
-        if leave is not None and leave.rejoin:
-            del self._leaves[worker]
-
-    def of(self, worker: str, now: float) -> Leave | None:
-        """Its leave, if still running (one that ran out is dropped: on probation)."""
-        leave = self._leaves.get(worker)
-        if leave is not None and now >= leave.until:
-            del self._leaves[worker]
-            return None
-        return leave
-
-    def current(self, now: float) -> dict[str, Leave]:
-        return {w: leave for w in list(self._leaves) if (leave := self.of(w, now)) is not None}

@@ -1,5 +1,6 @@
 """The checks that keep a faulty member's pseudo-gradient out of a quorum's average
-(docs/design/allreduce.md, "Checks"): ``checked_average``, the quorum loop's average.
+(docs/design/allreduce.md, "Checks"): ``checked_average``, the quorum loop's average, and
+``name_excluded``, the members it left out as the outcome and the logs name them.
 
 Cost: one pass over the member's pseudo-gradient for its norm and finiteness, one tiny
 all-reduce of three scalars per member, and the average's norm taken from each bucket while it is
@@ -9,6 +10,7 @@ in cache; the tensor all-reduce itself is ``collective.reduce_scaled``'s, one pe
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.core.robust import Verdict, global_norm, judge
+from diloco.wire.messages import Assignment
 from diloco.wire.messages.uploads import MAX_WEIGHT
 from diloco.worker.allreduce.collective import (
     BUCKET_BYTES,
@@ -26,6 +29,8 @@ from diloco.worker.allreduce.collective import (
     reduce_scaled,
     table_of,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,3 +134,32 @@ def exchange(
     quorum.collective("norm exchange", allreduce_work(table, quorum.timeout))
     rows = table.cpu().tolist()
     return [r[0] == 1.0 for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def name_excluded(
+    worker: str | None, q: Assignment, averaged: Averaged
+) -> tuple[tuple[str, ...], bool]:
+    """The members of quorum ``q`` the checks left out, by worker id (for its outcome), and
+    whether this worker (``q.rank``) is one; logged: a warning naming them and why, and an error
+    on the member left out."""
+    verdict = averaged.verdict
+    if not verdict.excluded:
+        return (), False
+    names = [q.members[r] if r < len(q.members) else f"rank {r}" for r in verdict.excluded]
+    log.warning(
+        "worker %s: quorum %s left out %s",
+        worker,
+        q.quorum_id,
+        "; ".join(
+            f"{n} ({verdict.reasons[r]})" for n, r in zip(names, verdict.excluded, strict=True)
+        ),
+    )
+    mine = q.rank in verdict.excluded
+    if mine:
+        log.error(
+            "worker %s: its contribution to quorum %s was dropped: %s",
+            worker,
+            q.quorum_id,
+            verdict.reasons[q.rank],
+        )
+    return tuple(names), mine

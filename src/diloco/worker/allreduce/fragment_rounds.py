@@ -279,7 +279,8 @@ class FragmentRounds:
 
     def completed(self) -> None:
         k = self._filled
-        self._marks[k] = self._fill_mark
+        if not self._left_out:  # a part left out was not contributed: the merge counts it
+            self._marks[k] = self._fill_mark
         if not self._background:  # inline: merge before training goes on
             self._merge_round(k)
         # ``samples`` stays cumulative here: each fragment's weight is its difference since
@@ -298,6 +299,20 @@ class FragmentRounds:
             "fragment takes that state",
             s.worker_id,
             k,
+        )
+
+    def take_state(self) -> None:
+        """Every fragment takes the state received; the steps since the oldest fragment's last
+        contribution are dropped (counted once: a left-out merge reset the marks), and every
+        fragment's mark starts again, so no fragment's next weight counts them. ``samples``
+        stays cumulative (the marks hold it)."""
+        s = self._s
+        s.local.adopt_all()
+        dropped = s.total_steps - min(steps for steps, _ in self._marks)
+        self._marks = [(s.total_steps, s.samples)] * len(self._plan)
+        self._left_out = False  # the whole model took the state: no merge of it is left to do
+        s.drop_steps(
+            dropped, "worker %s: rejoined with the run's state (%d local steps dropped)", dropped
         )
 
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:

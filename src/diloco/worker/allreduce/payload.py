@@ -7,7 +7,8 @@ The loop owns everything else of a round and calls the payload at fixed points:
     after_step / sync_now (the schedule)  ->  rounds.sync() or rounds.attempts()
       ask for a quorum (telling weight_now(weighted)), build its collective
       receiving_state(q)                  (only when this worker must receive the state)
-      broadcast of the state, hash checked, rebase or settle_counted(q, steps)
+      broadcast of the state, hash checked, then rebase, settle_counted(q, steps) or
+        take_state() (a worker rejoining after too many exclusions)
       contribution(q, weighted)           -> tensors and weight; checked average, commit point
       step(q)                             (only when the admitted weights summed to more than 0)
       left_out(q)                         (only when the checks left this worker's part out)
@@ -122,6 +123,15 @@ class Payload(Protocol):
         this worker's contribution was in its average (``steps_then``: ``total_steps`` then):
         that progress is in the state and must not count again. The model takes the state for
         the share that was counted; any steps dropped with it are counted and logged."""
+        ...
+
+    def take_state(self) -> None:
+        """The worker rejoins after the checks excluded it too often (409 ``left_out``, action
+        ``rejoin``) and has just received the run's state: its whole model takes that state, the
+        progress it drops is counted once in ``dropped_steps`` (the steps since the oldest
+        contribution still uncounted: none counted before by a left-out merge, none again
+        later), and every counter of what it trained starts again, so that no later round
+        weighs progress it no longer holds. The model is safe to write (``receiving_state``)."""
         ...
 
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -33,7 +33,9 @@ names it, ``made_by``), they take it without keeping their already counted progr
 one such round, receiving the state if its own differs) takes no step.
 
 What a round averages and when one is due is the payload's (``allreduce/payload.py``); this
-loop is the same for both.
+loop is the same for both. The server's refusals (a state not agreed, a worker left out) set
+this worker's ``Standing`` (``allreduce/standing.py``); the members the checks left out are
+named by ``average_checks.name_excluded``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 
 from diloco.core import rebase_, to_progress_
 from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
-from diloco.worker.allreduce.average_checks import Averaged, checked_average
+from diloco.worker.allreduce.average_checks import checked_average, name_excluded
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
@@ -60,6 +62,7 @@ from diloco.worker.allreduce.collective import (
 from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
+from diloco.worker.allreduce.standing import Standing
 from diloco.worker.session import Session
 from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
@@ -87,15 +90,7 @@ class QuorumSync:
         # The model holds progress over a snapshot that is being replaced (a broadcast to this
         # worker broke off): it presents no state and syncs until it receives one.
         self._needs_state = False
-        # The server refused the state this worker presented (409 ``unagreed_state``: the run
-        # never agreed on it): it presents none until it receives the run's, keeping its
-        # progress on top (the model still holds full parameters, not progress).
-        self._disowned = False
-        # Left out until it registers again (409 ``left_out``, action ``rejoin``: the checks
-        # excluded it too often): it registers again, receives the run's state in place of its
-        # own (its local progress is dropped) and contributes weight 0 to that round.
-        self._restarting = False
-        self._left_out_said = False  # the warning is logged once per leave
+        self._standing = Standing(session)  # what the server's refusals told this worker
         # A quorum whose commit point failed here after this worker's pseudo-gradient was in
         # its complete average, and the total steps then: the others may have applied it.
         self._uncertain: tuple[str, int] | None = None
@@ -122,14 +117,14 @@ class QuorumSync:
         s = self._s
         while True:
             try:
-                self._rejoin_if_forgotten()
+                self._standing.rejoin_if_forgotten()
                 if self._one_sync(weighted=False) == "done":
                     return
             except UnknownWorker:
                 s.need_rejoin.set()
             except Conflict as exc:
                 if exc.code == "left_out":  # the others go on without it: it trains alone
-                    self._was_left_out(exc)
+                    self._standing.left_out(exc)
                     return
                 log.warning("worker %s: waiting to join a quorum: %s", s.worker_id, exc)
             except SYNC_FAILURES as exc:
@@ -183,15 +178,15 @@ class QuorumSync:
         discarded = 0
         while True:
             try:
-                self._rejoin_if_forgotten()
-                outcome = self._one_sync(weighted=not self._restarting)
+                self._standing.rejoin_if_forgotten()
+                outcome = self._one_sync(weighted=not self._standing.restarting)
             except UnknownWorker:
                 s.need_rejoin.set()
                 continue
             except Conflict as exc:
                 s.metrics["failed_syncs"] += 1
                 if exc.code == "left_out":
-                    self._was_left_out(exc)
+                    self._standing.left_out(exc)
                 else:
                     log.warning("worker %s: sync failed: %s", s.worker_id, exc)
                 return False
@@ -204,7 +199,7 @@ class QuorumSync:
             if outcome == "done":
                 s.metrics["rounds"] += 1
                 self._payload.completed()
-                self._restarting = self._left_out_said = False
+                self._standing.completed()
                 return True
             if outcome == "refused":
                 continue  # it asks again at once, presenting no state
@@ -221,26 +216,7 @@ class QuorumSync:
                 )
                 return False
 
-    def _was_left_out(self, exc: Conflict) -> None:
-        """409 ``left_out``: no quorum this sync, training goes on alone (logged once per
-        leave). With action ``rejoin`` it registers again before its next quorum, and that
-        quorum gives it the run's state."""
-        s = self._s
-        if exc.reply.action == "rejoin":
-            s.need_rejoin.set()
-            self._restarting = self._disowned = True
-        if not self._left_out_said:
-            self._left_out_said = True
-            log.warning("worker %s: %s; training goes on alone", s.worker_id, exc.detail)
-
     # --- one round ------------------------------------------------------------------------------
-
-    def _rejoin_if_forgotten(self) -> None:
-        """Register again when the server forgot this worker (evicted, restarted: a 410)."""
-        s = self._s
-        if s.need_rejoin.is_set():
-            s.rejoin()
-            s.need_rejoin.clear()
 
     def _one_sync(self, *, weighted: bool) -> str:
         """Ask for a quorum and run its round: ``"done"``, ``"pending"`` (the long poll ended
@@ -248,7 +224,7 @@ class QuorumSync:
         ``"refused"`` (the server refused the state presented: the next ask presents none)."""
         s = self._s
         assert s.worker_id is not None
-        unsure = self._needs_state or self._disowned
+        unsure = self._needs_state or self._standing.disowned
         try:
             reply = s.client.quorum(
                 s.worker_id,
@@ -257,14 +233,8 @@ class QuorumSync:
                 weight=self._payload.weight_now(weighted),
             )
         except Conflict as exc:
-            if exc.code != "unagreed_state" or unsure:
+            if not self._standing.refused(exc, presented=not unsure):
                 raise
-            log.warning(
-                "worker %s: %s; asking again with no state (its progress is kept)",
-                s.worker_id,
-                exc.detail,
-            )
-            self._disowned = True
             return "refused"
         q = quorum_reply(reply)
         if isinstance(q, Pending):
@@ -318,7 +288,9 @@ class QuorumSync:
             averaged = checked_average(
                 quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
             )
-        left_out = self._note_exclusions(q, averaged)
+        self._excluded, left_out = name_excluded(self._s.worker_id, q, averaged)
+        if left_out:
+            self._s.metrics["excluded_rounds"] += 1
         # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
         # way); the HTTP bytes stay in bytes_up/bytes_down.
         itemsize = torch.empty((), dtype=comm).element_size()
@@ -358,32 +330,6 @@ class QuorumSync:
             raise QuorumFailed(q.quorum_id, "the members' averages differ", stage="commit")
         return averaged.total, left_out
 
-    def _note_exclusions(self, q: Assignment, averaged: Averaged) -> bool:
-        """Log and count the members the checks left out; whether this worker is one."""
-        s, verdict = self._s, averaged.verdict
-        if not verdict.excluded:
-            return False
-        names = [q.members[r] if r < len(q.members) else f"rank {r}" for r in verdict.excluded]
-        self._excluded = tuple(names)
-        log.warning(
-            "worker %s: quorum %s left out %s",
-            s.worker_id,
-            q.quorum_id,
-            "; ".join(
-                f"{n} ({verdict.reasons[r]})" for n, r in zip(names, verdict.excluded, strict=True)
-            ),
-        )
-        if q.rank not in verdict.excluded:
-            return False
-        s.metrics["excluded_rounds"] += 1
-        log.error(
-            "worker %s: its contribution to quorum %s was dropped: %s",
-            s.worker_id,
-            q.quorum_id,
-            verdict.reasons[q.rank],
-        )
-        return True
-
     def _share_state(self, quorum: QuorumCollective, q: Assignment) -> None:
         """The source's state to every member (those that hold it receive the same bytes); a
         member that needed it keeps its local progress on top (a rebase) once the agreed hash
@@ -402,8 +348,8 @@ class QuorumSync:
         if got != q.hash:
             raise QuorumFailed(q.quorum_id, f"state received has hash {got}, expected {q.hash}")
         uncertain, self._uncertain = self._uncertain, None
-        if self._restarting:
-            self._take_state()
+        if self._standing.restarting:
+            self._payload.take_state()  # its progress, excluded too often, is dropped
         elif uncertain is not None and uncertain[0] == q.made_by:
             # The state received was made by the quorum whose commit point failed here: this
             # worker's pseudo-gradient is in it, so its progress up to then must not count
@@ -411,23 +357,11 @@ class QuorumSync:
             self._payload.settle_counted(q, uncertain[1])
         else:
             local.each_param(rebase_)
-        self._needs_state = self._disowned = False
+        self._needs_state = False
+        self._standing.received()
         s.base_round = q.round
         self._hash = got
         s.metrics["rebases"] += 1
-
-    def _take_state(self) -> None:
-        """Rejoining after too many exclusions: the model takes the state received; the local
-        progress the checks kept refusing is dropped (counted)."""
-        s = self._s
-        s.local.adopt_all()
-        dropped, s.local_step, s.samples = s.local_step, 0, 0.0
-        s.metrics["dropped_steps"] += dropped
-        log.warning(
-            "worker %s: rejoined with the run's state (%d local steps dropped)",
-            s.worker_id,
-            dropped,
-        )
 
     def _report(self, q: Assignment, **outcome: Any) -> None:
         """Tell the server how the round ended here (``QuorumOutcome``)."""

@@ -98,6 +98,17 @@ class WholeModel:
         )
         s.metrics["dropped_steps"] += dropped
 
+    def take_state(self) -> None:
+        """The model takes the state received; its local steps are dropped (counted)."""
+        s = self._s
+        s.local.adopt_all()
+        s.drop_steps(
+            s.local_step,
+            "worker %s: rejoined with the run's state (%d local steps dropped)",
+            s.local_step,
+        )
+        s.local_step, s.samples = 0, 0.0
+
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The server mode's layout of the whole model: one unit."""
         state = self._outer.state_dict()
