@@ -2,14 +2,13 @@
 the collectives a round needs on it (a weighted average of pseudo-gradients, a broadcast for a
 joiner, a state hash).
 
-A quorum is the set of live workers the server picked for a round
-(``server/allreduce/quorum_book.py``).
+A quorum is the set of live workers the server picked for a round (``server/allreduce/``).
 Each member calls ``QuorumCollective.build`` with where the quorums meet (a ``connect.Meeting``:
 the server's authenticated rendezvous, ``http_store.py``), the quorum's id, its rank and the
 quorum's size; the backend (gloo on CPU, NCCL on CUDA) is constructed directly on that quorum's
-store. ``torch.distributed.init_process_group`` is never called: a
-broken quorum cannot poison the default group, the next round's group, or a worker group
-(``worker/groups/group.py``) living in the same process.
+store. ``torch.distributed.init_process_group`` is never called: a broken quorum cannot poison
+the default group, the next round's group, or a worker group (``worker/groups/group.py``)
+living in the same process.
 
 Faults: every wait is bounded by the collective's ``timeout`` (connecting to the rendezvous, meeting
 the other members, each collective). A peer killed outright fails the collective at once (its
@@ -212,9 +211,8 @@ def reduce_scaled(
 ) -> float:
     """The sum over the quorum of each rank's ``scale * flats``, in place, bucket by bucket (one
     all-reduce each); all zeros on every rank when ``total`` is 0. With ``norm``, returns the
-    result's L2 norm (of the values written back, fp32 per piece, combined in fp64; NaN or inf if
-    any value is not), taken while each bucket is in cache rather than in another pass over the
-    model (else 0)."""
+    result's L2 norm (of the values written back, combined in fp64; NaN or inf if any value is
+    not), taken while each bucket is in cache rather than in another pass (else 0)."""
     if total == 0.0:
         for flat in flats:
             flat.zero_()
@@ -232,9 +230,8 @@ def reduce_scaled(
         for own, part in pieces:
             own.copy_(part)
             if norm:
-                # Of the values written back (what the step will apply), while in cache. Not of
-                # a bf16 bucket: its norm in fp32 converts a copy first, 13x the time (190 ms
-                # against 14 ms per 100M parameters on one core).
+                # Of the fp32 values written back: a bf16 bucket's norm in fp32 copies it first
+                # (190 ms against 14 ms per 100M parameters on one core).
                 squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
     return math.sqrt(squares)
 
