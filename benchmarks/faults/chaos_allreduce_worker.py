@@ -148,7 +148,7 @@ def worker_main(args: argparse.Namespace) -> int:
             x, y = sample_batch(tokens, 16, 64, gen)
             loss = loss_on(model, x, y)
             loss.backward()
-            worker.report(loss=float(loss), samples=samples)
+            worker.report(loss=loss.item(), samples=samples)
             opt.step()  # the worker's hook runs the sync every sync_every steps
             opt.zero_grad()
             steps += 1
