@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from benchmarks.harness import smoke
 from diloco import DiLoCoServer, ServerConfig
 from diloco.wire.messages import Rendezvous, quorum_prefix
 from diloco.worker.allreduce.collective import QuorumCollective
@@ -97,15 +98,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=7)
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # two members, two joins each way
+        args.sizes, args.repeats = [2], 2
+    medians: dict[str, float] = {}
     for n in args.sizes:
         for name, joins in (("TCPStore", tcp_joins), ("HTTP store", http_joins)):
             times = joins(n, args.repeats)
+            medians[name] = statistics.median(times)
             print(
-                f"N={n} {name:10s}: median {statistics.median(times) * 1e3:7.1f} ms "
+                f"N={n} {name:10s}: median {medians[name] * 1e3:7.1f} ms "
                 f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}, "
                 f"{len(times)} joins, {threading.active_count()} threads)"
             )
+    if args.smoke:
+        smoke.require(
+            all(0 < m < 30 for m in medians.values()), f"every join completed ({medians})"
+        )
+        smoke.passed("rendezvous_join")
 
 
 if __name__ == "__main__":
