@@ -302,8 +302,14 @@ class ServerConfig:
     """Async: use Delayed Nesterov (Liu et al. 2024, Algorithm 3) as the outer optimizer: every
     arrival applies g/N, momentum moves once per N arrivals."""
 
-    dn_buffer_size: int | None = _flag(None, "Delayed Nesterov's N (default: -n)", group=_ASYNC)
-    """Delayed Nesterov's N (arrivals per momentum step); None: ``num_workers``."""
+    dn_buffer_size: int | None = _flag(
+        None,
+        "Delayed Nesterov's N (default: -n); given, it turns Delayed Nesterov on, 0 off",
+        group=_ASYNC,
+    )
+    """Delayed Nesterov's N (arrivals per momentum step); None: ``num_workers``. As in the
+    reference, a value above 0 turns Delayed Nesterov on (``delayed_nesterov``), 0 turns it
+    off."""
 
     dn_activation: float = _flag(0.0, "Delayed Nesterov's c in [0, 1/N]", group=_ASYNC)
     """Delayed Nesterov's c in [0, 1/N]: share of the momentum applied at every arrival."""
@@ -382,6 +388,17 @@ class ServerConfig:
         return self.clip_norm_factor is not None or self.trim_fraction > 0
 
     def __post_init__(self) -> None:
+        # The reference's async command line: a buffer size turns Delayed Nesterov on, 0 turns
+        # it off. Read that way, so that its command does not run plain Nesterov in silence.
+        if self.dn_buffer_size == 0:
+            if self.delayed_nesterov:
+                raise ValueError(
+                    "dn_buffer_size 0 turns Delayed Nesterov off; it cannot go with "
+                    "delayed_nesterov (drop one of --dn-buffer-size 0, --delayed-nesterov)"
+                )
+            object.__setattr__(self, "dn_buffer_size", None)
+        elif self.dn_buffer_size is not None and self.dn_buffer_size > 0:
+            object.__setattr__(self, "delayed_nesterov", True)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.num_workers < 1:
@@ -396,6 +413,12 @@ class ServerConfig:
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
+        if self.save_every and self.save_dir is None and not self.allreduce:
+            # Accepted, it would save nothing: a run that believes it can survive a crash.
+            raise ValueError(
+                f"save_every {self.save_every} needs save_dir (--save-dir DIR): without a "
+                "place to save, no checkpoint would be written"
+            )
         for name in ("heartbeat_timeout", "stuck_timeout", "join_timeout", "body_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -424,7 +447,8 @@ class ServerConfig:
             or self.staleness_weighting != "none"
         ):
             raise ValueError(
-                "delayed_nesterov, max_staleness and staleness_weighting need mode='async'"
+                "delayed_nesterov (also turned on by dn_buffer_size), max_staleness and "
+                "staleness_weighting need mode='async' (--async)"
             )
         if self.mode == "async" and self.weighting != "equal":
             raise ValueError(
