@@ -98,6 +98,15 @@ def test_a_different_or_missing_table_is_refused_and_changes_nothing(
     assert [w["worker_id"] for w in server.status()["workers"]] == ["w-a"]
 
 
+def test_a_lossy_codec_is_refused_naming_the_mode_as_the_cause(make_server: ServerFactory) -> None:
+    server = make_server(allreduce=True, **FAST)
+    body = {"worker_id": "w-a", "info": {"params": TABLE, "codec": {"codec": "int8"}}}
+    reply = assert_error(post_json(server, "/register", body), 422, "codec_refused")
+    assert "all-reduce mode sums" in reply["detail"] and "--codecs" not in reply["detail"]
+    assert reply["allowed"] == ["fp32", "bf16"]
+    assert server.status()["workers"] == []
+
+
 def test_two_concurrent_asks_get_one_quorum_and_outcomes_complete_the_round(
     two: DiLoCoServer,
 ) -> None:

@@ -3,6 +3,7 @@ it when the error reaches the caller, so no round waits for it."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -125,3 +126,23 @@ def test_waiting_for_the_initial_parameters_is_a_join() -> None:
             client.download(lambda layout: memoryview(bytearray()), worker_id=worker_id)
         assert record.joined
         client.close()
+
+
+def test_no_server_running_says_how_to_start_one() -> None:
+    """The first day's most common error: the message says what to do, and the transport's
+    chained tracebacks are cut (the last error is in the message)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    model = torch.nn.Linear(3, 4)
+    client = DiLoCoClient(f"127.0.0.1:{port}", retries=0, connect_timeout=2)
+    w = DiLoCoWorker(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        f"127.0.0.1:{port}",
+        heartbeat_interval=0,
+        client=client,
+    )
+    with pytest.raises(Unreachable, match="Is a diloco server running at .*`diloco server`") as err:
+        w.start()
+    assert err.value.__cause__ is None and err.value.__suppress_context__

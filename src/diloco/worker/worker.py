@@ -416,12 +416,23 @@ class DiLoCoWorker:
             # refused there, never inside a collective.
             params=tuple(self._local.table().items()),
         )
-        reply = self.client.register(
-            self.worker_id,
-            hostname=socket.gethostname(),
-            info=info,
-            last_submission_id=(
-                None if initial or self._strategy is None else self._strategy.last_submission
-            ),
-        )
+        try:
+            reply = self.client.register(
+                self.worker_id,
+                hostname=socket.gethostname(),
+                info=info,
+                last_submission_id=(
+                    None if initial or self._strategy is None else self._strategy.last_submission
+                ),
+            )
+        except Unreachable as exc:
+            if not initial:
+                raise
+            # The first day's most common error: say what to do, without the transport's
+            # chained tracebacks (the last error is in the message).
+            raise Unreachable(
+                f"{exc}. Is a diloco server running at {self.client.base_url}? Start one with "
+                "`diloco server` (README, Quick start), or point this worker at yours "
+                "(`server_addr`, `--server` or DILOCO_SERVER)"
+            ) from None
         return Registered.from_json(reply)

@@ -53,6 +53,12 @@ ALLREDUCE_CODECS = ("fp32", "bf16")
 """What a quorum's all-reduce carries. Quantized codes cannot be summed as they are (each
 worker's blocks have their own scales), and decoding before the sum would need every member
 to quantize identically: the lossy codecs stay with the server mode."""
+LOSSY_REFUSED = (
+    "the all-reduce mode sums the members' tensors, and quantized codes with per-worker scales "
+    "cannot be summed: use fp32 or bf16 communication here, or run the server without "
+    "--allreduce to use a lossy codec"
+)
+"""Why a lossy codec is refused in this mode: the mode, not ``--codecs``, is the cause."""
 TABLE_LIMIT = 1024 * 1024
 """A registration here carries the parameter table: a name and shape per tensor."""
 
@@ -145,7 +151,7 @@ class AllReduceFront:
         ``params_mismatch``, 422 ``codec_refused`` for a lossy codec), and its fragmenting, before
         anything changes."""
         table = self.table.check(info.params)
-        comm = registered_codec(info.codec, ALLREDUCE_CODECS) or "fp32"
+        comm = registered_codec(info.codec, ALLREDUCE_CODECS, LOSSY_REFUSED) or "fp32"
         asked = asked_fragmenting(info.fragmenting, self.config, self.fragmenting)
 
         def counts(worker_id: str) -> None:
