@@ -234,12 +234,24 @@ def export_like(checkpoint: str | Path, like: str | Path, out: str | Path) -> Pa
             elif entry.is_dir():
                 log.info("not copying the folder %s", entry)
         save_file(tensors, str(tmp / EXPORT_FILE), metadata=metadata)
+        # mkdtemp makes the folder 0700 whatever the umask; a model folder is shared like any
+        # other the user creates.
+        mask = _umask()
+        os.chmod(tmp, 0o777 & ~mask)
+        os.chmod(tmp / EXPORT_FILE, 0o666 & ~mask)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("exported %s as %s (%d tensors)", checkpoint_file(checkpoint), out, len(tensors))
     return out
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _flag(help: str, **cli: Any) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,16 @@ def test_a_gpt2_run_exports_as_a_folder_from_pretrained_opens(tmp_path: Path) ->
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     for name, value in served(loaded).items():
         torch.testing.assert_close(value, trained[name])
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_the_exported_folder_follows_the_umask(tmp_path: Path, mask: int) -> None:
+    like = model_folder(tmp_path / "like")
+    ckpt = checkpoint_of(tmp_path, {n: t.float() for n, t in load_initial_params(like).items()})
+    old = os.umask(mask)
+    try:
+        out = export_like(ckpt, like, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~mask
