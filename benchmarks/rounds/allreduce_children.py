@@ -80,7 +80,7 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         return
     ar._bench_instrumented = True  # type: ignore[attr-defined]
     build = ar.QuorumCollective.build.__func__  # type: ignore[attr-defined]
-    average, all_equal, outer = ar.checked_average, ar.compare, whole.apply_outer_step
+    average, compare, outer = ar.checked_average, ar.compare, whole.apply_outer_step
 
     def timed_build(cls: Any, *a: Any, **k: Any) -> Any:
         group = build(cls, *a, **k)
@@ -93,8 +93,8 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
         stamps.mark("average_end")
         return total
 
-    def timed_all_equal(*a: Any, **k: Any) -> Any:
-        same = all_equal(*a, **k)
+    def timed_compare(*a: Any, **k: Any) -> Any:
+        same = compare(*a, **k)
         stamps.mark("committed")
         return same
 
@@ -104,7 +104,7 @@ def instrument(worker: Any, stamps: Stamps, mode: str) -> None:
 
     ar.QuorumCollective.build = classmethod(timed_build)  # type: ignore[method-assign,assignment]
     ar.checked_average = timed_average
-    ar.compare = timed_all_equal
+    ar.compare = timed_compare
     whole.apply_outer_step = fragments.apply_outer_step = timed_outer  # the payloads' step
 
 

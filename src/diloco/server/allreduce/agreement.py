@@ -52,8 +52,7 @@ def learn(asks: Sequence[QuorumAsk]) -> State | None:
         return None
     counts = Counter(held)
     most = max(counts.values())
-    if 2 * most > len(asks):
-        return next(s for s in held if counts[s] == most)
+    # A strict majority is the one state held ``most`` times, so the ties' rule picks it too.
     lowest = min(r for (r, _), c in counts.items() if c == most)
     return next(s for s in held if counts[s] == most and s[0] == lowest)
 

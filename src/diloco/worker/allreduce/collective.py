@@ -263,18 +263,12 @@ def broadcast(
                 own.copy_(part)
 
 
-def all_equal(quorum: QuorumCollective, value: str) -> bool:
-    """Whether every member holds the same hex hash ``value`` (``state_hash``'s): one MAX
-    all-reduce of ``[v, -v]`` gives the largest and the smallest value held. A collective."""
-    same, _ = compare(quorum, value, veto=False)
-    return same
-
-
 def compare(quorum: QuorumCollective, value: str, *, veto: bool) -> tuple[bool, bool]:
-    """``all_equal`` with a veto folded into the same collective (``[v, -v, veto]``, MAX):
-    (every member holds ``value``, some member vetoed). Every member that completes the
-    collective learns both, so a veto (a failed check of the average) fails the comparison on
-    every member, never on some."""
+    """Whether every member holds the same hex hash ``value`` (``state_hash``'s), and whether
+    some member vetoed: one MAX all-reduce of ``[v, -v, veto]`` gives the largest and the
+    smallest value held and any veto. Every member that completes the collective learns both,
+    so a veto (a failed check of the average) fails the comparison on every member, never on
+    some. A collective."""
     v = float(int(value, 16))  # 32 bits: exact in fp64
     t = torch.tensor([v, -v, 1.0 if veto else 0.0], dtype=torch.float64)
     quorum.collective("hash check", allreduce_work(t, quorum.timeout, dist.ReduceOp.MAX))

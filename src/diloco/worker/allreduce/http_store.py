@@ -1,7 +1,8 @@
 """A quorum's rendezvous keys as a ``torch.distributed.Store`` (``HttpStore``) that gloo (or
 NCCL) builds its process group on, served by the server's authenticated HTTP API
 (``POST /rendezvous/<op>``, ``wire/messages/rendezvous.py``) through the worker's own client
-(``DiLoCoClient``: its token, TLS, timeouts and retries). No port of the server but its HTTP
+(``DiLoCoClient``: its token, TLS and timeouts; one attempt per call, since the keys die with
+the server). No port of the server but its HTTP
 one is involved, and only a member of the quorum may touch the quorum's keys.
 
 ``HttpMeeting`` hands ``connect.py`` a store per quorum (``connect.Meeting``). A store is bound

@@ -348,8 +348,8 @@ class DiLoCoClient:
 
     def rendezvous(self, path: str, op: str, body: StoreCall) -> dict[str, Any]:
         """All-reduce mode: one call on a quorum's rendezvous keys (``POST <path>/<op>``,
-        ``messages/rendezvous.py``), with this client's token, TLS, timeouts and retries. A
-        wait in ``body`` must end within the read timeout. One attempt: the keys live in the
+        ``messages/rendezvous.py``), with this client's token, TLS and timeouts. A wait in
+        ``body`` must end within the read timeout. One attempt, no retries: the keys live in the
         server process, so a server that cannot be reached has lost the quorum (a restarted one
         never knew it); retrying would only hold the member away from registering again."""
         return self._json("POST", f"{path}/{op}", body.to_json(), _retries=0)
