@@ -9,6 +9,7 @@ import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.cli.main import main
+from tests.helpers.ranks import free_port
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +36,7 @@ def test_status_table_and_json(server: DiLoCoServer, capsys: pytest.CaptureFixtu
 
 
 def test_status_of_a_dead_server_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     assert main(["status", "--server", f"127.0.0.1:{port}"]) == 2
     assert "cannot reach" in capsys.readouterr().err
 

@@ -3,7 +3,6 @@ it when the error reaches the caller, so no round waits for it."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker.transport.client import Unreachable
+from tests.helpers.ranks import free_port
 from tests.helpers.servers import ServerFactory
 
 
@@ -131,9 +131,7 @@ def test_waiting_for_the_initial_parameters_is_a_join() -> None:
 def test_no_server_running_says_how_to_start_one() -> None:
     """The first day's most common error: the message says what to do, and the transport's
     chained tracebacks are cut (the last error is in the message)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     model = torch.nn.Linear(3, 4)
     client = DiLoCoClient(f"127.0.0.1:{port}", retries=0, connect_timeout=2)
     w = DiLoCoWorker(

@@ -6,7 +6,6 @@ anything is stored; a quorum's keys live as long as the book says; gloo builds i
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +23,7 @@ from diloco.worker.allreduce.collective import QuorumCollective, average
 from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.transport.client import DiLoCoClient, Unreachable
 from tests.helpers.http import AUTH, TOKEN, assert_error, post_json
+from tests.helpers.ranks import free_port
 from tests.helpers.servers import ServerFactory
 from tests.helpers.threads import in_threads
 
@@ -219,9 +219,7 @@ def test_a_rendezvous_call_is_tried_once_the_keys_died_with_the_server() -> None
     """A server that cannot be reached has lost its quorums' keys (a restarted one never knew
     them): the call fails at once instead of holding the member away from registering again
     through the client's retries (here 5, with a backoff that would take seconds)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     client = DiLoCoClient(f"127.0.0.1:{port}", retries=5, backoff=5.0, connect_timeout=2.0)
     with pytest.raises(Unreachable, match="after 1 attempts"):
         client.rendezvous("/rendezvous", "get", StoreGet(worker_id="w0", quorum_id="q-1", key="0"))

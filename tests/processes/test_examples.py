@@ -4,7 +4,6 @@ group one worker."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +11,12 @@ from pathlib import Path
 import pytest
 
 from diloco import DiLoCoServer, ServerConfig
+from tests.helpers.ranks import free_port
 
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 BRIEF = ["--max-steps", "12", "--sync-every", "4", "--batch-size", "8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(60)
