@@ -212,6 +212,18 @@ def test_dylu_recommends_sync_every_from_smoothed_speeds(make_server: ServerFact
     assert workers["slow"]["recommended_sync_every"] == 32
 
 
+def test_dylu_base_sync_every_on_the_server_overrides_the_workers_own(
+    make_server: ServerFactory,
+) -> None:
+    # The reference's `--dylu --dylu-base-sync-every 500`: the fastest worker gets 500 whatever
+    # sync_every it registered with, the others their share of it.
+    server = make_server(dylu=True, dylu_base_sync_every=500, **ASYNC)
+    assert join(server, "fast", sync_every=100)["recommended_sync_every"] == 500
+    join(server, "slow", sync_every=40)
+    assert beat(server, "fast", steps_per_second=10.0)["recommended_sync_every"] == 500
+    assert beat(server, "slow", steps_per_second=2.5)["recommended_sync_every"] == 125
+
+
 def test_no_recommendation_without_dylu(make_server: ServerFactory) -> None:
     server = make_server(**ASYNC)
     assert "recommended_sync_every" not in join(server, "a", sync_every=100)

@@ -38,3 +38,13 @@ def test_save_every_needs_a_save_dir(tmp_path: object) -> None:
     assert ServerConfig(save_every=5, save_dir=str(tmp_path)).save_every == 5
     # All-reduce mode: rank 0 of a quorum saves into its own save_dir; the server has none.
     assert ServerConfig(save_every=5, allreduce=True).save_every == 5
+
+
+def test_dylu_base_sync_every_needs_dylu_and_a_positive_value() -> None:
+    # The reference's `--async --dylu --dylu-base-sync-every 500` is accepted as written ...
+    assert ServerConfig(mode="async", dylu=True, dylu_base_sync_every=500).dylu_base_sync_every == 500
+    # ... and given without --dylu it would do nothing, so it is refused, naming the fix.
+    with pytest.raises(ValueError, match="needs --dylu"):
+        ServerConfig(mode="async", dylu_base_sync_every=500)
+    with pytest.raises(ValueError, match="dylu_base_sync_every must be >= 1"):
+        ServerConfig(dylu=True, dylu_base_sync_every=0)

@@ -26,6 +26,36 @@ NOT_EXPOSED["log_level"] = (
 )
 
 
+#: Options of the reference's worker command that belong to its own trainer (project,
+#: template, devices): ``diloco worker`` wraps any command instead.
+FORGATHER_OPTIONS = (("-p", "--project"), ("-t", "--template"), ("-d", "--devices"))
+
+EXAMPLE = "diloco worker --sync-every 500 -- python train.py"
+
+
+def forgather_hint(args: argparse.Namespace) -> str | None:
+    """What to write instead of the reference's ``-p PROJECT -t TEMPLATE train -d N`` form, or
+    None when the command line has none of it."""
+    given = [
+        names[0]
+        for names in FORGATHER_OPTIONS
+        if getattr(args, f"forgather_{names[-1].lstrip('-')}", None) is not None
+    ]
+    if not given:
+        return None
+    hint = (
+        f"{'/'.join(given)}: Forgather's project options are not diloco's: diloco worker runs "
+        f"any training command given after --, e.g. `{EXAMPLE}`"
+    )
+    devices = getattr(args, "forgather_devices", None)
+    rest = list(args.command)
+    if devices is None and "-d" in rest[:-1]:  # `train ... -d 0`: the trainer's own option
+        devices = rest[rest.index("-d") + 1]
+    if devices is not None:
+        hint += f"; for -d {devices} put CUDA_VISIBLE_DEVICES={devices} in front of the command"
+    return hint
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker",
@@ -33,17 +63,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Runs COMMAND with DILOCO_* variables set; DiLoCoWorker reads them as defaults.",
     )
     flags.add_flags(p, WorkerSettings, unset=True)
+    # The reference's worker takes Forgather's project options and runs its `train`: accepted
+    # here only to say what to write instead (argparse would stop at "unrecognized -p").
+    for names in FORGATHER_OPTIONS:
+        p.add_argument(*names, dest=f"forgather_{names[-1].lstrip('-')}", help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    hint = forgather_hint(args)
+    if hint is not None:
+        print(f"error: {hint}", file=sys.stderr)
+        return 2
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print(
-            "error: give the training command after --, e.g. diloco worker -- python train.py",
-            file=sys.stderr,
-        )
+        print(f"error: give the training command after --, e.g. {EXAMPLE}", file=sys.stderr)
         return 2
     # The child logs at the command's level (INFO unless --log-level or DILOCO_LOG_LEVEL says
     # otherwise): DiLoCoWorker shows its joins, rounds and failures when the script sets up no
@@ -55,5 +90,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return subprocess.call(command, env=env)
     except FileNotFoundError:
-        print(f"error: command not found: {command[0]}", file=sys.stderr)
+        print(
+            f"error: command not found: {command[0]} (diloco worker runs the command after -- "
+            f"as a program, e.g. `{EXAMPLE}`)",
+            file=sys.stderr,
+        )
         return 127

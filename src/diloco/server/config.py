@@ -329,6 +329,16 @@ class ServerConfig:
     )
     """Smallest ``sync_every`` DyLU recommends."""
 
+    dylu_base_sync_every: int | None = _flag(
+        None,
+        "DyLU's H_base, the fastest worker's sync_every (default: each worker's own)",
+        group=_DYNAMIC,
+    )
+    """DyLU's ``H_base``: the ``sync_every`` recommended to the fastest worker. None: each
+    worker's own ``sync_every`` (from its registration), so workers started with different
+    values keep their ratio. The reference sets it on the server (its default 500); here the
+    workers' own value is the default because it is what each script was tuned with."""
+
     num_fragments: int | None = _flag(
         None,
         "streaming DiLoCo fragments (default: as the first worker asks)",
@@ -476,6 +486,14 @@ class ServerConfig:
             )
         if self.dylu_min_sync_every < 1:
             raise ValueError("dylu_min_sync_every must be >= 1")
+        if self.dylu_base_sync_every is not None:
+            if self.dylu_base_sync_every < 1:
+                raise ValueError(
+                    f"dylu_base_sync_every must be >= 1, got {self.dylu_base_sync_every}"
+                )
+            if not self.dylu:
+                # Accepted alone it would do nothing: the reference's command line gives both.
+                raise ValueError("dylu_base_sync_every (--dylu-base-sync-every) needs --dylu")
         if self.num_fragments is not None and self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
         if self.fragment_pattern not in (None, *PATTERNS):

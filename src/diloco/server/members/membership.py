@@ -180,7 +180,7 @@ class Membership:
         """DyLU: this worker's sync_every from its smoothed speed relative to the fastest."""
         if not self.config.dylu:
             return None
-        base = record.info.sync_every
+        base = self.config.dylu_base_sync_every or record.info.sync_every
         if base is None:
             return None
         speeds = {w.worker_id: w.smoothed_speed for w in self.registry}
