@@ -26,7 +26,8 @@ SERVER_FLAGS = {
     "--stuck-timeout", "--join-timeout", "--poll-timeout", "--body-timeout", "--min-upload-rate",
     "--upload-rate-window", "--header-timeout", "--max-connections", "--max-connections-per-ip",
     "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--delayed-nesterov",
-    "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every", "--num-fragments",
+    "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every",
+    "--dylu-base-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
 }  # fmt: skip
 WORKER_FLAGS = {
@@ -50,8 +51,14 @@ def _subparser(name: str) -> argparse.ArgumentParser:
     raise AssertionError("no subcommands")
 
 
-def _options(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+def _options(parser: argparse.ArgumentParser, hidden: bool = False) -> set[str]:
+    """The parser's options: shown in --help, or (``hidden``) accepted only to be explained."""
+    return {
+        s
+        for a in parser._actions
+        if (a.help == argparse.SUPPRESS) == hidden
+        for s in a.option_strings
+    } - {"-h", "--help"}
 
 
 @pytest.mark.parametrize(
@@ -74,6 +81,9 @@ def test_the_documented_flags_are_all_there() -> None:
     assert _options(_subparser("server")) == SERVER_FLAGS
     assert _options(_subparser("worker")) == WORKER_FLAGS
     assert _options(_subparser("status")) == {"--server", "--token", "--tls-ca", "--json"}
+    # The reference's project options: taken only to say what to write instead.
+    forgather = {name for names in worker.FORGATHER_OPTIONS for name in names}
+    assert _options(_subparser("worker"), hidden=True) == forgather
 
 
 def test_server_flag_defaults_are_the_dataclass_defaults(clean_env: None) -> None:

@@ -42,7 +42,9 @@ def test_save_every_needs_a_save_dir(tmp_path: object) -> None:
 
 def test_dylu_base_sync_every_needs_dylu_and_a_positive_value() -> None:
     # The reference's `--async --dylu --dylu-base-sync-every 500` is accepted as written ...
-    assert ServerConfig(mode="async", dylu=True, dylu_base_sync_every=500).dylu_base_sync_every == 500
+    assert (
+        ServerConfig(mode="async", dylu=True, dylu_base_sync_every=500).dylu_base_sync_every == 500
+    )
     # ... and given without --dylu it would do nothing, so it is refused, naming the fix.
     with pytest.raises(ValueError, match="needs --dylu"):
         ServerConfig(mode="async", dylu_base_sync_every=500)
