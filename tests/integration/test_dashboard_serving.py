@@ -9,8 +9,8 @@ import logging
 import pytest
 import requests
 
-from diloco.cli.main import build_parser
 from diloco.cli import flags
+from diloco.cli.main import build_parser
 from diloco.server.config import ServerConfig
 from tests.helpers.http import AUTH, TIMEOUT, TOKEN, assert_error, url
 from tests.helpers.servers import ServerFactory
@@ -74,7 +74,9 @@ def test_the_pages_first_look_without_a_token_is_no_failed_authentication(
         # A wrong token typed into the page is a failed authentication: logged and counted.
         wrong = {**PROBE, "Authorization": "Bearer not-the-token"}
         assert_error(
-            requests.get(url(server, "/status"), headers=wrong, timeout=TIMEOUT), 401, "unauthorized"
+            requests.get(url(server, "/status"), headers=wrong, timeout=TIMEOUT),
+            401,
+            "unauthorized",
         )
         assert [r.getMessage() for r in caplog.records] == [
             "refused GET /status from 127.0.0.1: bad token"
@@ -84,7 +86,9 @@ def test_the_pages_first_look_without_a_token_is_no_failed_authentication(
     # another path: counted as before.
     for path, client in (("/status", "worker"), ("/metrics", "dashboard")):
         headers = {"X-Diloco-Client": client}
-        assert_error(requests.get(url(server, path), headers=headers, timeout=TIMEOUT), 401, "unauthorized")
+        assert_error(
+            requests.get(url(server, path), headers=headers, timeout=TIMEOUT), 401, "unauthorized"
+        )
     assert auth_failures(server) == 3
     # The limit reached, the throttle holds for the page's look too.
     resp = requests.get(url(server, "/status"), headers=PROBE, timeout=TIMEOUT)

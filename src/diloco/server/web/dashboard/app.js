@@ -277,7 +277,7 @@
       setText("m-dylu", "off");
     }
     const parts = Array.isArray(st.fragments) ? st.fragments.length : 1;
-    const pattern = st.fragment_pattern ? ` (${st.fragment_pattern})` : "";
+    const pattern = parts > 1 && st.fragment_pattern ? ` (${st.fragment_pattern})` : "";
     setText("m-fragments", `${st.submissions ?? 0} / ${parts} fragment${parts === 1 ? "" : "s"}` +
       pattern);
     // Saving needs a place to save: say why the button does nothing rather than fail on click.
