@@ -12,6 +12,7 @@ import requests
 from diloco.cli import flags
 from diloco.cli.main import build_parser
 from diloco.server.config import ServerConfig
+from diloco.server.server import DiLoCoServer
 from tests.helpers.http import AUTH, TIMEOUT, TOKEN, assert_error, url
 from tests.helpers.servers import ServerFactory
 
@@ -19,8 +20,8 @@ DASHBOARD_PATHS = ("/", "/dashboard", "/dashboard/app.js", "/dashboard/style.css
 PROBE = {"X-Diloco-Client": "dashboard"}  # what dashboard/app.js sends with every request
 
 
-def auth_failures(server: object) -> int:
-    text = requests.get(url(server, "/metrics"), headers=AUTH, timeout=TIMEOUT).text  # type: ignore[arg-type]
+def auth_failures(server: DiLoCoServer) -> int:
+    text = requests.get(url(server, "/metrics"), headers=AUTH, timeout=TIMEOUT).text
     (line,) = [x for x in text.splitlines() if x.startswith("diloco_auth_failures_total ")]
     return int(float(line.split()[1]))
 
