@@ -10,82 +10,32 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
-from diloco.wire import spec_of
-from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.dashboard import (
+    ARTIFACTS,
+    CHROMIUM,
+    TOKEN,
+    WAIT_MS,
+    WORKERS,
+    PacedWorker,
+    Page,
+    initial_params,
+    row,
+    shown_round,
+    wait_until,
+)
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-TOKEN = "browser-token-123"
-WORKERS = ("alpha-worker", "beta-worker")
-WAIT_MS = 15_000
 
 if not CHROMIUM.exists():
     pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
-
-
-def initial_params() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
-
-
-def loss(worker_id: str, round_: int) -> float:
-    return (3.0 if worker_id == WORKERS[0] else 4.0) / (1 + 0.1 * round_)
-
-
-class PacedWorker(threading.Thread):
-    """Submits a pseudo-gradient each round with a falling loss and its step count (10 steps a
-    round), adopts the result; stops when told, or when the server no longer knows it (kicked)
-    or goes away."""
-
-    def __init__(self, address: str, worker_id: str, stop: threading.Event) -> None:
-        super().__init__(name=f"worker-{worker_id}", daemon=True)
-        self.address, self.worker_id, self.stop = address, worker_id, stop
-        self.rounds = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        client = DiLoCoClient(self.address, token=TOKEN, retries=0, read_timeout=10)
-        grads = {"w": torch.full((3, 4), 0.01), "b": torch.full((4,), -0.01)}
-        specs = [spec_of(n, t) for n, t in grads.items()]
-        try:
-            reply = client.register(self.worker_id, hostname=f"host-{self.worker_id[0]}")
-            round_ = reply["round"]
-            while not self.stop.is_set():
-                client.submit_pseudogradients(
-                    self.worker_id, round_, f"{self.worker_id}-{round_}", specs,
-                    lambda s: grads[s.name], loss=loss(self.worker_id, round_),
-                    steps=10 * (round_ + 1),
-                )  # fmt: skip
-                client.heartbeat(
-                    self.worker_id, loss=3.0 / (1 + 0.1 * round_), steps_per_second=20.0
-                )
-                while not self.stop.is_set():
-                    got = client.download(
-                        lambda layout: memoryview(bytearray(layout.payload_size)),
-                        min_round=round_ + 1,
-                        worker_id=self.worker_id,
-                    )
-                    if got is not None:
-                        round_ = got.round
-                        break
-                self.rounds += 1
-                self.stop.wait(0.03)  # the time "training" takes between syncs
-        except Exception as exc:  # kicked (410), or the server stopped
-            self.error = exc
-        finally:
-            client.close()
 
 
 @pytest.fixture(scope="module")
@@ -120,66 +70,11 @@ def run() -> Iterator[DiLoCoServer]:
         w.join(10)
 
 
-class Page:
-    """A tab on the dashboard that may reach the server only: every other request is refused
-    and recorded, and console errors (a CSP violation, a script error) are recorded too."""
-
-    def __init__(self, browser: Any, server: DiLoCoServer) -> None:
-        self.origin = f"http://{server.address}"
-        self.context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        self.page = self.context.new_page()
-        self.outside: list[str] = []
-        self.errors: list[str] = []
-        self.statuses: list[tuple[str, int]] = []
-        self.page.route("**/*", self._route)
-        self.page.on("console", self._console)
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("response", lambda r: self.statuses.append((r.url, r.status)))
-
-    def _console(self, message: Any) -> None:
-        # The first look at /status without a token is answered 401 on purpose.
-        if message.type == "error" and "status of 401" not in message.text:
-            self.errors.append(message.text)
-
-    def _route(self, route: Any) -> None:
-        if route.request.url.startswith(self.origin + "/"):
-            route.continue_()
-        else:
-            self.outside.append(route.request.url)
-            route.abort()
-
-    def open(self, token: str | None = TOKEN) -> Any:
-        self.page.goto(self.origin + "/dashboard?refresh=150")
-        if token is not None:
-            self.page.wait_for_selector("#login:not([hidden])", timeout=WAIT_MS)
-            self.page.fill("#token-input", token)
-            self.page.click("#login-form button")
-        return self.page
-
-    def close(self) -> None:
-        self.context.close()
-
-
 @pytest.fixture
 def tab(browser: Any, run: DiLoCoServer) -> Iterator[Page]:
     page = Page(browser, run)
     yield page
     page.close()
-
-
-def row(worker: str) -> str:
-    return f'#worker-table tbody tr[data-worker="{worker}"]'
-
-
-def shown_round(page: Any, worker: str) -> int:
-    return int(page.text_content(f"{row(worker)} .worker-round"))
-
-
-def wait_until(predicate: Any, what: str, timeout: float = WAIT_MS / 1000) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_live_workers_with_no_network(tab: Page, run: DiLoCoServer) -> None:
@@ -284,9 +179,10 @@ def test_expected_workers_and_save_controls(tab: Page, run: DiLoCoServer) -> Non
     page.click("#workers-form button")
     expect(page.locator("#message")).to_contain_text("expected workers: 5", timeout=WAIT_MS)
     assert run.status()["num_workers"] == 5
-    page.click("#save-state")  # this server has no --save-dir: the page says so
-    page.wait_for_selector("#message.error", timeout=WAIT_MS)
-    assert "save-dir" in page.text_content("#message")
+    # This server has no --save-dir: the button is disabled and its tooltip says why.
+    expect(page.locator("#save-state")).to_be_disabled(timeout=WAIT_MS)
+    assert "--save-dir" in page.get_attribute("#save-state", "title")
+    assert run.status()["save_dir"] is None
 
 
 def test_without_the_token_the_page_shows_nothing(tab: Page, run: DiLoCoServer) -> None:

@@ -119,5 +119,3 @@ def reference_groups(num_groups: int) -> dict[str, torch.Tensor]:
         outer.step()
         outer.zero_grad()
     return {n: p.detach().clone() for n, p in global_model.named_parameters()}
-
-

@@ -61,7 +61,7 @@ SERVER_ALLOWED = {
     "errors": set(),
     "params": {"config", "errors"},
     "members": {"config", "errors"},
-    "observe": {"config", "errors", "members.registry", "params.store"},
+    "observe": {"config", "errors", "members.registry", "members.rates", "params.store"},
     "rounds": {"config", "errors", "members", "params", "observe"},
     "intake": {"config", "errors", "members", "params", "observe", "rounds"},
     "front": {"config", "observe", "params.store"},

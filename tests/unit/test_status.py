@@ -12,7 +12,11 @@ import torch
 
 from diloco.server.config import ServerConfig
 from diloco.server.observe.records import (
+    DelayedNesterovSettings,
+    FragmentStatus,
+    LeftOutStatus,
     OuterOptimizer,
+    QuorumStatus,
     RoundLoss,
     UpdateEntry,
     WorkerLoss,
@@ -85,7 +89,9 @@ def test_update_entries_keep_their_json_keys() -> None:
 
 # How app.js names the parts of a /status document it reads (see its renderSummary, record,
 # renderWorkers, lossSeries): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker,
-# ``u`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's report in it.
+# ``u`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's report in it;
+# the server panel's ``dn`` (delayed_nesterov), ``f`` a fragment, ``q`` the open quorum, ``l``
+# a worker left out of the quorums.
 DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "st": (Status, r"\bst"),
     "opt": (OuterOptimizer, r"\bopt"),
@@ -93,6 +99,10 @@ DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "u": (UpdateEntry, r"\bu"),
     "entry": (RoundLoss, r"\bentry"),
     "wl": (WorkerLoss, r"\bwl"),
+    "dn": (DelayedNesterovSettings, r"\bdn"),
+    "f": (FragmentStatus, r"\bf"),
+    "q": (QuorumStatus, r"\bq"),
+    "l": (LeftOutStatus, r"\bl"),
 }
 
 
@@ -122,6 +132,12 @@ def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
     assert {"round_bytes_in", "round_bytes_out"} <= keys["u"]
     assert {"round", "workers", "mean_loss"} <= keys["entry"]
     assert {"worker_id", "loss", "steps"} <= keys["wl"]
+    # The server panel and the throughput (issue 27).
+    assert {"steps_per_second", "bytes_per_second", "submissions", "dn_buffered"} <= keys["st"]
+    assert {"expected", "submitted", "worker_deaths", "kicks", "dylu", "save_dir"} <= keys["st"]
+    assert {"quorum", "pending_quorum", "excluded_last", "left_out"} <= keys["st"]
+    assert {"sync_every", "recommended_sync_every", "steps_per_second"} <= keys["w"]
+    assert {"buffer_size"} <= keys["dn"] and {"fragment", "submitted"} <= keys["f"]
 
 
 def test_the_dashboard_key_check_catches_a_rename() -> None:

@@ -116,6 +116,12 @@ class ServerConfig:
     tls_key: str | None = _flag(None, "PEM private key of --tls-cert")
     """PEM private key of ``tls_cert``."""
 
+    dashboard_enabled: bool = _flag(
+        True, "serve no dashboard (/ and /dashboard answer 404)", flag="--no-dashboard"
+    )
+    """Serve the dashboard at ``/`` and ``/dashboard``. Off, those paths and its files answer
+    404 like any unknown path; ``/status`` and ``/control/*`` are served all the same."""
+
     auth_failure_limit: int = _flag(
         5, "failed authentications per address per minute before it gets 429 (0: no limit)"
     )

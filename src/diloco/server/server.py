@@ -60,6 +60,23 @@ def send_buffer_allowed(wmem_max: int | None) -> bool:
     return wmem_max is not None and wmem_max >= SEND_BUFFER_BYTES
 
 
+def browser_url(config: ServerConfig, port: int, hostname: str | None = None) -> str:
+    """The server's address as a person's browser can open it: ``scheme://host:port``.
+
+    Bound to every interface (``0.0.0.0``, ``::``), the machine's name stands in (``hostname``,
+    default ``socket.gethostname()``): ``0.0.0.0`` cannot be opened. A server without a token
+    answers only local names and IP addresses (DNS rebinding, server/web/security.py), so there
+    the loopback address, which works at least from this machine."""
+    host = config.host
+    if host in ("0.0.0.0", "::", ""):
+        has_token = config.token is not None or config.admin_token is not None
+        host = (hostname or socket.gethostname() or "127.0.0.1") if has_token else "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal
+    scheme = "https" if config.tls_cert else "http"
+    return f"{scheme}://{host}:{port}"
+
+
 def make_front(
     config: ServerConfig,
     initial_params: dict[str, torch.Tensor] | None = None,
@@ -159,6 +176,8 @@ class DiLoCoServer:
             self.address,
             self.config.num_workers,
         )
+        if self.config.dashboard_enabled:
+            log.info("Dashboard: %s/dashboard", browser_url(self.config, self._port))
         if ready is not None:
             ready.set()
         periodic = asyncio.get_running_loop().create_task(self.front.run())

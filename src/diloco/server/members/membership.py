@@ -163,8 +163,7 @@ class Membership:
             raise unknown_worker(beat.worker_id)
         if beat.syncing is not None:
             record.syncing = beat.syncing
-        if beat.steps_per_second is not None:
-            record.steps_per_second = beat.steps_per_second
+        self.registry.reported_speed(record, beat.steps_per_second)
         if beat.loss is not None:
             record.loss = beat.loss
         if beat.step_age_s is not None:

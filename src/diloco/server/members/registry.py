@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from diloco.server.members.rates import Rate
 from diloco.wire.messages import RegisterInfo
 
 
@@ -16,7 +17,10 @@ class WorkerInfo:
     registered_at: float
     last_seen: float
     info: RegisterInfo = field(default_factory=RegisterInfo)  # what it said at registration
-    steps_per_second: float | None = None
+    steps_per_second: float | None = None  # as its last heartbeat said
+    speed_reported_at: float | None = None  # when a heartbeat last said it
+    # Its inner steps so far, as its uploads said: its speed long before the first heartbeat.
+    step_counts: Rate = field(default_factory=Rate)
     loss: float | None = None
     submissions: int = 0
     last_round: int | None = None
@@ -101,6 +105,28 @@ class WorkerRegistry:
         if record is not None:
             record.transfers -= 1
             record.last_seen = self._clock()  # the join deadline starts again from here
+
+    def reported_speed(self, record: WorkerInfo, steps_per_second: float | None) -> None:
+        """A heartbeat said how fast the worker trains (None: it did not say)."""
+        if steps_per_second is not None:
+            record.steps_per_second = steps_per_second
+            record.speed_reported_at = self._clock()
+
+    def counted_steps(self, record: WorkerInfo, steps: int) -> None:
+        """An upload of the worker said it has taken ``steps`` inner steps so far."""
+        record.step_counts.add(self._clock(), steps)
+
+    def speed(self, record: WorkerInfo) -> float | None:
+        """The worker's inner steps per second: from the newer of its last heartbeat and its
+        uploads' step counts (two uploads give one). The heartbeat's leaves out time spent
+        blocked in syncs, the uploads' does not; either is the latest word on it."""
+        measured = record.step_counts.rate(self._clock())
+        uploaded_at = record.step_counts.last_time
+        if measured is None or uploaded_at is None:
+            return record.steps_per_second
+        if record.speed_reported_at is not None and record.speed_reported_at >= uploaded_at:
+            return record.steps_per_second
+        return round(measured, 4)
 
     def unjoined(self, timeout: float) -> list[str]:
         """Workers that registered more than ``timeout`` seconds ago and never showed they got

@@ -130,6 +130,7 @@ class WorkerStatus:
     recommended_sync_every: int | None
     staleness: int | None
     codec: str | None = None  # of its uploads (None: it asked for none and sent none yet)
+    sync_every: int | None = None  # as it registered: DyLU's base for its recommendation
 
 
 @dataclass(frozen=True)

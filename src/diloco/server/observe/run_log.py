@@ -10,6 +10,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from diloco.server.members.rates import Rate
 from diloco.server.observe.records import Refusal, UpdateEntry
 
 log = logging.getLogger(__name__)
@@ -56,16 +57,22 @@ class RunLog:
         #: downlink's update bodies (server/params/update_bodies.py).
         self.full_downloads = 0
         self.update_downloads = 0
+        #: Uploads counted (with fragments: each fragment's), and the traffic's rate both ways.
+        self.submissions = 0
+        self.traffic = Rate()
 
     def received(self, unit: int, nbytes: int) -> None:
         """An upload of ``nbytes`` (header included) toward ``unit`` counted."""
         self.bytes_in += nbytes
         self._round_in[unit] = self._round_in.get(unit, 0) + nbytes
+        self.submissions += 1
+        self.traffic.add(self.clock(), self.bytes_in + self.bytes_out)
 
     def sent(self, nbytes: int, *, update: bool = False) -> None:
         """A download of ``nbytes`` was sent whole (``update``: a round's update body)."""
         self.bytes_out += nbytes
         self._round_out += nbytes
+        self.traffic.add(self.clock(), self.bytes_in + self.bytes_out)
         if update:
             self.update_downloads += 1
         else:

@@ -23,8 +23,10 @@ from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type
 
 import torch
 
+from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.core.outer import optimizer_hparams
 from diloco.server.config import ServerConfig
+from diloco.server.members.rates import Rate
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.records import (
     OMIT,
@@ -138,6 +140,14 @@ class Status:
     # out, and per worker (worker/allreduce/average_checks.py). Defaults, as above.
     excluded_last: tuple[str, ...] = ()
     excluded_rounds: tuple[WorkerExclusions, ...] = ()
+    # The run's pace (server/members/rates.py): inner steps per second of the live workers
+    # together (None: none known yet) and bytes per second both ways over the last seconds;
+    # uploads counted (each fragment's); Delayed Nesterov's arrivals in the open buffer, one
+    # per outer optimizer (per fragment). Defaults, as above.
+    steps_per_second: float | None = None
+    bytes_per_second: float | None = None
+    submissions: int = 0
+    dn_buffered: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -171,6 +181,8 @@ class _Log(Protocol):
     staleness_count: int
     full_downloads: int
     update_downloads: int
+    submissions: int
+    traffic: Rate
 
 
 class _Losses(Protocol):
@@ -238,6 +250,9 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
     log = list(run_log.update_log)
     last = log[-1] if log else None
     ar = coord.quorum_state()
+    workers = _workers(coord)
+    speeds = [w.steps_per_second for w in workers if w.steps_per_second is not None]
+    traffic = run_log.traffic.rate(coord.clock())
     return Status(
         mode=coord.mode,
         instance=store.instance if store else ar.instance,
@@ -316,7 +331,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         last_save=saves.last_save,
         last_save_error=saves.last_save_error,
         resumed_from=saves.resumed_from,
-        workers=_workers(coord),
+        workers=workers,
         loss_history=coord.loss_history.entries(history_since, run_log.started_at),
         codecs=tuple(sorted({w.codec for w in coord.registry if w.codec is not None})),
         allowed_codecs=config.allowed_codecs,
@@ -333,6 +348,10 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         left_out=ar.left_out,
         excluded_last=ar.excluded_last,
         excluded_rounds=ar.excluded_rounds,
+        steps_per_second=round(sum(speeds), 4) if speeds else None,
+        bytes_per_second=round(traffic, 1) if traffic is not None else None,
+        submissions=run_log.submissions,
+        dn_buffered=tuple(o.buffered() for o in optimizers if isinstance(o, DelayedNesterov)),
     )
 
 
@@ -356,7 +375,7 @@ def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
             hostname=w.hostname,
             registered_s_ago=round(now - w.registered_at, 3),
             last_seen_s_ago=round(now - w.last_seen, 3),
-            steps_per_second=w.steps_per_second,
+            steps_per_second=coord.registry.speed(w),
             loss=w.loss,
             submissions=w.submissions,
             last_round=w.last_round,
@@ -368,6 +387,7 @@ def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
             recommended_sync_every=w.recommended_sync_every,
             staleness=w.staleness,
             codec=w.codec,
+            sync_every=w.info.sync_every,
         )
         for w in coord.registry
     )

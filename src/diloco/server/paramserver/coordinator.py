@@ -310,6 +310,8 @@ class Coordinator:
         self.run_log.received(unit.index, layout.total_size)
         if head.loss is not None:
             record.loss = head.loss  # as a heartbeat's: shown even with heartbeats off
+        if head.steps is not None:
+            self.registry.counted_steps(record, head.steps)
         if unit.index == 0:  # with fragments: one entry per worker per sync period
             self.loss_history.record(head.base_round, head.worker_id, head.loss, head.steps)
         self._maybe_close()

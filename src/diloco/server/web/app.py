@@ -288,6 +288,7 @@ def build_app(
     guard = Guard(
         token=config.token,
         admin_token=config.admin_token,
+        # Open even with the dashboard off: its paths then answer 404 to anyone, not 401.
         open_paths=OPEN_PATHS | dashboard.PATHS,
         throttle=AuthThrottle(config.auth_failure_limit, config.auth_failure_window, clock),
     )
@@ -317,7 +318,7 @@ def build_app(
         web.get("/healthz", healthz),
         *control.routes(front, shutdown),
         *rendezvous_routes.routes(front),
-        *dashboard.routes(),
+        *(dashboard.routes() if config.dashboard_enabled else ()),
         web.route("*", "/{tail:.*}", not_found),  # last: JSON for every unknown path
     ]
     for r in routes:  # every route gets a safe Expect handler (GET routes also answer HEAD)

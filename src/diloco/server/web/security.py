@@ -34,6 +34,7 @@ from diloco.server.web.log_limit import LogLimiter
 log = logging.getLogger(__name__)
 
 CLIENT_HEADER = "X-Diloco-Client"
+DASHBOARD_CLIENT = "dashboard"  # the dashboard's CLIENT_HEADER (dashboard/app.js)
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 ALLOWED_CONTENT_TYPES = frozenset({"application/json", "application/octet-stream"})
 CONTROL_PREFIX = "/control/"
@@ -220,6 +221,20 @@ def rebinding_refusal(guard: Guard, request: web.Request) -> web.Response | None
     )
 
 
+def asks_for_a_token(request: web.Request) -> bool:
+    """The dashboard's look at ``/status`` with no ``Authorization`` header at all: a page just
+    opened, finding out whether it needs a token. It guesses nothing, so it is no failed
+    authentication (no warning, not counted by the throttle); it still gets the 401 that makes
+    the page ask for the token. A wrong token from the page, or any request without one from
+    anything else (a worker started without its token), is a failure as before."""
+    return (
+        request.method == "GET"
+        and request.path == "/status"
+        and "Authorization" not in request.headers
+        and request.headers.get(CLIENT_HEADER) == DASHBOARD_CLIENT
+    )
+
+
 def security_middleware(
     guard: Guard,
 ) -> Middleware:
@@ -247,6 +262,8 @@ def security_middleware(
             )
             refusal.force_close()  # each further guess costs the guesser a new connection
             return refusal
+        if asks_for_a_token(request):
+            return _error(401, "unauthorized", "missing token (Authorization: Bearer ...)")
         guard.throttle.failed(address)
         control = request.path.startswith(CONTROL_PREFIX) and guard.admin_token is not None
         guard.limiter.log(

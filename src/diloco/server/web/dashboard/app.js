@@ -11,8 +11,9 @@
 
 (() => {
   const TOKEN_KEY = "diloco.token";
+  const REFRESH_KEY = "diloco.refresh"; // localStorage: the interval is no secret, and outlives the tab
+  const REFRESH_CHOICES = [1000, 2000, 5000, 10000, 30000];
   const query = new URLSearchParams(window.location.search);
-  const REFRESH_MS = Math.max(100, Number(query.get("refresh")) || 1000);
   const MAX_POINTS = 600;
   const MAX_LOSS_ROUNDS = 2048; // as many as the server keeps (server/observe/loss_history.py)
   const PALETTE = ["#2f6fb2", "#d64045", "#2e9b4f", "#8c5bb5", "#d98b00", "#1b9aaa",
@@ -26,6 +27,9 @@
   // --- state kept by the page ---------------------------------------------------------------
   let timer = null;
   let stopped = false;
+  // How often to poll: ?refresh=MS (tests, a bookmark), else the selector's last choice.
+  let refreshMs = Math.max(100, Number(query.get("refresh")) ||
+    Number(window.localStorage.getItem(REFRESH_KEY)) || 1000);
   const hist = {
     lossRounds: new Map(), // round -> loss_history entry of /status
     lossSince: null, // the newest round held: the next poll asks from it on (it may still fill)
@@ -182,7 +186,7 @@
       cell(tr, String(w.hostname || "-"));
       cell(tr, w.last_round === null || w.last_round === undefined ? "-" : String(w.last_round),
         "num worker-round");
-      cell(tr, fmtNum(w.steps_per_second, 2), "num");
+      cell(tr, fmtNum(w.steps_per_second, 2), "num worker-speed");
       cell(tr, fmtNum(w.last_seen_s_ago, 1) + " s ago", "num");
       const [cls, label] = health(w, st);
       const td = cell(tr, "");
@@ -210,15 +214,17 @@
 
   function renderSummary(st) {
     const workers = Array.isArray(st.workers) ? st.workers : [];
-    const steps = workers.reduce(
-      (acc, w) => acc + (typeof w.steps_per_second === "number" ? w.steps_per_second : 0), 0);
     const opt = st.outer_optimizer || {};
     setText("s-mode", String(st.mode || "sync"));
     setText("s-round", String(st.round ?? "-") + (st.opened === false ? " (waiting)" : ""));
     setText("s-uptime", fmtDuration(st.uptime_s));
     setText("s-model", fmtCount(st.num_params) + " params, " + fmtBytes(st.model_bytes));
-    const rate = hist.rate === null ? "" : ", " + fmtBytes(hist.rate) + "/s";
-    setText("s-throughput", fmtNum(steps, 1) + " steps/s" + rate);
+    // The server's own rates (from the step counts uploads carry, and its traffic counters):
+    // right from the first uploads; the page's poll-to-poll rate only for an older server.
+    const bytesRate = typeof st.bytes_per_second === "number" ? st.bytes_per_second : hist.rate;
+    const rate = bytesRate === null ? "" : ", " + fmtBytes(bytesRate) + "/s";
+    const steps = typeof st.steps_per_second === "number" ? fmtNum(st.steps_per_second, 1) : "-";
+    setText("s-throughput", steps + " steps/s" + rate);
     setText("s-workers", `${workers.length} live / ${st.num_workers ?? "-"} expected`);
     setText("s-outer", `${opt.lr ?? "-"} / ${opt.momentum ?? "-"}`);
     // The codecs the workers upload with and rounds are published in, and the last round's
@@ -236,9 +242,78 @@
       "s-uploads",
       `${slots} slot${slots === 1 ? "" : "s"}, ${st.uploads_waiting ?? 0} queued, ` +
         `${fmtNum(st.last_round_upload_wait_max_s, 2)} s wait`);
+    renderMetrics(st, workers);
     fillIfIdle("lr-input", opt.lr);
     fillIfIdle("momentum-input", opt.momentum);
     fillIfIdle("num-workers-input", st.num_workers);
+  }
+
+  // The server panel. All-reduce mode shows its quorums and hides what only a parameter server
+  // has (a barrier's submissions, DyLU, fragments' uploads); elements say which with data-mode.
+  function renderMetrics(st, workers) {
+    const allreduce = st.mode === "allreduce";
+    for (const el of document.querySelectorAll("[data-mode]")) {
+      el.hidden = el.dataset.mode !== (allreduce ? "allreduce" : "server");
+    }
+    const dn = st.delayed_nesterov;
+    $("m-dn-row").hidden = !dn;
+    if (dn) {
+      const buffered = Array.isArray(st.dn_buffered) && st.dn_buffered.length ? st.dn_buffered : [0];
+      setText("m-dn", buffered.map((b) => `${b}/${dn.buffer_size}`).join(", "));
+    }
+    setText("m-deaths", `${st.worker_deaths ?? 0} evicted, ${st.kicks ?? 0} kicked`);
+    $("save-state").disabled = false;
+    if (allreduce) {
+      renderQuorums(st);
+      $("save-state").title = "rank 0 of the next quorum saves, where its worker has a save_dir";
+      return;
+    }
+    setText("m-pending", pending(st));
+    if (st.dylu) {
+      const each = workers.map((w) =>
+        `${w.worker_id} ${w.sync_every ?? "-"}→${w.recommended_sync_every ?? "-"}`);
+      setText("m-dylu", "on" + (each.length ? ": " + each.join(", ") : ""));
+    } else {
+      setText("m-dylu", "off");
+    }
+    const parts = Array.isArray(st.fragments) ? st.fragments.length : 1;
+    const pattern = parts > 1 && st.fragment_pattern ? ` (${st.fragment_pattern})` : "";
+    setText("m-fragments", `${st.submissions ?? 0} / ${parts} fragment${parts === 1 ? "" : "s"}` +
+      pattern);
+    // Saving needs a place to save: say why the button does nothing rather than fail on click.
+    const canSave = typeof st.save_dir === "string" && st.save_dir !== "";
+    $("save-state").disabled = !canSave;
+    $("save-state").title = canSave ? "save a checkpoint to " + st.save_dir
+      : "disabled: this server has no save directory (start it with --save-dir)";
+    $("save-wrap").title = $("save-state").title;
+  }
+
+  function pending(st) {
+    const expected = Array.isArray(st.expected) ? st.expected.length : 0;
+    if (Array.isArray(st.fragments)) {
+      return st.fragments.map((f) => Array.isArray(f.submitted)
+        ? `f${f.fragment} ${f.submitted.length}/${expected}`
+        : `f${f.fragment} ${f.uploading.length} uploading`).join(", ");
+    }
+    if (st.mode === "async") {
+      const up = Array.isArray(st.uploading) ? st.uploading.length : 0;
+      return `${up} uploading (async: applied as they arrive)`;
+    }
+    if (!st.opened) return "round not open";
+    const submitted = Array.isArray(st.submitted) ? st.submitted.length : 0;
+    return `${submitted}/${expected} submitted`;
+  }
+
+  function renderQuorums(st) {
+    const q = st.quorum;
+    const waiting = Array.isArray(st.pending_quorum) ? st.pending_quorum : [];
+    setText("m-quorum", q ? `${q.id} (round ${q.round}): ${q.members.join(", ")}`
+      : "none open" + (waiting.length ? `; waiting: ${waiting.join(", ")}` : ""));
+    setText("m-quorum-rounds",
+      `${st.rounds_completed ?? 0} completed, ${st.rounds_discarded ?? 0} discarded`);
+    const excluded = Array.isArray(st.excluded_last) ? st.excluded_last : [];
+    const leftOut = Array.isArray(st.left_out) ? st.left_out.map((l) => l.worker_id) : [];
+    setText("m-excluded", [...excluded, ...leftOut].join(", ") || "none");
   }
 
   function fillIfIdle(id, value) {
@@ -448,7 +523,7 @@
   }
 
   function schedule() {
-    if (!stopped && timer === null) timer = window.setTimeout(poll, REFRESH_MS);
+    if (!stopped && timer === null) timer = window.setTimeout(poll, refreshMs);
   }
 
   function refreshNow() {
@@ -471,7 +546,29 @@
   }
 
   // --- wiring -------------------------------------------------------------------------------
+  function initRefresh() {
+    const select = $("refresh");
+    if (!REFRESH_CHOICES.includes(refreshMs)) {
+      const option = document.createElement("option"); // ?refresh= off the list
+      option.value = String(refreshMs);
+      option.textContent = `${refreshMs / 1000} s`;
+      select.prepend(option);
+    }
+    select.value = String(refreshMs);
+    select.addEventListener("change", () => {
+      refreshMs = Number(select.value);
+      window.localStorage.setItem(REFRESH_KEY, String(refreshMs));
+      // The next poll follows the new interval from now, not the old one's timer.
+      if (timer !== null) {
+        window.clearTimeout(timer);
+        timer = null;
+        schedule();
+      }
+    });
+  }
+
   function init() {
+    initRefresh();
     $("login-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
       const value = $("token-input").value.trim();
