@@ -353,6 +353,10 @@ class DiLoCoWorker:
                     f"the server fragments the model differently: {exc.detail} "
                     "(set num_fragments and fragment_pattern as the server has them)"
                 ) from exc
+            if exc.code == "params_mismatch":  # refused before the server counted this worker
+                raise ValueError(
+                    f"the model does not match the server's parameters: {exc.detail}"
+                ) from exc
             raise
         except ServerError as exc:  # at the first join, a codec the server refuses is fatal
             refused = refused_codec(exc.reply, self.codec) if initial else None
