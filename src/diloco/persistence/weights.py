@@ -145,7 +145,7 @@ def _dedupe_tied(file: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torc
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride())
         if t.numel() and key in seen:
             log.info("%s: %s is tied to %s; kept once, as %s", file, name, seen[key], seen[key])
             continue
