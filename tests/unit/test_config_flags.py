@@ -28,6 +28,7 @@ SERVER_FLAGS = {
     "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--delayed-nesterov",
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
+    "-o", "--output-dir",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",
