@@ -142,3 +142,17 @@ def test_a_run_begun_from_pytorch_model_bin_exports_as_safetensors(tmp_path: Pat
     got = load_file(str(out / "model.safetensors"))
     assert {n: t.dtype for n, t in got.items()} == {"0.weight": torch.float16}
     torch.testing.assert_close(got["0.weight"], trained["0.weight"].half())
+
+
+def test_a_folder_of_shards_or_of_one_state_dict_file(tmp_path: Path) -> None:
+    want = tensors()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    torch.save({"w": want["w"]}, shards / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b": want["b"]}, shards / "pytorch_model-00002-of-00002.bin")
+    torch.save({"x": torch.zeros(1)}, shards / "training_args.bin")  # not a shard: not read
+    assert_same(load_initial_params(shards), want)
+    single = tmp_path / "single"
+    single.mkdir()
+    torch.save(want, single / "weights.pth")
+    assert_same(load_initial_params(single), want)
