@@ -88,7 +88,7 @@ class ServerConfig:
     )
     """A safetensors file or a directory of them (a Hugging Face model folder, say), or a PyTorch
     state dict file (``.pt``, ``.pth``, ``.bin``; a folder's ``pytorch_model.bin``) read with
-    ``torch.load(weights_only=True)``. When None (and no ``output_dir`` model), the first worker
+    ``torch.load`` with ``weights_only=True``. When None (and no ``output_dir`` model), the first worker
     to register uploads its own parameters."""
 
     save_dir: str | None = _flag(
