@@ -353,7 +353,9 @@ class DiLoCoWorker:
                     f"the server fragments the model differently: {exc.detail} "
                     "(set num_fragments and fragment_pattern as the server has them)"
                 ) from exc
-            if exc.code == "params_mismatch":  # refused before the server counted this worker
+            # Refused before the server counted this worker. Only at the first join: a re-join
+            # runs inside optimizer.step(), whose failures are counted, never raised.
+            if exc.code == "params_mismatch" and initial:
                 raise ValueError(
                     f"the model does not match the server's parameters: {exc.detail}"
                 ) from exc
