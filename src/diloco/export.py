@@ -23,13 +23,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diloco.core.names import wire_name, wire_names
+from diloco.persistence.weights import read_weights
 
 log = logging.getLogger(__name__)
 
 PARAMS_FILE = "params.safetensors"  # a checkpoint folder's parameters (diloco.persistence)
 EXPORT_FILE = "model.safetensors"  # the name ``from_pretrained`` looks for first
 # Weight files of a model folder: not copied by an export, whose model.safetensors replaces them.
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt")
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 WEIGHT_FILES = frozenset({"tf_model.h5", "flax_model.msgpack"})
 
 
@@ -167,12 +168,16 @@ def _is_weights(name: str) -> bool:
 
 
 def _original(like: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors of a model folder's safetensors files and the first file's metadata."""
+    """The tensors of a model folder's safetensors files and the first file's metadata. A
+    folder without any, whose weights are a PyTorch state dict (``pytorch_model.bin``), is read
+    as ``--init`` read it (the restricted loader) and has no metadata; its export is a
+    ``model.safetensors`` all the same."""
     files = sorted(like.glob("*.safetensors"))
     if not files:
-        raise ValueError(
-            f"no .safetensors file in {like}: export needs the folder the run began from"
-        )
+        try:
+            return read_weights(like), {}
+        except ValueError as exc:
+            raise ValueError(f"{exc}: export needs the folder the run began from") from None
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(files[0]), framework="pt") as fh:
         metadata = dict(fh.metadata() or {})

@@ -29,7 +29,7 @@ SERVER_FLAGS = {
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every",
     "--dylu-base-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
-    "--no-dashboard",
+    "--no-dashboard", "-o", "--output-dir",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",

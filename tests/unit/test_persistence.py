@@ -200,6 +200,20 @@ def test_a_resave_supersedes_the_same_round(tmp_path: Path) -> None:
     assert found is not None and found.path == second and found.extra["tag"] == "second"
 
 
+def test_a_torn_folder_under_the_rounds_name_moves_the_save_to_a_suffix(tmp_path: Path) -> None:
+    """A ``.N`` suffix appears when round N's name is taken: by an earlier save of the same round
+    or by a torn folder, which is never written over; each further save takes the next N, and
+    the generation it supersedes goes once it is written."""
+    torn = tmp_path / "round-000000005"
+    torn.mkdir()
+    first = _save(tmp_path, 5, tag="first")
+    assert first.name == "round-000000005.1" and torn.is_dir()
+    second = _save(tmp_path, 5, tag="second")
+    assert second.name == "round-000000005.2" and not first.exists() and torn.is_dir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == [second.name]
+    assert json.loads((second / "state.json").read_text())["generation"] == 2
+
+
 def test_a_torn_folder_never_costs_a_new_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

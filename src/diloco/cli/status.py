@@ -44,6 +44,49 @@ def _num(value: Any, fmt: str, unit: str = "") -> str:
     return f"{value:{fmt}}{unit}"
 
 
+def _allreduce_head(st: Status) -> list[str]:
+    """All-reduce mode: the server holds no parameters and no barrier, so its round is the
+    quorums' and what is under way is the open quorum (``server/allreduce/quorum_book.py``)."""
+    q = st.quorum
+    if q is not None:
+        state = f"quorum {q.id} of {len(q.members)} open"
+    elif st.rounds_completed or st.rounds_discarded:
+        state = "between quorums"
+    else:
+        state = "waiting for workers"
+    model = (
+        f"model {_num(st.num_params, ',')} params (the workers' table)"
+        if st.num_params
+        else "model not known yet (no worker has registered)"
+    )
+    lines = [
+        f"mode allreduce  round {st.round}  {state}  uptime {_num(st.uptime_s, '.0f', 's')}",
+        f"workers {len(st.workers)} live, expected {st.num_workers}, min {st.min_workers}"
+        f"  deaths {st.worker_deaths}  registrations {st.registrations}",
+        model,
+        f"quorums: completed {st.rounds_completed}, discarded {st.rounds_discarded}"
+        f"  members {', '.join(q.members) if q else '-'}"
+        f"  waiting {', '.join(st.pending_quorum) or '-'}",
+        f"bytes in {_fmt_bytes(st.bytes_in)}  out {_fmt_bytes(st.bytes_out)} (HTTP only; "
+        "the workers average among themselves)",
+    ]
+    if st.excluded_last:
+        lines.append(f"left out of the last checked average: {', '.join(st.excluded_last)}")
+    if st.excluded_rounds:
+        each = ", ".join(
+            f"{e.worker_id} {e.rounds} ({e.in_a_row} in a row)" for e in st.excluded_rounds
+        )
+        lines.append(f"rounds excluded: {each}")
+    for out in st.left_out:
+        left = (
+            "until it registers again"
+            if out.seconds_left is None
+            else f"{out.seconds_left:.0f} s more"
+        )
+        lines.append(f"left out of quorums: {out.worker_id} ({out.reason}; {left})")
+    return lines
+
+
 def render_status(st: Status) -> str:
     """The state of a server at a glance (the same figures as ``/metrics``)."""
     opt, stale, workers = st.outer_optimizer, st.staleness, st.workers
@@ -51,25 +94,29 @@ def render_status(st: Status) -> str:
     momentum = "-" if opt is None or opt.momentum is None else opt.momentum
     submitted = set(st.submitted)
     state = "open" if st.opened else "waiting for workers"
-    lines = [
-        f"mode {st.mode}  round {st.round}  {state}  uptime {_num(st.uptime_s, '.0f', 's')}",
-        f"workers {len(workers)} live, expected {st.num_workers}, "
-        f"min {st.min_workers}  deaths {st.worker_deaths}  registrations {st.registrations}",
-        f"model {_num(st.num_params, ',')} params ({_fmt_bytes(st.model_bytes)})"
-        f"  outer lr {lr} momentum {momentum}",
-        f"round: expected {len(st.expected)}, submitted {len(submitted)}"
-        f"  last round {_num(st.last_round_time_s, '.3f', ' s')}"
-        f"  contributions {st.last_round_contributions}",
-        f"bytes in {_fmt_bytes(st.bytes_in)}  out {_fmt_bytes(st.bytes_out)}"
-        f"  rejected submissions {st.rejected_submissions}",
-        f"uploads: {st.upload_slots} slot(s), {st.uploads_waiting} waiting"
-        f"  last round's longest wait {_num(st.last_round_upload_wait_max_s, '.3f', ' s')}",
-        f"codecs {', '.join(st.codecs) or '-'} (allowed {', '.join(st.allowed_codecs)}),"
-        f" download {st.download_codec}"
-        f"  last round {_opt_bytes(st.last_round_bytes_in)} up,"
-        f" {_opt_bytes(st.last_round_bytes_out)} down",
-    ]
-    if st.mode == "async" or stale.count:
+    lines = (
+        _allreduce_head(st)
+        if st.mode == "allreduce"
+        else [
+            f"mode {st.mode}  round {st.round}  {state}  uptime {_num(st.uptime_s, '.0f', 's')}",
+            f"workers {len(workers)} live, expected {st.num_workers}, "
+            f"min {st.min_workers}  deaths {st.worker_deaths}  registrations {st.registrations}",
+            f"model {_num(st.num_params, ',')} params ({_fmt_bytes(st.model_bytes)})"
+            f"  outer lr {lr} momentum {momentum}",
+            f"round: expected {len(st.expected)}, submitted {len(submitted)}"
+            f"  last round {_num(st.last_round_time_s, '.3f', ' s')}"
+            f"  contributions {st.last_round_contributions}",
+            f"bytes in {_fmt_bytes(st.bytes_in)}  out {_fmt_bytes(st.bytes_out)}"
+            f"  rejected submissions {st.rejected_submissions}",
+            f"uploads: {st.upload_slots} slot(s), {st.uploads_waiting} waiting"
+            f"  last round's longest wait {_num(st.last_round_upload_wait_max_s, '.3f', ' s')}",
+            f"codecs {', '.join(st.codecs) or '-'} (allowed {', '.join(st.allowed_codecs)}),"
+            f" download {st.download_codec}"
+            f"  last round {_opt_bytes(st.last_round_bytes_in)} up,"
+            f" {_opt_bytes(st.last_round_bytes_out)} down",
+        ]
+    )
+    if st.mode != "allreduce" and (st.mode == "async" or stale.count):
         lines.append(
             f"staleness last {stale.last}  mean {_num(stale.mean, '.2f')}"
             f"  max {stale.max}  ({stale.count} submissions;"

@@ -1,9 +1,12 @@
-"""Checkpoints of the run's state: safetensors for tensors, JSON for everything else, no pickle.
+"""Checkpoints of the run's state: safetensors for tensors, JSON for everything else, no pickle
+(the one ``torch.load``, with ``weights_only=True``, reads a user's own state dict file in
+``weights``).
 
 The server mode's checkpoints and all-reduce mode's (written by rank 0 of a quorum) share this
 layout, so this package imports nothing else of diloco. ``folders`` says what a checkpoint folder
 holds, ``writing`` how one is written as a transaction, ``reading`` which folders count and how
-the newest loadable one is found, ``optimizer_states`` how several optimizers share one state.
+the newest loadable one is found, ``optimizer_states`` how several optimizers share one state, ``weights`` a user's model weights
+(safetensors or a PyTorch state dict).
 """
 
 from diloco.persistence.folders import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from diloco.core.codecs import codec_by_name, codec_names
@@ -63,14 +64,32 @@ class ServerConfig:
     nesterov: bool = _flag(True, "plain momentum instead of Nesterov")
     """Use Nesterov momentum in the default outer optimizer."""
 
+    output_dir: str | None = _flag(
+        None,
+        "model/output folder: the initial model is read from it when it holds one, checkpoints "
+        "go to DIR/checkpoints (resuming from the newest there); --init and --save-dir, given, "
+        "take the place of either half",
+        short="-o",
+        metavar="DIR",
+    )
+    """A model folder that is also the run's output, as the reference's ``-o``: when it holds
+    weights (safetensors, or a PyTorch state dict: ``params/initial.py``) they are the initial
+    parameters, else the first worker's are; checkpoints go to ``<output_dir>/checkpoints``
+    (``save_dir`` is set to it here, so a restart resumes from there). An explicit
+    ``initial_params`` or ``save_dir`` takes the place of its half. Refused in all-reduce mode,
+    where the server holds no parameters (the workers' ``save_dir`` is where checkpoints go)."""
+
     initial_params: str | None = _flag(
         None,
-        "initial parameters: a .safetensors file or a folder of them (default: the first worker's)",
+        "initial parameters: a .safetensors or PyTorch state dict (.pt, .pth, .bin) file, or a "
+        "model folder (default: the first worker's)",
         flag="--init",
         metavar="PATH",
     )
-    """A safetensors file or a directory of them (a Hugging Face model folder, say). When None,
-    the first worker to register uploads its own parameters."""
+    """A safetensors file or a directory of them (a Hugging Face model folder, say), or a PyTorch
+    state dict file (``.pt``, ``.pth``, ``.bin``; a folder's ``pytorch_model.bin``) read with
+    ``torch.load`` with ``weights_only=True``. When None (and no ``output_dir`` model), the first worker
+    to register uploads its own parameters."""
 
     save_dir: str | None = _flag(
         None, "checkpoint directory; the server resumes from its newest checkpoint"
@@ -404,6 +423,9 @@ class ServerConfig:
         return self.clip_norm_factor is not None or self.trim_fraction > 0
 
     def __post_init__(self) -> None:
+        if self.output_dir is not None and self.save_dir is None and not self.allreduce:
+            # -o's checkpoint half, resolved once here: everything after reads save_dir.
+            object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
         # The reference's async command line: a buffer size turns Delayed Nesterov on, 0 turns
         # it off. Read that way, so that its command does not run plain Nesterov in silence.
         if self.dn_buffer_size == 0:
@@ -432,7 +454,7 @@ class ServerConfig:
         if self.save_every and self.save_dir is None and not self.allreduce:
             # Accepted, it would save nothing: a run that believes it can survive a crash.
             raise ValueError(
-                f"save_every {self.save_every} needs save_dir (--save-dir DIR): without a "
+                f"save_every {self.save_every} needs save_dir (--save-dir DIR, or -o DIR): without a "
                 "place to save, no checkpoint would be written"
             )
         for name in ("heartbeat_timeout", "stuck_timeout", "join_timeout", "body_timeout"):
@@ -569,6 +591,10 @@ class ServerConfig:
             "--async": (self.mode == "async", "quorums are synchronous rounds"),
             "--download-codec": (self.lossy_download, "nothing is published by the server"),
             "--init": (self.initial_params is not None, none_held),
+            "--output-dir": (
+                self.output_dir is not None,
+                f"{none_held}; give the workers --save-dir for checkpoints",
+            ),
             "--save-dir": (self.save_dir is not None, none_held),
             "--from-checkpoint": (self.from_checkpoint is not None, none_held),
             "--trim-fraction": (

@@ -353,6 +353,12 @@ class DiLoCoWorker:
                     f"the server fragments the model differently: {exc.detail} "
                     "(set num_fragments and fragment_pattern as the server has them)"
                 ) from exc
+            # Refused before the server counted this worker. Only at the first join: a re-join
+            # runs inside optimizer.step(), whose failures are counted, never raised.
+            if exc.code == "params_mismatch" and initial:
+                raise ValueError(
+                    f"the model does not match the server's parameters: {exc.detail}"
+                ) from exc
             raise
         except ServerError as exc:  # at the first join, a codec the server refuses is fatal
             refused = refused_codec(exc.reply, self.codec) if initial else None

@@ -252,4 +252,5 @@ class AllReduceFront:
         return Saves()
 
     def quorum_state(self) -> QuorumSummary:
-        return self.book.public()
+        # The model's size is known from the first registration's table, not from parameters.
+        return replace(self.book.public(), num_params=self.table.numel)

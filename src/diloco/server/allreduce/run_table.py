@@ -10,27 +10,10 @@ registrant sets it again) and a differing one is refused before it changes anyth
 
 from __future__ import annotations
 
-from diloco.server.errors import ApiError, bad_request, conflict
+from diloco.server.errors import ApiError, bad_request
+from diloco.server.members.param_table import differences
+from diloco.server.members.param_table import mismatch as table_mismatch
 from diloco.wire.messages import Table
-
-SHOWN = 5
-"""Differences named in a ``params_mismatch`` detail."""
-
-
-def differences(run: Table, worker: Table) -> list[str]:
-    """What differs between the run's table and a worker's, in the run's order."""
-    theirs = dict(worker)
-    mine = dict(run)
-    found = []
-    for name, shape in run:
-        if name not in theirs:
-            found.append(f"{name} missing")
-        elif theirs[name] != shape:
-            found.append(f"{name} has shape {list(theirs[name])}, the run's is {list(shape)}")
-    found += [f"{name} is not in the run's table" for name, _ in worker if name not in mine]
-    if not found and run != worker:
-        found.append("the same tensors in another order")
-    return found
 
 
 class RunTable:
@@ -51,19 +34,25 @@ class RunTable:
                 "for this mode?)",
             )
         if self.table is not None and table != self.table:
-            diff = differences(self.table, table)
-            more = f" (and {len(diff) - SHOWN} more)" if len(diff) > SHOWN else ""
-            raise mismatch("; ".join(diff[:SHOWN]) + more)
+            raise mismatch(differences(self.table, table))
         return table
+
+    @property
+    def numel(self) -> int:
+        """Elements in the run's parameters (0 until a worker registered its table)."""
+        return sum(_numel(shape) for _, shape in self.table or ())
 
     def adopt(self, table: Table) -> None:
         if self.table is None:
             self.table = table
 
 
-def mismatch(what: str) -> ApiError:
-    return conflict(
-        "params_mismatch",
-        f"the worker's parameters differ from this run's: {what}. Every worker of an "
-        "all-reduce run must train the same model",
-    )
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def mismatch(found: list[str]) -> ApiError:
+    return table_mismatch(found, "Every worker of an all-reduce run must train the same model")

@@ -200,6 +200,7 @@ class QuorumSummary:
     left_out: tuple[LeftOutStatus, ...] = ()
     excluded_last: tuple[str, ...] = ()  # the members the last quorum with exclusions left out
     excluded_rounds: tuple[WorkerExclusions, ...] = ()
+    num_params: int = 0  # elements in the run's parameter table, learned at registration
 
 
 IDLE = QuorumSummary(None, 0, None, 0, 0, ())

@@ -279,7 +279,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         ),
         fragment_pattern=coord.fragmenting[1] if coord.fragmenting else None,
         has_params=store is not None,
-        num_params=store.numel if store else 0,
+        num_params=store.numel if store else ar.num_params,
         model_bytes=store.nbytes if store else 0,
         copies_on_write=store.copies_on_write if store else 0,
         outer_optimizer=OuterOptimizer(**optimizer_hparams(optimizers[0])) if optimizers else None,

@@ -1,35 +1,20 @@
-"""Initial parameters from a safetensors file or a folder of them (a Hugging Face model folder)."""
+"""Initial parameters from a weights file or a model folder (``--init``, ``--output-dir``):
+safetensors, or a PyTorch state dict through the restricted loader
+(``diloco.persistence.weights``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+
+from diloco.persistence.weights import read_weights
 
 
 def load_initial_params(path: str | Path) -> dict[str, torch.Tensor]:
-    """Floating-point tensors of a ``.safetensors`` file, or of every such file in a folder.
-
-    Integer tensors (position ids, masks) are not parameters and are skipped. A name present in
-    two files is an error rather than a silent choice."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no .safetensors file in {path}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ValueError(f"initial parameters not found: {path}")
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(str(file)).items():
-            if not tensor.is_floating_point():
-                continue
-            if name in out:
-                raise ValueError(f"tensor {name!r} appears in more than one file under {path}")
-            out[name] = tensor
+    """Floating-point tensors of a weights file, or of a folder's weight files. Integer tensors
+    (position ids, masks) are not parameters and are skipped."""
+    out = {n: t for n, t in read_weights(path).items() if t.is_floating_point()}
     if not out:
         raise ValueError(f"no floating-point tensor in {path}")
     return out

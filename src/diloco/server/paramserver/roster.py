@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from diloco.server.config import ServerConfig
+from diloco.server.members.param_table import differences, mismatch
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.rounds.synced_model import Model
-from diloco.wire.messages import LastSubmission, Registered, RegisterInfo
+from diloco.wire.messages import LastSubmission, Registered, RegisterInfo, Table
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class UnitRoster:
         return known[0] if known else self.model.num_workers
 
     def admit(self, info: RegisterInfo) -> Callable[[str], None]:
+        self._check_table(info.params)
         asked = self.model.asked_fragmenting(info)
 
         def counts(worker_id: str) -> None:
@@ -62,6 +64,26 @@ class UnitRoster:
                 unit.aggregator.on_join(self.registry.ids())
 
         return counts
+
+    def _check_table(self, table: Table | None) -> None:
+        """409 ``params_mismatch`` for a worker whose model is not the run's, before anything
+        changes: admitted, it would be counted among the expected workers and in the next
+        round's barrier until it noticed and left. The run's table is the parameters' once
+        the server holds them; before, the table of a live worker that sent one (the first of
+        them will seed the parameters). A worker that sends no table is checked by itself."""
+        if table is None:
+            return
+        store = self.model.store
+        if store is not None:
+            run: Table | None = tuple((s.name, s.shape) for s in store.specs)
+        else:
+            run = next((w.info.params for w in self.registry if w.info.params), None)
+        if run is None or dict(run) == dict(table):
+            return
+        raise mismatch(
+            differences(run, table, ordered=False),
+            "Every worker must train the model whose parameters the server holds",
+        )
 
     def told(self, reply: Registered, last_submission: str | None) -> Registered:
         model = self.model

@@ -1,11 +1,13 @@
 """Where a parameter server starts from: a checkpoint (the newest loadable one in ``save_dir``,
-or the one named), else the initial parameters (given, or read from ``--init``), else nothing:
-the first worker to register uploads them.
+or the one named), else the initial parameters (given, or read from ``--init``, or from the
+``--output-dir`` folder when it holds a model), else nothing: the first worker to register
+uploads them.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,7 @@ from diloco.persistence import (
     remove_stale_temporaries,
     resume_checkpoint,
 )
+from diloco.persistence.weights import weight_files
 from diloco.server.config import ServerConfig
 from diloco.server.params.initial import load_initial_params
 from diloco.server.params.store import ParamStore
@@ -32,8 +35,11 @@ def start_coordinator(
 ) -> Coordinator:
     """The parameter server's front, resumed or fresh."""
     checkpoint = find_checkpoint(config)
-    if checkpoint is None and initial_params is None and config.initial_params:
-        initial_params = load_initial_params(config.initial_params)
+    if checkpoint is None and initial_params is None:
+        source = config.initial_params or model_in_output_dir(config)
+        if source:
+            initial_params = load_initial_params(source)
+            log.info("initial parameters from %s", source)
     store = (
         ParamStore.from_tensors(initial_params)
         if initial_params is not None and checkpoint is None
@@ -43,6 +49,20 @@ def start_coordinator(
     if checkpoint is not None:
         coordinator.restore(checkpoint)
     return coordinator
+
+
+def model_in_output_dir(config: ServerConfig) -> str | None:
+    """``output_dir`` when it holds a model's weights (it is then the initial model, unless
+    ``initial_params`` names another), else None: the first worker's parameters."""
+    if config.output_dir is None:
+        return None
+    folder = Path(config.output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output-dir must be a folder: {folder} is a file (--init takes one)")
+    if folder.is_dir() and weight_files(folder):
+        return str(folder)
+    log.info("no model in %s: the first worker to register provides the parameters", folder)
+    return None
 
 
 def find_checkpoint(config: ServerConfig) -> Checkpoint | None:
