@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import socket
+import os
 import ssl
 import threading
 from collections.abc import Coroutine
@@ -91,6 +92,44 @@ def make_front(
     return start_coordinator(config, initial_params, outer_optimizer_factory)
 
 
+#: The reference's ``DiLoCoServer`` keywords whose setting has another name here.
+REFERENCE_KEYWORDS = {"async_mode": "mode", "dylu_enabled": "dylu"}
+
+
+def config_of(
+    config: ServerConfig | str | os.PathLike[str] | None, keywords: dict[str, Any]
+) -> ServerConfig:
+    """The server's settings: a ``ServerConfig``, or ``ServerConfig`` fields as keywords after
+    an optional model/output folder, the reference's ``DiLoCoServer("path/to/model",
+    num_workers=3, async_mode=True, ...)`` form (``async_mode`` and ``dylu_enabled`` are
+    ``mode`` and ``dylu`` here). Raises TypeError, naming the fields, for keywords that are none."""
+    if isinstance(config, ServerConfig):
+        if keywords:
+            raise TypeError(
+                f"DiLoCoServer: give {', '.join(sorted(keywords))} in the ServerConfig, not "
+                "beside it"
+            )
+        return config
+    fields = {REFERENCE_KEYWORDS.get(k, k): v for k, v in keywords.items()}
+    if "mode" in fields and isinstance(fields["mode"], bool):  # async_mode=True/False
+        fields["mode"] = "async" if fields["mode"] else "sync"
+    if config is not None:
+        if not isinstance(config, str | os.PathLike):
+            raise TypeError(
+                f"DiLoCoServer takes a ServerConfig or a model/output folder, got {type(config)!r}"
+            )
+        fields["output_dir"] = os.fspath(config)
+    known = ServerConfig.__dataclass_fields__
+    unknown = sorted(k for k in fields if k not in known)
+    if unknown:
+        raise TypeError(
+            f"DiLoCoServer: unknown setting(s) {', '.join(unknown)}; the settings are "
+            f"ServerConfig's fields ({', '.join(known)}); docs/migrating.md maps the "
+            "reference's names"
+        )
+    return ServerConfig(**fields)
+
+
 class DiLoCoServer:
     """A synchronous DiLoCo parameter server.
 
@@ -101,12 +140,13 @@ class DiLoCoServer:
 
     def __init__(
         self,
-        config: ServerConfig | None = None,
+        config: ServerConfig | str | os.PathLike[str] | None = None,
         *,
         initial_params: dict[str, torch.Tensor] | None = None,
         outer_optimizer_factory: OptimizerFactory | None = None,
+        **settings: Any,
     ) -> None:
-        self.config = config or ServerConfig()
+        self.config = config_of(config, settings)
         self.front = make_front(self.config, initial_params, outer_optimizer_factory)
         # The first torch optimizer built in a process imports torch._dynamo (about 0.8 s). Pay
         # for it here, not on the event loop when the first worker registers or uploads.
