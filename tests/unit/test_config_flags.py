@@ -181,6 +181,7 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
         "codec": "int8",
         "error_feedback": False,
         "save_dir": "/tmp/run-ckpt",
+        "enabled": False,
     }
     assert set(given) == {f.name for f in dataclasses.fields(WorkerSettings)}
     defaults = WorkerSettings()

@@ -3,14 +3,23 @@
 Its flags are ``WorkerSettings``' fields. They default to unset: a flag given wins over a
 ``DILOCO_*`` variable, which wins over the dataclass default (``settings.resolve``), the same
 order ``DiLoCoWorker`` follows in the command.
+
+Signals: SIGTERM to this process (a scheduler's, ``kill``) is passed on to the command, which
+leaves its run cleanly (``diloco.worker.termination``), and this process waits for it. Ctrl-C
+reaches the command from the terminal itself; this process ignores it meanwhile, so the command
+is never killed halfway through leaving (``subprocess.call`` kills it after 0.25 s). The exit
+status is the command's; killed by signal N, 128 + N as shells report it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
+from types import FrameType
 
 from diloco.cli import flags
 from diloco.worker.settings import WorkerSettings, resolve, to_env
@@ -20,6 +29,10 @@ NOT_EXPOSED = {
     name: "rarely tuned: a DILOCO_* variable (or the Python API) sets it, and reaches the command"
     for name in ("connect_timeout", "read_timeout", "retries", "max_barrier_wait")
 }
+NOT_EXPOSED["enabled"] = (
+    "running the command without `diloco worker` is its off switch; DILOCO_ENABLED=0 reaches "
+    "it through diloco worker too"
+)
 NOT_EXPOSED["log_level"] = (
     "the command's own --log-level sets it (diloco --log-level DEBUG worker -- ...): one flag "
     "for the command's log and the child's"
@@ -88,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env.update(to_env(settings))
     try:
-        return subprocess.call(command, env=env)
+        child = subprocess.Popen(command, env=env)
     except FileNotFoundError:
         print(
             f"error: command not found: {command[0]} (diloco worker runs the command after -- "
@@ -96,3 +109,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 127
+    return _wait_passing_signals(child)
+
+
+def _wait_passing_signals(child: subprocess.Popen[bytes]) -> int:
+    """Wait for ``child``, passing SIGTERM on and ignoring SIGINT meanwhile (set after the
+    child started, so it keeps its own defaults); the previous handlers come back after."""
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        child.send_signal(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # no handlers there
+        code = child.wait()
+        return 128 - code if code < 0 else code
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    }
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)
+    return 128 - code if code < 0 else code

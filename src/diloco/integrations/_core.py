@@ -5,7 +5,11 @@ and a flush when training ends.
 Under a multi-process launch every rank runs its own callback and the ranks are one worker (a worker
 group, ``diloco.worker.groups.group``): starting, a checkpoint, the final sync and leaving are
 collectives, so the trainers call these hooks on every rank at the same point; the worker's state in
-a checkpoint is rank 0's, and resuming, rank 0's checkpoint decides for every rank."""
+a checkpoint is rank 0's, and resuming, rank 0's checkpoint decides for every rank.
+
+With ``enabled=False`` (or ``DILOCO_ENABLED=0``) a callback is a no-op: its worker is off
+(``DiLoCoWorker``'s one log line says so), it logs no metrics, writes and reads nothing in
+checkpoints, and ``worker`` stays None."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from typing import Any
 import torch
 
 from diloco.worker import resume
+from diloco.worker.settings import off_reason
+from diloco.worker.termination import Terminated
 from diloco.worker.worker import DiLoCoWorker
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,12 @@ class TrainerWorker:
         self.worker: DiLoCoWorker | None = None
         self.worker_id: str | None = None  # kept after the worker leaves
 
+    @property
+    def enabled(self) -> bool:
+        """False: DiLoCo is off (``enabled=False`` or ``DILOCO_ENABLED=0``), the callback a
+        no-op; read when training starts, before anything of a checkpoint is."""
+        return off_reason(self._kwargs.get("enabled")) is None
+
     def start(
         self,
         model: torch.nn.Module,
@@ -75,6 +87,8 @@ class TrainerWorker:
                 )
             kwargs["worker_id"] = kwargs.get("worker_id") or state.worker_id
         worker = DiLoCoWorker(model, optimizer, **kwargs)
+        if not worker.enabled:
+            return  # the worker said it is off; nothing joins, nothing is kept
         resume.start_resumed(worker, state, snapshot, codec_state)
         self.worker = worker
         self.worker_id = worker.worker_id
@@ -116,6 +130,25 @@ class TrainerWorker:
         if submit and self._final_sync and worker.local_step > 0:
             worker.force_sync()
         worker.stop(submit=submit)
+
+    def end_on(self, exc: BaseException) -> None:
+        """Leave after ``exc`` ended training. A SIGTERM that a trainer turned into an exception
+        at a step's end (Lightning), or the worker outside a sync (``Terminated.clean``), left
+        the model holding parameters: the last local steps are handed in, without waiting for
+        their round (the process is on its way out). Anything else may have left the local
+        state garbage: nothing is sent."""
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.stop(submit=_clean_exit(exc))
+
+
+def _clean_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` is a SIGTERM raised between steps: the worker's own, outside a sync, or
+    a trainer's (Lightning raises its ``SIGTERMException``, a ``SystemExit``, at a batch's end;
+    named by its class so this module needs no trainer)."""
+    if isinstance(exc, Terminated):
+        return exc.clean
+    return isinstance(exc, SystemExit) and type(exc).__name__ == "SIGTERMException"
 
 
 class WorkerCallback:

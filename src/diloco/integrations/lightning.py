@@ -69,6 +69,8 @@ class DiLoCoCallback(WorkerCallback, Callback):
     def on_train_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
     ) -> None:
+        if not self._core.enabled:
+            self._saved = self._codec_state = None  # a checkpoint's worker state stays unused
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"DiLoCoCallback needs exactly one optimizer, the module has "
@@ -109,10 +111,12 @@ class DiLoCoCallback(WorkerCallback, Callback):
     def on_exception(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, exc: BaseException
     ) -> None:
-        self._core.finish(submit=False)  # the local state may be garbage: leave, send nothing
+        # A crash may leave the local state garbage: leave, send nothing. Lightning's own
+        # SIGTERM handling ends training at a batch's end: the last steps go first.
+        self._core.end_on(exc)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._core.state()
+        return self._core.state()  # empty while DiLoCo is off
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:

@@ -91,9 +91,11 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self._log_before_reporters()
-        folder = self.resume_from
-        if folder is None and state.global_step > 0:  # resumed from a checkpoint
-            folder = _checkpoint_folder(args, state)
+        folder = None
+        if self._core.enabled:  # off: nothing of a checkpoint is read
+            folder = self.resume_from
+            if folder is None and state.global_step > 0:  # resumed from a checkpoint
+                folder = _checkpoint_folder(args, state)
         saved = resume.load(folder) if folder else None
         if folder and saved is None and state.is_world_process_zero:
             log.warning("checkpoint %s holds no DiLoCo worker state: joining afresh", folder)

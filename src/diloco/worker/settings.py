@@ -25,6 +25,13 @@ def _flag(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass(frozen=True)
 class WorkerSettings:
+    enabled: bool = True
+    """False: DiLoCo is off. The worker does nothing at all (no optimizer hook, no connection,
+    no thread; ``start``, ``stop`` and ``force_sync`` return at once, ``sync_metrics`` reads
+    zeros) and says so in one log line, so one script trains alone (``DILOCO_ENABLED=0``) or
+    in a run. No ``diloco worker`` flag: a command run without ``diloco worker`` is the off
+    switch there."""
+
     server_addr: str = _flag(
         f"127.0.0.1:{DEFAULT_PORT}",
         "host[:port] of the server (port 8512 if none)",
@@ -205,6 +212,10 @@ def refused_codec(reply: ErrorBody, codec: Codec) -> ValueError | None:
 
 
 ENV_PREFIX = "DILOCO_"
+#: ``DILOCO_*`` variables the server reads that are none of the worker's (the server's
+#: ``_flag(env=...)``; a unit test holds the two lists together). A shell that starts the server
+#: exports them, and a worker started from it must not refuse to run.
+SERVER_ONLY = frozenset({"DILOCO_ADMIN_TOKEN"})
 _ENV_FIELDS = {f"{ENV_PREFIX}{f.name.upper()}": f for f in dataclasses.fields(WorkerSettings)}
 _ENV_FIELDS[f"{ENV_PREFIX}SERVER"] = _ENV_FIELDS.pop(f"{ENV_PREFIX}SERVER_ADDR")
 
@@ -232,11 +243,12 @@ def _parse(name: str, kind: Any, raw: str) -> Any:
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Settings named by ``DILOCO_*`` variables. An unknown ``DILOCO_*`` name is an error, so a
-    typo does not silently fall back to a default."""
+    typo does not silently fall back to a default; the server's own (``SERVER_ONLY``) are
+    ignored."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in SERVER_ONLY:
             continue
         field = _ENV_FIELDS.get(name)
         if field is None:
@@ -255,6 +267,18 @@ def resolve(
     merged = {k: v for k, v in env_overrides(environ).items() if v is not None}
     merged.update({k: v for k, v in explicit.items() if v is not None})
     return WorkerSettings(**merged)
+
+
+def off_reason(explicit: bool | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why DiLoCo is off (``"enabled=False"``, ``"DILOCO_ENABLED=0"``); None when it is on. The
+    argument wins over the variable, as for every setting."""
+    if explicit is not None:
+        return None if explicit else "enabled=False"
+    environ = os.environ if environ is None else environ
+    name = f"{ENV_PREFIX}ENABLED"
+    if env_overrides(environ).get("enabled") is False:
+        return f"{name}={environ[name]}"
+    return None
 
 
 def to_env(settings: WorkerSettings) -> dict[str, str]:

@@ -31,40 +31,15 @@ from diloco.worker.heartbeats import Heartbeats
 from diloco.worker.logs import show_worker_log
 from diloco.worker.server_mode.plain import PlainSync
 from diloco.worker.session import Session, initial_metrics
-from diloco.worker.settings import WorkerSettings, chosen_codec, refused_codec, resolve
+from diloco.worker.settings import WorkerSettings, chosen_codec, off_reason, refused_codec, resolve
 from diloco.worker.state.encoder import UploadEncoder, comm_dtype
 from diloco.worker.state.local_model import LocalModel
 from diloco.worker.strategy import SyncStrategy
+from diloco.worker.termination import SigtermExit, Terminated
 from diloco.worker.transport.client import Conflict, DiLoCoClient, ServerError, Unreachable
+from diloco.worker.unwrap import real_optimizer
 
 log = logging.getLogger(__name__)
-
-
-def real_optimizer(optimizer: Any) -> Any:
-    """The optimizer whose ``step`` runs the update, under wrappers that expose it as
-    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``).
-    A wrapper's own ``step`` may not fire the hooks (Accelerate's skips ``Optimizer.__init__``),
-    and under AMP or gradient accumulation the inner step is the one that really happened."""
-    seen = optimizer
-    for _ in range(8):  # wrappers of wrappers, never a cycle
-        inner = getattr(seen, "optimizer", None)
-        hooks = callable(getattr(seen, "register_step_post_hook", None))
-        if (
-            inner is None
-            or inner is seen
-            or (hooks and not isinstance(inner, torch.optim.Optimizer))
-        ):
-            break
-        seen = inner
-    if not callable(getattr(seen, "register_step_post_hook", None)):
-        wrapped = (
-            "" if seen is optimizer else f" (unwrapped through .optimizer to {type(seen).__name__})"
-        )
-        raise ValueError(
-            f"{type(optimizer).__name__}{wrapped} has no register_step_post_hook: the worker needs "
-            "a torch.optim.Optimizer, or a wrapper that exposes one as .optimizer, to see each step"
-        )
-    return seen
 
 
 class DiLoCoWorker:
@@ -83,6 +58,10 @@ class DiLoCoWorker:
     Under an initialized ``torch.distributed`` (or with ``process_group``) the ranks of the group
     are one worker: rank 0 talks to the server, the others follow (``worker/groups/group.py``).
     ``partitioned`` says each rank owns different parameters (pipeline stages); None detects it.
+
+    ``enabled=False`` (or ``DILOCO_ENABLED=0``) turns DiLoCo off: the loop trains alone, as if
+    the worker were not there (``WorkerSettings.enabled``). SIGTERM, while the worker runs, ends
+    the loop like Ctrl-C and the worker leaves the run (``worker/termination.py``).
     """
 
     def __init__(
@@ -106,6 +85,7 @@ class DiLoCoWorker:
         overlap_steps: int | None = None,
         merge_alpha: float | None = None,
         dylu: bool | None = None,
+        enabled: bool | None = None,
         log_level: str | None = None,
         codec: str | None = None,
         error_feedback: bool | None = None,
@@ -132,6 +112,7 @@ class DiLoCoWorker:
                 "overlap_steps": overlap_steps,
                 "merge_alpha": merge_alpha,
                 "dylu": dylu,
+                "enabled": enabled,
                 "log_level": log_level,
                 "codec": codec,
                 "error_feedback": error_feedback,
@@ -139,6 +120,13 @@ class DiLoCoWorker:
             }
         )
         show_worker_log(self.settings.log_level)  # only where the program set up no logging
+        #: False: DiLoCo is off, and the worker does nothing (``WorkerSettings.enabled``).
+        self.enabled = self.settings.enabled
+        if not self.enabled:
+            log.info(
+                "DiLoCo is off (%s): training runs alone, with no server, hook or thread",
+                off_reason(enabled),
+            )
         self.model = model
         self.optimizer = real_optimizer(optimizer)
         self.client = client or DiLoCoClient(
@@ -161,7 +149,8 @@ class DiLoCoWorker:
         )
         # A worker group (torch.distributed ranks, docs/design/groups.md): every rank
         # builds it here, and ranks that disagree fail here, before anything is sent.
-        pg = find_group(process_group)
+        # An off worker builds no group: forming one is a collective.
+        pg = find_group(process_group) if self.enabled else None
         self._group = (
             None
             if pg is None
@@ -178,6 +167,7 @@ class DiLoCoWorker:
         self._registered = False  # this worker's own registration succeeded at least once
         self._heartbeats = Heartbeats(self._session, self.settings)
         self._started = False
+        self._sigterm = SigtermExit(self._leave_at_exit)
 
     # --- what the lifecycle shares with the strategy ------------------------------------------
 
@@ -217,11 +207,16 @@ class DiLoCoWorker:
     def start(self) -> DiLoCoWorker:
         """Hook the optimizer, register, and load the global parameters into the model. If any
         of it fails (Ctrl-C too), the worker leaves the run before the error is raised: a worker
-        registered but never joined would hold every round until the server dropped it."""
+        registered but never joined would hold every round until the server dropped it.
+        With DiLoCo off, nothing (``enabled``)."""
         if self._started:
             raise RuntimeError("worker already started")
+        if not self.enabled:
+            return self
         s = self._session
         s.syncing = True  # the heartbeats start once registered: the loop is not hung
+        if self._group is None:  # a group's ranks would leave through mismatched collectives
+            self._sigterm.install()
         try:
             # Hooked first: an optimizer that refuses the hook fails before registering.
             self._hook = self.optimizer.register_step_post_hook(self._post_step)
@@ -243,7 +238,8 @@ class DiLoCoWorker:
         return self
 
     def _unhook(self) -> None:
-        """Stop seeing the optimizer's steps and stop the heartbeats."""
+        """Stop seeing the optimizer's steps, stop the heartbeats, give SIGTERM back."""
+        self._sigterm.restore()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -280,7 +276,13 @@ class DiLoCoWorker:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # After a crash in the training loop the local state may be garbage: do not send it.
-        self.stop(submit=exc_type is None)
+        # A SIGTERM outside a sync left the model holding parameters: those steps may go.
+        self.stop(submit=exc_type is None or (isinstance(exc, Terminated) and exc.clean))
+
+    def _leave_at_exit(self, submit: bool) -> None:
+        """After a SIGTERM whose exception escaped the loop without stopping the worker."""
+        if self._started:
+            self.stop(submit=submit)
 
     # --- what the training loop calls -----------------------------------------------------------
 
@@ -304,9 +306,12 @@ class DiLoCoWorker:
         """Sync now, whatever the step count (for example before an evaluation or a checkpoint).
         Streaming: every fragment in turn, each merged before the next is sent. In a worker
         group every rank calls it (it is a collective), as every rank calls ``stop``."""
+        if not self.enabled:
+            return
         if self._strategy is None:
             raise RuntimeError("the worker has not joined a run yet: call start() first")
-        self._strategy.sync_now()
+        with self._sigterm.syncing():
+            self._strategy.sync_now()
 
     @property
     def sync_metrics(self) -> dict[str, float]:
@@ -325,7 +330,8 @@ class DiLoCoWorker:
         s.total_steps += 1
         s.last_step_at = time.monotonic()
         assert self._strategy is not None  # hooked inside start(), which chose it
-        self._strategy.after_step()
+        with self._sigterm.syncing():
+            self._strategy.after_step()
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         """Plain DiLoCo's upload of the whole model under ``submission_id``; the server's reply.
@@ -438,7 +444,8 @@ class DiLoCoWorker:
             # chained tracebacks (the last error is in the message).
             raise Unreachable(
                 f"{exc}. Is a diloco server running at {self.client.base_url}? Start one with "
-                "`diloco server` (README, Quick start), or point this worker at yours "
-                "(`server_addr`, `--server` or DILOCO_SERVER)"
+                "`diloco server` (README, Quick start), point this worker at yours "
+                "(`server_addr`, `--server` or DILOCO_SERVER), or train without DiLoCo "
+                "(DILOCO_ENABLED=0)"
             ) from None
         return Registered.from_json(reply)
