@@ -28,11 +28,11 @@ def test_a_command_that_is_no_program_says_how_commands_run(
 ) -> None:
     import subprocess
 
-    def missing(*args: object, **kwargs: object) -> int:
+    def missing(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
         raise FileNotFoundError(2, "No such file or directory")
 
     # Stands in for the process start (this lane starts none): what the OS says for `train`.
-    monkeypatch.setattr(subprocess, "call", missing)
+    monkeypatch.setattr(subprocess, "Popen", missing)
     assert main(["worker", "--sync-every", "500", "--dylu", "--", "train"]) == 127
     err = capsys.readouterr().err
     assert "command not found: train" in err and "-- python train.py" in err
