@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,17 @@ def test_a_missing_extra_names_what_to_install(tmp_path: Path) -> None:
     # A ``transformers`` that cannot be imported, ahead of the real one on the path.
     (tmp_path / "transformers.py").write_text("raise ImportError('absent', name='transformers')")
     code = "import diloco.integrations.transformers"
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    path = [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode != 0
-    assert "pip install 'diloco[transformers]'" in out.stderr
+    # diloco is on no index: the error names the installs that work, from the checkout or the
+    # extra's own packages (as pyproject.toml lists them).
+    assert "pip install -e '.[transformers]'" in out.stderr
+    assert "pip install 'diloco[" not in out.stderr
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    for requirement in pyproject["project"]["optional-dependencies"]["transformers"]:
+        assert f"'{requirement}'" in out.stderr
 
 
 @pytest.mark.timeout(120)
