@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
-import os
 import ssl
 import threading
 from collections.abc import Coroutine
