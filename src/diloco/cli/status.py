@@ -155,7 +155,11 @@ def _status(args: argparse.Namespace) -> int:
     try:
         st = client.status()
     except Unreachable as exc:
-        print(f"error: cannot reach {args.server}: {exc.__cause__ or exc}", file=sys.stderr)
+        print(
+            f"error: cannot reach {args.server}: {exc.__cause__ or exc}\n"
+            f"Is a diloco server running at {args.server}? Start one with `diloco server`",
+            file=sys.stderr,
+        )
         return 2
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -103,10 +103,17 @@ def inspect_checkpoint(path: str | Path) -> Entry:
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such checkpoint folder")
     try:
         state = _read_state(path)
     except Torn as exc:
-        raise ValueError(f"{path} is not a complete checkpoint: {exc}") from None
+        # A folder without this project's state file may be another system's checkpoint (the
+        # reference's are pickles, never loaded here): its model weights can still seed a run.
+        raise ValueError(
+            f"{path} is not a complete diloco checkpoint: {exc} (to start from a model's "
+            "weights instead, give them to --init)"
+        ) from None
     try:
         params = load_file(str(path / "params.safetensors"))
         opt_tensors = load_file(str(path / "optimizer.safetensors"))

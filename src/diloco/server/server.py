@@ -212,8 +212,11 @@ class DiLoCoServer:
             for sock in sockets:  # accepted connections inherit it
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         log.info(
-            "diloco server listening on %s (waiting for %d workers)",
-            self.address,
+            "diloco server listening on %s:%d (waiting for %d workers)",
+            # The interface bound (0.0.0.0: all of them), not ``address``, which names one a
+            # local client can dial.
+            self.config.host if ":" not in self.config.host else f"[{self.config.host}]",
+            self.port,
             self.config.num_workers,
         )
         if self.config.dashboard_enabled:

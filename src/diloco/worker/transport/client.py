@@ -232,7 +232,16 @@ class DiLoCoClient:
                 return call()
             except NETWORK_ERRORS as exc:
                 last = exc
-                log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, retries + 1, exc)
+                # With no retry the caller gets the error and says it; a warning would say it
+                # twice (``diloco status`` against a server that is not running).
+                log.log(
+                    logging.WARNING if retries else logging.DEBUG,
+                    "%s: attempt %d/%d failed: %s",
+                    what,
+                    attempt + 1,
+                    retries + 1,
+                    exc,
+                )
             except ServerError as exc:
                 if exc.status not in RETRY_STATUSES:
                     raise
