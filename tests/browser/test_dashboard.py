@@ -18,13 +18,14 @@ from diloco.server.config import ServerConfig
 from diloco.server.server import DiLoCoServer
 from tests.helpers.dashboard import (
     ARTIFACTS,
-    CHROMIUM,
     TOKEN,
     WAIT_MS,
     WORKERS,
     PacedWorker,
     Page,
+    browser_fixture,  # noqa: F401 (the `browser` fixture)
     initial_params,
+    playwright,
     row,
     shown_round,
     wait_until,
@@ -32,18 +33,7 @@ from tests.helpers.dashboard import (
 
 pytestmark = pytest.mark.browser
 
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
-expect = sync_api.expect
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        yield b
-        b.close()
+expect = playwright().expect
 
 
 @pytest.fixture

@@ -20,34 +20,24 @@ from diloco.wire import spec_of
 from diloco.wire.messages import RegisterInfo
 from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.dashboard import (
-    CHROMIUM,
     TOKEN,
     WAIT_MS,
     WORKERS,
     PacedWorker,
     Page,
+    browser_fixture,  # noqa: F401 (the `browser` fixture)
     initial_params,
+    playwright,
     row,
     wait_until,
 )
 
 pytestmark = pytest.mark.browser
 
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
-expect = sync_api.expect
+expect = playwright().expect
 
 GRADS = {"w": torch.full((3, 4), 0.01), "b": torch.full((4,), -0.01)}
 SPECS = [spec_of(n, t) for n, t in GRADS.items()]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from diloco.server.server import DiLoCoServer
@@ -19,6 +21,25 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 TOKEN = "browser-token-123"
 WORKERS = ("alpha-worker", "beta-worker")
 WAIT_MS = 15_000
+
+
+def playwright() -> Any:
+    """Playwright's sync API, or the calling test module skipped when Chromium or Playwright
+    is absent (call it at module level)."""
+    if not CHROMIUM.exists():
+        pytest.skip(
+            f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True
+        )
+    return pytest.importorskip("playwright.sync_api")
+
+
+@pytest.fixture(scope="module", name="browser")
+def browser_fixture() -> Iterator[Any]:
+    """``browser``: one headless Chromium per test module (import it into the module)."""
+    with playwright().sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
 
 
 def initial_params() -> dict[str, torch.Tensor]:
