@@ -1,6 +1,7 @@
 """diloco: DiLoCo training across machines joined by ordinary networks."""
 
-from diloco.export import export_like, load_into
+from diloco.export import export_like
+from diloco.loading import load_into
 from diloco.server import DiLoCoServer, ServerConfig
 from diloco.worker import DiLoCoClient, DiLoCoWorker, WorkerSettings
 

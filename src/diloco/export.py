@@ -1,11 +1,9 @@
-"""A run's parameters back into the user's hands: loaded into their model (``load_into``), or
-written as a model folder like the one the run started from (``export_like``, ``diloco export``).
+"""A run's parameters written as a model folder like the one the run started from
+(``export_like``, ``diloco export``); ``diloco.loading`` puts them into a model instead.
 
-A checkpoint holds the global parameters under their wire names (``diloco.core.names``): no
-wrapper prefixes, and each tied tensor once, under the name ``named_parameters()`` keeps (GPT-2's
-``transformer.wte.weight``, not ``lm_head.weight``). So ``load_state_dict`` of a checkpoint fails
-on a wrapped model or a tied one; ``load_into`` matches names without prefixes and gives every
-name of a tied tensor the value saved under any one of them.
+A checkpoint holds the global parameters under their wire names (``diloco.core.names``), each
+tied tensor once, whatever wrapped or sharded the workers' models: an export gives them back
+the original folder's names, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -22,145 +20,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from diloco.core.names import wire_name, wire_names
+from diloco.loading import checkpoint_file, few_names, read_params
 from diloco.persistence.weights import read_weights
 
 log = logging.getLogger(__name__)
 
-PARAMS_FILE = "params.safetensors"  # a checkpoint folder's parameters (diloco.persistence)
 EXPORT_FILE = "model.safetensors"  # the name ``from_pretrained`` looks for first
 # Weight files of a model folder: not copied by an export, whose model.safetensors replaces them.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 WEIGHT_FILES = frozenset({"tf_model.h5", "flax_model.msgpack"})
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What ``load_into`` did, by wire name."""
-
-    loaded: list[str]
-    """Model names that took a value, tied aliases included."""
-
-    tied: dict[str, str]
-    """Each tied alias the file does not hold, and the name whose value it took
-    (``{"lm_head.weight": "transformer.wte.weight"}``)."""
-
-    missing: list[str]
-    """Model parameters the file holds no value for (buffers are not required)."""
-
-    unexpected: list[str]
-    """Names in the file that no parameter or buffer of the model has."""
-
-
-def checkpoint_file(path: str | Path) -> Path:
-    """The parameters file of ``path``: a ``.safetensors`` file, a checkpoint folder
-    (``round-000000012``), or a save dir (its newest complete checkpoint)."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    if (path / PARAMS_FILE).is_file():
-        return path / PARAMS_FILE
-    if path.is_dir():
-        from diloco.persistence import list_checkpoints
-
-        found = list_checkpoints(path)
-        if found:
-            return found[-1] / PARAMS_FILE
-        raise ValueError(f"{path} holds neither {PARAMS_FILE} nor a complete checkpoint folder")
-    raise ValueError(f"checkpoint not found: {path}")
-
-
-def read_params(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of ``checkpoint_file(path)`` by wire name (a file written with wrapper
-    prefixes loads too; two names that become one are an error)."""
-    file = checkpoint_file(path)
-    try:
-        tensors = load_file(str(file))
-    except Exception as exc:  # safetensors raises its own error types for torn files
-        raise ValueError(f"{file}: unreadable tensors: {exc}") from None
-    return wire_names(tensors.items())
-
-
-def _model_tensors(model: torch.nn.Module) -> dict[str, list[tuple[str, torch.Tensor, bool]]]:
-    """The model's tensors grouped by identity: each group is one tensor under all its names
-    (tied parameters share a group), each name a wire name, with whether it is a parameter."""
-    groups: dict[int, list[tuple[str, torch.Tensor, bool]]] = {}
-    owner: dict[str, tuple[int, str]] = {}  # wire name -> (group, model name)
-    named: list[tuple[str, torch.Tensor, bool]] = [
-        (n, t, True) for n, t in model.named_parameters(remove_duplicate=False)
-    ]
-    named += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False)]
-    for name, tensor, is_param in named:
-        wire = wire_name(name)
-        key = id(tensor)
-        if wire in owner and owner[wire][0] != key:
-            raise ValueError(
-                f"{owner[wire][1]!r} and {name!r} both become {wire!r} once the wrapper prefixes "
-                "are taken out"
-            )
-        if wire in owner:
-            continue  # the same tensor reached through a second path of the same name
-        owner[wire] = (key, name)
-        groups.setdefault(key, []).append((wire, tensor, is_param))
-    return {group[0][0]: group for group in groups.values()}
-
-
-def load_into(model: torch.nn.Module, path: str | Path, *, strict: bool = True) -> LoadReport:
-    """Copy a checkpoint's parameters into ``model`` (wrapped or not) in place.
-
-    ``path``: a checkpoint folder, its ``params.safetensors``, a save dir (its newest
-    checkpoint) or any safetensors file. Names match without wrapper prefixes; a tied tensor
-    takes the value saved under any of its names. With ``strict`` (the default), a model
-    parameter the file lacks or a name in the file the model lacks is a ``ValueError`` listing
-    them, raised before anything is copied; a shape that differs always is."""
-    tensors = read_params(path)
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-    loaded: list[str] = []
-    tied: dict[str, str] = {}
-    missing: list[str] = []
-    known: set[str] = set()
-    for group in _model_tensors(model).values():
-        names = [wire for wire, _, _ in group]
-        known.update(names)
-        found = [n for n in names if n in tensors]
-        if not found:
-            if any(is_param for _, _, is_param in group):
-                missing.append(names[0])
-            continue
-        source = tensors[found[0]]
-        target = group[0][1]
-        for other in found[1:]:
-            if not torch.equal(tensors[other], source):
-                raise ValueError(
-                    f"{found[0]!r} and {other!r} are one tied tensor in the model but hold "
-                    "different values in the file"
-                )
-        if tuple(source.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{found[0]!r} has shape {tuple(source.shape)} in the file and "
-                f"{tuple(target.shape)} in the model"
-            )
-        plan.append((target, source))
-        loaded += names
-        tied.update({n: found[0] for n in names if n not in tensors})
-    unexpected = sorted(set(tensors) - known)
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"{checkpoint_file(path)} does not fit the model: "
-            f"missing from the file {_few(missing)}, not in the model {_few(unexpected)}"
-        )
-    with torch.no_grad():
-        for target, source in plan:
-            target.copy_(source)
-    return LoadReport(loaded, tied, missing, unexpected)
-
-
-def _few(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit]) or "none"
-    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
-
-
-# --- export -------------------------------------------------------------------------------------
 
 
 def _is_weights(name: str) -> bool:
@@ -211,7 +79,7 @@ def exported_tensors(
     if missing or unexpected:
         raise ValueError(
             "the checkpoint does not fit the original model folder: "
-            f"not in the checkpoint {_few(missing)}, not in the folder {_few(unexpected)}"
+            f"not in the checkpoint {few_names(missing)}, not in the folder {few_names(unexpected)}"
         )
     return out
 

@@ -79,6 +79,32 @@ def test_the_file_may_hold_the_tied_alias_instead(tmp_path: Path) -> None:
         load_into(fresh, tmp_path / "both.safetensors")
 
 
+def test_tied_values_are_compared_in_blocks_through_the_last_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file's two names of one tied tensor are compared a block of rows at a time (a rank
+    of a sharded model never holds a whole embedding): a difference in the last block counts."""
+    monkeypatch.setattr("diloco.loading.COMPARE_BYTES", 2 * 4 * 8)  # two rows of 4 per block
+    params = served(TiedLM(0))
+    params["head.weight"] = params["embed.weight"].clone()
+    save_file(params, str(tmp_path / "same.safetensors"))
+    fresh = TiedLM(1)
+    load_into(fresh, tmp_path / "same.safetensors")
+    torch.testing.assert_close(fresh.embed.weight, params["embed.weight"])
+    params["head.weight"][-1, -1] += 1  # row 10 of 11: the sixth block
+    save_file(params, str(tmp_path / "differ.safetensors"))
+    with pytest.raises(ValueError, match="one tied tensor in the model but hold different"):
+        load_into(fresh, tmp_path / "differ.safetensors")
+
+
+def test_a_torn_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    save_file(served(TiedLM(0)), str(tmp_path / "whole.safetensors"))
+    data = (tmp_path / "whole.safetensors").read_bytes()
+    (tmp_path / "torn.safetensors").write_bytes(data[: len(data) - 8])
+    with pytest.raises(ValueError, match=r"torn.safetensors: unreadable tensors"):
+        load_into(TiedLM(1), tmp_path / "torn.safetensors")
+
+
 def test_wrapped_models_and_prefixed_files_load(tmp_path: Path) -> None:
     trained = TiedLM(0)
     prefixed = {f"module.{n}": p for n, p in served(trained).items()}
