@@ -44,6 +44,10 @@ up with the snapshot intact; a network error may leave it half-written (``snapsh
 class LocalModel:
     """A model's parameters, its snapshot of the global parameters and the state between them."""
 
+    #: Whether a compressed downlink's update bodies may be asked for (a sharded worker group's
+    #: rank 0, ``worker/groups/sharded_model.py``, takes full parameters only).
+    takes_updates = True
+
     def __init__(self, model: torch.nn.Module, comm_dtype: str, metrics: dict[str, float]) -> None:
         # Keyed by wire name (wrapper prefixes out): the server, the snapshot and every upload
         # know these names; the values are the model's own parameters.
