@@ -19,7 +19,6 @@ Placements are given as codes: ``"S<d>"`` for ``Shard(d)``, ``"R"`` for ``Replic
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -121,7 +120,12 @@ def owns(placements: Sequence[str], coord: Sequence[int]) -> bool:
 
 def coordinates(mesh_shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
     """Every coordinate of the mesh, in row-major order (the order of ``DeviceMesh.mesh``)."""
-    return itertools.product(*(range(n) for n in mesh_shape))
+    if not mesh_shape:
+        yield ()
+        return
+    for c in range(mesh_shape[0]):
+        for rest in coordinates(mesh_shape[1:]):
+            yield (c, *rest)
 
 
 def all_boxes(

@@ -112,6 +112,7 @@ class WorkerGroup:
         }
         infos = all_gather_json(mine, pg, device=local.device)
         for info in infos:  # JSON has no tuples
+            info["sharded"] = any("plain" not in d for d in info["shards"].values())
             info["table"] = {
                 n: (tuple(shape), dtype) for n, (shape, dtype) in info["table"].items()
             }
@@ -405,8 +406,6 @@ def _agree(infos: list[Mapping[str, Any]]) -> bool:
             "worker group: streaming fragments (num_fragments > 1) are not supported inside a "
             "worker group yet; use num_fragments=1"
         )
-    for info in infos:
-        info["sharded"] = any("plain" not in d for d in info["shards"].values())
     if any(info["sharded"] for info in infos):
         refuse_unsupported(first)
     tables: list[Table] = [info["table"] for info in infos]

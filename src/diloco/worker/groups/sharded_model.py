@@ -46,12 +46,12 @@ class ShardedModel(LocalModel):
 
     # --- pseudo-gradients -------------------------------------------------------------------
 
-    def produce(self, spec: TensorSpec) -> torch.Tensor:
-        """``snapshot - local`` of one parameter, gathered from its owners (a retry asks
-        again: the shards do not change during a sync)."""
+    def produce(self, spec: TensorSpec) -> Iterator[torch.Tensor]:
+        """``snapshot - local`` of one parameter, gathered from its owners when the upload
+        reaches it (a retry asks again: the shards do not change during a sync)."""
         got = self.state.command({"cmd": "grad", "name": spec.name, "dtype": spec.dtype})
         assert got is not None
-        return got
+        yield got
 
     def detached(self) -> Mapping[str, torch.Tensor]:
         """The parameters as they are, each gathered when it is read."""

@@ -13,7 +13,7 @@ receives into ``receiver(adopt)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -97,7 +97,7 @@ class LocalModel:
                 f"not on server {missing}, not in model {extra}, different shapes {shapes}"
             )
 
-    def detached(self) -> dict[str, torch.Tensor]:
+    def detached(self) -> Mapping[str, torch.Tensor]:
         """The parameters as they are (the initial upload of a run that has none yet)."""
         return {n: p.detach() for n, p in self.params.items()}
 
