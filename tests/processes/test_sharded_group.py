@@ -109,3 +109,29 @@ def test_sharded_ranks_that_cannot_form_a_worker_fail_on_every_rank(tmp_path: Pa
         assert f"the worker group is global ranks [{r}]" in errors[r]["mesh"]
     assert "codec 'int8' is not supported with sharded" in e["codec"]
     assert "rank 1 holds parameter 'weight' as a plain tensor, rank 0 as a DTensor" in e["plain"]
+
+
+def test_faults_on_rank_0_of_a_sharded_group(tmp_path: Path) -> None:
+    """Rank 0's scripted faults (an unreachable server, then a 410, a re-join and a rebase):
+    every rank sees the same outcomes, the kept and rebased progress moves on every shard, and
+    every shard ends as the server's parameters."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        args = (server.address, 0, str(tmp_path), (2,), "fp32", True)
+        ranks.join(ranks.spawn(sr.fsdp_rank, args), timeout=120)
+        got = server.global_params()
+    outcomes = ["adopted", "kept_local", "adopted", "rebased", "adopted"]
+    for r in range(2):
+        records = torch.load(tmp_path / f"g0r{r}.pt")["records"]
+        assert [x["outcome"] for x in records] == outcomes, r
+        _assert_shards_are_the_servers(records[-1], got)
+
+
+def test_a_sharded_group_refuses_allreduce_mode(tmp_path: Path) -> None:
+    """All-reduce mode is not built for sharded groups: rank 0 learns the mode at its first
+    registration and refuses it there (a ValueError); the other rank fails with rank 0's error,
+    and none hangs."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
+        ranks.join(ranks.spawn(sr.refused_start_rank, (server.address, str(tmp_path))), timeout=60)
+    errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
+    assert errors[0].startswith("ValueError: all-reduce mode is not supported with sharded")
+    assert errors[1].startswith("RuntimeError: rank 0 of the worker group failed: " + errors[0])

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from diloco import DiLoCoClient, DiLoCoWorker
 from tests.helpers.ranks import BATCH, ROUNDS, SYNC_EVERY, batches, leave, make_inner, make_model
-from tests.programs.group_ranks import _init
+from tests.programs.group_ranks import FaultyClient, _init
 
 
 def _worker(model: torch.nn.Module, opt: Any, server: str, **kw: Any) -> DiLoCoWorker:
@@ -48,19 +48,28 @@ def _shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, 
 
 
 def fsdp_rank(
-    rank: int, port: int, server: str, group: int, out: str, mesh: tuple[int, ...], comm: str
+    rank: int,
+    port: int,
+    server: str,
+    group: int,
+    out: str,
+    mesh: tuple[int, ...],
+    comm: str,
+    faults: bool = False,
 ) -> None:
     """One rank of an FSDP2 group training ``make_model`` on stream ``2 * group + rank``;
-    records its shards after every step, rank 0 also the server's parameters after each sync
-    and its staging's size."""
+    records its shards after every sync, rank 0 also the server's parameters then and its
+    staging's size. ``faults``: rank 0's client is ``group_ranks.FaultyClient`` (5 rounds)."""
     _init(rank, port)
     model = _sharded_model(mesh)
     opt = make_inner(model.parameters())
     records: list[dict[str, Any]] = []
     served: dict[int, dict[str, torch.Tensor]] = {}
     reader = DiLoCoClient(server)
-    with _worker(model, opt, server, bf16_comm=comm == "bf16") as worker:
-        for step, (x, y) in enumerate(batches(2 * group + rank, SYNC_EVERY * ROUNDS), start=1):
+    client = FaultyClient(server) if faults and rank == 0 else None
+    steps = SYNC_EVERY * (5 if faults else ROUNDS)
+    with _worker(model, opt, server, bf16_comm=comm == "bf16", client=client) as worker:
+        for step, (x, y) in enumerate(batches(2 * group + rank, steps), start=1):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -135,4 +144,18 @@ def bad_shard_rank(rank: int, port: int, server: str, out: str) -> None:
         except ValueError as exc:
             errors[case] = str(exc)
     torch.save(errors, Path(out) / f"bad{rank}.pt")
+    leave()
+
+
+def refused_start_rank(rank: int, port: int, server: str, out: str) -> None:
+    """An FSDP2 group whose start must fail on every rank: records each rank's error."""
+    _init(rank, port)
+    model = _sharded_model((2,))
+    worker = _worker(model, make_inner(model.parameters()), server)
+    try:
+        worker.start()
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    torch.save(error, Path(out) / f"refused{rank}.pt")
     leave()
