@@ -47,6 +47,11 @@ def choose_strategy(
     if lockstep is not None and not lockstep.group.leader:
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
+    if reply.allreduce and lockstep is not None and lockstep.group.shards is not None:
+        raise ValueError(
+            "all-reduce mode is not supported with sharded (DTensor) parameters in a worker "
+            "group yet: run the server in parameter-server mode"
+        )
     if reply.allreduce:
         inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
     elif settings.num_fragments > 1:

@@ -166,7 +166,9 @@ class Session:
     def _have_round(self) -> int | None:
         """The round to offer the server as held (an update may then follow), or None when
         only full parameters will do: no compressed downlink, a re-join, or no clean snapshot."""
-        if self.full_next or not lossy_downlink(self.last_metadata) or not self.local.snapshot:
+        if not self.local.takes_updates or self.full_next or not self.local.snapshot:
+            return None
+        if not lossy_downlink(self.last_metadata):
             return None
         return None if self.local.snapshot_dirty else self.base_round
 

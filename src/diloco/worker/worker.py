@@ -141,12 +141,6 @@ class DiLoCoWorker:
         #: How pseudo-gradients travel (``codec`` or ``bf16_comm``; ``worker/state/encoder.py``).
         self.codec = chosen_codec(self.settings)
         self._local = LocalModel(model, comm_dtype(self.codec), self.metrics)
-        self._encoder = UploadEncoder(
-            self.codec, self._local, self.metrics, self.settings.error_feedback
-        )
-        self._session = Session(
-            self.settings, self.client, self._local, self.metrics, self._rejoin, self._encoder
-        )
         # A worker group (torch.distributed ranks, docs/design/groups.md): every rank
         # builds it here, and ranks that disagree fail here, before anything is sent.
         # An off worker builds no group: forming one is a collective.
@@ -155,6 +149,14 @@ class DiLoCoWorker:
             None
             if pg is None
             else WorkerGroup(pg, self._local, self.settings, partitioned, dylu=self.settings.dylu)
+        )
+        if self._group is not None:  # rank 0 of a sharded group syncs through its shards
+            self._local = self._group.local
+        self._encoder = UploadEncoder(
+            self.codec, self._local, self.metrics, self.settings.error_feedback
+        )
+        self._session = Session(
+            self.settings, self.client, self._local, self.metrics, self._rejoin, self._encoder
         )
         self._encoder.check_names()  # a group's rank 0 encodes the union of the ranks' names
         self._leads = self._group is None or self._group.leader  # talks to the server

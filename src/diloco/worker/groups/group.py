@@ -38,7 +38,10 @@ import torch.distributed as dist
 
 from diloco.core.fragments import numel
 from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
-from diloco.worker.settings import WorkerSettings
+from diloco.worker.groups.shard_table import agree_on_shards, describe, refuse_unsupported
+from diloco.worker.groups.sharded import ShardState
+from diloco.worker.groups.sharded_model import ShardedModel
+from diloco.worker.settings import WorkerSettings, chosen_codec
 from diloco.worker.state.local_model import LocalModel
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,8 @@ class LeaderReport:
 
 class WorkerGroup:
     """The ranks of ``pg`` as one worker: the agreement check at construction and the
-    collectives that move parameters and rank 0's reports."""
+    collectives that move parameters and rank 0's reports. ``local``: the model the worker
+    uses from here (rank 0 of a sharded group: its ``ShardedModel``)."""
 
     def __init__(
         self,
@@ -103,15 +107,26 @@ class WorkerGroup:
             "num_fragments": settings.num_fragments,
             "partitioned": partitioned,
             "dylu": dylu,
-            "sharded": any(_is_sharded(p) for p in local.params.values()),
+            "codec": chosen_codec(settings).name,
+            "shards": describe(local.params),
         }
         infos = all_gather_json(mine, pg, device=local.device)
         for info in infos:  # JSON has no tuples
+            info["sharded"] = any("plain" not in d for d in info["shards"].values())
             info["table"] = {
                 n: (tuple(shape), dtype) for n, (shape, dtype) in info["table"].items()
             }
         self.partitioned = _agree(infos)
         self.tables: list[Table] = [info["table"] for info in infos]
+        self.local = local
+        #: Sharded (DTensor parameters): every rank's shards and rank 0's commands to them.
+        self.shards: ShardState | None = None
+        if any(info["sharded"] for info in infos):
+            ranks = dist.get_process_group_ranks(pg)
+            plans = agree_on_shards([i["shards"] for i in infos], self.tables, ranks)
+            self.shards = ShardState(pg, self.rank, local.params, plans, local.device)
+            if self.leader:
+                self.local = ShardedModel.of(local, self.shards)
         self._mirrors: dict[str, torch.Tensor] = {}
         if self.partitioned and self.leader:
             # Rank 0 syncs the union: its own parameters, then a mirror of every other rank's.
@@ -123,7 +138,7 @@ class WorkerGroup:
                     union[name] = torch.nn.Parameter(mirror, requires_grad=False)
             local.params = union
         # Replicated: the buckets of the streamed broadcast (the same plan on every rank).
-        self._plan: list[list[str]] = [] if self.partitioned else _plan(local.params)
+        self._plan: list[list[str]] = [] if self.partitioned or self.shards else _plan(local.params)
         self._stream: _BucketStream | None = None
         self._inbox: list[torch.Tensor] = []  # the other ranks' receive buffers, one per bucket
         if self._plan and self.leader:
@@ -131,7 +146,7 @@ class WorkerGroup:
         log.info(
             "worker group of %d ranks (%s), rank %d%s",
             self.size,
-            "partitioned" if self.partitioned else "replicated",
+            "sharded" if self.shards else "partitioned" if self.partitioned else "replicated",
             self.rank,
             ": talks to the server" if self.leader else "",
         )
@@ -156,7 +171,10 @@ class WorkerGroup:
         broadcast_json(asdict(report), self.pg, src=True, device=self._comm_device())
 
     def receive_report(self) -> LeaderReport:
+        """The other ranks: rank 0's report (sharded: after serving its commands)."""
         assert not self.leader
+        if self.shards is not None:
+            return LeaderReport(**self.shards.serve())
         return LeaderReport(**broadcast_json(None, self.pg, src=False, device=self._comm_device()))
 
     def broadcast_json(self, value: Any) -> Any:
@@ -229,6 +247,10 @@ class WorkerGroup:
     def share(self) -> None:
         """Rank 0's parameters to every rank: broadcast (replicated) or each rank its own
         (partitioned, scattered from rank 0's mirrors)."""
+        if self.shards is not None:  # the shards moved with rank 0's commands; plain ones now
+            plans = self.shards.plans
+            self._broadcast([p.data for n, p in self._local.params.items() if plans[n].plain])
+            return
         if not self.partitioned:
             self._broadcast([p.data for p in self._local.params.values()])
             return
@@ -384,12 +406,8 @@ def _agree(infos: list[Mapping[str, Any]]) -> bool:
             "worker group: streaming fragments (num_fragments > 1) are not supported inside a "
             "worker group yet; use num_fragments=1"
         )
-    for r, info in enumerate(infos):
-        if info["sharded"]:
-            raise ValueError(
-                f"worker group: rank {r} holds sharded parameters (FSDP/DTensor), which a worker "
-                "group does not sync yet (docs/design/groups.md)"
-            )
+    if any(info["sharded"] for info in infos):
+        refuse_unsupported(first)
     tables: list[Table] = [info["table"] for info in infos]
     partitioned = first["partitioned"]
     if partitioned is None:
@@ -426,10 +444,6 @@ def _difference(r: int, table: Table, ref: Table) -> str:
             parts.append(f"has {name!r} as {table[name]}, rank 0 as {ref[name]}")
             break
     return f"rank {r} " + "; ".join(parts) + " (pass partitioned=True if each rank owns its own)"
-
-
-def _is_sharded(p: torch.Tensor) -> bool:
-    return type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
 
 
 def _dtype(name: str) -> torch.dtype:

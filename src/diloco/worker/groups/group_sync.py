@@ -141,8 +141,17 @@ class GroupSync:
         s.samples = g.pool_samples(s.samples)
         if submit:
             g.collect()
-        if self._inner is not None:
+        if self._inner is None:
+            if g.shards is not None and submit:
+                g.receive_report()  # serves rank 0's commands until its last upload is sent
+            return
+        if g.shards is None or not submit:
             self._inner.finish(submit=submit)
+            return
+        try:
+            self._inner.finish(submit=submit)
+        finally:
+            g.send_report(LeaderReport(ok=True, outcome="left"))
 
     def _sync_on_leader(self) -> None:
         assert self._inner is not None

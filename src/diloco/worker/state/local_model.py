@@ -13,7 +13,7 @@ receives into ``receiver(adopt)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,10 @@ up with the snapshot intact; a network error may leave it half-written (``snapsh
 
 class LocalModel:
     """A model's parameters, its snapshot of the global parameters and the state between them."""
+
+    #: Whether a compressed downlink's update bodies may be asked for (a sharded worker group's
+    #: rank 0, ``worker/groups/sharded_model.py``, takes full parameters only).
+    takes_updates = True
 
     def __init__(self, model: torch.nn.Module, comm_dtype: str, metrics: dict[str, float]) -> None:
         # Keyed by wire name (wrapper prefixes out): the server, the snapshot and every upload
@@ -93,7 +97,7 @@ class LocalModel:
                 f"not on server {missing}, not in model {extra}, different shapes {shapes}"
             )
 
-    def detached(self) -> dict[str, torch.Tensor]:
+    def detached(self) -> Mapping[str, torch.Tensor]:
         """The parameters as they are (the initial upload of a run that has none yet)."""
         return {n: p.detach() for n, p in self.params.items()}
 

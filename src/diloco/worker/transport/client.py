@@ -219,9 +219,7 @@ class DiLoCoClient:
         delay = min(self.max_backoff, self.backoff * 2**attempt)
         time.sleep(delay * (0.5 + self._rng.random() / 2))
 
-    def _with_retries(
-        self, what: str, call: Callable[[], Any], retries: int | None = None
-    ) -> Any:
+    def _with_retries(self, what: str, call: Callable[[], Any], retries: int | None = None) -> Any:
         last: BaseException | None = None
         retries = self.retries if retries is None else retries
         for attempt in range(retries + 1):

@@ -1,0 +1,115 @@
+"""``core/shards.py``: the boxes a sharded parameter's mesh coordinates hold, against
+hand-computed references and DTensor's own maths."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from diloco.core.shards import (
+    Box,
+    all_boxes,
+    chunk,
+    local_box,
+    owns,
+    placement_code,
+    tiles_once,
+)
+
+
+def test_five_rows_over_two_ranks_are_three_and_two() -> None:
+    assert local_box((5, 4), (2,), ("S0",), (0,)) == Box((0, 0), (3, 4))
+    assert local_box((5, 4), (2,), ("S0",), (1,)) == Box((3, 0), (2, 4))
+
+
+def test_one_row_over_two_ranks_leaves_an_empty_shard_at_the_end() -> None:
+    assert local_box((1, 4), (2,), ("S0",), (0,)) == Box((0, 0), (1, 4))
+    assert local_box((1, 4), (2,), ("S0",), (1,)) == Box((1, 0), (0, 4))
+    assert local_box((1,), (2,), ("S0",), (1,)).numel == 0
+
+
+def test_shard_on_dim_1() -> None:
+    assert local_box((2, 5), (2,), ("S1",), (0,)) == Box((0, 0), (2, 3))
+    assert local_box((2, 5), (2,), ("S1",), (1,)) == Box((0, 3), (2, 2))
+
+
+def test_two_d_mesh_shard_0_and_shard_1() -> None:
+    # A 4x6 tensor on a 2x3 mesh: rows in halves, columns in thirds.
+    boxes = {c: b for c, (b, _) in all_boxes((4, 6), (2, 3), ("S0", "S1")).items()}
+    assert boxes[(0, 0)] == Box((0, 0), (2, 2))
+    assert boxes[(1, 2)] == Box((2, 4), (2, 2))
+    assert boxes[(0, 1)] == Box((0, 2), (2, 2))
+    assert tiles_once((4, 6), boxes.values())
+
+
+def test_the_same_dim_cut_twice_cuts_the_local_part() -> None:
+    # 5 rows: mesh dim 0 cuts 3 + 2, mesh dim 1 cuts each again (2 + 1, 1 + 1).
+    boxes = {c: b for c, (b, _) in all_boxes((5,), (2, 2), ("S0", "S0")).items()}
+    assert [boxes[c] for c in [(0, 0), (0, 1), (1, 0), (1, 1)]] == [
+        Box((0,), (2,)),
+        Box((2,), (1,)),
+        Box((3,), (1,)),
+        Box((4,), (1,)),
+    ]
+
+
+def test_replicate_is_owned_only_at_coordinate_0_of_its_dim() -> None:
+    table = all_boxes((4, 3), (2, 2), ("R", "S0"))
+    assert table[(0, 0)] == (Box((0, 0), (2, 3)), True)
+    assert table[(0, 1)] == (Box((2, 0), (2, 3)), True)
+    assert table[(1, 0)] == (Box((0, 0), (2, 3)), False)  # the same rows as (0, 0)
+    assert table[(1, 1)] == (Box((2, 0), (2, 3)), False)
+    assert tiles_once((4, 3), [b for b, own in table.values() if own])
+    assert not tiles_once((4, 3), [b for b, _ in table.values()])  # replicas count twice
+    assert owns(("R", "R"), (0, 0)) and not owns(("R", "R"), (0, 1))
+
+
+def test_chunk_follows_torch_chunk() -> None:
+    for size, parts in itertools.product(range(0, 9), range(1, 5)):
+        pieces = torch.arange(size).chunk(parts) if size else ()
+        for i in range(parts):
+            start, length = chunk(size, parts, i)
+            expected = pieces[i].tolist() if i < len(pieces) else []
+            assert list(range(start, start + length)) == expected, (size, parts, i)
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "placements"),
+    [
+        ((5, 4), (2,), (Shard(0),)),
+        ((1,), (2,), (Shard(0),)),
+        ((3, 7), (2,), (Shard(1),)),
+        ((7, 5), (2, 3), (Shard(0), Shard(1))),
+        ((7, 5), (2, 3), (Replicate(), Shard(0))),
+        ((9, 2), (2, 3), (Shard(0), Shard(0))),
+        ((2, 2), (4, 2), (Shard(0), Shard(0))),
+    ],
+)
+def test_boxes_match_dtensor(
+    shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[object, ...]
+) -> None:
+    codes = [placement_code("w", p) for p in placements]
+    for coord, (box, _) in all_boxes(shape, mesh, codes).items():
+        local, offset = _compute_local_shape_and_global_offset(
+            shape,
+            mesh,
+            list(coord),
+            placements,  # type: ignore[arg-type]
+        )
+        assert box == Box(tuple(offset), tuple(local)), coord
+
+
+def test_placements_other_than_shard_and_replicate_are_refused() -> None:
+    assert placement_code("w", Shard(1)) == "S1" and placement_code("w", Replicate()) == "R"
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has placement Partial"):
+        placement_code("0.weight", Partial())
+
+
+def test_tiling_finds_gaps_and_overlaps() -> None:
+    assert tiles_once((4,), [Box((0,), (2,)), Box((2,), (2,))])
+    assert not tiles_once((4,), [Box((0,), (2,)), Box((1,), (2,))])  # overlap, one missing
+    assert not tiles_once((4,), [Box((0,), (3,)), Box((2,), (2,))])
