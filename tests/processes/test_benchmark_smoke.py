@@ -34,6 +34,7 @@ SCRIPTS = {
     "rounds.allreduce_round": 180,
     "links.netns_links": 180,
     "training.group_sync": 180,
+    "training.sharded_groups": 120,
     "faults.crash_moments": 180,
     "rounds.sync_round": 120,
     "codecs.error": 120,
