@@ -8,8 +8,9 @@ The rule:
 - ``num_fragments`` decides the share of the model a sync moves: 1, the whole model
   (``PlainSync``, or ``QuorumSync`` over ``WholeModel``); more, one fragment at a time
   (``StreamingSync``, or ``QuorumSync`` over ``FragmentRounds``);
-- a worker group wraps whichever rank 0 runs in ``GroupSync``; the other ranks never see a
-  reply and follow rank 0 (``GroupSync`` with no strategy inside), whatever the mode.
+- a worker group wraps whichever rank 0 runs in ``GroupSync`` (``GroupStreaming`` for
+  ``StreamingSync``); the other ranks never see a reply and follow rank 0 (the same wrapper
+  with no strategy inside), whatever the mode.
 
 A re-registration must find the server in the family chosen (``same_family``): a worker does
 not change strategy in the middle of a run.
@@ -23,6 +24,7 @@ from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
 from diloco.worker.allreduce.whole_model import WholeModel
+from diloco.worker.groups.group_streaming import GroupStreaming
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
@@ -45,6 +47,8 @@ def choose_strategy(
     ``_submit``). Raises ValueError for a combination not supported, before anything is
     built."""
     if lockstep is not None and not lockstep.group.leader:
+        if settings.num_fragments > 1:  # rank 0 refuses all-reduce mode for it at the join
+            return GroupStreaming(lockstep, session, None)
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
     if reply.allreduce and lockstep is not None and lockstep.group.shards is not None:
@@ -55,7 +59,10 @@ def choose_strategy(
     if reply.allreduce:
         inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
     elif settings.num_fragments > 1:
-        inner = StreamingSync(session)
+        streaming = StreamingSync(session)
+        if lockstep is not None:
+            return GroupStreaming(lockstep, session, streaming)
+        inner = streaming
     else:
         inner = PlainSync(session, submit=submit)
     return inner if lockstep is None else GroupSync(lockstep, session, inner)

@@ -216,6 +216,33 @@ class StreamingSync:
         finally:
             self._sender.close()
 
+    # --- a worker group's rank 0 (worker/groups/group_streaming.py drives these) --------------
+
+    def fragment_params(self, k: int) -> list[str]:
+        """The parameters fragment ``k`` touches, in plan order (what a group moves for it)."""
+        return list(dict.fromkeys(p.param for p in self.plan[k]))
+
+    def send_fragment(self, k: int) -> None:
+        """Hand fragment ``k``'s pseudo-gradient to the sender (after the one in flight)."""
+        self._send(k)
+
+    def merge_inflight(self) -> str:
+        """Wait for the exchange in flight (a stall if not back) and apply it; its outcome
+        ("none" if nothing was in flight)."""
+        job = self._inflight
+        if job is None:
+            return "none"
+        self._finish(job)
+        return job.outcome
+
+    def rejoin_now(self) -> None:
+        """The re-join a due fragment makes when the heartbeat asked for one."""
+        self._rejoin()
+
+    def abandon(self) -> None:
+        """The worker is leaving: the exchange in flight stops long-polling."""
+        self._sender.abandon.set()
+
     def _retime(self) -> None:
         """Between periods: follow ``sync_every`` if DyLU changed it (the heartbeat thread sets
         it at any time; the schedule takes it only at a period boundary)."""

@@ -1,0 +1,104 @@
+"""Streaming fragments inside worker groups: the ranks of a gloo group (spawned processes) stream
+one fragment at a time as ONE worker, and equal a single-process streaming worker. Rank-side
+code and the references are in ``tests/programs/stream_ranks.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco import DiLoCoServer, ServerConfig
+from tests.helpers import ranks
+from tests.programs import stream_ranks as sr
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+def _assert_ranks_identical(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in ("outcome", "round", "worker_id", "metrics"):
+            assert x[key] == y[key], (step, key, x[key], y[key])
+        for name in x["params"]:
+            assert torch.equal(x["params"][name], y["params"][name]), (step, name)
+
+
+def _assert_as_reference(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """Step by step: the same counts, and the parameters equal up to float rounding (DDP's
+    mean of gradients against the mean loss's gradient)."""
+    assert len(got) == len(expected)
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
+        for name, value in g["params"].items():
+            torch.testing.assert_close(
+                value, e["params"][name], msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}"
+            )
+
+
+@pytest.mark.parametrize(("fragments", "tau"), [(2, 1), (4, 1), (2, 0)])
+def test_ddp_group_streams_as_the_single_process_reference(
+    tmp_path: Path, fragments: int, tau: int
+) -> None:
+    """A DDP group of two ranks streaming P fragments through a real server: one registration,
+    ranks bit-identical after every step (the merged fragments broadcast from rank 0), and
+    every step's parameters those of a single streaming worker on the mean gradient; the
+    server ends with the same parameters."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        ctx = ranks.spawn(sr.ddp_rank, (server.address, str(tmp_path), fragments, tau, False))
+        ranks.join(ctx, timeout=120)
+        status, got = server.status(), server.global_params()
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as ref_server:
+        expected_steps = sr.reference_ddp(ref_server.address, fragments, tau)
+        expected = ref_server.global_params()
+    assert status["registrations"] == 1
+    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    _assert_ranks_identical(r0, r1)
+    assert r0[-1]["metrics"]["fragments_sent"] == 3 * fragments  # each once per period
+    assert r0[0]["outcome"] == "joined"
+    assert {x["outcome"] for x in r0[1:]} <= {"joined", "adopted"}
+    _assert_as_reference(r0[1:], expected_steps)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+def test_pipeline_group_streams_as_the_unsplit_model(tmp_path: Path) -> None:
+    """Two pipeline stages streaming 2 fragments: each fragment's parameters are gathered to
+    rank 0 when due and scattered back at its merge; every stage's parameters equal the
+    unsplit streaming worker's after every step, and so do the server's."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        ctx = ranks.spawn(sr.pipeline_rank, (server.address, str(tmp_path), 2, 1))
+        ranks.join(ctx, timeout=120)
+        status, got = server.status(), server.global_params()
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as ref_server:
+        expected_steps = sr.reference_pipeline(ref_server.address, 2, 1)
+        expected = ref_server.global_params()
+    assert status["registrations"] == 1
+    stages = [torch.load(tmp_path / f"pipe{r}.pt") for r in range(2)]
+    assert set(stages[0][-1]["params"]) == {"0.weight", "0.bias"}
+    for records in stages:
+        _assert_as_reference(records, expected_steps)
+    assert [x["outcome"] for x in stages[0]] == [x["outcome"] for x in stages[1]]
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+def test_faults_on_rank_0_mid_fragment_leave_both_ranks_consistent(tmp_path: Path) -> None:
+    """Rank 0's scripted client: the 2nd fragment upload finds the server unreachable (kept
+    locally), before the 4th the server forgets the worker (410: the next due fragment
+    re-joins). Both ranks see the same outcomes and metrics and hold the same bits after every
+    step, and neither hangs."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        ctx = ranks.spawn(sr.ddp_rank, (server.address, str(tmp_path), 2, 1, True))
+        ranks.join(ctx, timeout=120)
+        status = server.status()
+    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    _assert_ranks_identical(r0, r1)
+    last = r0[-1]["metrics"]
+    assert last["failed_syncs"] >= 1
+    assert last["reconnections"] == 1  # the re-join, made at a due step by every rank
+    assert status["registrations"] == 2
+    outcomes = [x["outcome"] for x in r0]
+    assert "kept_local" in outcomes and outcomes[-1] in ("adopted", "rebased")
