@@ -4,6 +4,7 @@ code and the references are in ``tests/programs/stream_ranks.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ def _assert_ranks_identical(a: list[dict[str, Any]], b: list[dict[str, Any]]) ->
             assert torch.equal(x["params"][name], y["params"][name]), (step, name)
 
 
+def _at(step: int, name: str) -> Callable[[str], str]:
+    return lambda message: f"step {step}, {name}: {message}"
+
+
 def _assert_as_reference(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
     """Step by step: the same counts, and the parameters equal up to float rounding (DDP's
     mean of gradients against the mean loss's gradient)."""
@@ -33,9 +38,7 @@ def _assert_as_reference(got: list[dict[str, Any]], expected: list[dict[str, Any
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
         for name, value in g["params"].items():
-            torch.testing.assert_close(
-                value, e["params"][name], msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}"
-            )
+            torch.testing.assert_close(value, e["params"][name], msg=_at(step, name))
 
 
 @pytest.mark.parametrize(("fragments", "tau"), [(2, 1), (4, 1), (2, 0)])
@@ -102,3 +105,41 @@ def test_faults_on_rank_0_mid_fragment_leave_both_ranks_consistent(tmp_path: Pat
     assert status["registrations"] == 2
     outcomes = [x["outcome"] for x in r0]
     assert "kept_local" in outcomes and outcomes[-1] in ("adopted", "rebased")
+
+
+@pytest.mark.parametrize("tau", [1, 0])
+def test_ddp_group_streams_in_allreduce_mode_as_the_single_process_reference(
+    tmp_path: Path, tau: int
+) -> None:
+    """All-reduce mode, 2 fragments: rank 0's quorum rounds run on the group's schedule, each
+    round's fragment is broadcast at its merge; the ranks are bit-identical after every step
+    and every step equals a single-process streaming all-reduce worker on the mean gradient."""
+    config = ServerConfig(port=0, num_workers=1, allreduce=True)
+    with DiLoCoServer(config) as server:
+        ctx = ranks.spawn(sr.ddp_rank, (server.address, str(tmp_path), 2, tau, False))
+        ranks.join(ctx, timeout=120)
+        status = server.status()
+    with DiLoCoServer(config) as ref_server:
+        expected_steps = sr.reference_ddp(ref_server.address, 2, tau)
+        ref_status = ref_server.status()
+    assert status["registrations"] == 1
+    assert status["rounds_completed"] == ref_status["rounds_completed"] >= 5
+    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    _assert_ranks_identical(r0, r1)
+    _assert_as_reference(r0[1:], expected_steps)
+
+
+def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
+    """A sharded group asking for fragments fails at construction, a partitioned group in
+    all-reduce mode at rank 0's first registration (where the mode is learnt): the same
+    ValueError on every rank, and no hang."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
+        ranks.join(ranks.spawn(sr.refused_rank, (server.address, str(tmp_path))), timeout=60)
+    errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
+    assert set(errors[0]) == {"sharded", "allreduce_partitioned"}
+    assert errors[0]["sharded"] == errors[1]["sharded"]
+    assert "streaming fragments" in errors[0]["sharded"]
+    assert "sharded (DTensor) parameters" in errors[0]["sharded"]
+    assert errors[0]["allreduce_partitioned"].startswith("ValueError: ")
+    assert "partitioned worker group" in errors[0]["allreduce_partitioned"]
+    assert "partitioned worker group" in errors[1]["allreduce_partitioned"]  # rank 0's error

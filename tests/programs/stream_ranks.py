@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import DiLoCoWorker
@@ -93,6 +95,7 @@ def pipeline_rank(rank: int, port: int, server: str, out: str, fragments: int, t
     """Two pipeline stages (rank 0 layers 0-1, rank 1 layers 2-4, names kept) streaming."""
     _init(rank, port)
     model = make_deep_model()
+    assert isinstance(model, torch.nn.Sequential)
     for i in range(len(model)):
         if (i < 2) != (rank == 0):
             model[i] = torch.nn.Identity()
@@ -117,6 +120,32 @@ def pipeline_rank(rank: int, port: int, server: str, out: str, fragments: int, t
             opt.zero_grad()
             records.append(_record(model, worker))
     torch.save(records, Path(out) / f"pipe{rank}.pt")
+    leave()
+
+
+def refused_rank(rank: int, port: int, server: str, out: str) -> None:
+    """Streaming groups that are still refused, each rank's error recorded: a sharded group
+    (DTensor weight) at construction, a partitioned group in all-reduce mode at its start
+    (``server`` runs in all-reduce mode)."""
+    _init(rank, port)
+    errors: dict[str, str] = {}
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = torch.nn.Linear(4, 4, bias=False)
+    local = sharded.weight.detach().chunk(2, 0)[rank].clone()
+    sharded.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
+    try:
+        _worker(sharded, make_inner(sharded.parameters()), server, 2, 1)
+    except ValueError as exc:
+        errors["sharded"] = str(exc)
+    stage = make_model()
+    assert isinstance(stage, torch.nn.Sequential)
+    stage[2 * rank] = torch.nn.Identity()  # rank 0 owns layer 2, rank 1 layer 0
+    worker = _worker(stage, make_inner(stage.parameters()), server, 2, 1)
+    try:
+        worker.start()
+    except Exception as exc:
+        errors["allreduce_partitioned"] = f"{type(exc).__name__}: {exc}"
+    torch.save(errors, Path(out) / f"refused{rank}.pt")
     leave()
 
 

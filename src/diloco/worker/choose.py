@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
-from diloco.worker.allreduce.payload import Payload
+from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
 from diloco.worker.allreduce.whole_model import WholeModel
@@ -57,7 +57,9 @@ def choose_strategy(
             "group yet: run the server in parameter-server mode"
         )
     if reply.allreduce:
-        inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
+        inner: SyncStrategy = _quorum_sync(settings, session, reply, lockstep)
+        if isinstance(inner, GroupStreaming):
+            return inner
     elif settings.num_fragments > 1:
         streaming = StreamingSync(session)
         if lockstep is not None:
@@ -80,17 +82,20 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
 
 
 def _quorum_sync(
-    settings: WorkerSettings, session: Session, reply: Registered, *, grouped: bool
-) -> QuorumSync:
-    if settings.num_fragments > 1 and grouped:
+    settings: WorkerSettings, session: Session, reply: Registered, lockstep: Lockstep | None
+) -> QuorumSync | GroupStreaming:
+    """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group."""
+    if settings.num_fragments > 1 and lockstep is not None and lockstep.group.partitioned:
         raise ValueError(
-            "streaming fragments are not supported in a worker group (a torch.distributed "
-            "group as one worker): leave num_fragments at 1"
+            "streaming fragments in all-reduce mode are not supported for a partitioned worker "
+            "group (a state received would rebase rank 0's stale copies of the other ranks' "
+            "parameters): leave num_fragments at 1 or run a parameter server"
         )
     state = SharedState(session, RunRules.of(reply))
-    payload: Payload = (
-        WholeModel(session, state)
-        if settings.num_fragments == 1
-        else FragmentRounds(session, state)
-    )
-    return QuorumSync(session, state, payload)
+    if settings.num_fragments == 1:
+        return QuorumSync(session, state, WholeModel(session, state))
+    payload = FragmentRounds(session, state)
+    quorum = QuorumSync(session, state, payload)
+    if lockstep is None:
+        return quorum
+    return GroupStreaming(lockstep, session, GroupedFragmentRounds(session, quorum, payload))

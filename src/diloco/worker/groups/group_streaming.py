@@ -56,11 +56,21 @@ class FragmentLeader(Protocol):
 
     def rejoin(self, reply: Registered) -> str: ...
 
-    def fragment_params(self, k: int) -> list[str]: ...
+    def wants_rejoin(self) -> bool:
+        """The due fragment must be a re-join instead (read only at a due step)."""
+        ...
+
+    def due_params(self, k: int) -> list[str]:
+        """The parameters the fragment sent now touches (``k``: the schedule's)."""
+        ...
 
     def send_fragment(self, k: int) -> None: ...
 
-    def merge_inflight(self) -> str: ...
+    def merge_inflight(self) -> tuple[str, bool]:
+        """Wait for the fragment in flight and merge it: its outcome ("merge", "rebase",
+        "keep", "failed", ...) and whether parameters outside it moved too (a state received,
+        another fragment averaged): then the group shares them all."""
+        ...
 
     def rejoin_now(self) -> None: ...
 
@@ -83,9 +93,7 @@ class GroupStreaming:
     """The ``SyncStrategy`` of a worker group with ``num_fragments > 1`` (server mode): every
     rank runs it; rank 0 wraps its ``StreamingSync`` (``inner``), the others follow."""
 
-    def __init__(
-        self, lockstep: Lockstep, session: Session, inner: FragmentLeader | None
-    ) -> None:
+    def __init__(self, lockstep: Lockstep, session: Session, inner: FragmentLeader | None) -> None:
         assert (inner is not None) == lockstep.group.leader
         self.lockstep = lockstep
         self._s = session
@@ -173,8 +181,8 @@ class GroupStreaming:
             self._merge()
         intent = None
         if self._inner is not None:
-            rejoin = s.need_rejoin.is_set()
-            intent = {"rejoin": rejoin, "names": [] if rejoin else self._inner.fragment_params(k)}
+            rejoin = self._inner.wants_rejoin()
+            intent = {"rejoin": rejoin, "names": [] if rejoin else self._inner.due_params(k)}
         intent = g.broadcast_json(intent)
         if intent["rejoin"]:
             inner = self._inner
@@ -222,13 +230,15 @@ class GroupStreaming:
             # Partitioned: the merge mixes the ranks' values of now, not those sent.
             g.collect(job.names)
         error: BaseException | None = None
-        outcome = "none"
+        outcome, moved_all = "none", False
         if self._inner is not None:
             try:
-                outcome = self._inner.merge_inflight()
+                outcome, moved_all = self._inner.merge_inflight()
             except Exception as exc:
                 error = exc
-        g.share(job.names)  # rank 0's values whatever happened: the ranks stay identical
+        # Rank 0's values whatever happened, so the ranks stay identical.
+        moved_all = bool(g.broadcast_json(moved_all))
+        g.share(None if moved_all else job.names)
         if self._inner is not None:
             report = LeaderReport(
                 ok=error is None,

@@ -218,7 +218,11 @@ class StreamingSync:
 
     # --- a worker group's rank 0 (worker/groups/group_streaming.py drives these) --------------
 
-    def fragment_params(self, k: int) -> list[str]:
+    def wants_rejoin(self) -> bool:
+        """The heartbeat asked for a re-join: the due fragment makes it instead."""
+        return self._s.need_rejoin.is_set()
+
+    def due_params(self, k: int) -> list[str]:
         """The parameters fragment ``k`` touches, in plan order (what a group moves for it)."""
         return list(dict.fromkeys(p.param for p in self.plan[k]))
 
@@ -226,14 +230,14 @@ class StreamingSync:
         """Hand fragment ``k``'s pseudo-gradient to the sender (after the one in flight)."""
         self._send(k)
 
-    def merge_inflight(self) -> str:
+    def merge_inflight(self) -> tuple[str, bool]:
         """Wait for the exchange in flight (a stall if not back) and apply it; its outcome
-        ("none" if nothing was in flight)."""
+        ("none" if nothing was in flight), and False: only its fragment's elements moved."""
         job = self._inflight
         if job is None:
-            return "none"
+            return "none", False
         self._finish(job)
-        return job.outcome
+        return job.outcome, False
 
     def rejoin_now(self) -> None:
         """The re-join a due fragment makes when the heartbeat asked for one."""
