@@ -163,8 +163,13 @@ class GroupStreaming:
         submit = g.agree_on(submit)
         if self._inner is not None:
             self._inner.abandon()
-        if self._pending is not None:
-            self._merge()
+        try:
+            if self._pending is not None:
+                self._merge()
+        except BaseException:  # raised on every rank: rank 0 still stops its sender
+            if self._inner is not None:
+                self._inner.finish(submit=False)
+            raise
         s.samples = g.pool_samples(s.samples)
         if submit:
             g.collect()

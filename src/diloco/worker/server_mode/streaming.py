@@ -216,35 +216,28 @@ class StreamingSync:
         finally:
             self._sender.close()
 
-    # --- a worker group's rank 0 (worker/groups/group_streaming.py drives these) --------------
+    # --- a worker group's rank 0: worker/groups/group_streaming.py drives these -------------
 
     def wants_rejoin(self) -> bool:
-        """The heartbeat asked for a re-join: the due fragment makes it instead."""
-        return self._s.need_rejoin.is_set()
+        return self._s.need_rejoin.is_set()  # the due fragment re-joins instead
 
     def due_params(self, k: int) -> list[str]:
-        """The parameters fragment ``k`` touches, in plan order (what a group moves for it)."""
         return list(dict.fromkeys(p.param for p in self.plan[k]))
 
     def send_fragment(self, k: int) -> None:
-        """Hand fragment ``k``'s pseudo-gradient to the sender (after the one in flight)."""
         self._send(k)
 
     def merge_inflight(self) -> tuple[str, bool]:
-        """Wait for the exchange in flight (a stall if not back) and apply it; its outcome
-        ("none" if nothing was in flight), and False: only its fragment's elements moved."""
+        """Wait for the exchange in flight, apply it: (its outcome, False: nothing else moved)."""
         job = self._inflight
-        if job is None:
-            return "none", False
-        self._finish(job)
-        return job.outcome, False
+        if job is not None:
+            self._finish(job)
+        return ("none" if job is None else job.outcome), False
 
     def rejoin_now(self) -> None:
-        """The re-join a due fragment makes when the heartbeat asked for one."""
         self._rejoin()
 
     def abandon(self) -> None:
-        """The worker is leaving: the exchange in flight stops long-polling."""
         self._sender.abandon.set()
 
     def _retime(self) -> None:
