@@ -13,6 +13,7 @@ import torch
 
 from diloco import DiLoCoServer, ServerConfig
 from tests.helpers import ranks
+from tests.helpers.threads import in_threads
 from tests.programs import stream_ranks as sr
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -57,7 +58,7 @@ def test_ddp_group_streams_as_the_single_process_reference(
         expected_steps = sr.reference_ddp(ref_server.address, fragments, tau)
         expected = ref_server.global_params()
     assert status["registrations"] == 1
-    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    r0, r1 = (torch.load(tmp_path / f"g0s{r}.pt") for r in range(2))
     _assert_ranks_identical(r0, r1)
     assert r0[-1]["metrics"]["fragments_sent"] == 3 * fragments  # each once per period
     assert r0[0]["outcome"] == "joined"
@@ -97,7 +98,7 @@ def test_faults_on_rank_0_mid_fragment_leave_both_ranks_consistent(tmp_path: Pat
         ctx = ranks.spawn(sr.ddp_rank, (server.address, str(tmp_path), 2, 1, True))
         ranks.join(ctx, timeout=120)
         status = server.status()
-    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    r0, r1 = (torch.load(tmp_path / f"g0s{r}.pt") for r in range(2))
     _assert_ranks_identical(r0, r1)
     last = r0[-1]["metrics"]
     assert last["failed_syncs"] >= 1
@@ -124,15 +125,15 @@ def test_ddp_group_streams_in_allreduce_mode_as_the_single_process_reference(
         ref_status = ref_server.status()
     assert status["registrations"] == 1
     assert status["rounds_completed"] == ref_status["rounds_completed"] >= 5
-    r0, r1 = (torch.load(tmp_path / f"s{r}.pt") for r in range(2))
+    r0, r1 = (torch.load(tmp_path / f"g0s{r}.pt") for r in range(2))
     _assert_ranks_identical(r0, r1)
     _assert_as_reference(r0[1:], expected_steps)
 
 
 def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
-    """A sharded group asking for fragments fails at construction, a partitioned group in
-    all-reduce mode at rank 0's first registration (where the mode is learnt): the same
-    ValueError on every rank, and no hang."""
+    """A sharded group asking for fragments fails at construction (the same ValueError on
+    every rank), a partitioned group in all-reduce mode at rank 0's first registration, where
+    the mode is learnt (rank 0's ValueError, which every rank raises); no hang."""
     with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
         ranks.join(ranks.spawn(sr.refused_rank, (server.address, str(tmp_path))), timeout=60)
     errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
@@ -143,3 +144,32 @@ def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
     assert errors[0]["allreduce_partitioned"].startswith("ValueError: ")
     assert "partitioned worker group" in errors[0]["allreduce_partitioned"]
     assert "partitioned worker group" in errors[1]["allreduce_partitioned"]  # rank 0's error
+
+
+def test_two_ddp_groups_stream_as_two_single_process_workers(tmp_path: Path) -> None:
+    """Two DDP groups (P=2, tau 1) through one server weighting by samples: each fragment's
+    round averages the two groups weighted by the samples of both ranks of each (unequal across
+    ranks, so weighing rank 0's alone fails), as two single-process streaming workers reporting
+    those sums; one registration per group."""
+    config = ServerConfig(port=0, num_workers=2, weighting="samples")
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(sr.ddp_rank, (server.address, str(tmp_path), 2, 1, False, g))
+            for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=120)
+        status, got = server.status(), server.global_params()
+    with DiLoCoServer(config) as ref_server:
+        models = [ranks.make_model() for _ in range(2)]  # here: make_model seeds the process
+        expected_steps = in_threads(
+            2, lambda g: sr.reference_ddp(ref_server.address, 2, 1, g, models[g]), timeout=120
+        )
+        expected = ref_server.global_params()
+    assert status["registrations"] == 2
+    for g in range(2):
+        r0, r1 = (torch.load(tmp_path / f"g{g}s{r}.pt") for r in range(2))
+        _assert_ranks_identical(r0, r1)
+        _assert_as_reference(r0[1:], expected_steps[g])
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])

@@ -67,12 +67,25 @@ def _record(model: torch.nn.Module, worker: DiLoCoWorker) -> dict[str, Any]:
     }
 
 
+def samples_of(group: int, rank: int) -> int:
+    """What a rank reports per step: unequal across ranks and groups, so a group that weighed
+    only rank 0's samples would move the average of two groups."""
+    return BATCH * (1 + rank + 2 * group)
+
+
 def ddp_rank(
-    rank: int, port: int, server: str, out: str, fragments: int, tau: int, faults: bool
+    rank: int,
+    port: int,
+    server: str,
+    out: str,
+    fragments: int,
+    tau: int,
+    faults: bool,
+    group: int = 0,
 ) -> None:
-    """One rank of a DDP group that streams ``fragments`` fragments; records its state after
-    the join and after every step. ``faults``: rank 0's scripted client (2nd upload
-    unreachable, the server forgets the worker before the 4th)."""
+    """One rank of DDP group ``group`` that streams ``fragments`` fragments; records its state
+    after the join and after every step in ``g{group}s{rank}.pt``. ``faults``: rank 0's
+    scripted client (2nd upload unreachable, the server forgets the worker before the 4th)."""
     _init(rank, port)
     model = make_model()
     ddp = DistributedDataParallel(model)
@@ -81,13 +94,13 @@ def ddp_rank(
     records = []
     with _worker(ddp, opt, server, fragments, tau, client=client) as worker:
         records.append(_record(model, worker))
-        for x, y in batches(rank, STEPS):
+        for x, y in batches(2 * group + rank, STEPS):
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
             opt.zero_grad()
-            worker.report(samples=BATCH)
+            worker.report(samples=samples_of(group, rank))
             records.append(_record(model, worker))
-    torch.save(records, Path(out) / f"s{rank}.pt")
+    torch.save(records, Path(out) / f"g{group}s{rank}.pt")
     leave()
 
 
@@ -156,13 +169,18 @@ COUNTED = ("rounds", "fragments_sent", "failed_syncs")
 """The metrics a group and its reference count alike at every step (stalls depend on timing)."""
 
 
-def reference_ddp(server: str, fragments: int, tau: int) -> list[dict[str, Any]]:
-    """A single-process streaming worker whose inner step uses the mean gradient of the two
-    ranks' batches; its parameters and counts (``COUNTED``) after every step."""
-    model = make_model()
+def reference_ddp(
+    server: str, fragments: int, tau: int, group: int = 0, model: torch.nn.Module | None = None
+) -> list[dict[str, Any]]:
+    """A single-process streaming worker standing for DDP group ``group``: its inner step uses
+    the mean gradient of the two ranks' batches and it reports both ranks' samples; its
+    parameters and counts (``COUNTED``) after every step. ``model``: built by the caller when
+    several run in threads (``make_model`` seeds the process)."""
+    model = model if model is not None else make_model()
     opt = make_inner(model.parameters())
     out = []
-    halves = list(zip(batches(0, STEPS), batches(1, STEPS), strict=True))
+    halves = list(zip(*(batches(2 * group + r, STEPS) for r in range(2)), strict=True))
+    samples = samples_of(group, 0) + samples_of(group, 1)
     with _worker(model, opt, server, fragments, tau) as worker:
         for pair in halves:
             loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in pair) / 2
@@ -170,6 +188,7 @@ def reference_ddp(server: str, fragments: int, tau: int) -> list[dict[str, Any]]
             loss.backward()
             opt.step()
             opt.zero_grad()
+            worker.report(samples=samples)
             out.append(_counted(model, worker))
     return out
 
