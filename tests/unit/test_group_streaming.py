@@ -241,3 +241,19 @@ def test_finish_merges_the_fragment_in_flight_on_every_rank_before_the_hand_in()
     _steps(follower, fs, 2)
     follower.finish(submit=True)
     assert group.calls == lead.calls
+
+
+def test_force_sync_sends_and_merges_every_fragment_in_turn_on_every_rank() -> None:
+    lead = _Group(True)
+    strategy, s = _rank(lead, tau=2)
+    _steps(strategy, s, 1)
+    strategy.sync_now()
+    inner = strategy.inner
+    assert isinstance(inner, _Leader)
+    assert inner.events == [("send", 0, 1), ("merge", 0, 1), ("send", 1, 1), ("merge", 1, 1)]
+    assert strategy.schedule.phase == 1  # the schedule goes on where it was
+    group = _Group(False, lead.sent)
+    follower, fs = _rank(group, tau=2)
+    _steps(follower, fs, 1)
+    follower.sync_now()
+    assert group.calls == lead.calls
