@@ -147,7 +147,6 @@ def disagreeing_rank(rank: int, port: int, server: str, out: str) -> None:
         "sync_every": (make_model(), {"sync_every": 4 + rank}),
         "shape": (make_model() if rank == 0 else wide, {}),
         "num_fragments": (make_model(), {"num_fragments": 1 + rank}),
-        "streaming": (make_model(), {"num_fragments": 2}),
         "partitioned": (make_model(), {"partitioned": True}),
     }
     for case, (model, kw) in cases.items():

@@ -8,8 +8,9 @@ The rule:
 - ``num_fragments`` decides the share of the model a sync moves: 1, the whole model
   (``PlainSync``, or ``QuorumSync`` over ``WholeModel``); more, one fragment at a time
   (``StreamingSync``, or ``QuorumSync`` over ``FragmentRounds``);
-- a worker group wraps whichever rank 0 runs in ``GroupSync``; the other ranks never see a
-  reply and follow rank 0 (``GroupSync`` with no strategy inside), whatever the mode.
+- a worker group wraps whichever rank 0 runs in ``GroupSync`` (``GroupStreaming`` for
+  ``StreamingSync``); the other ranks never see a reply and follow rank 0 (the same wrapper
+  with no strategy inside), whatever the mode.
 
 A re-registration must find the server in the family chosen (``same_family``): a worker does
 not change strategy in the middle of a run.
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
-from diloco.worker.allreduce.payload import Payload
+from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
 from diloco.worker.allreduce.whole_model import WholeModel
+from diloco.worker.groups.group_streaming import GroupStreaming
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
@@ -45,6 +47,8 @@ def choose_strategy(
     ``_submit``). Raises ValueError for a combination not supported, before anything is
     built."""
     if lockstep is not None and not lockstep.group.leader:
+        if settings.num_fragments > 1:  # rank 0 refuses all-reduce mode for it at the join
+            return GroupStreaming(lockstep, session, None)
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
     if reply.allreduce and lockstep is not None and lockstep.group.shards is not None:
@@ -53,9 +57,14 @@ def choose_strategy(
             "group yet: run the server in parameter-server mode"
         )
     if reply.allreduce:
-        inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
+        inner: SyncStrategy = _quorum_sync(settings, session, reply, lockstep)
+        if isinstance(inner, GroupStreaming):
+            return inner
     elif settings.num_fragments > 1:
-        inner = StreamingSync(session)
+        streaming = StreamingSync(session)
+        if lockstep is not None:
+            return GroupStreaming(lockstep, session, streaming)
+        inner = streaming
     else:
         inner = PlainSync(session, submit=submit)
     return inner if lockstep is None else GroupSync(lockstep, session, inner)
@@ -73,17 +82,20 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
 
 
 def _quorum_sync(
-    settings: WorkerSettings, session: Session, reply: Registered, *, grouped: bool
-) -> QuorumSync:
-    if settings.num_fragments > 1 and grouped:
+    settings: WorkerSettings, session: Session, reply: Registered, lockstep: Lockstep | None
+) -> QuorumSync | GroupStreaming:
+    """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group."""
+    if settings.num_fragments > 1 and lockstep is not None and lockstep.group.partitioned:
         raise ValueError(
-            "streaming fragments are not supported in a worker group (a torch.distributed "
-            "group as one worker): leave num_fragments at 1"
+            "streaming fragments in all-reduce mode are not supported for a partitioned worker "
+            "group (a state received would rebase rank 0's stale copies of the other ranks' "
+            "parameters): leave num_fragments at 1 or run a parameter server"
         )
     state = SharedState(session, RunRules.of(reply))
-    payload: Payload = (
-        WholeModel(session, state)
-        if settings.num_fragments == 1
-        else FragmentRounds(session, state)
-    )
-    return QuorumSync(session, state, payload)
+    if settings.num_fragments == 1:
+        return QuorumSync(session, state, WholeModel(session, state))
+    payload = FragmentRounds(session, state)
+    quorum = QuorumSync(session, state, payload)
+    if lockstep is None:
+        return quorum
+    return GroupStreaming(lockstep, session, GroupedFragmentRounds(session, quorum, payload))

@@ -106,6 +106,9 @@ class FragmentRounds:
         self._left_out = False
         # Per fragment: the total steps and samples when its last contribution was taken.
         self._marks = [(session.total_steps, session.samples)] * len(self._plan)
+        #: Parameters outside the round's fragment moved (a state taken, a rebase): a worker
+        #: group's rank 0 then shares the whole model (``allreduce/group_rounds.py`` clears it).
+        self.moved_all = False
 
     # --- the schedule (training thread) -------------------------------------------------------
 
@@ -131,6 +134,31 @@ class FragmentRounds:
         """Let the round in flight end and merge it."""
         if self._inflight is not None:
             self._finish(self._inflight)
+
+    # --- a worker group's rank 0 (allreduce/group_rounds.py) ---------------------------------
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self._plan)
+
+    @property
+    def inflight(self) -> Round | None:
+        return self._inflight
+
+    @property
+    def filled(self) -> int:
+        """The fragment whose pseudo-gradient the buffer holds (-1: none yet)."""
+        return self._filled
+
+    def fragment_params(self, k: int) -> list[str]:
+        return list(dict.fromkeys(p.param for p in self._plan[k]))
+
+    def start(self, rounds: Rounds) -> None:
+        """The due point's round (``after_step`` without its schedule)."""
+        self._start(rounds)
+
+    def finish_round(self, job: Round) -> None:
+        self._finish(job)
 
     def _start(self, rounds: Rounds) -> None:
         s = self._s
@@ -242,6 +270,7 @@ class FragmentRounds:
                 raise QuorumFailed(q.quorum_id, str(exc)) from exc
 
     def receiving_state(self, q: Assignment) -> None:
+        self.moved_all = True
         self._hold_model(q)  # the rebase changes the model: the training loop waits meanwhile
 
     def contribution(self, q: Assignment, weighted: bool) -> tuple[list[torch.Tensor], float]:
@@ -262,6 +291,7 @@ class FragmentRounds:
         return self._weight_of(self._s.base_round % len(self._plan)) if weighted else 0.0
 
     def left_out(self, q: Assignment) -> None:
+        self.moved_all = True
         self._left_out = True  # the model is the training thread's: taken at the merge
 
     def step(self, q: Assignment) -> None:
@@ -290,6 +320,7 @@ class FragmentRounds:
         """Only the fragment of the round that made the state was counted: its progress goes,
         the other fragments keep theirs (a rebase)."""
         s = self._s
+        self.moved_all = True
         s.local.each_param(rebase_)
         k = (q.round - 1) % len(self._plan)
         self._marks[k] = (s.total_steps, s.samples)  # its progress is counted
@@ -307,6 +338,7 @@ class FragmentRounds:
         fragment's mark starts again, so no fragment's next weight counts them. ``samples``
         stays cumulative (the marks hold it)."""
         s = self._s
+        self.moved_all = True
         s.local.adopt_all()
         dropped = s.total_steps - min(steps for steps, _ in self._marks)
         self._marks = [(s.total_steps, s.samples)] * len(self._plan)

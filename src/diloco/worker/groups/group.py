@@ -29,7 +29,7 @@ pickled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -230,13 +230,16 @@ class WorkerGroup:
         # The work keeps ``flat`` alive until it is sent.
         return dist.broadcast(flat, group_src=0, group=self.pg, async_op=True)
 
-    def collect(self) -> None:
-        """Partitioned: every rank's parameters into rank 0's mirrors (before an upload)."""
+    def collect(self, only: Collection[str] | None = None) -> None:
+        """Partitioned: every rank's parameters (``only``: those named) into rank 0's mirrors
+        (before an upload)."""
         if not self.partitioned:
             return
         for dtype in self._dtypes():
-            names = [self._names(r, dtype) for r in range(self.size)]
+            names = [self._names(r, dtype, only) for r in range(self.size)]
             width = max(self._numel(r, n) for r, n in enumerate(names))
+            if width == 0:  # no rank has one of ``only`` in this dtype (the same on every rank)
+                continue
             send = self._flat([self._local.params[n].data for n in names[self.rank]], width, dtype)
             parts = [torch.empty_like(send) for _ in range(self.size)] if self.leader else None
             dist.gather(send, parts, group_dst=0, group=self.pg)
@@ -244,19 +247,22 @@ class WorkerGroup:
                 for r in range(1, self.size):
                     self._unflat(parts[r], [self._mirrors[n] for n in names[r]])
 
-    def share(self) -> None:
-        """Rank 0's parameters to every rank: broadcast (replicated) or each rank its own
-        (partitioned, scattered from rank 0's mirrors)."""
+    def share(self, only: Collection[str] | None = None) -> None:
+        """Rank 0's parameters (``only``: those named) to every rank: broadcast (replicated) or
+        each rank its own (partitioned, scattered from rank 0's mirrors)."""
         if self.shards is not None:  # the shards moved with rank 0's commands; plain ones now
             plans = self.shards.plans
             self._broadcast([p.data for n, p in self._local.params.items() if plans[n].plain])
             return
         if not self.partitioned:
-            self._broadcast([p.data for p in self._local.params.values()])
+            params = self._local.params
+            self._broadcast([p.data for n, p in params.items() if only is None or n in only])
             return
         for dtype in self._dtypes():
-            names = [self._names(r, dtype) for r in range(self.size)]
+            names = [self._names(r, dtype, only) for r in range(self.size)]
             width = max(self._numel(r, n) for r, n in enumerate(names))
+            if width == 0:  # no rank has one of ``only`` in this dtype (the same on every rank)
+                continue
             parts = None
             if self.leader:
                 own = [self._local.params[n].data for n in names[0]]
@@ -297,8 +303,9 @@ class WorkerGroup:
     def _dtypes(self) -> list[str]:
         return sorted({dtype for table in self.tables for _, dtype in table.values()})
 
-    def _names(self, rank: int, dtype: str) -> list[str]:
-        return [n for n, (_, d) in self.tables[rank].items() if d == dtype]
+    def _names(self, rank: int, dtype: str, only: Collection[str] | None = None) -> list[str]:
+        table = self.tables[rank]
+        return [n for n, (_, d) in table.items() if d == dtype and (only is None or n in only)]
 
     def _numel(self, rank: int, names: list[str]) -> int:
         return sum(numel(self.tables[rank][n][0]) for n in names)
@@ -401,12 +408,12 @@ def _agree(infos: list[Mapping[str, Any]]) -> bool:
                 raise ValueError(
                     f"worker group: rank {r} has {key}={info[key]!r}, rank 0 has {first[key]!r}"
                 )
-    if first["num_fragments"] > 1:
-        raise ValueError(
-            "worker group: streaming fragments (num_fragments > 1) are not supported inside a "
-            "worker group yet; use num_fragments=1"
-        )
     if any(info["sharded"] for info in infos):
+        if first["num_fragments"] > 1:
+            raise ValueError(
+                "worker group: streaming fragments (num_fragments > 1) are not supported with "
+                "sharded (DTensor) parameters yet; use num_fragments=1"
+            )
         refuse_unsupported(first)
     tables: list[Table] = [info["table"] for info in infos]
     partitioned = first["partitioned"]

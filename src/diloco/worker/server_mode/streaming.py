@@ -216,6 +216,30 @@ class StreamingSync:
         finally:
             self._sender.close()
 
+    # --- a worker group's rank 0: worker/groups/group_streaming.py drives these -------------
+
+    def wants_rejoin(self) -> bool:
+        return self._s.need_rejoin.is_set()  # the due fragment re-joins instead
+
+    def due_params(self, k: int) -> list[str]:
+        return list(dict.fromkeys(p.param for p in self.plan[k]))
+
+    def send_fragment(self, k: int) -> None:
+        self._send(k)
+
+    def merge_inflight(self) -> tuple[str, bool]:
+        """Wait for the exchange in flight, apply it: (its outcome, False: nothing else moved)."""
+        job = self._inflight
+        if job is not None:
+            self._finish(job)
+        return ("none" if job is None else job.outcome), False
+
+    def rejoin_now(self) -> None:
+        self._rejoin()
+
+    def abandon(self) -> None:
+        self._sender.abandon.set()
+
     def _retime(self) -> None:
         """Between periods: follow ``sync_every`` if DyLU changed it (the heartbeat thread sets
         it at any time; the schedule takes it only at a period boundary)."""
