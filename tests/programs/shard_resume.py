@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from diloco.worker import resume
 from tests.helpers.ranks import BATCH, ROUNDS, SYNC_EVERY, batches, leave, make_inner
 from tests.programs.group_ranks import _init
-from tests.programs.shard_ranks import _shards, _sharded_model, _worker
+from tests.programs.shard_ranks import _sharded_model, _shards, _worker
 
 SAVE_AT = SYNC_EVERY + 2
 """The checkpoint's step: two local steps after the first sync."""

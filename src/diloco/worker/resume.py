@@ -98,7 +98,7 @@ def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
     state = capture(worker)
     shards = _shards(worker)
     if shards is not None:
-        _save_shard(worker, shards, folder)
+        save_shard(worker, folder)
         if shards.rank != 0:
             return state
     else:
@@ -113,7 +113,16 @@ def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
     return state
 
 
-def _save_shard(worker: DiLoCoWorker, shards: Any, folder: str) -> None:
+def sharded(worker: DiLoCoWorker) -> bool:
+    """Whether ``worker`` is a rank of a sharded group (each rank saves its own snapshot)."""
+    return _shards(worker) is not None
+
+
+def save_shard(worker: DiLoCoWorker, folder: str) -> None:
+    """A sharded group's ranks, all of them (a collective): each writes its snapshot boxes into
+    ``folder`` (created if needed); a failed write raises the same ``OSError`` on every rank."""
+    shards = _shards(worker)
+    assert shards is not None
     error = None
     try:
         os.makedirs(folder, exist_ok=True)
