@@ -1,5 +1,5 @@
 """A sharded worker group's snapshot in a checkpoint: one file per rank, each holding that rank's
-boxes (docs/design/groups.md, "Sharded groups: checkpoints").
+boxes (docs/design/groups.md, "Sharded groups", Checkpoints).
 
 No rank of a sharded group holds the whole snapshot, so none writes it: rank R writes
 ``diloco_snapshot.rank{R}.safetensors`` with the fp32 box of every parameter it holds, and in the
