@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.integrations.lightning import SHARD_DIR
+from diloco.worker import resume
 from tests.helpers.ranks import free_port
 
 pytest.importorskip("transformers")
@@ -23,7 +24,8 @@ pytest.importorskip("lightning")
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).parents[2] / "examples"
+ROOT = Path(__file__).parents[2]
+EXAMPLES = ROOT / "examples"
 BRIEF = ["--sync-every", "2", "--batch-size", "8"]
 
 
@@ -69,6 +71,8 @@ def test_lightning_fsdp2_checkpoint_resumes_as_the_same_worker(tmp_path: Path) -
         )
         status = server.status()
     assert _worker_id(first) == _worker_id(again)
+    for out in (first, again):
+        assert out.stderr.count("worker group of 2 ranks (sharded)") == 2
     assert status["round"] == 6  # rounds at steps 2, 4, 5 (final sync); 4, 6, 7 resumed
     # Both ranks resumed: the checkpoint's step 3 is one local step past round 1.
     resumed = "resumed: 1 local steps since round 1 kept on top of round 3"
@@ -84,3 +88,37 @@ def test_lightning_fsdp2_checkpoint_resumes_as_the_same_worker(tmp_path: Path) -
     for r in range(2):
         with safe_open(str(shard_dir / f"diloco_snapshot.rank{r}.safetensors"), "pt") as f:
             assert f.get_slice("net.0.weight").get_shape() == [128, 32]
+
+
+@pytest.mark.timeout(150)
+def test_hf_trainer_sharded_checkpoint_resumes_as_the_same_worker(tmp_path: Path) -> None:
+    """Each rank's Trainer checkpoints into its own folder (as on machines with their own
+    disks): rank 0's holds the worker state and its shard, rank 1's its shard alone. Resumed,
+    both ranks are the same worker, each with its own checkpoint's progress on top of the round
+    the server serves now. Rank-side code: tests/programs/hf_fsdp2_resume.py."""
+    from tests.programs import hf_fsdp2_resume as g
+
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        cmd += ["-m", "tests.programs.hf_fsdp2_resume", server.address, str(tmp_path)]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-4000:]
+        status = server.status()
+    assert out.stderr.count("worker group of 2 ranks (sharded)") == 4
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ids = {rank[phase]["worker_id"] for rank in ranks for phase in ("train", "resume")}
+    assert len(ids) == 1 and None not in ids
+    assert status["round"] == 4  # a sync at 3, the final one at 4; resumed at 6 and 7
+    checkpoints = [tmp_path / f"rank{r}" / f"checkpoint-{g.TRAIN_STEPS}" for r in range(2)]
+    assert (checkpoints[0] / resume.STATE_FILE).is_file()
+    assert not (checkpoints[1] / resume.STATE_FILE).exists()  # rank 0's state decided
+    for r, rank in enumerate(ranks):
+        assert rank["resume"]["local_step"] == g.TRAIN_STEPS % g.SYNC_EVERY
+        snapshot = checkpoints[r] / f"diloco_snapshot.rank{r}.safetensors"
+        with safe_open(str(snapshot), "pt") as f:
+            saved = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+        now = rank["train"]["end"]  # the final sync's round, which the resume joined
+        for name, (shard, _) in rank["resume"]["begin"].items():
+            expected = now[name][0] + (rank["resume"]["loaded"][name][0] - saved[name])
+            torch.testing.assert_close(shard, expected, rtol=1e-5, atol=1e-6, msg=name)
