@@ -71,21 +71,27 @@ def test_fsdp_checkpoint_resumes_under_another_sharding(tmp_path: Path) -> None:
             assert shard.shape == ranks.make_model().state_dict()[name].shape
 
 
-def test_a_resume_without_its_shard_fails_on_every_rank(tmp_path: Path) -> None:
-    """Rank 1's snapshot file is gone (another machine's disk): both ranks fail with the same
-    error naming the file, before anything is sent."""
+def test_failed_shard_writes_and_reads_fail_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 cannot write its shard: both ranks raise the same error and no counters are
+    written. Rank 1's snapshot file is gone when resuming (another machine's disk): both ranks
+    fail with the same error naming the file, before the join."""
 
     def drop_rank_1(path: Path) -> None:
         (path / "ckpt" / "diloco_snapshot.rank1.safetensors").unlink()
 
     with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
-        first = ranks.spawn(sr.first_rank, (server.address, str(tmp_path), (2,)))
+        first = ranks.spawn(sr.first_rank, (server.address, str(tmp_path), (2,), True))
         ranks.join(first, timeout=90)
         drop_rank_1(tmp_path)
         again = ranks.spawn(sr.again_rank, (server.address, str(tmp_path), (2,)))
         ranks.join(again, timeout=90)
         status = server.status()
     assert status["round"] == 1  # the first run's one round, nothing since
+    written = [torch.load(tmp_path / f"first{r}.pt")["errors"] for r in range(2)]
+    assert written[0] == written[1] and len(written[0]) == 1
+    assert written[0][0].startswith("rank 1 of the sharded worker group could not save")
+    assert not (tmp_path / "blocked" / resume.STATE_FILE).exists()
+    assert (tmp_path / "blocked" / "diloco_snapshot.rank0.safetensors").is_file()
     errors = [torch.load(tmp_path / f"again{r}.pt")["error"] for r in range(2)]
     assert errors[0] == errors[1]
     assert errors[0].startswith("rank 1 of the sharded worker group cannot resume")

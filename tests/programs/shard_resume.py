@@ -29,9 +29,12 @@ def _step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) ->
     opt.zero_grad()
 
 
-def first_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...]) -> None:
+def first_rank(
+    rank: int, port: int, server: str, out: str, mesh: tuple[int, ...], blocked: bool = False
+) -> None:
     """Train to ``SAVE_AT`` on stream ``rank``, checkpoint, then die without leaving (a crash:
-    the server still counts the worker)."""
+    the server still counts the worker). ``blocked``: first a checkpoint into a folder where
+    rank 1 cannot write its shard (a directory in the way), its errors recorded."""
     _init(rank, port)
     model = _sharded_model(mesh)
     opt = make_inner(model.parameters())
@@ -40,12 +43,21 @@ def first_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...
     for x, y in batches(rank, SAVE_AT):
         _step(model, opt, x, y)
         worker.report(samples=BATCH)
+    errors = []
+    if blocked:
+        stuck = Path(out) / "blocked"
+        if rank == 1:
+            (stuck / "diloco_snapshot.rank1.safetensors.tmp").mkdir(parents=True)
+        try:
+            resume.save(worker, str(stuck))
+        except OSError as exc:
+            errors.append(str(exc))
     folder = Path(out) / "ckpt"
     assert resume.gather(worker)  # every rank of a sharded group saves its part
     resume.save(worker, str(folder))
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
-    facts = {"worker_id": worker.worker_id, "shards": _shards(model)}
+    facts = {"worker_id": worker.worker_id, "shards": _shards(model), "errors": errors}
     torch.save(facts, Path(out) / f"first{rank}.pt")
     leave()
 

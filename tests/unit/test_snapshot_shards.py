@@ -83,3 +83,10 @@ def test_a_rank_with_the_saved_box_reads_its_own_file_alone(tmp_path: Path) -> N
 def test_no_shard_file_is_no_sharded_snapshot(tmp_path: Path) -> None:
     assert ss.find(str(tmp_path)) is None
     assert ss.find(str(tmp_path / "missing")) is None
+
+
+def test_a_shard_that_cannot_be_written_is_an_oserror(tmp_path: Path) -> None:
+    (tmp_path / "diloco_snapshot.rank0.safetensors.tmp").mkdir()  # in the way
+    with pytest.raises(OSError, match=r"rank0\.safetensors"):
+        ss.write_shard(str(tmp_path), 0, {"b": FULL["b"]}, {"ranks": 1, "params": {}})
+    assert ss.find(str(tmp_path)) is None

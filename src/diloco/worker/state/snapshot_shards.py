@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diloco.core.shards import Box
@@ -51,10 +51,14 @@ def write_shard(
     folder: str, rank: int, snapshot: Mapping[str, torch.Tensor], layout: Sharding
 ) -> str:
     """Write this rank's snapshot boxes into ``folder``; the path written. The file goes in
-    under a temporary name and is renamed, so a reader never sees half of it."""
+    under a temporary name and is renamed, so a reader never sees half of it; an ``OSError``
+    if it cannot be written."""
     path = os.path.join(folder, SHARD_FILE.format(rank=rank))
     tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in snapshot.items()}
-    save_file(tensors, path + ".tmp", metadata={_KEY: json.dumps(layout)})
+    try:
+        save_file(tensors, path + ".tmp", metadata={_KEY: json.dumps(layout)})
+    except SafetensorError as exc:  # its I/O errors are not OSErrors
+        raise OSError(f"{path}: {exc}") from exc
     os.replace(path + ".tmp", path)
     return path
 
