@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco.core import to_progress_
@@ -261,7 +262,7 @@ def _start_sharded(worker: DiLoCoWorker, state: WorkerState, snapshot: Snapshot 
     error = None
     try:
         progress = _shard_progress(shards, snapshot)
-    except ValueError as exc:
+    except (ValueError, OSError, SafetensorError) as exc:  # a file of one rank: every rank fails
         error = f"rank {shards.rank} of the sharded worker group cannot resume: {exc}"
     error = shards.first_error(error)
     if error is not None:
