@@ -67,13 +67,14 @@ class TrainerWorker:
         self,
         model: torch.nn.Module,
         optimizer: Any,
-        saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None,
+        saved: tuple[resume.WorkerState | None, resume.Snapshot | None] | None,
         codec_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Join the run; with ``saved`` (a checkpoint's worker state and snapshot), as the
         worker that wrote it, with its local progress on top of the current parameters and its
         error-feedback residual (``codec_state``) back. In a worker group rank 0's ``saved``
-        decides (the other ranks' may be None)."""
+        decides (the other ranks' may be None; in a sharded group each rank's snapshot is its
+        own, the state only rank 0's)."""
         if self.worker is not None:
             raise RuntimeError("the DiLoCo worker of this callback is already running")
         kwargs = dict(self._kwargs)
@@ -107,16 +108,25 @@ class TrainerWorker:
     def save(self, folder: str) -> None:
         """Write the worker's state into a checkpoint ``folder`` where it exists and the state
         lives (every rank calls it: a group pools its samples first)."""
-        if self.worker is not None and resume.gather(self.worker) and os.path.isdir(folder):
-            resume.save(self.worker, folder)
+        worker = self.worker
+        if worker is None or not resume.gather(worker):
+            return
+        if os.path.isdir(folder) or resume.sharded(worker):  # every shard is written
+            resume.save(worker, folder)
 
-    def state(self) -> dict[str, Any]:
+    def state(self, shard_folder: str) -> dict[str, Any]:
         """The worker's state and snapshot, for a checkpoint that stores tensors itself (every
-        rank calls it; empty except where the state lives)."""
+        rank calls it; empty except where the state lives). A sharded group's ranks write their
+        snapshot boxes into ``shard_folder`` instead (a checkpoint keeps rank 0's values only),
+        and the state names it: ``snapshot_dir``."""
         if self.worker is None or not resume.gather(self.worker):
             return {}
+        state = {"state": asdict(resume.capture(self.worker))}
+        if resume.sharded(self.worker):
+            resume.save_shard(self.worker, shard_folder)
+            return {**state, "snapshot_dir": shard_folder}
         return {
-            "state": asdict(resume.capture(self.worker)),
+            **state,
             "snapshot": resume.snapshot(self.worker),
             "codec_state": resume.codec_state(self.worker),
         }

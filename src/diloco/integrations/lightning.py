@@ -16,10 +16,17 @@ Under the DDP strategy (``strategy="ddp"``, one process per device, launched by 
 server, every rank syncs at the same optimizer step and ends it with rank 0's parameters, and
 the group's weight is the samples of all ranks. A checkpoint holds rank 0's worker state; resuming
 from it, rank 0's state decides for every rank.
+
+Under ``ModelParallelStrategy`` (FSDP2 / DTensor parameters from ``configure_model``) the ranks
+are a sharded group: no rank holds the whole model. A checkpoint keeps rank 0's callback state
+only, so each rank writes its snapshot boxes beside it, into
+``default_root_dir/diloco_snapshots/step=N`` (named in the state; not pruned with the
+checkpoints), and resuming, each rank reads its boxes from there.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -33,6 +40,10 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError as exc:
     raise missing("lightning", exc) from exc
+
+
+SHARD_DIR = "diloco_snapshots"
+"""Under the Trainer's ``default_root_dir``: a sharded group's snapshot boxes, per step."""
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -63,8 +74,10 @@ class DiLoCoCallback(WorkerCallback, Callback):
 
     # A checkpoint's worker state and residual, held from ``load_state_dict`` (which Lightning
     # calls before training starts) until ``on_train_start`` joins with them.
-    _saved: tuple[resume.WorkerState, dict[str, torch.Tensor]] | None = None
+    _saved: tuple[resume.WorkerState, resume.Snapshot | None] | None = None
     _codec_state: dict[str, torch.Tensor] | None = None
+    _shard_root = "."  # the Trainer's ``default_root_dir``, where a sharded group's boxes go
+    _trainer: Any = None
 
     def on_train_start(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule
@@ -76,6 +89,8 @@ class DiLoCoCallback(WorkerCallback, Callback):
                 f"DiLoCoCallback needs exactly one optimizer, the module has "
                 f"{len(trainer.optimizers)}"
             )
+        self._shard_root = str(trainer.default_root_dir)
+        self._trainer = trainer
         saved, self._saved = self._saved, None
         codec_state, self._codec_state = self._codec_state, None
         self._core.start(pl_module, trainer.optimizers[0], saved, codec_state)
@@ -116,10 +131,17 @@ class DiLoCoCallback(WorkerCallback, Callback):
         self._core.end_on(exc)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._core.state()  # empty while DiLoCo is off
+        # A sharded group's boxes cannot ride in the checkpoint (it keeps rank 0's callback
+        # state only): every rank writes its own beside it, one folder per step.
+        step = self._trainer.global_step if self.worker is not None else 0
+        folder = os.path.join(self._shard_root, SHARD_DIR, f"step={step}")
+        return self._core.state(folder)  # empty while DiLoCo is off
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             state = resume.WorkerState(**state_dict["state"])
+            if "snapshot_dir" in state_dict:  # a sharded group: each rank reads its boxes
+                self._saved = (state, resume.load_shard(state_dict["snapshot_dir"]))
+                return
             self._saved = (state, dict(state_dict["snapshot"]))
             self._codec_state = dict(state_dict.get("codec_state") or {})

@@ -21,6 +21,12 @@ talks to the server, every rank syncs at the same optimizer step and ends it wit
 parameters, and the group's weight is the samples of all ranks. Rank 0 writes the worker files
 into a checkpoint; resuming, its checkpoint decides for every rank, so the other ranks need not
 see those files.
+
+A model whose parameters are DTensors (``fully_shard`` applied before the Trainer gets it) makes
+the ranks a sharded group, and every rank writes its snapshot boxes into the checkpoint folder
+and reads them back when resuming. Accelerate's own FSDP plugin (``fsdp_config={"fsdp_version":
+2}``) does not shard on CPU: Accelerate 1.15 turns FSDP on for GPU-like devices only and the
+Trainer trains with DDP instead (a replicated group).
 """
 
 from __future__ import annotations
@@ -96,7 +102,9 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
             folder = self.resume_from
             if folder is None and state.global_step > 0:  # resumed from a checkpoint
                 folder = _checkpoint_folder(args, state)
-        saved = resume.load(folder) if folder else None
+        saved: Any = resume.load(folder) if folder else None
+        if folder and saved is None and (shard := resume.load_shard(folder)) is not None:
+            saved = (None, shard)  # a sharded group's rank: its boxes; rank 0's state decides
         if folder and saved is None and state.is_world_process_zero:
             log.warning("checkpoint %s holds no DiLoCo worker state: joining afresh", folder)
         self._core.start(

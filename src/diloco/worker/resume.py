@@ -11,6 +11,11 @@ third, its error-feedback residual and the codec's own state (low rank's warm-st
 safetensors, so what its codec dropped from earlier uploads is still sent after a restart. In a
 worker group the state is rank 0's: every rank calls ``gather`` before a checkpoint and
 ``start_resumed`` to resume.
+
+A sharded group (FSDP2, DTensor) has no whole snapshot on any rank: every rank writes its own
+boxes (``diloco_snapshot.rank{R}.safetensors``, ``worker/state/snapshot_shards.py``) and rank 0
+the counters; resuming, every rank reads the boxes it holds now, re-sliced from the saved ranks'
+files when the checkpoint was saved under another sharding.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from diloco.core import to_progress_
+from diloco.core.shards import Box
+from diloco.worker.state import snapshot_shards
+from diloco.worker.state.snapshot_shards import ShardedSnapshot
 
 if TYPE_CHECKING:
     from diloco.worker.worker import DiLoCoWorker
@@ -61,9 +70,18 @@ def capture(worker: DiLoCoWorker) -> WorkerState:
 
 
 def snapshot(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
-    """A copy of the global parameters the worker's local progress is measured from."""
+    """A copy of the global parameters the worker's local progress is measured from (in a
+    sharded group, this rank's boxes of them)."""
     assert not worker._local.holds_progress, "taken in the middle of a sync"
-    return {n: t.detach().to("cpu", copy=True) for n, t in worker._local.snapshot.items()}
+    shards = _shards(worker)
+    held = worker._local.snapshot if shards is None else shards.snapshot
+    return {n: t.detach().to("cpu", copy=True) for n, t in held.items()}
+
+
+def _shards(worker: DiLoCoWorker) -> Any:
+    """The ``ShardState`` of a sharded group's rank (``worker/groups/sharded.py``), else None."""
+    group = worker._group
+    return None if group is None else group.shards
 
 
 def codec_state(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
@@ -74,9 +92,18 @@ def codec_state(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
 
 def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
     """Write the worker's state and snapshot into a checkpoint ``folder`` (between steps only; in
-    a worker group on rank 0, once every rank called ``gather``)."""
+    a worker group on rank 0, once every rank called ``gather``). In a sharded group every rank
+    calls it (a collective): each writes its boxes, creating ``folder`` if needed, and rank 0
+    the counters once every rank's file is in (a failed write raises on every rank, with no
+    counters written)."""
     state = capture(worker)
-    save_file(snapshot(worker), os.path.join(folder, SNAPSHOT_FILE))
+    shards = _shards(worker)
+    if shards is not None:
+        save_shard(worker, folder)
+        if shards.rank != 0:
+            return state
+    else:
+        save_file(snapshot(worker), os.path.join(folder, SNAPSHOT_FILE))
     extra = codec_state(worker)
     if extra:
         save_file(extra, os.path.join(folder, CODEC_FILE), metadata=worker._encoder.metadata)
@@ -87,8 +114,36 @@ def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
     return state
 
 
-def load(folder: str) -> tuple[WorkerState, dict[str, torch.Tensor]] | None:
-    """The state a checkpoint ``folder`` holds; None when it holds none."""
+def sharded(worker: DiLoCoWorker) -> bool:
+    """Whether ``worker`` is a rank of a sharded group (each rank saves its own snapshot)."""
+    return _shards(worker) is not None
+
+
+def save_shard(worker: DiLoCoWorker, folder: str) -> None:
+    """A sharded group's ranks, all of them (a collective): each writes its snapshot boxes into
+    ``folder`` (created if needed); a failed write raises the same ``OSError`` on every rank."""
+    shards = _shards(worker)
+    assert shards is not None
+    error = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        layout = snapshot_shards.sharding(shards.plans, shards.size)
+        snapshot_shards.write_shard(folder, shards.rank, snapshot(worker), layout)
+    except OSError as exc:
+        error = f"rank {shards.rank} of the sharded worker group could not save its snapshot: {exc}"
+    error = shards.first_error(error)
+    if error is not None:
+        raise OSError(error)
+
+
+Snapshot = Mapping[str, torch.Tensor]
+"""A checkpoint's snapshot: whole tensors (``load_file``), or a sharded group's
+``ShardedSnapshot``, read by box."""
+
+
+def load(folder: str) -> tuple[WorkerState, Snapshot] | None:
+    """The state a checkpoint ``folder`` holds; None when it holds none. A sharded group's
+    snapshot comes as a ``ShardedSnapshot``, nothing read until a box is asked for."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.isfile(path):
         return None
@@ -98,7 +153,16 @@ def load(folder: str) -> tuple[WorkerState, dict[str, torch.Tensor]] | None:
         state = WorkerState(**raw)
     except TypeError as exc:
         raise ValueError(f"{path} is not a DiLoCo worker state: {exc}") from None
+    sharded = snapshot_shards.find(folder)
+    if sharded is not None:
+        return state, sharded
     return state, load_file(os.path.join(folder, SNAPSHOT_FILE))
+
+
+def load_shard(folder: str) -> ShardedSnapshot | None:
+    """A sharded group's snapshot files in ``folder``, for a rank whose machine has its own
+    shard but not rank 0's counters (``start_resumed`` takes rank 0's); None if none."""
+    return snapshot_shards.find(folder)
 
 
 def load_codec_state(folder: str) -> dict[str, torch.Tensor] | None:
@@ -117,13 +181,13 @@ def gather(worker: DiLoCoWorker) -> bool:
         return True
     s = worker._session
     s.samples = group.pool_samples(s.samples)
-    return group.leader
+    return group.leader or group.shards is not None  # a sharded group's ranks each save a part
 
 
 def start_resumed(
     worker: DiLoCoWorker,
     state: WorkerState | None,
-    snapshot: Mapping[str, torch.Tensor] | None,
+    snapshot: Snapshot | None,
     codec: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Start ``worker`` (built with ``worker_id=state.worker_id``) from a checkpoint's model: join,
@@ -135,7 +199,11 @@ def start_resumed(
     decides for all: whether to resume, the progress (its parameters, the other ranks' gathered
     to it when partitioned, against its snapshot) and the counters; the other ranks' ``state``
     and ``snapshot`` are not read (None where only rank 0's machine has the worker files). So
-    every rank ends with rank 0's parameters and counts to the same next sync."""
+    every rank ends with rank 0's parameters and counts to the same next sync.
+
+    A sharded group is the exception: each rank's ``snapshot`` is read, for the boxes it holds
+    (``load`` or ``load_shard`` of its checkpoint folder), and each rank keeps its own progress;
+    a rank without one fails every rank with the same ``ValueError``."""
     group = worker._group
     leads = group is None or group.leader
     if group is not None:
@@ -143,6 +211,9 @@ def start_resumed(
         state = WorkerState(**shared) if shared is not None else None
     if state is None:
         worker.start()
+        return
+    if _shards(worker) is not None:
+        _start_sharded(worker, state, snapshot)
         return
     params = worker._local.params
     if group is not None:
@@ -167,6 +238,10 @@ def start_resumed(
             params[name].add_(delta.to(params[name].dtype))
     if group is not None:
         group.share()
+    _take_counters(worker, state, leads)
+
+
+def _take_counters(worker: DiLoCoWorker, state: WorkerState, leads: bool) -> None:
     s = worker._session
     s.local_step = min(state.local_step, s.sync_every - 1)
     s.total_steps = state.total_steps
@@ -178,6 +253,63 @@ def start_resumed(
         state.round,
         s.base_round,
     )
+
+
+def _start_sharded(worker: DiLoCoWorker, state: WorkerState, snapshot: Snapshot | None) -> None:
+    """``start_resumed`` on a rank of a sharded group: its own progress, box by box."""
+    shards = _shards(worker)
+    progress: dict[str, torch.Tensor] = {}
+    error = None
+    try:
+        progress = _shard_progress(shards, snapshot)
+    except (ValueError, OSError, SafetensorError) as exc:  # a file of one rank: every rank fails
+        error = f"rank {shards.rank} of the sharded worker group cannot resume: {exc}"
+    error = shards.first_error(error)
+    if error is not None:
+        raise ValueError(error)
+    worker.start()
+    with torch.no_grad():
+        for name, delta in progress.items():
+            local = shards.local(name)
+            local.add_(delta.to(local.device, local.dtype))
+    group = worker._group
+    assert group is not None
+    group.share()  # plain parameters: rank 0's, progress included
+    _take_counters(worker, state, group.leader)
+
+
+def _shard_progress(shards: Any, snapshot: Snapshot | None) -> dict[str, torch.Tensor]:
+    """``local - snapshot`` (fp32) of every box this rank holds, each read from ``snapshot``
+    (whole tensors are cut to the box; a ``ShardedSnapshot`` reads the box alone)."""
+    if snapshot is None:
+        raise ValueError("its checkpoint folder holds no DiLoCo snapshot shard")
+    if set(snapshot) != set(shards.plans):
+        raise ValueError(
+            "the checkpoint's DiLoCo snapshot does not fit the model: "
+            f"{sorted(set(snapshot) ^ set(shards.plans))[:3]}"
+        )
+    progress = {}
+    with torch.no_grad():
+        for name in shards.snapshot:
+            plan = shards.plans[name]
+            box: Box = plan.boxes[shards.rank][0]
+            shape = (
+                snapshot.shape(name)
+                if isinstance(snapshot, ShardedSnapshot)
+                else tuple(snapshot[name].shape)
+            )
+            if shape != tuple(plan.shape):
+                raise ValueError(
+                    f"parameter {name!r} is {shape} in the checkpoint, {plan.shape} here"
+                )
+            if isinstance(snapshot, ShardedSnapshot):
+                saved = snapshot.box(name, box, shards.rank)
+            else:
+                saved = snapshot[name][box.slices()].to(torch.float32)
+            local = shards.local(name).detach().to("cpu", torch.float32, copy=True)
+            to_progress_(local, saved)
+            progress[name] = local
+    return progress
 
 
 def _progress(

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.core import adopt_, rebase_, to_progress_
-from diloco.worker.groups.json_collectives import broadcast_json
+from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
 from diloco.worker.groups.shard_table import ShardPlan, local_part
 
 MOVES: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
@@ -95,6 +95,12 @@ class ShardState:
                     held[0].shape, dtype=torch.float32, pin_memory=pin
                 )
         self.staging = Staging(device)
+
+    def first_error(self, error: str | None) -> str | None:
+        """Every rank: the first rank's error of all of them (None if none had one), so a
+        step that may fail on one rank (a checkpoint's file) fails the same on every rank."""
+        errors = all_gather_json(error, self.pg, device=self.device)
+        return next((e for e in errors if e is not None), None)
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's part of the model's parameter (its shard, or the plain tensor)."""
