@@ -21,9 +21,12 @@ from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.quorum_sync import QuorumSync
+from diloco.worker.allreduce.sharded_whole import ShardedWhole, StreamedState
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
+from diloco.worker.allreduce.streamed import Parts
 from diloco.worker.allreduce.whole_model import WholeModel
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
+from diloco.worker.groups.sharded_model import ShardedModel
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
 from diloco.worker.session import Session
@@ -47,13 +50,12 @@ def choose_strategy(
     if lockstep is not None and not lockstep.group.leader:
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
-    if reply.allreduce and lockstep is not None and lockstep.group.shards is not None:
-        raise ValueError(
-            "all-reduce mode is not supported with sharded (DTensor) parameters in a worker "
-            "group yet: run the server in parameter-server mode"
-        )
     if reply.allreduce:
-        inner: SyncStrategy = _quorum_sync(settings, session, reply, grouped=lockstep is not None)
+        local = lockstep.group.local if lockstep is not None else None
+        parts = local.outer if isinstance(local, ShardedModel) else None
+        inner: SyncStrategy = _quorum_sync(
+            settings, session, reply, grouped=lockstep is not None, parts=parts
+        )
     elif settings.num_fragments > 1:
         inner = StreamingSync(session)
     else:
@@ -73,13 +75,21 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
 
 
 def _quorum_sync(
-    settings: WorkerSettings, session: Session, reply: Registered, *, grouped: bool
+    settings: WorkerSettings,
+    session: Session,
+    reply: Registered,
+    *,
+    grouped: bool,
+    parts: Parts | None,
 ) -> QuorumSync:
     if settings.num_fragments > 1 and grouped:
         raise ValueError(
             "streaming fragments are not supported in a worker group (a torch.distributed "
             "group as one worker): leave num_fragments at 1"
         )
+    if parts is not None:  # a sharded group: the state stays on its shards
+        sharded = StreamedState(session, RunRules.of(reply), parts)
+        return QuorumSync(session, sharded, ShardedWhole(session, sharded))
     state = SharedState(session, RunRules.of(reply))
     payload: Payload = (
         WholeModel(session, state)

@@ -51,11 +51,10 @@ import torch
 
 from diloco.core import rebase_, to_progress_
 from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
-from diloco.worker.allreduce.average_checks import checked_average, name_excluded
+from diloco.worker.allreduce.average_checks import name_excluded
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
-    broadcast,
     compare,
     state_hash,
 )
@@ -285,8 +284,8 @@ class QuorumSync:
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
         with _stage("average"):
-            averaged = checked_average(
-                quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
+            averaged, sample, numel = self._state.checked_average(
+                quorum, tensors, weight, comm, SAMPLE
             )
         self._excluded, left_out = name_excluded(self._s.worker_id, q, averaged)
         if left_out:
@@ -294,14 +293,13 @@ class QuorumSync:
         # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
         # way); the HTTP bytes stay in bytes_up/bytes_down.
         itemsize = torch.empty((), dtype=comm).element_size()
-        self._s.metrics["collective_bytes"] += sum(t.numel() for t in tensors) * itemsize
+        self._s.metrics["collective_bytes"] += numel * itemsize
         # The commit point: this tiny collective succeeds only once every member holds the
         # complete average; nothing has changed anywhere before it. It compares a sample of the
         # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
         # and the full hash of the new state is compared by the server.
         # A member whose check of the average failed vetoes in the same collective, so the
         # round is discarded on every member that completes it, never on some.
-        sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
         if not averaged.sound:
             log.error(
                 "worker %s: quorum %s's average fails its check (norm %.6g, the members' stated "
@@ -341,7 +339,7 @@ class QuorumSync:
             if not self._needs_state:
                 local.each_param(to_progress_)
                 self._needs_state = True  # the model holds progress; the snapshot is about to go
-        broadcast(quorum, self._state.tensors(), q.source)
+        self._state.broadcast(quorum, q.source)
         if not q.receiving:
             return
         got = self._state.hash()

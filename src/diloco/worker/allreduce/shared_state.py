@@ -19,7 +19,8 @@ import torch
 from diloco.core.outer import OuterSGD
 from diloco.persistence import save_checkpoint
 from diloco.wire.messages import Registered
-from diloco.worker.allreduce.collective import state_hash
+from diloco.worker.allreduce.average_checks import Averaged, checked_average
+from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,24 @@ class SharedState:
     def hash(self) -> str:
         """The fingerprint a quorum compares (``collective.state_hash``)."""
         return state_hash(self.tensors())
+
+    def broadcast(self, quorum: QuorumCollective, src: int) -> None:
+        """Rank ``src``'s state into every member's (a joiner's resync)."""
+        broadcast(quorum, self.tensors(), src)
+
+    def checked_average(
+        self,
+        quorum: QuorumCollective,
+        tensors: list[torch.Tensor],
+        weight: float,
+        comm: torch.dtype,
+        sample: int,
+    ) -> tuple[Averaged, list[torch.Tensor], int]:
+        """The quorum's checked average of ``tensors`` (the payload's contribution) in place,
+        every ``sample``-th element of each (the commit point's sample), and the elements
+        averaged."""
+        averaged = checked_average(quorum, tensors, weight, comm, norm_bound=self.rules.norm_bound)
+        return averaged, [t.reshape(-1)[::sample] for t in tensors], sum(t.numel() for t in tensors)
 
     def outer(
         self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]

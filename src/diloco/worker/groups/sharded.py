@@ -95,6 +95,8 @@ class ShardState:
                     held[0].shape, dtype=torch.float32, pin_memory=pin
                 )
         self.staging = Staging(device)
+        #: Further commands by name (all-reduce mode's, ``sharded_outer.OuterShards``).
+        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's part of the model's parameter (its shard, or the plain tensor)."""
@@ -123,6 +125,8 @@ class ShardState:
 
     def run(self, cmd: dict[str, Any]) -> torch.Tensor | None:
         op = cmd["cmd"]
+        if op in self.handlers:
+            return self.handlers[op](cmd)
         if op == "each":
             self.each(MOVES[cmd["fn"]])
             return None

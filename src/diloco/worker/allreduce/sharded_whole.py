@@ -1,0 +1,114 @@
+"""All-reduce mode for a sharded worker group's rank 0 (docs/design/groups.md, "Sharded groups
+in all-reduce mode"): the run's state (snapshot, momentum) lives on the group's shards, each
+rank holding its boxes, and the quorum loop (``QuorumSync``, unchanged) reaches it through
+``streamed.Parts`` one parameter at a time.
+
+``StreamedState`` is the ``SharedState`` whose hash, broadcast and checked average are the
+streamed ones (``streamed.py``: the same collectives and bytes as a plain member's, so both
+kinds meet in one quorum); ``ShardedWhole`` is ``WholeModel`` whose contribution stays on the
+shards (the average is stored there as each rank's ``acc``) and whose step runs on every rank's
+boxes. Only ``num_fragments == 1``.
+
+Not done: rank 0's checkpoint (``q.save``) would have to write the model one parameter at a
+time; it is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from diloco.wire.messages import Assignment
+from diloco.worker.allreduce.average_checks import Averaged
+from diloco.worker.allreduce.collective import QuorumCollective
+from diloco.worker.allreduce.shared_state import RunRules, SharedState
+from diloco.worker.allreduce.streamed import (
+    Entry,
+    Parts,
+    broadcast,
+    checked_average,
+    streamed_hash,
+)
+from diloco.worker.allreduce.whole_model import WholeModel
+from diloco.worker.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class StreamedState(SharedState):
+    """The run's state on a sharded group's shards, seen from rank 0 through ``parts``."""
+
+    def __init__(self, session: Session, rules: RunRules, parts: Parts) -> None:
+        # Not SharedState's: nothing of the state is held here.
+        self._s = session
+        self.rules = rules
+        self.parts = parts
+        self.globals = []
+        self.momentum = []
+        parts.own()  # every rank's snapshot from its own shards (as ``own_snapshot``)
+        table = session.local.table()
+        snaps: list[Entry] = [("snap", n, shape) for n, shape in table.items()]
+        moms: list[Entry] = [("mom", n, shape) for n, shape in table.items()]
+        #: The state in a plain member's order (``tensors``): parameters, then momentum.
+        self.entries = snaps + (moms if rules.momentum > 0 else [])
+        self.grads: list[Entry] = [("grad", n, shape) for n, shape in table.items()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise AssertionError("a sharded group's state is reached one parameter at a time")
+
+    def hash(self) -> str:
+        return streamed_hash(self.parts, self.entries)
+
+    def broadcast(self, quorum: QuorumCollective, src: int) -> None:
+        broadcast(quorum, self.parts, self.entries, src)
+
+    def checked_average(
+        self,
+        quorum: QuorumCollective,
+        tensors: list[torch.Tensor],
+        weight: float,
+        comm: torch.dtype,
+        sample: int,
+    ) -> tuple[Averaged, list[torch.Tensor], int]:
+        averaged, samples = checked_average(
+            quorum,
+            self.parts,
+            self.grads,
+            weight,
+            comm,
+            norm_bound=self.rules.norm_bound,
+            sample=sample,
+        )
+        return averaged, samples, sum(math.prod(shape) for _, _, shape in self.grads)
+
+    def save(self, quorum_id: str, state: dict[str, Any], layout: dict[str, Any]) -> None:
+        log.error(
+            "worker %s: the server asked rank 0 to save round %d, but a sharded worker group "
+            "does not write all-reduce checkpoints yet (the model is on its shards)",
+            self._s.worker_id,
+            self._s.base_round,
+        )
+
+
+class ShardedWhole(WholeModel):
+    """``WholeModel`` on a sharded group: the pseudo-gradient is read from the shards during
+    the average, which leaves its result on them (``acc``), and the outer step runs there."""
+
+    def __init__(self, session: Session, state: StreamedState) -> None:
+        self._s = session
+        self._state = state
+        self._parts = state.parts
+
+    def contribution(self, q: Assignment, weighted: bool) -> tuple[list[torch.Tensor], float]:
+        return [], self._weight() if weighted else 0.0
+
+    def step(self, q: Assignment) -> None:
+        rules = self._state.rules
+        self._parts.step(rules.lr, rules.momentum, rules.nesterov)
+        self._s.local.adopt_all()
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, {}
