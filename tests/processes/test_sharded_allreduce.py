@@ -120,6 +120,41 @@ def test_fsdp_group_beside_a_plain_worker_in_allreduce_mode(tmp_path: Path) -> N
         torch.testing.assert_close(value, expected[name])
 
 
+@pytest.mark.parametrize("source", [True, False], ids=["group-sends", "group-receives"])
+def test_a_sharded_group_shares_the_state_with_a_member_that_differs(
+    tmp_path: Path, source: bool
+) -> None:
+    """The plain member starts from another state: at the join the lower worker id's state is
+    the run's (``quorum_records.choose``), broadcast from the group's shards parameter by
+    parameter, or received into them and checked against the agreed hash; from then on every
+    rank's shard is the plain worker's slice after every round."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    ids = ("a-group", "b-plain") if source else ("z-group", "b-plain")
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(
+            sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32", ids[0])
+        )
+        plain = ranks.spawn(
+            sar.plain_rank, (server.address, 1, str(tmp_path), False, True, ids[1]), nprocs=1
+        )
+        ranks.join(group, timeout=120)
+        ranks.join(plain, timeout=60)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["rebases"] == (0 if source else 1)
+    others = torch.load(tmp_path / "plain1.pt")
+    for rank in got:
+        for mine, theirs in zip(rank["records"], others, strict=True):
+            for name, (shard, offset) in mine["shards"].items():
+                assert torch.equal(shard, _slice(theirs["params"][name], shard, offset)), name
+    if source:  # the run started from the group's model: the reference's
+        expected = ranks.reference_groups(2)
+        for name, value in _whole(got, -1).items():
+            torch.testing.assert_close(value, expected[name])
+
+
 def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent(
     tmp_path: Path,
 ) -> None:

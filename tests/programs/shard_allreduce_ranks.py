@@ -26,7 +26,14 @@ from tests.programs.shard_ranks import _sharded_model, _shards, _worker
 
 
 def group_rank(
-    rank: int, port: int, server: str, group: int, out: str, mesh: tuple[int, ...], comm: str
+    rank: int,
+    port: int,
+    server: str,
+    group: int,
+    out: str,
+    mesh: tuple[int, ...],
+    comm: str,
+    worker_id: str | None = None,
 ) -> None:
     """One rank of an FSDP2 group training ``make_model`` on stream ``2 * group + rank`` in an
     all-reduce run; records its shards after every sync, and the group's metrics and what its
@@ -35,7 +42,7 @@ def group_rank(
     model = _sharded_model(mesh)
     opt = make_inner(model.parameters())
     records: list[dict[str, Any]] = []
-    with _worker(model, opt, server, bf16_comm=comm == "bf16") as worker:
+    with _worker(model, opt, server, bf16_comm=comm == "bf16", worker_id=worker_id) as worker:
         for step, (x, y) in enumerate(batches(2 * group + rank, SYNC_EVERY * ROUNDS), start=1):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -68,11 +75,21 @@ def group_rank(
     leave()
 
 
-def plain_rank(rank: int, port: int, server: str, group: int, out: str, die: bool) -> None:
+def plain_rank(
+    rank: int,
+    port: int,
+    server: str,
+    group: int,
+    out: str,
+    die: bool,
+    shift: bool = False,
+    worker_id: str | None = None,
+) -> None:
     """A single-process worker on the mean loss of streams ``2 * group`` and ``2 * group + 1``
     (what a group of two ranks computes), recording its parameters after every sync. ``die``:
     it exits (its sockets closed, as a killed process's) at its first averaging all-reduce,
-    while the other members are inside that collective."""
+    while the other members are inside that collective. ``shift``: its model starts 0.01
+    away from ``make_model``'s (another state: one member resyncs at the join)."""
     torch.set_num_threads(1)
     if die:
         original = QuorumCollective.collective
@@ -84,13 +101,23 @@ def plain_rank(rank: int, port: int, server: str, group: int, out: str, die: boo
 
         QuorumCollective.collective = collective  # type: ignore[method-assign]
     model = make_model()
+    if shift:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
     opt = make_inner(model.parameters())
     data = zip(*(batches(2 * group + r, SYNC_EVERY * ROUNDS) for r in range(2)), strict=True)
     records: list[dict[str, Any]] = []
     # The dying worker beats: the server leaves it out once it is silent for two beats.
     beats = 0.2 if die else 0
     with DiLoCoWorker(
-        model, opt, server, sync_every=SYNC_EVERY, bf16_comm=False, heartbeat_interval=beats
+        model,
+        opt,
+        server,
+        sync_every=SYNC_EVERY,
+        bf16_comm=False,
+        heartbeat_interval=beats,
+        worker_id=worker_id,
     ) as worker:
         for step, halves in enumerate(data, start=1):
             loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in halves) / 2
