@@ -51,7 +51,7 @@ import torch
 
 from diloco.core import rebase_, to_progress_
 from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
-from diloco.worker.allreduce.average_checks import name_excluded
+from diloco.worker.allreduce.average_checks import checked_average, name_excluded
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
@@ -284,9 +284,14 @@ class QuorumSync:
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
         with _stage("average"):
-            averaged, sample, numel = self._state.checked_average(
-                quorum, tensors, weight, comm, SAMPLE
-            )
+            if self._state.streamed:  # a sharded group's: the tensors are on its shards
+                averaged, sample, numel = self._state.streamed_average(quorum, weight, comm, SAMPLE)
+            else:
+                averaged = checked_average(
+                    quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
+                )
+                sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
+                numel = sum(t.numel() for t in tensors)
         self._excluded, left_out = name_excluded(self._s.worker_id, q, averaged)
         if left_out:
             self._s.metrics["excluded_rounds"] += 1

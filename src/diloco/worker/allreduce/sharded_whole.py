@@ -65,13 +65,10 @@ class StreamedState(SharedState):
     def broadcast(self, quorum: QuorumCollective, src: int) -> None:
         broadcast(quorum, self.parts, self.entries, src)
 
-    def checked_average(
-        self,
-        quorum: QuorumCollective,
-        tensors: list[torch.Tensor],
-        weight: float,
-        comm: torch.dtype,
-        sample: int,
+    streamed = True
+
+    def streamed_average(
+        self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
     ) -> tuple[Averaged, list[torch.Tensor], int]:
         averaged, samples = checked_average(
             quorum,

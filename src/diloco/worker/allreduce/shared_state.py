@@ -19,7 +19,7 @@ import torch
 from diloco.core.outer import OuterSGD
 from diloco.persistence import save_checkpoint
 from diloco.wire.messages import Registered
-from diloco.worker.allreduce.average_checks import Averaged, checked_average
+from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
 from diloco.worker.session import Session
 
@@ -65,6 +65,10 @@ class SharedState:
     that step them. Momentum buffers exist from the start (zeros: the first step's ``0 * m + g``
     is ``g`` exactly, as torch's first-step copy), so a joiner can receive them by broadcast."""
 
+    #: The state is elsewhere (a sharded group's shards): the quorum loop averages through
+    #: ``streamed_average``, not the payload's tensors.
+    streamed = False
+
     def __init__(self, session: Session, rules: RunRules) -> None:
         self._s = session
         self.rules = rules
@@ -93,19 +97,13 @@ class SharedState:
         """Rank ``src``'s state into every member's (a joiner's resync)."""
         broadcast(quorum, self.tensors(), src)
 
-    def checked_average(
-        self,
-        quorum: QuorumCollective,
-        tensors: list[torch.Tensor],
-        weight: float,
-        comm: torch.dtype,
-        sample: int,
+    def streamed_average(
+        self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
     ) -> tuple[Averaged, list[torch.Tensor], int]:
-        """The quorum's checked average of ``tensors`` (the payload's contribution) in place,
-        every ``sample``-th element of each (the commit point's sample), and the elements
-        averaged."""
-        averaged = checked_average(quorum, tensors, weight, comm, norm_bound=self.rules.norm_bound)
-        return averaged, [t.reshape(-1)[::sample] for t in tensors], sum(t.numel() for t in tensors)
+        """Only where ``streamed``: the quorum's checked average of a contribution that is not
+        in this process (``sharded_whole.StreamedState``), every ``sample``-th element of each
+        tensor (the commit point's sample), and the elements averaged."""
+        raise AssertionError("a SharedState's contribution is the payload's tensors")
 
     def outer(
         self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]
