@@ -176,3 +176,14 @@ def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent
     expected = ranks.reference_groups(1)
     for name, value in _whole(got, -1).items():
         torch.testing.assert_close(value, expected[name])
+
+
+def test_a_sharded_group_with_a_save_dir_is_refused_in_allreduce_mode(tmp_path: Path) -> None:
+    """Rank 0's all-reduce checkpoint is not built for sharded groups: rank 0 learns the mode at
+    its first registration and refuses a ``save_dir`` there (a ValueError); the other rank fails
+    with rank 0's error, and none hangs."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
+        ranks.join(ranks.spawn(sar.refused_start_rank, (server.address, str(tmp_path))), timeout=60)
+    errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
+    assert errors[0].startswith("ValueError: a sharded (DTensor) worker group does not write")
+    assert errors[1].startswith("RuntimeError: rank 0 of the worker group failed: " + errors[0])

@@ -134,3 +134,18 @@ def plain_rank(
                     }
                 )
     torch.save(records, Path(out) / f"plain{group}.pt")
+
+
+def refused_start_rank(rank: int, port: int, server: str, out: str) -> None:
+    """An FSDP2 group with a ``save_dir`` in an all-reduce run: its start must fail on every
+    rank (records each rank's error)."""
+    _init(rank, port)
+    model = _sharded_model((2,))
+    worker = _worker(model, make_inner(model.parameters()), server, save_dir=out)
+    try:
+        worker.start()
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    torch.save(error, Path(out) / f"refused{rank}.pt")
+    leave()

@@ -10,7 +10,9 @@ shards (the average is stored there as each rank's ``acc``) and whose step runs 
 boxes. Only ``num_fragments == 1``.
 
 Not done: rank 0's checkpoint (``q.save``) would have to write the model one parameter at a
-time; it is logged and skipped.
+time. A sharded group with a ``save_dir`` is refused when the mode is learnt
+(``worker/choose.py``); without one, a save asked of it is logged and skipped, as a plain
+member's without a ``save_dir``.
 """
 
 from __future__ import annotations
