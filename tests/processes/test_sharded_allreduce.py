@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, ServerConfig
+from diloco.persistence import list_checkpoints, load_checkpoint
 from tests.helpers import ranks
 from tests.programs import shard_allreduce_ranks as sar
 
@@ -178,12 +179,43 @@ def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent
         torch.testing.assert_close(value, expected[name])
 
 
-def test_a_sharded_group_with_a_save_dir_is_refused_in_allreduce_mode(tmp_path: Path) -> None:
-    """Rank 0's all-reduce checkpoint is not built for sharded groups: rank 0 learns the mode at
-    its first registration and refuses a ``save_dir`` there (a ValueError); the other rank fails
-    with rank 0's error, and none hangs."""
-    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
-        ranks.join(ranks.spawn(sar.refused_start_rank, (server.address, str(tmp_path))), timeout=60)
-    errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
-    assert errors[0].startswith("ValueError: a sharded (DTensor) worker group does not write")
-    assert errors[1].startswith("RuntimeError: rank 0 of the worker group failed: " + errors[0])
+def test_rank_0_of_a_sharded_group_saves_a_checkpoint_a_server_resumes_from(
+    tmp_path: Path,
+) -> None:
+    """``--save-every 3``: the quorum's rank 0 is a sharded group (the lower worker id); it
+    writes the run's state one parameter at a time from its shards, in the server mode's
+    layout: the parameters are the group's shards put together, bit for bit, the momentum of
+    every parameter is there, and a parameter server started on the folder serves them."""
+    saves = [tmp_path / "save0", tmp_path / "save1"]
+    config = ServerConfig(port=0, num_workers=2, allreduce=True, save_every=3)
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(
+                sar.group_rank,
+                (server.address, g, str(tmp_path), (2,), "fp32", f"{'ab'[g]}-group", str(saves[g])),
+            )
+            for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=120)
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert not saves[1].exists()  # only the quorum's rank 0 saves
+    folders = list_checkpoints(saves[0])
+    assert [load_checkpoint(f).round for f in folders] == [ranks.ROUNDS]
+    ckpt = load_checkpoint(folders[-1])
+    final = _whole(got, -1)
+    assert set(ckpt.params) == NAMES
+    for name, value in final.items():
+        assert torch.equal(ckpt.params[name], value), name
+    state = ckpt.optimizer_state["state"]
+    order = ckpt.extra["param_order"]
+    assert sorted(state) == list(range(len(NAMES)))
+    for i, entry in state.items():
+        buf = entry["momentum_buffer"]
+        assert buf.shape == final[order[i]].shape and float(buf.abs().sum()) > 0
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(saves[0]))) as server:
+        assert server.status()["round"] == ranks.ROUNDS
+        served = server.global_params()
+    for name, value in final.items():
+        assert torch.equal(served[name], value), name

@@ -34,6 +34,7 @@ def group_rank(
     mesh: tuple[int, ...],
     comm: str,
     worker_id: str | None = None,
+    save_dir: str | None = None,
 ) -> None:
     """One rank of an FSDP2 group training ``make_model`` on stream ``2 * group + rank`` in an
     all-reduce run; records its shards after every sync, and the group's metrics and what its
@@ -42,7 +43,8 @@ def group_rank(
     model = _sharded_model(mesh)
     opt = make_inner(model.parameters())
     records: list[dict[str, Any]] = []
-    with _worker(model, opt, server, bf16_comm=comm == "bf16", worker_id=worker_id) as worker:
+    kw = {"worker_id": worker_id, "save_dir": save_dir}
+    with _worker(model, opt, server, bf16_comm=comm == "bf16", **kw) as worker:
         for step, (x, y) in enumerate(batches(2 * group + rank, SYNC_EVERY * ROUNDS), start=1):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -134,18 +136,3 @@ def plain_rank(
                     }
                 )
     torch.save(records, Path(out) / f"plain{group}.pt")
-
-
-def refused_start_rank(rank: int, port: int, server: str, out: str) -> None:
-    """An FSDP2 group with a ``save_dir`` in an all-reduce run: its start must fail on every
-    rank (records each rank's error)."""
-    _init(rank, port)
-    model = _sharded_model((2,))
-    worker = _worker(model, make_inner(model.parameters()), server, save_dir=out)
-    try:
-        worker.start()
-        error = ""
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    torch.save(error, Path(out) / f"refused{rank}.pt")
-    leave()

@@ -87,11 +87,6 @@ def _quorum_sync(
             "streaming fragments are not supported in a worker group (a torch.distributed "
             "group as one worker): leave num_fragments at 1"
         )
-    if parts is not None and settings.save_dir is not None:
-        raise ValueError(
-            "a sharded (DTensor) worker group does not write all-reduce checkpoints yet: leave "
-            "save_dir unset (a quorum whose rank 0 has none skips its save)"
-        )
     if parts is not None:  # a sharded group: the state stays on its shards
         sharded = StreamedState(session, RunRules.of(reply), parts)
         return QuorumSync(session, sharded, ShardedWhole(session, sharded))

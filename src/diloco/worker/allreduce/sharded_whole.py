@@ -9,10 +9,8 @@ kinds meet in one quorum); ``ShardedWhole`` is ``WholeModel`` whose contribution
 shards (the average is stored there as each rank's ``acc``) and whose step runs on every rank's
 boxes. Only ``num_fragments == 1``.
 
-Not done: rank 0's checkpoint (``q.save``) would have to write the model one parameter at a
-time. A sharded group with a ``save_dir`` is refused when the mode is learnt
-(``worker/choose.py``); without one, a save asked of it is logged and skipped, as a plain
-member's without a ``save_dir``.
+Rank 0's checkpoint (``q.save``) is the plain member's layout, written one parameter at a
+time as it is gathered from the shards (``persistence.lazy_tensors``).
 """
 
 from __future__ import annotations
@@ -23,6 +21,9 @@ from typing import Any
 
 import torch
 
+from diloco.core.fragments import SEQUENTIAL
+from diloco.core.outer import OuterSGD
+from diloco.persistence.lazy_tensors import LazyTensors
 from diloco.wire.messages import Assignment
 from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective
@@ -83,13 +84,30 @@ class StreamedState(SharedState):
         )
         return averaged, samples, sum(math.prod(shape) for _, _, shape in self.grads)
 
-    def save(self, quorum_id: str, state: dict[str, Any], layout: dict[str, Any]) -> None:
-        log.error(
-            "worker %s: the server asked rank 0 to save round %d, but a sharded worker group "
-            "does not write all-reduce checkpoints yet (the model is on its shards)",
-            self._s.worker_id,
-            self._s.base_round,
+    def save(
+        self,
+        quorum_id: str,
+        state: dict[str, Any],
+        layout: dict[str, Any],
+        *,
+        params: LazyTensors | None = None,
+        momentum: LazyTensors | None = None,
+    ) -> None:
+        """``SharedState.save`` with the snapshot and the momentum gathered from the shards one
+        parameter at a time as the files are written (``state``: the optimizer's param
+        groups, no tensors)."""
+        table = self._s.local.table()
+        names = list(table)
+        fp32 = torch.float32
+        params = LazyTensors(
+            {n: (fp32, shape) for n, shape in table.items()}, lambda n: self.parts.load("snap", n)
         )
+        if self.rules.momentum > 0:
+            momentum = LazyTensors(
+                {f"{i}/momentum_buffer": (fp32, table[n]) for i, n in enumerate(names)},
+                lambda key: self.parts.load("mom", names[int(key.split("/")[0])]),
+            )
+        super().save(quorum_id, state, layout, params=params, momentum=momentum)
 
 
 class ShardedWhole(WholeModel):
@@ -100,6 +118,7 @@ class ShardedWhole(WholeModel):
         self._s = session
         self._state = state
         self._parts = state.parts
+        self._grads = len(state.grads)
 
     def contribution(self, q: Assignment, weighted: bool) -> tuple[list[torch.Tensor], float]:
         return [], self._weight() if weighted else 0.0
@@ -110,4 +129,14 @@ class ShardedWhole(WholeModel):
         self._s.local.adopt_all()
 
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {}, {}
+        """``WholeModel``'s: an outer optimizer's param groups over the parameters (its tensors,
+        the momentum, are written from the shards by ``StreamedState.save``)."""
+        rules, n = self._state.rules, self._grads
+        stand_ins = [torch.nn.Parameter(torch.empty(0), requires_grad=False) for _ in range(n)]
+        outer = OuterSGD(stand_ins, lr=rules.lr, momentum=rules.momentum, nesterov=rules.nesterov)
+        state = outer.state_dict()
+        return state, {
+            "fragments": [1, SEQUENTIAL],
+            "unit_rounds": [self._s.base_round],
+            "optimizer_units": [[n, len(state["param_groups"])]],
+        }
