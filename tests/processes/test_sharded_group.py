@@ -124,14 +124,3 @@ def test_faults_on_rank_0_of_a_sharded_group(tmp_path: Path) -> None:
         records = torch.load(tmp_path / f"g0r{r}.pt")["records"]
         assert [x["outcome"] for x in records] == outcomes, r
         _assert_shards_are_the_servers(records[-1], got)
-
-
-def test_a_sharded_group_refuses_allreduce_mode(tmp_path: Path) -> None:
-    """All-reduce mode is not built for sharded groups: rank 0 learns the mode at its first
-    registration and refuses it there (a ValueError); the other rank fails with rank 0's error,
-    and none hangs."""
-    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
-        ranks.join(ranks.spawn(sr.refused_start_rank, (server.address, str(tmp_path))), timeout=60)
-    errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
-    assert errors[0].startswith("ValueError: all-reduce mode is not supported with sharded")
-    assert errors[1].startswith("RuntimeError: rank 0 of the worker group failed: " + errors[0])

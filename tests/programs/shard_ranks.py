@@ -145,17 +145,3 @@ def bad_shard_rank(rank: int, port: int, server: str, out: str) -> None:
             errors[case] = str(exc)
     torch.save(errors, Path(out) / f"bad{rank}.pt")
     leave()
-
-
-def refused_start_rank(rank: int, port: int, server: str, out: str) -> None:
-    """An FSDP2 group whose start must fail on every rank: records each rank's error."""
-    _init(rank, port)
-    model = _sharded_model((2,))
-    worker = _worker(model, make_inner(model.parameters()), server)
-    try:
-        worker.start()
-        error = ""
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    torch.save(error, Path(out) / f"refused{rank}.pt")
-    leave()

@@ -43,6 +43,7 @@ from diloco.persistence.folders import (
     fsync_file,
     split_optimizer_state,
 )
+from diloco.persistence.lazy_tensors import LazyTensors, write_lazy
 from diloco.persistence.reading import inspect_checkpoint, scan
 
 log = logging.getLogger(__name__)
@@ -95,15 +96,19 @@ def _prune(root: Path, newest: Path, keep: int) -> None:
 def save_checkpoint(
     save_dir: str | Path,
     round: int,
-    params: dict[str, torch.Tensor],
+    params: dict[str, torch.Tensor] | LazyTensors,
     optimizer_state: dict[str, Any],
     extra: dict[str, Any],
     keep: int,
     *,
     true: dict[str, torch.Tensor] | None = None,
+    optimizer_tensors: LazyTensors | None = None,
 ) -> Path:
     """Write one checkpoint as a transaction (see the module docstring) and prune to ``keep``.
-    ``true``: a lossy downlink's true copy of ``params`` (``true.safetensors``)."""
+    ``true``: a lossy downlink's true copy of ``params`` (``true.safetensors``).
+    ``params`` may be ``LazyTensors`` (written one tensor at a time), and so may the optimizer's
+    tensor state (``optimizer_tensors``, keyed ``<param index>/<key>``: it replaces the tensors
+    of ``optimizer_state``, whose param groups and scalars are kept)."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     opt_tensors, opt_meta = split_optimizer_state(optimizer_state)
@@ -111,10 +116,11 @@ def save_checkpoint(
         final, generation = _fresh_name(root, round)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{round:09d}-", dir=root))
         try:
-            save_file(
-                {k: v.contiguous() for k, v in params.items()}, str(tmp / "params.safetensors")
+            _save(params, tmp / "params.safetensors")
+            _save(
+                opt_tensors if optimizer_tensors is None else optimizer_tensors,
+                tmp / "optimizer.safetensors",
             )
-            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
             names = list(TENSOR_FILES)
             if true is not None:
                 save_file({k: v.contiguous() for k, v in true.items()}, str(tmp / TRUE_FILE))
@@ -138,6 +144,13 @@ def save_checkpoint(
             raise
         _prune(root, final, keep)
     return final
+
+
+def _save(tensors: dict[str, torch.Tensor] | LazyTensors, path: Path) -> None:
+    if isinstance(tensors, LazyTensors):
+        write_lazy(tensors, path)
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
 
 
 def remove_stale_temporaries(save_dir: str | Path) -> None:

@@ -22,10 +22,13 @@ from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
 from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
 from diloco.worker.allreduce.quorum_sync import QuorumSync
+from diloco.worker.allreduce.sharded_whole import ShardedWhole, StreamedState
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
+from diloco.worker.allreduce.streamed import Parts
 from diloco.worker.allreduce.whole_model import WholeModel
 from diloco.worker.groups.group_streaming import GroupStreaming
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
+from diloco.worker.groups.sharded_model import ShardedModel
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
 from diloco.worker.session import Session
@@ -51,13 +54,10 @@ def choose_strategy(
             return GroupStreaming(lockstep, session, None)
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
-    if reply.allreduce and lockstep is not None and lockstep.group.shards is not None:
-        raise ValueError(
-            "all-reduce mode is not supported with sharded (DTensor) parameters in a worker "
-            "group yet: run the server in parameter-server mode"
-        )
     if reply.allreduce:
-        inner: SyncStrategy = _quorum_sync(settings, session, reply, lockstep)
+        local = lockstep.group.local if lockstep is not None else None
+        parts = local.outer if isinstance(local, ShardedModel) else None
+        inner: SyncStrategy = _quorum_sync(settings, session, reply, lockstep, parts)
         if isinstance(inner, GroupStreaming):
             return inner
     elif settings.num_fragments > 1:
@@ -82,15 +82,23 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
 
 
 def _quorum_sync(
-    settings: WorkerSettings, session: Session, reply: Registered, lockstep: Lockstep | None
+    settings: WorkerSettings,
+    session: Session,
+    reply: Registered,
+    lockstep: Lockstep | None,
+    parts: Parts | None,
 ) -> QuorumSync | GroupStreaming:
-    """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group."""
+    """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group, and a
+    sharded group's state stays on its shards (``parts``: its per-shard outer state)."""
     if settings.num_fragments > 1 and lockstep is not None and lockstep.group.partitioned:
         raise ValueError(
             "streaming fragments in all-reduce mode are not supported for a partitioned worker "
             "group (a state received would rebase rank 0's stale copies of the other ranks' "
             "parameters): leave num_fragments at 1 or run a parameter server"
         )
+    if parts is not None:  # a sharded group: the state stays on its shards
+        sharded = StreamedState(session, RunRules.of(reply), parts)
+        return QuorumSync(session, sharded, ShardedWhole(session, sharded))
     state = SharedState(session, RunRules.of(reply))
     if settings.num_fragments == 1:
         return QuorumSync(session, state, WholeModel(session, state))

@@ -55,7 +55,6 @@ from diloco.worker.allreduce.average_checks import checked_average, name_exclude
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
-    broadcast,
     compare,
     state_hash,
 )
@@ -285,23 +284,27 @@ class QuorumSync:
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
         with _stage("average"):
-            averaged = checked_average(
-                quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
-            )
+            if self._state.streamed:  # a sharded group's: the tensors are on its shards
+                averaged, sample, numel = self._state.streamed_average(quorum, weight, comm, SAMPLE)
+            else:
+                averaged = checked_average(
+                    quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
+                )
+                sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
+                numel = sum(t.numel() for t in tensors)
         self._excluded, left_out = name_excluded(self._s.worker_id, q, averaged)
         if left_out:
             self._s.metrics["excluded_rounds"] += 1
         # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
         # way); the HTTP bytes stay in bytes_up/bytes_down.
         itemsize = torch.empty((), dtype=comm).element_size()
-        self._s.metrics["collective_bytes"] += sum(t.numel() for t in tensors) * itemsize
+        self._s.metrics["collective_bytes"] += numel * itemsize
         # The commit point: this tiny collective succeeds only once every member holds the
         # complete average; nothing has changed anywhere before it. It compares a sample of the
         # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
         # and the full hash of the new state is compared by the server.
         # A member whose check of the average failed vetoes in the same collective, so the
         # round is discarded on every member that completes it, never on some.
-        sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
         if not averaged.sound:
             log.error(
                 "worker %s: quorum %s's average fails its check (norm %.6g, the members' stated "
@@ -341,7 +344,7 @@ class QuorumSync:
             if not self._needs_state:
                 local.each_param(to_progress_)
                 self._needs_state = True  # the model holds progress; the snapshot is about to go
-        broadcast(quorum, self._state.tensors(), q.source)
+        self._state.broadcast(quorum, q.source)
         if not q.receiving:
             return
         got = self._state.hash()

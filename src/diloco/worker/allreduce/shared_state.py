@@ -18,8 +18,10 @@ import torch
 
 from diloco.core.outer import OuterSGD
 from diloco.persistence import save_checkpoint
+from diloco.persistence.lazy_tensors import LazyTensors
 from diloco.wire.messages import Registered
-from diloco.worker.allreduce.collective import state_hash
+from diloco.worker.allreduce.average_checks import Averaged
+from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,10 @@ class SharedState:
     that step them. Momentum buffers exist from the start (zeros: the first step's ``0 * m + g``
     is ``g`` exactly, as torch's first-step copy), so a joiner can receive them by broadcast."""
 
+    #: The state is elsewhere (a sharded group's shards): the quorum loop averages through
+    #: ``streamed_average``, not the payload's tensors.
+    streamed = False
+
     def __init__(self, session: Session, rules: RunRules) -> None:
         self._s = session
         self.rules = rules
@@ -88,6 +94,18 @@ class SharedState:
         """The fingerprint a quorum compares (``collective.state_hash``)."""
         return state_hash(self.tensors())
 
+    def broadcast(self, quorum: QuorumCollective, src: int) -> None:
+        """Rank ``src``'s state into every member's (a joiner's resync)."""
+        broadcast(quorum, self.tensors(), src)
+
+    def streamed_average(
+        self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
+    ) -> tuple[Averaged, list[torch.Tensor], int]:
+        """Only where ``streamed``: the quorum's checked average of a contribution that is not
+        in this process (``sharded_whole.StreamedState``), every ``sample``-th element of each
+        tensor (the commit point's sample), and the elements averaged."""
+        raise AssertionError("a SharedState's contribution is the payload's tensors")
+
     def outer(
         self, params: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor]
     ) -> OuterSGD:
@@ -100,11 +118,20 @@ class SharedState:
                 outer.state[p]["momentum_buffer"] = buf
         return outer
 
-    def save(self, quorum_id: str, state: dict[str, Any], layout: dict[str, Any]) -> None:
+    def save(
+        self,
+        quorum_id: str,
+        state: dict[str, Any],
+        layout: dict[str, Any],
+        *,
+        params: LazyTensors | None = None,
+        momentum: LazyTensors | None = None,
+    ) -> None:
         """Rank 0: write the snapshot and ``state`` (the outer optimizer's state dict) at the
         session's ``base_round`` into the worker's ``save_dir``; ``layout`` holds the fields that
         say how the state is cut (``fragments``, ``unit_rounds``, ``optimizer_units``). Blocking;
-        a failure (or no ``save_dir``) is logged, never raised into training."""
+        a failure (or no ``save_dir``) is logged, never raised into training. ``params`` and
+        ``momentum``: the state read one tensor at a time instead (a sharded group's)."""
         s = self._s
         folder = s.settings.save_dir
         if folder is None:
@@ -115,9 +142,11 @@ class SharedState:
                 s.base_round,
             )
             return
-        params = dict(s.local.snapshot)
+        tensors: dict[str, torch.Tensor] | LazyTensors = (
+            dict(s.local.snapshot) if params is None else params
+        )
         extra = {
-            "param_order": list(params),
+            "param_order": list(tensors),
             "mode": "sync",
             **layout,
             "outer_optimizer": OuterSGD.__name__,
@@ -127,7 +156,15 @@ class SharedState:
             "written_by": f"all-reduce rank 0 ({s.worker_id})",
         }
         try:
-            path = save_checkpoint(folder, s.base_round, params, state, extra, KEEP_CHECKPOINTS)
+            path = save_checkpoint(
+                folder,
+                s.base_round,
+                tensors,
+                state,
+                extra,
+                KEEP_CHECKPOINTS,
+                optimizer_tensors=momentum,
+            )
         except OSError as exc:
             log.error(
                 "worker %s: checkpoint of round %d failed: %s", s.worker_id, s.base_round, exc

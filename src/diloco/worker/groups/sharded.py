@@ -95,6 +95,8 @@ class ShardState:
                     held[0].shape, dtype=torch.float32, pin_memory=pin
                 )
         self.staging = Staging(device)
+        #: Further commands by name (all-reduce mode's, ``sharded_outer.OuterShards``).
+        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
 
     def first_error(self, error: str | None) -> str | None:
         """Every rank: the first rank's error of all of them (None if none had one), so a
@@ -129,6 +131,8 @@ class ShardState:
 
     def run(self, cmd: dict[str, Any]) -> torch.Tensor | None:
         op = cmd["cmd"]
+        if op in self.handlers:
+            return self.handlers[op](cmd)
         if op == "each":
             self.each(MOVES[cmd["fn"]])
             return None

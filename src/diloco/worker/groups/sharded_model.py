@@ -22,6 +22,7 @@ import torch
 from diloco.core.fragments import Piece
 from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against
 from diloco.worker.groups.sharded import MOVES, ShardState
+from diloco.worker.groups.sharded_outer import OuterShards
 from diloco.worker.state.local_model import LocalModel
 from diloco.worker.state.update_buffer import is_update
 
@@ -35,13 +36,16 @@ class ShardedModel(LocalModel):
     takes_updates = False
 
     state: ShardState
+    #: All-reduce mode's way to the state on the shards (``allreduce.streamed.Parts``).
+    outer: OuterShards
 
     @classmethod
-    def of(cls, local: LocalModel, state: ShardState) -> ShardedModel:
+    def of(cls, local: LocalModel, state: ShardState, outer: OuterShards) -> ShardedModel:
         """Rank 0's ``local`` (already built from the model) as a sharded group's model."""
         model = cls.__new__(cls)
         model.__dict__.update(local.__dict__)
         model.state = state
+        model.outer = outer
         return model
 
     # --- pseudo-gradients -------------------------------------------------------------------
@@ -61,7 +65,10 @@ class ShardedModel(LocalModel):
         raise ValueError("streaming fragments are not supported in a sharded worker group")
 
     def own_snapshot(self) -> None:
-        raise ValueError("all-reduce mode is not supported in a sharded worker group yet")
+        raise AssertionError(
+            "a sharded group's snapshot is on its shards: all-reduce mode makes it through "
+            "OuterShards (allreduce/sharded_whole.py's StreamedState)"
+        )
 
     # --- receiving --------------------------------------------------------------------------
 

@@ -1,0 +1,142 @@
+"""All-reduce mode for a sharded worker group's rank 0 (docs/design/groups.md, "Sharded groups
+in all-reduce mode"): the run's state (snapshot, momentum) lives on the group's shards, each
+rank holding its boxes, and the quorum loop (``QuorumSync``, unchanged) reaches it through
+``streamed.Parts`` one parameter at a time.
+
+``StreamedState`` is the ``SharedState`` whose hash, broadcast and checked average are the
+streamed ones (``streamed.py``: the same collectives and bytes as a plain member's, so both
+kinds meet in one quorum); ``ShardedWhole`` is ``WholeModel`` whose contribution stays on the
+shards (the average is stored there as each rank's ``acc``) and whose step runs on every rank's
+boxes. Only ``num_fragments == 1``.
+
+Rank 0's checkpoint (``q.save``) is the plain member's layout, written one parameter at a
+time as it is gathered from the shards (``persistence.lazy_tensors``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from diloco.core.fragments import SEQUENTIAL
+from diloco.core.outer import OuterSGD
+from diloco.persistence.lazy_tensors import LazyTensors
+from diloco.wire.messages import Assignment
+from diloco.worker.allreduce.average_checks import Averaged
+from diloco.worker.allreduce.collective import QuorumCollective
+from diloco.worker.allreduce.shared_state import RunRules, SharedState
+from diloco.worker.allreduce.streamed import (
+    Entry,
+    Parts,
+    broadcast,
+    checked_average,
+    streamed_hash,
+)
+from diloco.worker.allreduce.whole_model import WholeModel
+from diloco.worker.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class StreamedState(SharedState):
+    """The run's state on a sharded group's shards, seen from rank 0 through ``parts``."""
+
+    def __init__(self, session: Session, rules: RunRules, parts: Parts) -> None:
+        # Not SharedState's: nothing of the state is held here.
+        self._s = session
+        self.rules = rules
+        self.parts = parts
+        self.globals = []
+        self.momentum = []
+        parts.own()  # every rank's snapshot from its own shards (as ``own_snapshot``)
+        table = session.local.table()
+        snaps: list[Entry] = [("snap", n, shape) for n, shape in table.items()]
+        moms: list[Entry] = [("mom", n, shape) for n, shape in table.items()]
+        #: The state in a plain member's order (``tensors``): parameters, then momentum.
+        self.entries = snaps + (moms if rules.momentum > 0 else [])
+        self.grads: list[Entry] = [("grad", n, shape) for n, shape in table.items()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise AssertionError("a sharded group's state is reached one parameter at a time")
+
+    def hash(self) -> str:
+        return streamed_hash(self.parts, self.entries)
+
+    def broadcast(self, quorum: QuorumCollective, src: int) -> None:
+        broadcast(quorum, self.parts, self.entries, src)
+
+    streamed = True
+
+    def streamed_average(
+        self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
+    ) -> tuple[Averaged, list[torch.Tensor], int]:
+        averaged, samples = checked_average(
+            quorum,
+            self.parts,
+            self.grads,
+            weight,
+            comm,
+            norm_bound=self.rules.norm_bound,
+            sample=sample,
+        )
+        return averaged, samples, sum(math.prod(shape) for _, _, shape in self.grads)
+
+    def save(
+        self,
+        quorum_id: str,
+        state: dict[str, Any],
+        layout: dict[str, Any],
+        *,
+        params: LazyTensors | None = None,
+        momentum: LazyTensors | None = None,
+    ) -> None:
+        """``SharedState.save`` with the snapshot and the momentum gathered from the shards one
+        parameter at a time as the files are written (``state``: the optimizer's param
+        groups, no tensors)."""
+        table = self._s.local.table()
+        names = list(table)
+        fp32 = torch.float32
+        params = LazyTensors(
+            {n: (fp32, shape) for n, shape in table.items()}, lambda n: self.parts.load("snap", n)
+        )
+        if self.rules.momentum > 0:
+            momentum = LazyTensors(
+                {f"{i}/momentum_buffer": (fp32, table[n]) for i, n in enumerate(names)},
+                lambda key: self.parts.load("mom", names[int(key.split("/")[0])]),
+            )
+        super().save(quorum_id, state, layout, params=params, momentum=momentum)
+
+
+class ShardedWhole(WholeModel):
+    """``WholeModel`` on a sharded group: the pseudo-gradient is read from the shards during
+    the average, which leaves its result on them (``acc``), and the outer step runs there."""
+
+    def __init__(self, session: Session, state: StreamedState) -> None:
+        self._s = session
+        self._state = state
+        self._parts = state.parts
+        self._grads = len(state.grads)
+
+    def contribution(self, q: Assignment, weighted: bool) -> tuple[list[torch.Tensor], float]:
+        return [], self._weight() if weighted else 0.0
+
+    def step(self, q: Assignment) -> None:
+        rules = self._state.rules
+        self._parts.step(rules.lr, rules.momentum, rules.nesterov)
+        self._s.local.adopt_all()
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``WholeModel``'s: an outer optimizer's param groups over the parameters (its tensors,
+        the momentum, are written from the shards by ``StreamedState.save``)."""
+        rules, n = self._state.rules, self._grads
+        stand_ins = [torch.nn.Parameter(torch.empty(0), requires_grad=False) for _ in range(n)]
+        outer = OuterSGD(stand_ins, lr=rules.lr, momentum=rules.momentum, nesterov=rules.nesterov)
+        state = outer.state_dict()
+        return state, {
+            "fragments": [1, SEQUENTIAL],
+            "unit_rounds": [self._s.base_round],
+            "optimizer_units": [[n, len(state["param_groups"])]],
+        }

@@ -1,0 +1,221 @@
+"""Sharded worker groups (FSDP2 over gloo, spawned processes) in all-reduce mode: the group's
+rank 0 takes part in the quorums, reaching the state on its ranks' shards one parameter at a
+time. Rank-side code is in ``tests/programs/shard_allreduce_ranks.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco import DiLoCoServer, ServerConfig
+from diloco.persistence import list_checkpoints, load_checkpoint
+from tests.helpers import ranks
+from tests.programs import shard_allreduce_ranks as sar
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+NAMES = {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def _load(tmp_path: Path, g: int) -> list[dict[str, Any]]:
+    return [torch.load(tmp_path / f"g{g}r{r}.pt") for r in range(2)]
+
+
+def _slice(full: torch.Tensor, shard: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
+    box = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
+    return full[box]
+
+
+def _whole(group: list[dict[str, Any]], record: int) -> dict[str, torch.Tensor]:
+    """The model put together from both ranks' shards after sync ``record``."""
+    out: dict[str, torch.Tensor] = {}
+    ref = ranks.make_model()
+    shapes = {n: p.shape for n, p in ref.named_parameters()}
+    for rank in group:
+        for name, (shard, offset) in rank["records"][record]["shards"].items():
+            full = out.setdefault(name, torch.full(shapes[name], float("nan")))
+            _slice(full, shard, offset).copy_(shard)
+    return out
+
+
+def _check_group(group: list[dict[str, Any]], rounds: int, mesh: tuple[int, ...] = (2,)) -> None:
+    """Every sync adopted a round, on both ranks alike; each rank's all-reduce state is its
+    shard (snapshot, momentum and averaging buffer: rank 0 holds no more of the model)."""
+    for rank in group:
+        assert [x["outcome"] for x in rank["records"]] == ["adopted"] * rounds
+        assert [x["round"] for x in rank["records"]] == list(range(1, rounds + 1))
+    assert group[0]["facts"]["worker_id"] == group[1]["facts"]["worker_id"] is not None
+    assert group[0]["facts"]["metrics"] == group[1]["facts"]["metrics"]
+    last = group[0]["records"][-1]["shards"]
+    shard_shapes = {n: tuple(t.shape) for n, (t, _) in last.items()}
+    state = group[0]["facts"]["rank0_state"]
+    assert group[0]["facts"]["snapshot"] == state["acc"] == state["momentum"] == shard_shapes
+    if mesh == (2,):  # (a 2x1 HSDP mesh replicates: each rank holds the whole model)
+        assert sum(t.numel() for t, _ in last.values()) < 163 * 0.6
+    # Rank 0's staging: no buffer holds more than the largest parameter (16 x 6 fp32).
+    assert max(group[0]["facts"]["staging"].values()) <= 16 * 6 * 4
+
+
+@pytest.mark.parametrize(
+    ("mesh", "comm"),
+    [((2,), "fp32"), ((2, 1), "fp32"), ((2,), "bf16")],
+    ids=["fsdp", "hsdp", "bf16"],
+)
+def test_two_fsdp_groups_in_allreduce_mode_match_the_reference(
+    tmp_path: Path, mesh: tuple[int, ...], comm: str
+) -> None:
+    """Two FSDP2 groups of two ranks, all-reduce mode: after every round each rank's shard
+    equals the same box of the other group's (both hold the run's state), and the model equals
+    the single-process reference of two workers stepping on their ranks' mean gradient."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(sar.group_rank, (server.address, g, str(tmp_path), mesh, comm))
+            for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=120)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS and status["registrations"] == 2
+    got = [_load(tmp_path, g) for g in range(2)]
+    for g in range(2):
+        _check_group(got[g], ranks.ROUNDS, mesh)
+    for r in range(2):  # rank r of each group holds the same box: the same values
+        for a, b in zip(got[0][r]["records"], got[1][r]["records"], strict=True):
+            for name, (shard, offset) in a["shards"].items():
+                assert b["shards"][name][1] == offset
+                assert torch.equal(shard, b["shards"][name][0]), (a["round"], name)
+    final = _whole(got[0], -1)
+    expected = ranks.reference_groups(2)
+    assert set(final) == set(expected) == NAMES
+    tol = {} if comm == "fp32" else {"atol": 2e-2, "rtol": 2e-2}
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], **tol)
+
+
+def test_fsdp_group_beside_a_plain_worker_in_allreduce_mode(tmp_path: Path) -> None:
+    """A sharded group and a single-process worker of the same model in one quorum (the same
+    collectives and hashes): after every round each rank's shard is the plain worker's slice."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        plain = ranks.spawn(sar.plain_rank, (server.address, 1, str(tmp_path), False), nprocs=1)
+        ranks.join(group, timeout=120)
+        ranks.join(plain, timeout=60)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS and status["registrations"] == 2
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["rebases"] == 0  # the hashes agreed: no resync
+    others = torch.load(tmp_path / "plain1.pt")
+    for rank in got:
+        for mine, theirs in zip(rank["records"], others, strict=True):
+            assert mine["round"] == theirs["round"]
+            for name, (shard, offset) in mine["shards"].items():
+                assert torch.equal(shard, _slice(theirs["params"][name], shard, offset)), name
+    expected = ranks.reference_groups(2)
+    for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+
+
+@pytest.mark.parametrize("source", [True, False], ids=["group-sends", "group-receives"])
+def test_a_sharded_group_shares_the_state_with_a_member_that_differs(
+    tmp_path: Path, source: bool
+) -> None:
+    """The plain member starts from another state: at the join the lower worker id's state is
+    the run's (``quorum_records.choose``), broadcast from the group's shards parameter by
+    parameter, or received into them and checked against the agreed hash; from then on every
+    rank's shard is the plain worker's slice after every round."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    ids = ("a-group", "b-plain") if source else ("z-group", "b-plain")
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(
+            sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32", ids[0])
+        )
+        plain = ranks.spawn(
+            sar.plain_rank, (server.address, 1, str(tmp_path), False, True, ids[1]), nprocs=1
+        )
+        ranks.join(group, timeout=120)
+        ranks.join(plain, timeout=60)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["rebases"] == (0 if source else 1)
+    others = torch.load(tmp_path / "plain1.pt")
+    for rank in got:
+        for mine, theirs in zip(rank["records"], others, strict=True):
+            for name, (shard, offset) in mine["shards"].items():
+                assert torch.equal(shard, _slice(theirs["params"][name], shard, offset)), name
+    if source:  # the run started from the group's model: the reference's
+        expected = ranks.reference_groups(2)
+        for name, value in _whole(got, -1).items():
+            torch.testing.assert_close(value, expected[name])
+
+
+def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent(
+    tmp_path: Path,
+) -> None:
+    """The plain member exits inside the first averaging all-reduce: the group's round is
+    discarded on both ranks (nothing applied), and a quorum of the group alone repeats it with
+    the pseudo-gradient its shards still hold: the group ends where a lone worker ends."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True, collective_timeout=10.0)
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        plain = ranks.spawn(sar.plain_rank, (server.address, 1, str(tmp_path), True), nprocs=1)
+        with pytest.raises(Exception, match="exit code 3"):
+            ranks.join(plain, timeout=60)
+        ranks.join(group, timeout=120)
+        status = server.status()
+    assert status["rounds_completed"] >= ranks.ROUNDS
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
+    expected = ranks.reference_groups(1)
+    for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+
+
+def test_rank_0_of_a_sharded_group_saves_a_checkpoint_a_server_resumes_from(
+    tmp_path: Path,
+) -> None:
+    """``--save-every 3``: the quorum's rank 0 is a sharded group (the lower worker id); it
+    writes the run's state one parameter at a time from its shards, in the server mode's
+    layout: the parameters are the group's shards put together, bit for bit, the momentum of
+    every parameter is there, and a parameter server started on the folder serves them."""
+    saves = [tmp_path / "save0", tmp_path / "save1"]
+    config = ServerConfig(port=0, num_workers=2, allreduce=True, save_every=3)
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(
+                sar.group_rank,
+                (server.address, g, str(tmp_path), (2,), "fp32", f"{'ab'[g]}-group", str(saves[g])),
+            )
+            for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=120)
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert not saves[1].exists()  # only the quorum's rank 0 saves
+    folders = list_checkpoints(saves[0])
+    assert [load_checkpoint(f).round for f in folders] == [ranks.ROUNDS]
+    ckpt = load_checkpoint(folders[-1])
+    final = _whole(got, -1)
+    assert set(ckpt.params) == NAMES
+    for name, value in final.items():
+        assert torch.equal(ckpt.params[name], value), name
+    state = ckpt.optimizer_state["state"]
+    order = ckpt.extra["param_order"]
+    assert sorted(state) == list(range(len(NAMES)))
+    for i, entry in state.items():
+        buf = entry["momentum_buffer"]
+        assert buf.shape == final[order[i]].shape and float(buf.abs().sum()) > 0
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(saves[0]))) as server:
+        assert server.status()["round"] == ranks.ROUNDS
+        served = server.global_params()
+    for name, value in final.items():
+        assert torch.equal(served[name], value), name
