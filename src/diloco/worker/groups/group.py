@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from diloco.core.fragments import numel
+from diloco.worker.groups.agreement import Table, agree
 from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
-from diloco.worker.groups.shard_table import agree_on_shards, describe, refuse_unsupported
+from diloco.worker.groups.shard_table import agree_on_shards, describe
 from diloco.worker.groups.sharded import ShardState
 from diloco.worker.groups.sharded_model import ShardedModel
 from diloco.worker.groups.sharded_outer import OuterShards
@@ -54,8 +55,6 @@ STREAM_BUCKET_BYTES = 4 << 20
 """Replicated groups: parameters smaller than this travel together in flat buckets of at most
 this size, larger ones alone (no copy on rank 0), each bucket as soon as it is adopted."""
 
-Table = dict[str, tuple[tuple[int, ...], str]]
-"""A rank's parameters: name -> (shape, dtype)."""
 
 
 def find_group(process_group: Any) -> Any:
@@ -117,7 +116,7 @@ class WorkerGroup:
             info["table"] = {
                 n: (tuple(shape), dtype) for n, (shape, dtype) in info["table"].items()
             }
-        self.partitioned = _agree(infos)
+        self.partitioned = agree(infos)
         self.tables: list[Table] = [info["table"] for info in infos]
         self.local = local
         #: Sharded (DTensor parameters): every rank's shards and rank 0's commands to them.
@@ -398,61 +397,6 @@ def _plan(params: Mapping[str, torch.Tensor]) -> list[list[str]]:
     if bucket:
         plan.append(bucket)
     return plan
-
-
-def _agree(infos: list[Mapping[str, Any]]) -> bool:
-    """Check that the ranks can form one worker; True if the model is partitioned. Every rank
-    runs this on the same gathered facts, so every rank raises the same error."""
-    first = infos[0]
-    for key in ("sync_every", "num_fragments", "partitioned", "dylu"):
-        for r, info in enumerate(infos[1:], start=1):
-            if info[key] != first[key]:
-                raise ValueError(
-                    f"worker group: rank {r} has {key}={info[key]!r}, rank 0 has {first[key]!r}"
-                )
-    if any(info["sharded"] for info in infos):
-        if first["num_fragments"] > 1:
-            raise ValueError(
-                "worker group: streaming fragments (num_fragments > 1) are not supported with "
-                "sharded (DTensor) parameters yet; use num_fragments=1"
-            )
-        refuse_unsupported(first)
-    tables: list[Table] = [info["table"] for info in infos]
-    partitioned = first["partitioned"]
-    if partitioned is None:
-        partitioned = any(tables[r] != tables[0] for r in range(1, len(tables))) and all(
-            not (set(a) & set(b)) for i, a in enumerate(tables) for b in tables[i + 1 :]
-        )
-    if partitioned:
-        seen: dict[str, int] = {}
-        for r, table in enumerate(tables):
-            for name in table:
-                if name in seen:
-                    raise ValueError(
-                        f"worker group (partitioned): rank {r} and rank {seen[name]} both own "
-                        f"parameter {name!r}"
-                    )
-                seen[name] = r
-        return True
-    for r, table in enumerate(tables[1:], start=1):
-        if table != tables[0]:
-            raise ValueError(f"worker group (replicated): {_difference(r, table, tables[0])}")
-    return False
-
-
-def _difference(r: int, table: Table, ref: Table) -> str:
-    missing = sorted(set(ref) - set(table))[:3]
-    extra = sorted(set(table) - set(ref))[:3]
-    parts = []
-    if missing:
-        parts.append(f"lacks {missing}")
-    if extra:
-        parts.append(f"has {extra} that rank 0 has not")
-    for name in ref:
-        if name in table and table[name] != ref[name]:
-            parts.append(f"has {name!r} as {table[name]}, rank 0 as {ref[name]}")
-            break
-    return f"rank {r} " + "; ".join(parts) + " (pass partitioned=True if each rank owns its own)"
 
 
 def _dtype(name: str) -> torch.dtype:
