@@ -131,19 +131,22 @@ def test_ddp_group_streams_in_allreduce_mode_as_the_single_process_reference(
 
 
 def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
-    """A sharded group asking for fragments fails at construction (the same ValueError on
-    every rank), a partitioned group in all-reduce mode at rank 0's first registration, where
-    the mode is learnt (rank 0's ValueError, which every rank raises); no hang."""
-    with DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as server:
-        ranks.join(ranks.spawn(sr.refused_rank, (server.address, str(tmp_path))), timeout=60)
+    """In all-reduce mode, a sharded group and a partitioned group asking for fragments fail at
+    rank 0's first registration, where the mode is learnt (rank 0's ValueError, which every
+    rank raises); no hang."""
+    config = ServerConfig(port=0, num_workers=1, allreduce=True)
+    with DiLoCoServer(config) as one, DiLoCoServer(config) as two:
+        servers = [one.address, two.address]
+        ranks.join(ranks.spawn(sr.refused_rank, (servers, str(tmp_path))), timeout=60)
     errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
-    assert set(errors[0]) == {"sharded", "allreduce_partitioned"}
-    assert errors[0]["sharded"] == errors[1]["sharded"]
-    assert "streaming fragments" in errors[0]["sharded"]
-    assert "sharded (DTensor) parameters" in errors[0]["sharded"]
-    assert errors[0]["allreduce_partitioned"].startswith("ValueError: ")
-    assert "partitioned worker group" in errors[0]["allreduce_partitioned"]
-    assert "partitioned worker group" in errors[1]["allreduce_partitioned"]  # rank 0's error
+    assert set(errors[0]) == {"allreduce_sharded", "allreduce_partitioned"}
+    for case, words in [
+        ("allreduce_sharded", "sharded (DTensor) worker group"),
+        ("allreduce_partitioned", "partitioned worker group"),
+    ]:
+        assert errors[0][case].startswith("ValueError: "), case
+        assert words in errors[0][case]
+        assert words in errors[1][case]  # rank 0's error
 
 
 def test_two_ddp_groups_stream_as_two_single_process_workers(tmp_path: Path) -> None:

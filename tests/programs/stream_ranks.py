@@ -24,6 +24,7 @@ from tests.helpers.ranks import (
     make_model,
 )
 from tests.programs.group_ranks import FaultyClient
+from tests.programs.shard_ranks import _sharded_model, _shards
 
 STEPS = 3 * SYNC_EVERY
 
@@ -136,10 +137,39 @@ def pipeline_rank(rank: int, port: int, server: str, out: str, fragments: int, t
     leave()
 
 
-def refused_rank(rank: int, port: int, server: str, out: str) -> None:
-    """Streaming groups that are still refused, each rank's error recorded: a sharded group
-    (DTensor weight) at construction, a partitioned group in all-reduce mode at its start
-    (``server`` runs in all-reduce mode)."""
+def fsdp_rank(
+    rank: int, port: int, server: str, out: str, fragments: int, tau: int, faults: bool
+) -> None:
+    """One rank of an FSDP2 group (``shard_ranks._sharded_model``) streaming ``fragments``
+    fragments on stream ``rank``; records its shards (and where each starts) after the join and
+    after every step in ``fsdp{rank}.pt``. ``faults``: rank 0's scripted client, as
+    ``ddp_rank``'s."""
+    _init(rank, port)
+    model = _sharded_model((2,))
+    opt = make_inner(model.parameters())
+    client = FaultyClient(server) if faults and rank == 0 else None
+    records = []
+
+    def record() -> None:
+        records.append(_record(model, worker))
+        records[-1]["params"] = _shards(model)
+
+    with _worker(model, opt, server, fragments, tau, client=client) as worker:
+        record()
+        for x, y in batches(rank, STEPS):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            worker.report(samples=samples_of(0, rank))
+            record()
+    torch.save(records, Path(out) / f"fsdp{rank}.pt")
+    leave()
+
+
+def refused_rank(rank: int, port: int, servers: list[str], out: str) -> None:
+    """Streaming groups that are still refused in all-reduce mode (``server`` runs in it), each
+    rank's error recorded: a sharded group (DTensor weight) and a partitioned group, both at
+    their start, where the mode is learnt (each its own server: a run takes one model)."""
     _init(rank, port)
     errors: dict[str, str] = {}
     mesh = init_device_mesh("cpu", (2,))
@@ -147,13 +177,13 @@ def refused_rank(rank: int, port: int, server: str, out: str) -> None:
     local = sharded.weight.detach().chunk(2, 0)[rank].clone()
     sharded.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
     try:
-        _worker(sharded, make_inner(sharded.parameters()), server, 2, 1)
-    except ValueError as exc:
-        errors["sharded"] = str(exc)
+        _worker(sharded, make_inner(sharded.parameters()), servers[0], 2, 1).start()
+    except Exception as exc:
+        errors["allreduce_sharded"] = f"{type(exc).__name__}: {exc}"
     stage = make_model()
     assert isinstance(stage, torch.nn.Sequential)
     stage[2 * rank] = torch.nn.Identity()  # rank 0 owns layer 2, rank 1 layer 0
-    worker = _worker(stage, make_inner(stage.parameters()), server, 2, 1)
+    worker = _worker(stage, make_inner(stage.parameters()), servers[1], 2, 1)
     try:
         worker.start()
     except Exception as exc:

@@ -96,6 +96,11 @@ def _quorum_sync(
             "group (a state received would rebase rank 0's stale copies of the other ranks' "
             "parameters): leave num_fragments at 1 or run a parameter server"
         )
+    if settings.num_fragments > 1 and parts is not None:
+        raise ValueError(
+            "streaming fragments in all-reduce mode are not supported for a sharded (DTensor) "
+            "worker group yet: leave num_fragments at 1 or run a parameter server"
+        )
     if parts is not None:  # a sharded group: the state stays on its shards
         sharded = StreamedState(session, RunRules.of(reply), parts)
         return QuorumSync(session, sharded, ShardedWhole(session, sharded))

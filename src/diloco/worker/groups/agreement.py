@@ -25,11 +25,6 @@ def agree(infos: list[Mapping[str, Any]]) -> bool:
                     f"worker group: rank {r} has {key}={info[key]!r}, rank 0 has {first[key]!r}"
                 )
     if any(info["sharded"] for info in infos):
-        if first["num_fragments"] > 1:
-            raise ValueError(
-                "worker group: streaming fragments (num_fragments > 1) are not supported with "
-                "sharded (DTensor) parameters yet; use num_fragments=1"
-            )
         refuse_unsupported(first)
     tables: list[Table] = [info["table"] for info in infos]
     partitioned = first["partitioned"]

@@ -43,6 +43,7 @@ from diloco.worker.groups.shard_table import agree_on_shards, describe
 from diloco.worker.groups.sharded import ShardState
 from diloco.worker.groups.sharded_model import ShardedModel
 from diloco.worker.groups.sharded_outer import OuterShards
+from diloco.worker.groups.sharded_pieces import PieceShards
 from diloco.worker.settings import WorkerSettings, chosen_codec
 from diloco.worker.state.local_model import LocalModel
 
@@ -126,8 +127,9 @@ class WorkerGroup:
             plans = agree_on_shards([i["shards"] for i in infos], self.tables, ranks)
             self.shards = ShardState(pg, self.rank, local.params, plans, local.device)
             outer = OuterShards(self.shards)  # all-reduce mode's commands, on every rank
+            pieces = PieceShards(self.shards)  # streaming fragments' commands, on every rank
             if self.leader:
-                self.local = ShardedModel.of(local, self.shards, outer)
+                self.local = ShardedModel.of(local, self.shards, outer, pieces)
         self._mirrors: dict[str, torch.Tensor] = {}
         if self.partitioned and self.leader:
             # Rank 0 syncs the union: its own parameters, then a mirror of every other rank's.

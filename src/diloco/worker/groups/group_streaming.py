@@ -20,8 +20,9 @@ to one fragment:
 
 The period changes only through a verdict and is taken at a period boundary, as a single
 worker's ``_retime`` does. Rank 0's side is ``FragmentLeader`` (``StreamingSync`` satisfies it):
-its fill and merge go through ``LocalModel.slices``, so a model that keeps its parameters
-elsewhere (a sharded group's ``ShardedModel``) can reuse this by overriding those.
+its fill and merge go through ``LocalModel.fill_piece`` and ``move_piece``, which a sharded
+group's ``ShardedModel`` overrides to reach the shards (``sharded_pieces.py``): there the other
+ranks serve rank 0's commands until the due step's verdict and the merge's report.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from diloco.core.fragments import Schedule
 from diloco.wire.messages import Registered
@@ -173,6 +174,15 @@ class GroupStreaming:
         s.samples = g.pool_samples(s.samples)
         if submit:
             g.collect()
+        if g.shards is not None and submit:  # rank 0's last uploads gather from the shards
+            if self._inner is None:
+                g.receive_report()
+                return
+            try:
+                self._inner.finish(submit=submit)
+            finally:
+                g.send_report(LeaderReport(ok=True, outcome="left"))
+            return
         if self._inner is not None:
             self._inner.finish(submit=submit)
 
@@ -202,7 +212,7 @@ class GroupStreaming:
         s.samples = g.pool_samples(s.samples)
         g.collect(names)
         error: BaseException | None = None
-        verdict = None
+        verdict: Any = None
         if self._inner is not None:
             try:
                 self._inner.send_fragment(k)
@@ -214,7 +224,10 @@ class GroupStreaming:
                 "error": f"{type(error).__name__}: {error}",
                 "metrics": dict(s.metrics),  # its send counted: every rank counts the same
             }
-        verdict = g.broadcast_json(verdict)
+        if g.shards is not None and not g.leader:
+            verdict = g.shards.serve()  # rank 0's fill gathers from the shards first
+        else:
+            verdict = g.broadcast_json(verdict)
         if error is not None:
             raise error
         if not verdict["ok"]:
@@ -242,7 +255,12 @@ class GroupStreaming:
             except Exception as exc:
                 error = exc
         # Rank 0's values whatever happened, so the ranks stay identical.
-        moved_all = bool(g.broadcast_json(moved_all))
+        if g.shards is not None and not g.leader:  # rank 0's merge moved the shards first
+            moved_all = bool(g.shards.serve()["moved_all"])
+        elif g.shards is not None:
+            g.broadcast_json({"moved_all": moved_all})  # ends the other ranks' serve
+        else:
+            moved_all = bool(g.broadcast_json(moved_all))
         g.share(None if moved_all else job.names)
         if self._inner is not None:
             report = LeaderReport(

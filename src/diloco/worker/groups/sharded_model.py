@@ -23,6 +23,7 @@ from diloco.core.fragments import Piece
 from diloco.wire import Layout, TensorSpec, WireError, byte_view, check_against
 from diloco.worker.groups.sharded import MOVES, ShardState
 from diloco.worker.groups.sharded_outer import OuterShards
+from diloco.worker.groups.sharded_pieces import PieceShards
 from diloco.worker.state.local_model import LocalModel
 from diloco.worker.state.update_buffer import is_update
 
@@ -38,14 +39,19 @@ class ShardedModel(LocalModel):
     state: ShardState
     #: All-reduce mode's way to the state on the shards (``allreduce.streamed.Parts``).
     outer: OuterShards
+    #: Streaming fragments' way to the shards (``sharded_pieces.py``).
+    pieces: PieceShards
 
     @classmethod
-    def of(cls, local: LocalModel, state: ShardState, outer: OuterShards) -> ShardedModel:
+    def of(
+        cls, local: LocalModel, state: ShardState, outer: OuterShards, pieces: PieceShards
+    ) -> ShardedModel:
         """Rank 0's ``local`` (already built from the model) as a sharded group's model."""
         model = cls.__new__(cls)
         model.__dict__.update(local.__dict__)
         model.state = state
         model.outer = outer
+        model.pieces = pieces
         return model
 
     # --- pseudo-gradients -------------------------------------------------------------------
@@ -62,7 +68,17 @@ class ShardedModel(LocalModel):
         return _Gathered(self.state)
 
     def slices(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
-        raise ValueError("streaming fragments are not supported in a sharded worker group")
+        raise AssertionError(
+            "a sharded group's pieces are on its shards: fill_piece and move_piece reach them"
+        )
+
+    def fill_piece(self, piece: Piece, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """The piece's pseudo-gradient, cut from its parameter gathered from the owners."""
+        self.pieces.fill(piece, out)
+
+    def move_piece(self, piece: Piece, op: str, values: torch.Tensor, alpha: float) -> None:
+        """The piece's values scattered from rank 0; every holder moves its own elements."""
+        self.pieces.move(piece, op, values, alpha)
 
     def own_snapshot(self) -> None:
         raise AssertionError(

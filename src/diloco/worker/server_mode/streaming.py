@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 import torch
 
-from diloco.core import merge_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece, Schedule, plan
+from diloco.core.piece_moves import ADD, MERGE, REBASE
 from diloco.core.pseudo_gradient import PIECE
 from diloco.wire.messages import ParamsSeeded, Registered, UploadReceipt
 from diloco.worker.server_mode.fragment_exchange import Exchange, FragmentSender
@@ -253,12 +253,7 @@ class StreamingSync:
         if self._scratch is None:
             self._scratch = torch.empty(PIECE, dtype=torch.float32)
         for piece in self.plan[k]:
-            local, snapshot = self._s.local.slices(piece)
-            out = self._send_views[k][piece.wire_name]
-            offset = 0
-            for chunk in pseudo_gradient_pieces(snapshot, local, self._scratch, None):
-                out[offset : offset + chunk.numel()].copy_(chunk)
-                offset += chunk.numel()
+            self._s.local.fill_piece(piece, self._send_views[k][piece.wire_name], self._scratch)
 
     def _send(self, k: int) -> None:
         s = self._s
@@ -302,16 +297,12 @@ class StreamingSync:
         with torch.no_grad():
             if job.outcome == "merge":
                 for piece in self.plan[k]:
-                    local, snapshot = s.local.slices(piece)
-                    merge_(local, snapshot, job.received[piece.wire_name], self.alpha)
+                    s.local.move_piece(piece, MERGE, job.received[piece.wire_name], self.alpha)
                 self.rounds[k] = job.new_round
                 metrics["rounds"] += 1
             elif job.outcome == "rebase":  # keep the local progress on top of the new values
                 for piece in self.plan[k]:
-                    local, snapshot = s.local.slices(piece)
-                    to_progress_(local, snapshot)
-                    snapshot.copy_(job.received[piece.wire_name])
-                    rebase_(local, snapshot)
+                    s.local.move_piece(piece, REBASE, job.received[piece.wire_name], 0.0)
                 self.rounds[k] = job.new_round
                 metrics["rebases"] += 1
                 metrics["refused_submissions"] += 1
@@ -347,9 +338,7 @@ class StreamingSync:
         """Remove the sent pseudo-gradient's progress from the model, keeping later steps:
         ``local + (snapshot - local_then)``."""
         for piece in self.plan[k]:
-            local, _ = self._s.local.slices(piece)
-            sent = self._send_views[k][piece.wire_name]
-            local.add_(sent.to(local.device, local.dtype))
+            self._s.local.move_piece(piece, ADD, self._send_views[k][piece.wire_name], 0.0)
 
     def _rejoin(self) -> None:
         s = self._s

@@ -21,6 +21,7 @@ import torch
 from diloco.core import adopt_, pseudo_gradient_pieces, rebase_, to_progress_
 from diloco.core.fragments import Piece
 from diloco.core.names import wire_names
+from diloco.core.piece_moves import move_piece
 from diloco.core.pseudo_gradient import PIECE
 from diloco.wire import (
     Layout,
@@ -122,6 +123,21 @@ class LocalModel:
         local = self.params[piece.param].data.view(-1)[piece.start : piece.stop]
         snapshot = self.snapshot[piece.param].view(-1)[piece.start : piece.stop]
         return local, snapshot
+
+    def fill_piece(self, piece: Piece, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """The piece's pseudo-gradient ``snapshot - local`` into ``out`` (rounded after the
+        fp32 subtraction; ``scratch``: fp32, reused)."""
+        local, snapshot = self.slices(piece)
+        offset = 0
+        for chunk in pseudo_gradient_pieces(snapshot, local, scratch, None):
+            out[offset : offset + chunk.numel()].copy_(chunk)
+            offset += chunk.numel()
+
+    def move_piece(self, piece: Piece, op: str, values: torch.Tensor, alpha: float) -> None:
+        """``core.piece_moves.move_piece`` on the piece's elements (a sharded group's model:
+        on every rank's shard of them)."""
+        local, snapshot = self.slices(piece)
+        move_piece(op, local, snapshot, values, alpha)
 
     # --- receiving ----------------------------------------------------------------------------
 

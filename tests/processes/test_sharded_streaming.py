@@ -1,0 +1,83 @@
+"""Streaming fragments inside a sharded worker group: the two gloo ranks of an FSDP2 group
+stream one fragment at a time as ONE worker, each rank gathering and receiving only the
+fragment's elements of its own shards, and equal a single-process streaming worker. Rank-side
+code and the reference are in ``tests/programs/stream_ranks.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco import DiLoCoServer, ServerConfig
+from tests.helpers import ranks
+from tests.programs import stream_ranks as sr
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+def _box(shard: torch.Tensor, offset: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
+
+
+def _assert_ranks_agree(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    """The same outcomes, rounds, worker id and counts on both ranks after every step."""
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        for key in ("outcome", "round", "worker_id", "metrics"):
+            assert x[key] == y[key], (step, key, x[key], y[key])
+
+
+@pytest.mark.parametrize("fragments", [2, 4])
+def test_fsdp_group_streams_as_the_single_process_reference(
+    tmp_path: Path, fragments: int
+) -> None:
+    """An FSDP2 group of two ranks streaming P fragments (tau 1; the spans cut parameters in
+    the middle, and 2.bias is sharded 2 + 1) through a real server: one registration, the
+    ranks agree on every outcome and count, and after every step each rank's shard equals its
+    box of a single streaming worker's parameters on the mean gradient; the server ends with
+    the same parameters."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        ctx = ranks.spawn(sr.fsdp_rank, (server.address, str(tmp_path), fragments, 1, False))
+        ranks.join(ctx, timeout=120)
+        status, got = server.status(), server.global_params()
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as ref_server:
+        expected_steps = sr.reference_ddp(ref_server.address, fragments, 1)
+        expected = ref_server.global_params()
+    assert status["registrations"] == 1
+    r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2))
+    _assert_ranks_agree(r0, r1)
+    assert r0[-1]["metrics"]["fragments_sent"] == 3 * fragments
+    assert r0[0]["outcome"] == "joined"
+    assert {x["outcome"] for x in r0[1:]} <= {"joined", "adopted"}
+    for records in (r0, r1):
+        assert len(records[1:]) == len(expected_steps)
+        for step, (g, e) in enumerate(zip(records[1:], expected_steps, strict=True)):
+            assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
+            for name, (shard, offset) in g["params"].items():
+                want = e["params"][name][_box(shard, offset)]
+                torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
+def test_faults_on_rank_0_mid_fragment_leave_the_shards_consistent(tmp_path: Path) -> None:
+    """Rank 0's scripted client: the 2nd fragment upload finds the server unreachable (kept
+    locally, its pseudo-gradient stays in the shards), before the 4th the server forgets the
+    worker (410: the next due fragment re-joins with a full download into the shards). Both
+    ranks see the same outcomes and counts after every step, neither hangs, and the group ends
+    on the server's parameters plus its own progress, every rank's shard of them."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
+        ctx = ranks.spawn(sr.fsdp_rank, (server.address, str(tmp_path), 2, 1, True))
+        ranks.join(ctx, timeout=120)
+        status = server.status()
+    r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2))
+    _assert_ranks_agree(r0, r1)
+    last = r0[-1]["metrics"]
+    assert last["failed_syncs"] >= 1
+    assert last["reconnections"] == 1  # the re-join, made at a due step by every rank
+    assert status["registrations"] == 2
+    outcomes = [x["outcome"] for x in r0]
+    assert "kept_local" in outcomes and outcomes[-1] in ("adopted", "rebased")
