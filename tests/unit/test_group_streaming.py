@@ -20,6 +20,7 @@ class _Group:
 
     def __init__(self, leader: bool, replay: list[Any] | None = None) -> None:
         self.leader = leader
+        self.shards = None  # not sharded (tests/processes/test_sharded_streaming.py is)
         self.calls: list[tuple[Any, ...]] = []
         self.sent: list[Any] = []  # what rank 0 broadcast, in order
         self._replay = list(replay or [])

@@ -1,0 +1,71 @@
+"""Which of a shard's elements a fragment piece covers (``worker/groups/sharded_pieces.py``),
+and the piece moves applied there equal the moves applied to the whole tensor's piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.core.piece_moves import ADD, MERGE, REBASE, move_piece
+from diloco.core.shards import Box
+from diloco.worker.groups.sharded_pieces import _span_in
+
+SHAPE = (5, 6)
+BOXES = [
+    Box((0, 0), (3, 6)),  # Shard(0): whole rows
+    Box((3, 0), (2, 6)),
+    Box((0, 2), (5, 2)),  # Shard(1): a column block
+    Box((1, 3), (2, 3)),  # a 2-D block
+    Box((5, 0), (0, 6)),  # empty (an uneven shard's last rank)
+]
+SPANS = [(0, 30), (0, 7), (7, 19), (17, 18), (25, 30), (12, 12)]
+
+
+def _positions(box: Box, start: int, stop: int) -> list[int]:
+    """By brute force: positions (box flat order) whose global flat index is in the span."""
+    index = torch.arange(30).view(SHAPE)[box.slices()].reshape(-1)
+    return [i for i, g in enumerate(index.tolist()) if start <= g < stop]
+
+
+@pytest.mark.parametrize("box", BOXES)
+@pytest.mark.parametrize(("start", "stop"), SPANS)
+def test_span_in_a_box_is_the_brute_force_one(box: Box, start: int, stop: int) -> None:
+    span = _span_in(box, SHAPE, start, stop)
+    got = list(range(box.numel))[span] if isinstance(span, slice) else span.nonzero().view(-1)
+    assert list(got if isinstance(got, list) else got.tolist()) == _positions(box, start, stop)
+    if box.shape[1:] == SHAPE[1:]:
+        assert isinstance(span, slice)  # whole rows: a view, no copy
+
+
+def test_span_in_a_scalar() -> None:
+    assert _span_in(Box((), ()), (), 0, 1) == slice(0, 1)
+
+
+@pytest.mark.parametrize("op", [MERGE, REBASE, ADD])
+@pytest.mark.parametrize("box", BOXES[:4])
+def test_a_move_on_each_box_equals_the_move_on_the_whole(op: str, box: Box) -> None:
+    """Every box moved with the scattered values of the piece, on its own elements only,
+    equals the whole tensor's piece moved: untouched outside the piece."""
+    g = torch.Generator().manual_seed(7)
+    local, snap, values = (torch.randn(SHAPE, generator=g) for _ in range(3))
+    start, stop = 7, 19
+    want_local, want_snap = local.clone(), snap.clone()
+    move_piece(
+        op,
+        want_local.view(-1)[start:stop],
+        want_snap.view(-1)[start:stop],
+        values.view(-1)[start:stop],
+        0.25,
+    )
+    mine = local[box.slices()].clone().reshape(-1)
+    ours = snap[box.slices()].clone().reshape(-1)
+    got = values[box.slices()].reshape(-1)
+    span = _span_in(box, SHAPE, start, stop)
+    if isinstance(span, slice):
+        move_piece(op, mine[span], ours[span], got[span], 0.25)
+    else:
+        a, b = mine[span], ours[span]
+        move_piece(op, a, b, got[span], 0.25)
+        mine[span], ours[span] = a, b
+    assert torch.equal(mine.view(box.shape), want_local[box.slices()])
+    assert torch.equal(ours.view(box.shape), want_snap[box.slices()])
