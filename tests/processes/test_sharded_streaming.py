@@ -31,9 +31,7 @@ def _assert_ranks_agree(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> Non
 
 
 @pytest.mark.parametrize("fragments", [2, 4])
-def test_fsdp_group_streams_as_the_single_process_reference(
-    tmp_path: Path, fragments: int
-) -> None:
+def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, fragments: int) -> None:
     """An FSDP2 group of two ranks streaming P fragments (tau 1; the spans cut parameters in
     the middle, and 2.bias is sharded 2 + 1) through a real server: one registration, the
     ranks agree on every outcome and count, and after every step each rank's shard equals its
