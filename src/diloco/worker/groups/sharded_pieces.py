@@ -1,6 +1,6 @@
 """Streaming fragments in a sharded worker group: one fragment piece (elements ``[start,
 stop)`` of a flattened parameter, ``core/fragments.py``) to and from the ranks' shards
-(docs/design/groups.md, "Streaming fragments in sharded groups").
+(docs/design/groups.md, "Streaming fragments").
 
 - **fill** (due step): the piece's pseudo-gradient is cut from its parameter's ``grad``
   gather (``worker/groups/sharded.py``): one parameter put together on rank 0 at a time, in
