@@ -36,7 +36,7 @@ def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, frag
     the middle, and 2.bias is sharded 2 + 1) through a real server: one registration, the
     ranks agree on every outcome and count, and after every step each rank's shard equals its
     box of a single streaming worker's parameters on the mean gradient; the server ends with
-    the same parameters."""
+    the same parameters, and rank 0's staging stays one parameter's size."""
     with DiLoCoServer(ServerConfig(port=0, num_workers=1)) as server:
         ctx = ranks.spawn(sr.fsdp_rank, (server.address, str(tmp_path), fragments, 1, False))
         ranks.join(ctx, timeout=120)
@@ -59,6 +59,8 @@ def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, frag
                 torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
+    # Rank 0's staging: no buffer past the largest parameter (16 x 6 fp32), never the model.
+    assert 0 < max(x["staging"] for x in r0) <= 16 * 6 * 4
 
 
 def test_faults_on_rank_0_mid_fragment_leave_the_shards_consistent(tmp_path: Path) -> None:

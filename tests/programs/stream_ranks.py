@@ -141,8 +141,8 @@ def fsdp_rank(
     rank: int, port: int, server: str, out: str, fragments: int, tau: int, faults: bool
 ) -> None:
     """One rank of an FSDP2 group (``shard_ranks._sharded_model``) streaming ``fragments``
-    fragments on stream ``rank``; records its shards (and where each starts) after the join and
-    after every step in ``fsdp{rank}.pt``. ``faults``: rank 0's scripted client, as
+    fragments on stream ``rank``; records its shards (and where each starts) and its largest
+    staging buffer after the join and after every step in ``fsdp{rank}.pt``. ``faults``: rank 0's scripted client, as
     ``ddp_rank``'s."""
     _init(rank, port)
     model = _sharded_model((2,))
@@ -153,6 +153,9 @@ def fsdp_rank(
     def record() -> None:
         records.append(_record(model, worker))
         records[-1]["params"] = _shards(model)
+        shards = worker._group.shards  # type: ignore[union-attr]
+        assert shards is not None
+        records[-1]["staging"] = max(shards.staging.sizes().values(), default=0)
 
     with _worker(model, opt, server, fragments, tau, client=client) as worker:
         record()
