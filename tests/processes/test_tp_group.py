@@ -13,6 +13,7 @@ import torch
 from diloco import DiLoCoServer, ServerConfig
 from tests.helpers import ranks
 from tests.helpers.reference import assert_same_params
+from tests.programs import shard_allreduce_ranks as sar
 from tests.programs import shard_ranks as sr
 from tests.programs import tp_ranks as tp
 
@@ -89,3 +90,31 @@ def test_a_strided_shard_with_gaps_syncs_as_the_whole_parameter(tmp_path: Path) 
         assert res["matches"] == [True] * ranks.ROUNDS, r
     assert results[0]["error"] == results[1]["error"]
     assert "parameter 'w' is held in strided boxes" in results[0]["error"]
+
+
+def test_fsdp_over_tp_group_beside_a_plain_worker_in_allreduce_mode(tmp_path: Path) -> None:
+    """All-reduce mode, the same 2x2 ``(dp, tp)`` group (its run state on the strided shards)
+    and a plain worker in one quorum: after every round every rank's parameters, put together
+    by DTensor, are the plain worker's, and the run ends at the reference."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(tp.tp_rank, (server.address, str(tmp_path), (2, 2), True), nprocs=4)
+        plain = ranks.spawn(sar.plain_rank, (server.address, 1, str(tmp_path), False), nprocs=1)
+        ranks.join(group, timeout=180)
+        ranks.join(plain, timeout=60)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS and status["registrations"] == 2
+    others = torch.load(tmp_path / "plain1.pt")
+    for r in range(4):
+        res = torch.load(tmp_path / f"tp{r}.pt")
+        assert res["layout"]["0.weight"][0] == ["_S(0, 2)", "S(0)"]
+        assert [x["outcome"] for x in res["records"]] == ["adopted"] * ranks.ROUNDS, r
+        for mine, theirs in zip(res["records"], others, strict=True):
+            assert mine["round"] == theirs["round"]
+            for name, full in mine["full"].items():
+                assert torch.equal(full, theirs["params"][name]), (r, mine["round"], name)
+    expected = ranks.reference_groups(2)
+    final = torch.load(tmp_path / "tp0.pt")["records"][-1]["full"]
+    assert set(final) == NAMES
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name])

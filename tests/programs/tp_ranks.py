@@ -42,11 +42,14 @@ def _tp_model(mesh_shape: tuple[int, ...]) -> tuple[torch.nn.Module, int]:
     return model, mesh.get_local_rank("dp")
 
 
-def tp_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...]) -> None:
+def tp_rank(
+    rank: int, port: int, server: str, out: str, mesh: tuple[int, ...], allreduce: bool = False
+) -> None:
     """One rank of a tensor-parallel group (one group: the worker of streams 0 and 1). After
     every sync it records the outcome and every parameter put together by DTensor itself
     (``full_tensor``, a collective every rank calls); rank 0 also the server's parameters of
-    that round. Every rank records its placements and local shapes."""
+    that round (none in all-reduce mode: the server holds no parameters). Every rank records
+    its placements and local shapes."""
     _init(rank, port, world=len(mesh) * 2)
     model, dp = _tp_model(mesh)
     opt = make_inner(model.parameters())
@@ -73,7 +76,7 @@ def tp_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...]) 
                 records.append(
                     {"round": worker.base_round, "outcome": worker.last_sync_outcome, "full": full}
                 )
-                if rank == 0:
+                if rank == 0 and not allreduce:
                     served[worker.base_round] = reader.get_global_params(
                         min_round=worker.base_round
                     )[1]
