@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from diloco.core.shards import (
     Box,
     all_boxes,
-    chunk,
+    cut,
     local_box,
     owns,
     placement_code,
@@ -68,13 +69,13 @@ def test_replicate_is_owned_only_at_coordinate_0_of_its_dim() -> None:
     assert owns(("R", "R"), (0, 0)) and not owns(("R", "R"), (0, 1))
 
 
-def test_chunk_follows_torch_chunk() -> None:
+def test_one_mesh_dim_follows_torch_chunk() -> None:
     for size, parts in itertools.product(range(0, 9), range(1, 5)):
         pieces = torch.arange(size).chunk(parts) if size else ()
         for i in range(parts):
-            start, length = chunk(size, parts, i)
+            box = local_box((size,), (parts,), ("S0",), (i,))
             expected = pieces[i].tolist() if i < len(pieces) else []
-            assert list(range(start, start + length)) == expected, (size, parts, i)
+            assert list(box.indices(0)) == expected, (size, parts, i)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +88,9 @@ def test_chunk_follows_torch_chunk() -> None:
         ((7, 5), (2, 3), (Replicate(), Shard(0))),
         ((9, 2), (2, 3), (Shard(0), Shard(0))),
         ((2, 2), (4, 2), (Shard(0), Shard(0))),
+        ((8, 3), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+        ((7, 3), (2, 2), (_StridedShard(0, split_factor=2), Shard(0))),
+        ((6, 5), (2, 2), (_StridedShard(1, split_factor=2), Shard(1))),
     ],
 )
 def test_boxes_match_dtensor(
@@ -109,7 +113,56 @@ def test_placements_other_than_shard_and_replicate_are_refused() -> None:
         placement_code("0.weight", Partial())
 
 
+def test_strided_codes_round_trip_and_bad_codes_are_refused() -> None:
+    assert placement_code("w", _StridedShard(0, split_factor=2)) == "S0/2"
+    assert cut("S0/2") == (0, 2) and cut("S1") == (1, 1) and cut("R") is None
+    for bad in ("S", "S0/", "S0/0", "Sx", "X1", "S1/2/3"):
+        with pytest.raises(ValueError, match="placement code"):
+            cut(bad)
+
+
+def test_fsdp_over_tp_boxes_are_runs_and_match_dtensor() -> None:
+    # FSDP2 (dp) over tensor parallelism (tp) on dim 0 of 8 rows: (dp, tp) holds the dp-th
+    # chunk of the tp-th half; every box a run, so the group slices as for plain shards.
+    codes = ("S0/2", "S0")
+    boxes = {c: b for c, (b, _) in all_boxes((8, 3), (2, 2), codes).items()}
+    assert boxes[(0, 1)] == Box((4, 0), (2, 3)) and boxes[(1, 0)] == Box((2, 0), (2, 3))
+    assert not any(b.strided for b in boxes.values())
+    assert tiles_once((8, 3), boxes.values())
+
+
+def test_a_strided_box_has_gaps_and_is_read_and_written_by_index() -> None:
+    # A strided shard alone (split factor 2 over 2 ranks): rank 0 holds rows 0-1 and 4-5.
+    table = all_boxes((8, 3), (2,), ("S0/2",))
+    box = table[(0,)][0]
+    assert box.strided and box.shape == (4, 3) and list(box.indices(0)) == [0, 1, 4, 5]
+    assert tiles_once((8, 3), [b for b, _ in table.values()])
+    whole = torch.arange(24.0).view(8, 3)
+    assert torch.equal(box.read(whole), whole[[0, 1, 4, 5]])
+    out = torch.zeros(8, 3)
+    for b, _ in table.values():  # the parts put back together are the tensor
+        b.write(out, b.read(whole))
+    assert torch.equal(out, whole)
+    with pytest.raises(ValueError, match="no slice"):
+        box.slices()
+
+
+def test_several_strided_dims_are_written_by_index() -> None:
+    box = local_box((4, 6), (2, 2), ("S0/2", "S1/3"), (1, 0))
+    assert list(box.indices(0)) == [1, 3] and list(box.indices(1)) == [0, 2, 4]
+    whole = torch.arange(24.0).view(4, 6)
+    got = box.read(whole)
+    assert torch.equal(got, whole[[1, 3]][:, [0, 2, 4]])
+    out = torch.zeros(4, 6)
+    box.write(out, got)
+    assert torch.equal(out[[1, 3]][:, [0, 2, 4]], got) and out.sum() == got.sum()
+
+
 def test_tiling_finds_gaps_and_overlaps() -> None:
     assert tiles_once((4,), [Box((0,), (2,)), Box((2,), (2,))])
     assert not tiles_once((4,), [Box((0,), (2,)), Box((1,), (2,))])  # overlap, one missing
     assert not tiles_once((4,), [Box((0,), (3,)), Box((2,), (2,))])
+    strided = Box((0,), (2,), ((0, 2),))
+    assert tiles_once((4,), [strided, Box((1,), (1,)), Box((3,), (1,))])
+    assert not tiles_once((4,), [strided, Box((1,), (2,))])  # 2 twice, 3 missing
+    assert not tiles_once((4,), [Box((0,), (2,), ((0, 0),)), Box((2,), (2,))])  # 0 twice

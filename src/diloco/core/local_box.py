@@ -77,7 +77,7 @@ def local_box(
             f"{len(placements)} placements for a mesh of shape {tuple(mesh_shape)} "
             f"(coordinate {tuple(coordinate)})"
         )
-    indices = [torch.arange(n) for n in shape]
+    cuts: list[Cut] = []
     for mesh_dim, placement in enumerate(placements):
         if placement.is_partial():
             raise ValueError(
@@ -85,18 +85,41 @@ def local_box(
                 "holds a summand, not a slice; redistribute it to Replicate or Shard first"
             )
         if placement.is_replicate():
+            cuts.append(None)
             continue
         dim = getattr(placement, "dim", None)
         if not isinstance(dim, int) or not 0 <= dim < len(shape):
             raise ValueError(f"placement {placement} does not fit a tensor of shape {tuple(shape)}")
-        count, rank = mesh_shape[mesh_dim], coordinate[mesh_dim]
         if hasattr(placement, "split_factor"):
-            pieces = _chunks(indices[dim], int(placement.split_factor))
-            indices[dim] = torch.cat([_chunk(piece, count, rank) for piece in pieces])
+            cuts.append((dim, int(placement.split_factor)))
         elif placement.is_shard():
-            indices[dim] = _chunk(indices[dim], count, rank)
+            cuts.append((dim, 1))
         else:
             raise ValueError(f"placement {placement} is neither a shard, a replica nor partial")
+    return local_indices(shape, mesh_shape, coordinate, cuts)
+
+
+Cut = tuple[int, int] | None
+"""One mesh dimension's placement as plain data: ``None`` for a replica, ``(dim, f)`` for a
+shard of tensor dimension ``dim`` (``f`` = 1) or a strided one of split factor ``f``."""
+
+
+def local_indices(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], cuts: Sequence[Cut]
+) -> LocalBox:
+    """The chunk rule, the project's only one: ``cuts`` applied left to right to the index
+    ranges of ``shape`` (a strided cut: the dimension in ``f`` pieces, this rank's chunk of
+    each). The caller has checked that every cut's dimension is one of ``shape``'s."""
+    indices = [torch.arange(n) for n in shape]
+    for cut, count, rank in zip(cuts, mesh_shape, coordinate, strict=True):
+        if cut is None:
+            continue
+        dim, factor = cut
+        if factor == 1:
+            indices[dim] = _chunk(indices[dim], count, rank)
+        else:
+            pieces = _chunks(indices[dim], factor)
+            indices[dim] = torch.cat([_chunk(piece, count, rank) for piece in pieces])
     return LocalBox(tuple(indices))
 
 

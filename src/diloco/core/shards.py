@@ -1,20 +1,26 @@
 """Where each piece of a sharded parameter lives (docs/design/groups.md, "Sharded groups").
 
 A DTensor parameter of global shape S lies on a device mesh of shape M; along each mesh dim its
-placement is ``Shard(d)`` (cut tensor dim d into M[i] chunks) or ``Replicate()`` (every
-coordinate along that mesh dim holds the same values). The maths here is DTensor's own
-(``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``): mesh dims are
-applied left to right, each cutting the current local extent of its tensor dim as
-``torch.chunk`` does, so the last chunks may be short or empty (5 rows over 2 ranks: 3 + 2;
-1 row over 2 ranks: 1 + 0, the empty one's offset the dim's global size).
+placement is ``Shard(d)`` (cut tensor dim d into M[i] chunks), ``_StridedShard(d, f)`` (FSDP2
+over tensor parallelism on one dim: d first cut in f pieces, the rank taking its chunk of each)
+or ``Replicate()`` (every coordinate along that mesh dim holds the same values). Which global
+indices a coordinate holds is ``core/local_box.py``'s chunk rule (``local_indices``), the one
+``diloco.load_into`` uses too; this module turns them into a ``Box`` and adds what a group needs
+on top: ownership, tiling, and placement codes for the wire.
 
-A coordinate's ``Box`` is the block of the global tensor it holds. Along a ``Replicate`` mesh
-dim several coordinates hold the same box; only the one at 0 along every such dim *owns* it, so
-that each element is owned exactly once and a pseudo-gradient gathered from the owners covers
-the parameter once.
+A ``Box`` is the block of the global tensor a coordinate holds, ``global[ix_(*indices)]``: per
+dim a run of consecutive indices (an offset and an extent: read and written as a slice, a
+view) or, where a strided shard leaves gaps, the indices themselves (read with
+``index_select``, written with ``index_copy_``). An empty extent sits at the dim's global end,
+as DTensor puts it.
 
-Placements are given as codes: ``"S<d>"`` for ``Shard(d)``, ``"R"`` for ``Replicate()``
-(``placement_code`` turns DTensor's objects into them and refuses every other kind).
+Along a ``Replicate`` mesh dim several coordinates hold the same box; only the one at 0 along
+every such dim *owns* it, so that each element is owned exactly once and a pseudo-gradient
+gathered from the owners covers the parameter once.
+
+Placements are given as codes: ``"S<d>"`` for ``Shard(d)``, ``"S<d>/<f>"`` for
+``_StridedShard(d, split_factor=f)``, ``"R"`` for ``Replicate()`` (``placement_code`` turns
+DTensor's objects into them and refuses every other kind).
 """
 
 from __future__ import annotations
@@ -24,15 +30,31 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.core.local_box import Cut, LocalBox, local_indices
+
 REPLICATE = "R"
 
 
 @dataclass(frozen=True)
 class Box:
-    """A block of a global tensor: where it starts along each dim and its extent."""
+    """A block of a global tensor: where it starts along each dim and its extent, and, for the
+    dims a strided shard leaves gaps in, the global indices themselves in local order (``picks``:
+    empty when every dim is a run; else per dim None for a run, the indices for the others)."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
+    picks: tuple[tuple[int, ...] | None, ...] = ()
+
+    @classmethod
+    def of(cls, shape: Sequence[int], held: LocalBox) -> Box:
+        """The box of ``held`` (global indices per dim) in a tensor of ``shape``."""
+        offset, picks = [], []
+        for size, ix in zip(shape, held.indices, strict=True):
+            first = int(ix[0]) if len(ix) else size
+            run = torch.equal(ix, torch.arange(first, first + len(ix)))
+            offset.append(first if run else int(ix.min()))
+            picks.append(None if run else tuple(ix.tolist()))
+        return cls(tuple(offset), held.shape, tuple(picks) if any(picks) else ())
 
     @property
     def numel(self) -> int:
@@ -41,52 +63,103 @@ class Box:
             n *= d
         return n
 
+    @property
+    def strided(self) -> bool:
+        """Whether some dim is not a run of consecutive indices (no slice can index it)."""
+        return bool(self.picks)
+
     def slices(self) -> tuple[slice, ...]:
-        """Index a global tensor with these to get the box's view."""
+        """Index a global tensor with these to get the box's view (a box with runs only)."""
+        if self.strided:
+            raise ValueError(f"a strided box {self} is no slice: use read and write")
         return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape, strict=True))
+
+    def indices(self, dim: int) -> Sequence[int]:
+        """The global indices the box holds along ``dim``, in local order."""
+        pick = self.picks[dim] if self.picks else None
+        return range(self.offset[dim], self.offset[dim] + self.shape[dim]) if pick is None else pick
+
+    def read(self, whole: torch.Tensor) -> torch.Tensor:
+        """The box's values out of ``whole``, a global-shaped tensor: a view for runs, a copy
+        picked with ``index_select`` along strided dims."""
+        if not self.strided:
+            return whole[self.slices()]
+        out = whole
+        for dim, pick in enumerate(self.picks):
+            if pick is None:
+                out = out.narrow(dim, self.offset[dim], self.shape[dim])
+            else:
+                out = out.index_select(dim, torch.tensor(pick, device=whole.device))
+        return out
+
+    def write(self, whole: torch.Tensor, values: torch.Tensor) -> None:
+        """Put ``values`` (the box's shape) into ``whole`` where the box lies."""
+        if not self.strided:
+            whole[self.slices()].copy_(values)
+            return
+        target = whole
+        for dim, pick in enumerate(self.picks):  # the runs narrowed: a view of ``whole``
+            if pick is None:
+                target = target.narrow(dim, self.offset[dim], self.shape[dim])
+        strided = [(d, torch.tensor(p, device=whole.device)) for d, p in enumerate(self.picks) if p]
+        if len(strided) == 1:
+            target.index_copy_(strided[0][0], strided[0][1], values.to(target.dtype))
+            return
+        grid = [  # several strided dims: every dim's indices, broadcast against each other
+            torch.arange(n, device=whole.device) if p is None else torch.tensor(p)
+            for n, p in zip(self.shape, self.picks, strict=True)
+        ]
+        target.index_put_(torch.meshgrid(*grid, indexing="ij"), values.to(target.dtype))
 
     def overlaps(self, other: Box) -> bool:
         if self.numel == 0 or other.numel == 0:
             return False
-        return all(
-            a < b + m and b < a + n
-            for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape, strict=True)
-        )
+        return all(_meet(self.indices(d), other.indices(d)) for d in range(len(self.shape)))
+
+
+def _meet(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two dims' index lists share an index (runs compared as intervals)."""
+    if isinstance(a, range) and isinstance(b, range):
+        return a.start < b.stop and b.start < a.stop
+    return not set(a).isdisjoint(b)
+
+
+def _inside(ix: Sequence[int], size: int) -> bool:
+    """Whether an index list is distinct indices of a dim of ``size``."""
+    if isinstance(ix, range):
+        return 0 <= ix.start and ix.stop <= size
+    return len(set(ix)) == len(ix) and all(0 <= i < size for i in ix)
 
 
 def placement_code(name: str, placement: object) -> str:
-    """``"S<d>"`` or ``"R"`` for a DTensor placement; a ValueError naming the parameter and the
-    placement for any other kind (``Partial``: values still to be reduced; strided shards)."""
+    """``"S<d>"``, ``"S<d>/<f>"`` or ``"R"`` for a DTensor placement; a ValueError naming the
+    parameter and the placement for any other kind (``Partial``: values still to be reduced)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if type(placement) is Shard:
         return f"S{placement.dim}"
+    if type(placement) is _StridedShard:
+        return f"S{placement.dim}/{placement.split_factor}"
     if type(placement) is Replicate:
         return REPLICATE
     raise ValueError(
         f"parameter {name!r} has placement {placement!r}: a worker group syncs only Shard(d) "
-        "and Replicate() placements"
+        "and Replicate() placements (and FSDP2's strided shards)"
     )
 
 
-def shard_dim(code: str) -> int | None:
-    """The tensor dim a placement code cuts; None for ``Replicate``."""
+def cut(code: str) -> Cut:
+    """A placement code as ``local_box``'s cut: None for ``Replicate``, else (dim, factor)."""
     if code == REPLICATE:
         return None
-    if not code.startswith("S") or not code[1:].isdigit():
+    dim, slash, factor = code[1:].partition("/")
+    factor = factor if slash else "1"
+    if not code.startswith("S") or not dim.isdigit() or not factor.isdigit():
         raise ValueError(f"unknown placement code {code!r}")
-    return int(code[1:])
-
-
-def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
-    """``(start, length)`` of chunk ``index`` when ``size`` elements are cut into ``parts`` as
-    ``torch.chunk`` cuts them (every chunk ``ceil(size / parts)`` long but the last ones, which
-    may be short or empty; an empty chunk starts at ``size``)."""
-    if parts < 1 or not 0 <= index < parts:
-        raise ValueError(f"chunk {index} of {parts}")
-    full = -(-size // parts)
-    start = min(size, full * index)
-    return start, max(0, min(size, start + full) - start)
+    if int(factor) < 1:
+        raise ValueError(f"placement code {code!r}: a split factor is at least 1")
+    return int(dim), int(factor)
 
 
 def local_box(
@@ -98,19 +171,11 @@ def local_box(
             f"mesh {tuple(mesh_shape)}, placements {tuple(placements)} and coordinate "
             f"{tuple(coord)} differ in length"
         )
-    offset = [0] * len(shape)
-    extent = list(shape)
-    for size, code, c in zip(mesh_shape, placements, coord, strict=True):
-        dim = shard_dim(code)
-        if dim is None:
-            continue
-        if dim >= len(shape):
+    cuts = [cut(code) for code in placements]
+    for code, c in zip(placements, cuts, strict=True):
+        if c is not None and c[0] >= len(shape):
             raise ValueError(f"placement {code} of a {len(shape)}-d tensor")
-        start, length = chunk(extent[dim], size, c)
-        # DTensor puts an empty shard at the dim's global end, whatever cut it.
-        offset[dim] = offset[dim] + start if length else shape[dim]
-        extent[dim] = length
-    return Box(tuple(offset), tuple(extent))
+    return Box.of(shape, local_indices(shape, mesh_shape, coord, cuts))
 
 
 def owns(placements: Sequence[str], coord: Sequence[int]) -> bool:
@@ -146,14 +211,5 @@ def tiles_once(shape: Sequence[int], boxes: Iterable[Box]) -> bool:
         total *= d
     if sum(b.numel for b in boxes) != total:
         return False
-    inside = all(
-        0 <= o and o + n <= s
-        for b in boxes
-        for o, n, s in zip(b.offset, b.shape, shape, strict=True)
-    )
+    inside = all(_inside(b.indices(d), s) for b in boxes for d, s in enumerate(shape))
     return inside and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
-
-
-def box_of(t: torch.Tensor, box: Box) -> torch.Tensor:
-    """The view of a global-shaped tensor ``t`` that ``box`` covers."""
-    return t[box.slices()]

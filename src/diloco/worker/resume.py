@@ -305,7 +305,7 @@ def _shard_progress(shards: Any, snapshot: Snapshot | None) -> dict[str, torch.T
             if isinstance(snapshot, ShardedSnapshot):
                 saved = snapshot.box(name, box, shards.rank)
             else:
-                saved = snapshot[name][box.slices()].to(torch.float32)
+                saved = box.read(snapshot[name]).to(torch.float32)
             local = shards.local(name).detach().to("cpu", torch.float32, copy=True)
             to_progress_(local, saved)
             progress[name] = local

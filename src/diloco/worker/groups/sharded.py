@@ -175,7 +175,7 @@ class ShardState:
         for part, got in zip(parts, plan.boxes, strict=True):
             if got is not None and got[1] and got[0].numel:
                 box = got[0]
-                whole[box.slices()].copy_(part[: box.numel].view(box.shape))
+                box.write(whole, part[: box.numel].view(box.shape))
         return whole
 
     def _own_box(self, name: str, numel: int, out: torch.Tensor, grad: bool) -> None:
@@ -222,7 +222,7 @@ class ShardState:
             for r, got in enumerate(plan.boxes):
                 part = self.staging.get(f"part{r}", width, torch.float32)
                 if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(whole[got[0].slices()])
+                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
                 parts.append(part)
         recv = self.staging.get("send", width, torch.float32)
         dist.scatter(recv, parts, group_src=0, group=self.pg)

@@ -156,7 +156,7 @@ class OuterShards:
         for part, got in zip(parts, plan.boxes, strict=True):
             if got is not None and got[1] and got[0].numel:
                 box = got[0]
-                whole[box.slices()].copy_(part[: box.numel].view(box.shape))
+                box.write(whole, part[: box.numel].view(box.shape))
         return whole
 
     def _source(self, kind: str, name: str) -> torch.Tensor:
@@ -181,7 +181,7 @@ class OuterShards:
             for r, got in enumerate(plan.boxes):
                 part = st.staging.get(f"q_out{r}", width, torch.float32)
                 if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(whole[got[0].slices()])
+                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
                 parts.append(part)
         recv = st.staging.get("q_recv", width, torch.float32)
         dist.scatter(recv, parts, group_src=0, group=st.pg)

@@ -39,6 +39,11 @@ def sharding(plans: Mapping[str, Any], ranks: int) -> Sharding:
     """The sharding of a group's ``ShardPlan``s, as JSON."""
     params = {}
     for name, plan in plans.items():
+        if any(b is not None and b[0].strided for b in plan.boxes):
+            raise ValueError(  # the file layout names boxes by offset and extent only
+                f"parameter {name!r} is held in strided boxes (gaps between a rank's indices): "
+                "a sharded group's checkpoint cannot save those yet"
+            )
         boxes = [
             None if b is None else [list(b[0].offset), list(b[0].shape), bool(b[1])]
             for b in plan.boxes
