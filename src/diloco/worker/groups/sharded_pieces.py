@@ -82,7 +82,7 @@ class PieceShards:
             for r, got in enumerate(plan.boxes):
                 part = st.staging.get(f"part{r}", width, torch.float32)
                 if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(whole[got[0].slices()])
+                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
                 parts.append(part)
         recv = st.staging.get("send", width, torch.float32)
         dist.scatter(recv, parts, group_src=0, group=st.pg)
@@ -110,13 +110,14 @@ class PieceShards:
 def _span_in(box: Box, shape: tuple[int, ...], start: int, stop: int) -> slice | torch.Tensor:
     """The positions, in the box's flat order, of its elements whose global flat index is in
     ``[start, stop)``: a slice when the box is whole rows of the tensor (its global indices
-    one range), else a boolean mask."""
+    one range), else a boolean mask (strided boxes too: their indices in local order)."""
     if not shape:  # a scalar: one element
         return slice(min(start, 1), max(min(start, 1), min(stop, 1)))
     inner = 1
     for d in shape[1:]:
         inner *= d
-    if tuple(box.shape[1:]) == tuple(shape[1:]) and all(o == 0 for o in box.offset[1:]):
+    whole_rows = tuple(box.shape[1:]) == tuple(shape[1:]) and all(o == 0 for o in box.offset[1:])
+    if whole_rows and not box.strided:
         first = box.offset[0] * inner
         lo = min(max(start - first, 0), box.numel)
         hi = min(max(stop - first, 0), box.numel)
@@ -124,7 +125,7 @@ def _span_in(box: Box, shape: tuple[int, ...], start: int, stop: int) -> slice |
     index = torch.zeros((), dtype=torch.int64)
     stride = 1
     for dim in reversed(range(len(shape))):
-        along = torch.arange(box.offset[dim], box.offset[dim] + box.shape[dim])
+        along = torch.tensor(list(box.indices(dim)), dtype=torch.int64)  # strided too
         index = index + (along * stride).view((-1,) + (1,) * (len(shape) - 1 - dim))
         stride *= shape[dim]
     flat = index.expand(box.shape).reshape(-1)
