@@ -85,6 +85,25 @@ def batches(stream: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def pipeline_step(model: torch.nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step's backward of a two-stage pipeline of the deep model: rank 0 runs the first
+    stage and sends its activations, rank 1 the second and the loss, then sends back the
+    gradient of the activations (the optimizer step is the caller's)."""
+    if rank == 0:
+        h = model(x)
+        dist.send(h.detach(), 1)
+        grad = torch.empty_like(h)
+        dist.recv(grad, 1)
+        h.backward(grad)
+    else:
+        h = torch.empty(BATCH, 16)
+        dist.recv(h, 0)
+        h.requires_grad_()
+        torch.nn.functional.mse_loss(model(h), y).backward()
+        assert h.grad is not None
+        dist.send(h.grad, 0)
+
+
 def reference_groups(num_groups: int) -> dict[str, torch.Tensor]:
     """Single-process DiLoCo where each group is one worker whose inner step uses the mean
     gradient of its two ranks' batches."""

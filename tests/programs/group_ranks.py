@@ -22,6 +22,7 @@ from tests.helpers.ranks import (
     make_deep_model,
     make_inner,
     make_model,
+    pipeline_step,
 )
 
 
@@ -118,19 +119,7 @@ def pipeline_rank(rank: int, port: int, server: str, out: str) -> None:
     records = []
     with _worker(model, opt, server) as worker:
         for x, y in batches(0, SYNC_EVERY * ROUNDS):
-            if rank == 0:
-                h = model(x)
-                dist.send(h.detach(), 1)
-                grad = torch.empty_like(h)
-                dist.recv(grad, 1)
-                h.backward(grad)
-            else:
-                h = torch.empty(BATCH, 16)
-                dist.recv(h, 0)
-                h.requires_grad_()
-                torch.nn.functional.mse_loss(model(h), y).backward()
-                assert h.grad is not None
-                dist.send(h.grad, 0)
+            pipeline_step(model, rank, x, y)
             opt.step()
             opt.zero_grad()
             records.append(_record(model, worker))

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from diloco.core.fragments import Schedule
-from diloco.wire.messages import Registered
 from diloco.worker.groups.group import LeaderReport
-from diloco.worker.groups.group_sync import Lockstep
+from diloco.worker.groups.group_sync import Leader, LeaderFollowing, Lockstep
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -44,18 +43,8 @@ _OUTCOMES = {"merge": "adopted", "rebase": "rebased"}
 """A fragment exchange's outcome as a group reports it (anything else: "kept_local")."""
 
 
-class FragmentLeader(Protocol):
+class FragmentLeader(Leader, Protocol):
     """What rank 0's streaming strategy offers the group (``StreamingSync``)."""
-
-    @property
-    def last_submission(self) -> str | None: ...
-
-    @property
-    def round(self) -> int: ...
-
-    def join(self, reply: Registered) -> None: ...
-
-    def rejoin(self, reply: Registered) -> str: ...
 
     def wants_rejoin(self) -> bool:
         """The due fragment must be a re-join instead (read only at a due step)."""
@@ -90,40 +79,17 @@ class _Pending:
     merge_at: int  # the total step count after which it is merged
 
 
-class GroupStreaming:
+class GroupStreaming(LeaderFollowing[FragmentLeader]):
     """The ``SyncStrategy`` of a worker group with ``num_fragments > 1`` (server mode): every
     rank runs it; rank 0 wraps its ``StreamingSync`` (``inner``), the others follow."""
 
     def __init__(self, lockstep: Lockstep, session: Session, inner: FragmentLeader | None) -> None:
-        assert (inner is not None) == lockstep.group.leader
-        self.lockstep = lockstep
-        self._s = session
-        self._inner = inner
+        super().__init__(lockstep, session, inner)
         self.tau = session.settings.overlap_steps
         self.schedule = Schedule(session.sync_every, session.settings.num_fragments)
         self._pending: _Pending | None = None
 
-    @property
-    def inner(self) -> FragmentLeader | None:
-        return self._inner
-
     # --- SyncStrategy ---------------------------------------------------------------------------
-
-    @property
-    def last_submission(self) -> str | None:
-        return self._inner.last_submission if self._inner is not None else None
-
-    @property
-    def round(self) -> int:
-        return self._inner.round if self._inner is not None else self._s.base_round
-
-    def join(self, reply: Registered) -> None:
-        assert self._inner is not None
-        self._inner.join(reply)
-
-    def rejoin(self, reply: Registered) -> str:
-        assert self._inner is not None
-        return self._inner.rejoin(reply)
 
     def after_step(self) -> None:
         """The single worker's schedule, with a collective wherever rank 0 would act."""

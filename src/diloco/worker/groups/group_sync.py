@@ -11,6 +11,7 @@ lockstep too, and runs before rank 0 has the registration reply its strategy is 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Generic, Protocol, TypeVar
 
 from diloco.wire.messages import Registered
 from diloco.worker.groups.group import LeaderReport, WorkerGroup
@@ -93,22 +94,38 @@ class Lockstep:
             s.metrics.update(report.metrics)
 
 
-class GroupSync:
-    """The ``SyncStrategy`` of a worker group: every rank runs it; rank 0 wraps the strategy
-    that talks to the server (``inner``), the others (``inner`` None) follow its reports."""
+class Leader(Protocol):
+    """What every group strategy asks of rank 0's own strategy: the part of ``SyncStrategy``
+    that only the rank that talks to the server can answer."""
 
-    def __init__(self, lockstep: Lockstep, session: Session, inner: SyncStrategy | None) -> None:
+    @property
+    def last_submission(self) -> str | None: ...
+
+    @property
+    def round(self) -> int: ...
+
+    def join(self, reply: Registered) -> None: ...
+
+    def rejoin(self, reply: Registered) -> str: ...
+
+
+L = TypeVar("L", bound=Leader)
+
+
+class LeaderFollowing(Generic[L]):
+    """The members of a group strategy that rank 0 answers from its own strategy (``inner``)
+    and the other ranks from what rank 0's reports told them."""
+
+    def __init__(self, lockstep: Lockstep, session: Session, inner: L | None) -> None:
         assert (inner is not None) == lockstep.group.leader
         self.lockstep = lockstep
         self._s = session
         self._inner = inner
 
     @property
-    def inner(self) -> SyncStrategy | None:
+    def inner(self) -> L | None:
         """Rank 0's strategy (None on the other ranks)."""
         return self._inner
-
-    # --- SyncStrategy ---------------------------------------------------------------------------
 
     @property
     def last_submission(self) -> str | None:
@@ -125,6 +142,13 @@ class GroupSync:
     def rejoin(self, reply: Registered) -> str:
         assert self._inner is not None
         return self._inner.rejoin(reply)
+
+
+class GroupSync(LeaderFollowing[SyncStrategy]):
+    """The ``SyncStrategy`` of a worker group: every rank runs it; rank 0 wraps the strategy
+    that talks to the server (``inner``), the others (``inner`` None) follow its reports."""
+
+    # --- SyncStrategy ---------------------------------------------------------------------------
 
     def after_step(self) -> None:
         # The heartbeat's re-join flag waits for the sync step: the other ranks enter the
