@@ -104,6 +104,18 @@ def pipeline_step(model: torch.nn.Module, rank: int, x: torch.Tensor, y: torch.T
         dist.send(h.grad, 0)
 
 
+def assert_rank0_faults_survived(records: list[dict[str, Any]], status: dict[str, Any]) -> None:
+    """Rank 0's records of a run with the scripted faulty client (an unreachable server, then
+    a 410 and a re-join at a due step): a failed sync counted, one reconnection by every rank,
+    two registrations on the server, a sync kept local and the run ended on the server's."""
+    last = records[-1]["metrics"]
+    assert last["failed_syncs"] >= 1
+    assert last["reconnections"] == 1  # the re-join, made at a due step by every rank
+    assert status["registrations"] == 2
+    outcomes = [x["outcome"] for x in records]
+    assert "kept_local" in outcomes and outcomes[-1] in ("adopted", "rebased")
+
+
 def reference_groups(num_groups: int) -> dict[str, torch.Tensor]:
     """Single-process DiLoCo where each group is one worker whose inner step uses the mean
     gradient of its two ranks' batches."""

@@ -25,6 +25,7 @@ DTensor's objects into them and refuses every other kind).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -58,10 +59,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def strided(self) -> bool:
