@@ -122,27 +122,43 @@ class Parameters(Protocol):
 class QuorumKeys(Protocol):
     """All-reduce mode's rendezvous (``server/allreduce/rendezvous.py``'s ``RendezvousStore``):
     a quorum's keys, for a member of it only; each call raises the ``ApiError`` that refuses
-    it (403, 404, 410, 413) before anything changes."""
+    it (400, 403, 404, 410, 413) before anything changes. ``position`` (keyword, 0 unless said)
+    names the key space within the quorum: one per rank position of sharded worker groups."""
 
-    def set(self, worker: str, quorum_id: str, key: str, value: bytes) -> None: ...
+    def set(
+        self, worker: str, quorum_id: str, key: str, value: bytes, *, position: int = 0
+    ) -> None: ...
 
-    async def get(self, worker: str, quorum_id: str, key: str, wait: float) -> bytes | None:
+    async def get(
+        self, worker: str, quorum_id: str, key: str, wait: float, *, position: int = 0
+    ) -> bytes | None:
         """The value once set within ``wait`` seconds (bounded by the store), else None."""
         ...
 
-    def add(self, worker: str, quorum_id: str, key: str, amount: int) -> int: ...
+    def add(
+        self, worker: str, quorum_id: str, key: str, amount: int, *, position: int = 0
+    ) -> int: ...
 
     def compare_set(
-        self, worker: str, quorum_id: str, key: str, expected: bytes, desired: bytes
+        self,
+        worker: str,
+        quorum_id: str,
+        key: str,
+        expected: bytes,
+        desired: bytes,
+        *,
+        position: int = 0,
     ) -> bytes: ...
 
-    async def wait(self, worker: str, quorum_id: str, wanted: Iterable[str], wait: float) -> bool:
+    async def wait(
+        self, worker: str, quorum_id: str, wanted: Iterable[str], wait: float, *, position: int = 0
+    ) -> bool:
         """Every key of ``wanted`` set within ``wait`` seconds (bounded by the store)."""
         ...
 
-    def delete(self, worker: str, quorum_id: str, key: str) -> bool: ...
+    def delete(self, worker: str, quorum_id: str, key: str, *, position: int = 0) -> bool: ...
 
-    def count(self, worker: str, quorum_id: str) -> int: ...
+    def count(self, worker: str, quorum_id: str, *, position: int = 0) -> int: ...
 
 
 class Quorums(Protocol):

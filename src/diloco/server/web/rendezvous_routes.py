@@ -1,7 +1,8 @@
 """``POST /rendezvous/<op>``: all-reduce mode's rendezvous store (``server/allreduce/
 rendezvous.py``, seen as ``front.QuorumKeys``) on the server's authenticated API. Thin: the mode
 first (409 ``server_mode`` before a byte of the body is read), then the body as its message
-class (``wire/messages/rendezvous.py``), the store's answer as its reply.
+class (``wire/messages/rendezvous.py``), the store's answer as its reply; every op passes the
+call's ``position`` (the key space of one rank position within the quorum).
 
 The bearer token is checked by the security middleware, as on every route; the store then
 answers only a member of the quorum named. Bodies are bounded (``BODY_LIMIT``) before they are
@@ -43,42 +44,54 @@ Op = Callable[[QuorumKeys, dict[str, Any]], Awaitable[Message]]
 
 async def _set(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreSet.from_json(body)
-    store.set(call.worker_id, call.quorum_id, call.key, decode(call.value))
+    store.set(call.worker_id, call.quorum_id, call.key, decode(call.value), position=call.position)
     return StoreDone()
 
 
 async def _get(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreGet.from_json(body)
-    value = await store.get(call.worker_id, call.quorum_id, call.key, call.wait)
+    value = await store.get(
+        call.worker_id, call.quorum_id, call.key, call.wait, position=call.position
+    )
     return StoreValue(found=False) if value is None else StoreValue(found=True, value=encode(value))
 
 
 async def _add(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreAdd.from_json(body)
-    return StoreNumber(value=store.add(call.worker_id, call.quorum_id, call.key, call.amount))
+    added = store.add(call.worker_id, call.quorum_id, call.key, call.amount, position=call.position)
+    return StoreNumber(value=added)
 
 
 async def _compare_set(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreCompareSet.from_json(body)
     held = store.compare_set(
-        call.worker_id, call.quorum_id, call.key, decode(call.expected), decode(call.desired)
+        call.worker_id,
+        call.quorum_id,
+        call.key,
+        decode(call.expected),
+        decode(call.desired),
+        position=call.position,
     )
     return StoreValue(found=True, value=encode(held))
 
 
 async def _wait(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreWait.from_json(body)
-    return StoreReady(ready=await store.wait(call.worker_id, call.quorum_id, call.keys, call.wait))
+    ready = await store.wait(
+        call.worker_id, call.quorum_id, call.keys, call.wait, position=call.position
+    )
+    return StoreReady(ready=ready)
 
 
 async def _delete(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreDelete.from_json(body)
-    return StoreDeleted(deleted=store.delete(call.worker_id, call.quorum_id, call.key))
+    deleted = store.delete(call.worker_id, call.quorum_id, call.key, position=call.position)
+    return StoreDeleted(deleted=deleted)
 
 
 async def _count(store: QuorumKeys, body: dict[str, Any]) -> Message:
     call = StoreCount.from_json(body)
-    return StoreNumber(value=store.count(call.worker_id, call.quorum_id))
+    return StoreNumber(value=store.count(call.worker_id, call.quorum_id, position=call.position))
 
 
 OPS: dict[str, Op] = {

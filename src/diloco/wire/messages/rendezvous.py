@@ -6,6 +6,10 @@ caller and its quorum; the server answers only a member of that quorum
 
 Values are bytes, carried as standard base64 strings (``encode``/``decode``); keys are short
 strings. Both are bounded here, before the server stores anything.
+
+A call names a ``position`` too (0 unless said; left out of the JSON when 0): the key space of
+one rank position within the quorum, where sharded worker groups average shard with shard (rank
+r of each group in a process group of its own per r).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ WAIT_LIMIT = 3600.0
 """Seconds a wait may ask for; the server cuts it to its collective timeout."""
 COUNT_LIMIT = 2**62
 """Bound of an ``add``'s amount and of a counter: far from int64's edge in libtorch."""
+POSITIONS_LIMIT = 256
+"""Positions a quorum's keys may be split into: a worker group's ranks, one process group per
+rank position (rank r of every group averages with the others' rank r). It bounds, with the
+keys per position, what one quorum holds on the server."""
 OPS = ("set", "get", "add", "compare_set", "wait", "delete", "count")
 """The ops, each a route ``<Rendezvous.path>/<op>``."""
 
@@ -53,6 +61,7 @@ KEYS = Rule(
     f"a list of 1 to {WAIT_KEYS_LIMIT} non-empty keys of at most {KEY_LIMIT} characters",
     lambda v: 0 < len(v) <= WAIT_KEYS_LIMIT and all(0 < len(k) <= KEY_LIMIT for k in v),
 )
+POSITION = Rule(f"an integer in [0, {POSITIONS_LIMIT})", lambda v: 0 <= v < POSITIONS_LIMIT)
 AMOUNT = Rule(f"an integer in [-{COUNT_LIMIT}, {COUNT_LIMIT}]", lambda v: abs(v) <= COUNT_LIMIT)
 
 
@@ -74,6 +83,9 @@ class StoreCall(Request):
     """The registered worker making the call."""
     quorum_id: str = spec(rule=QUORUM)
     """The quorum whose keys it reads or writes (``Assignment.quorum_id``)."""
+    position: int = spec(default=0, rule=POSITION, omit=True, kw_only=True)
+    """The rank position whose keys it touches: each is a key space of its own (0: a whole
+    worker's, or a group's rank 0)."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +155,7 @@ class StoreDelete(StoreCall):
 
 @dataclass(frozen=True)
 class StoreCount(StoreCall):
-    """``count``: how many keys the quorum holds. Answered by ``StoreNumber``."""
+    """``count``: how many keys the quorum holds at ``position``. Answered by ``StoreNumber``."""
 
 
 @dataclass(frozen=True, kw_only=True)

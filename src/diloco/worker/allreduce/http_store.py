@@ -6,8 +6,10 @@ the server). No port of the server but its HTTP
 one is involved, and only a member of the quorum may touch the quorum's keys.
 
 ``HttpMeeting`` hands ``connect.py`` a store per quorum (``connect.Meeting``). A store is bound
-to one quorum, so keys go as gloo names them (no ``PrefixStore``: the server keeps each
-quorum's keys apart). Every call has a timeout: a wait is a series of long polls, each within
+to one quorum and one rank position (``position``: sharded groups average shard with shard,
+rank r of each group in a process group of its own, each in its own key space on the server;
+0, a whole worker's, is left out of every call so its bytes are as before), so keys go as gloo
+names them (no ``PrefixStore``: the server keeps each quorum's positions apart). Every call has a timeout: a wait is a series of long polls, each within
 the client's read timeout, ending at the store's timeout with ``DistStoreError``, as a
 ``TCPStore``'s would; a server error or an unreachable server is a ``DistStoreError`` too.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
@@ -35,7 +37,7 @@ from diloco.wire.messages import (
     StoreValue,
     StoreWait,
 )
-from diloco.wire.messages.rendezvous import StoreCall, decode, encode
+from diloco.wire.messages.rendezvous import POSITIONS_LIMIT, StoreCall, decode, encode
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
 
 POLL_SHARE = 0.5
@@ -47,17 +49,39 @@ def _bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+class _Who(TypedDict):
+    """What every call names (``StoreCall``'s fields)."""
+
+    worker_id: str
+    quorum_id: str
+    position: int
+
+
+def _checked(position: int) -> int:
+    if not 0 <= position < POSITIONS_LIMIT:
+        raise ValueError(f"position must be in [0, {POSITIONS_LIMIT}), got {position}")
+    return position
+
+
 class HttpStore(dist.Store):
-    """Quorum ``quorum_id``'s keys, as member ``worker_id``; ``timeout`` (seconds) bounds a get
-    or a wait without a timeout of its own. Used by one thread at a time (gloo's join)."""
+    """Quorum ``quorum_id``'s keys at rank position ``position``, as member ``worker_id`` (a
+    group's rank names its group's worker id); ``timeout`` (seconds) bounds a get or a wait
+    without a timeout of its own. Used by one thread at a time (gloo's join). ``ValueError``
+    for a position outside ``[0, POSITIONS_LIMIT)``."""
 
     def __init__(
-        self, client: DiLoCoClient, path: str, worker_id: str, quorum_id: str, timeout: float
+        self,
+        client: DiLoCoClient,
+        path: str,
+        worker_id: str,
+        quorum_id: str,
+        timeout: float,
+        position: int = 0,
     ) -> None:
         super().__init__()
         self._client = client
         self._path = path
-        self._who = {"worker_id": worker_id, "quorum_id": quorum_id}
+        self._who = _Who(worker_id=worker_id, quorum_id=quorum_id, position=_checked(position))
         self._timeout = timeout
         self._poll = max(0.1, client.timeout[1] * POLL_SHARE)
 
@@ -120,15 +144,21 @@ class HttpStore(dist.Store):
 
 class HttpMeeting:
     """Where this worker's quorums meet (``connect.Meeting``): the rendezvous ``where`` of the
-    server ``client`` talks to, as ``worker_id``."""
+    server ``client`` talks to, as ``worker_id``, at rank position ``position`` (its stores'
+    key space: a sharded group's rank r meets the other groups' rank r there)."""
 
-    def __init__(self, client: DiLoCoClient, worker_id: str, where: Rendezvous) -> None:
+    def __init__(
+        self, client: DiLoCoClient, worker_id: str, where: Rendezvous, position: int = 0
+    ) -> None:
         self._client = client
         self._worker_id = worker_id
         self._path = where.path
+        self._position = _checked(position)
 
     def store(self, quorum_id: str, timeout: float) -> HttpStore:
-        return HttpStore(self._client, self._path, self._worker_id, quorum_id, timeout)
+        return HttpStore(
+            self._client, self._path, self._worker_id, quorum_id, timeout, self._position
+        )
 
     def server(self) -> tuple[str, int]:
         url = urlsplit(self._client.base_url)
