@@ -180,6 +180,8 @@ EXAMPLES: list[Message] = [
     StoreWait("w-1", "i-3", ("0/0", "0/1"), 1.0),
     StoreDelete("w-1", "i-3", "k"),
     StoreCount("w-1", "i-3"),
+    StoreCount("w-1", "i-3", position=5),
+    StoreWait("w-1", "i-3", ("0/0",), position=255),
     StoreDone(),
     StoreValue(found=True, value="eA=="),
     StoreValue(found=False),
@@ -254,6 +256,18 @@ def test_fields_left_out_and_written() -> None:
     assert dataclasses.replace(SERVER_MODE, instance=None).to_json()["instance"] is None
     assert ALLREDUCE.to_json()["outer"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
     assert INFO.to_json()["params"] == [["w", [3, 4]], ["b", [4]]]
+    # A rendezvous call at position 0 is today's body; another position is named.
+    assert StoreSet("w", "q", "k", "", position=0).to_json() == {
+        "worker_id": "w",
+        "quorum_id": "q",
+        "key": "k",
+        "value": "",
+    }
+    assert StoreCount("w", "q", position=3).to_json() == {
+        "worker_id": "w",
+        "quorum_id": "q",
+        "position": 3,
+    }
 
 
 def test_upload_metadata_round_trip() -> None:
@@ -355,6 +369,10 @@ def test_a_request_refuses_a_field_of_the_wrong_type(
         (UpdateOptimizer, {}, "lr", "give 'lr', 'momentum' or both"),
         (UpdateOptimizer, {"lr": math.inf}, "lr", "finite"),
         (UpdateNumWorkers, {"num_workers": 2.5}, "num_workers", "integer"),
+        (StoreCount, {"worker_id": "a", "quorum_id": "q", "position": -1}, "position", "[0, 256)"),
+        (StoreCount, {"worker_id": "a", "quorum_id": "q", "position": 256}, "position", "[0, 256)"),
+        (StoreCount, {"worker_id": "a", "quorum_id": "q", "position": True}, "position", "integer"),
+        (StoreCount, {"worker_id": "a", "quorum_id": "q", "position": 1.0}, "position", "integer"),
     ],
 )
 def test_request_errors_name_the_field(

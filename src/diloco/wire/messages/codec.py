@@ -70,15 +70,13 @@ def spec(
     factory: Callable[[], Any] | Any = MISSING,
     rule: Rule | None = None,
     omit: bool = False,
-    kw_only: bool = False,
 ) -> Any:
     """A message field: its ``default`` (or ``factory``; none: the key is required), its
-    ``rule``, and whether it is left out of the JSON while it equals its default (``omit``).
-    ``kw_only``: a base class's optional field that its subclasses' required ones may follow."""
+    ``rule``, and whether it is left out of the JSON while it equals its default (``omit``)."""
     meta = {_RULE: rule, _OMIT: omit}
     if factory is not MISSING:
-        return field(default_factory=factory, metadata=meta, kw_only=kw_only)
-    return field(default=default, metadata=meta, kw_only=kw_only)
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 class Message:

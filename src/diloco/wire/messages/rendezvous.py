@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from diloco.wire.messages.codec import Reply, Request, Rule, spec, text
 from diloco.wire.messages.quorums import QUORUM_ID
@@ -83,7 +83,9 @@ class StoreCall(Request):
     """The registered worker making the call."""
     quorum_id: str = spec(rule=QUORUM)
     """The quorum whose keys it reads or writes (``Assignment.quorum_id``)."""
-    position: int = spec(default=0, rule=POSITION, omit=True, kw_only=True)
+    _: KW_ONLY
+    """What follows is keyword-only: optional, it comes before the ops' required fields."""
+    position: int = spec(default=0, rule=POSITION, omit=True)
     """The rank position whose keys it touches: each is a key space of its own (0: a whole
     worker's, or a group's rank 0)."""
 
