@@ -2,10 +2,12 @@
 server/allreduce/rendezvous.py, server/web/rendezvous_routes.py): without the token, or from a
 worker outside the quorum, nothing is read, written, waited on or deleted; bounds refuse before
 anything is stored; a quorum's keys live as long as the book says; gloo builds its groups on it
-(worker/allreduce/http_store.py). A real server on loopback, members in threads."""
+(worker/allreduce/http_store.py), one per rank position of a quorum. A real server on loopback,
+members in threads."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,7 +20,13 @@ from diloco.server.allreduce.rendezvous import KEYS_BASE, KEYS_PER_MEMBER
 from diloco.server.server import DiLoCoServer
 from diloco.server.web.rendezvous_routes import BODY_LIMIT
 from diloco.wire.messages import Rendezvous
-from diloco.wire.messages.rendezvous import KEY_LIMIT, VALUE_LIMIT, StoreGet, encode
+from diloco.wire.messages.rendezvous import (
+    KEY_LIMIT,
+    POSITIONS_LIMIT,
+    VALUE_LIMIT,
+    StoreGet,
+    encode,
+)
 from diloco.worker.allreduce.collective import QuorumCollective, average
 from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.transport.client import DiLoCoClient, Unreachable
@@ -213,6 +221,79 @@ def test_members_in_threads_build_gloo_through_the_store_and_average(
         torch.testing.assert_close(got[0], torch.full((5,), mean))
     # Each member's joining thread closed its HTTP session: nothing left per round.
     assert all(not c._sessions for c in clients)
+
+
+@pytest.mark.timeout(60)
+def test_positions_over_http_are_key_spaces_with_the_quorums_members_and_life(
+    server: DiLoCoServer,
+) -> None:
+    def at(position: int, who: str = "w-a") -> tuple[int, str]:
+        count = ok(call(server, "count", who, qid, position=position))["value"]
+        return count, ok(call(server, "get", who, qid, key="k", position=position))["value"]
+
+    def outcome(w: str) -> None:
+        body = {"worker_id": w, "quorum_id": qid, "ok": True, "round": 1, "hash": "h1"}
+        ok(post_json(server, "/quorum/outcome", body, AUTH))
+
+    qid = quorum_of(server, "w-a", "w-b")[0]["quorum_id"]
+    ok(call(server, "set", "w-a", qid, key="k", value=encode(b"zero")))
+    ok(call(server, "set", "w-b", qid, key="k", value=encode(b"one"), position=1))
+    assert at(0) == (1, encode(b"zero")) and at(1, "w-b") == (1, encode(b"one"))
+    register(server, "w-z")
+    for position in (0, 1, POSITIONS_LIMIT - 1):  # a stranger, at any position: every op
+        for op, fields in CALLS.items():
+            resp = call(server, op, "w-z", qid, position=position, **fields)
+            assert_error(resp, 403, "not_a_member")
+    for bad in (-1, POSITIONS_LIMIT, "1", True, 1.5):  # refused before the store is asked
+        for op, fields in CALLS.items():
+            resp = call(server, op, "w-a", qid, position=bad, **fields)
+            assert_error(resp, 400, "bad_field")
+    assert at(0) == (1, encode(b"zero")) and at(1) == (1, encode(b"one"))
+    assert server.front.rendezvous.held() == {qid: 2}  # type: ignore[attr-defined]
+    for w in ("w-a", "w-b"):
+        outcome(w)  # the quorum completes: its keys go, at every position
+    for position in (0, 1, 2):
+        assert_error(call(server, "count", "w-a", qid, position=position), 410, "quorum_ended")
+    assert server.front.rendezvous.held() == {}  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_two_gloo_groups_of_one_quorum_at_two_positions_both_average(
+    server: DiLoCoServer,
+) -> None:
+    """Two worker groups of two ranks, sharded alike: rank r of each averages with the other's
+    rank r, in a group built at position r. Position 1's group is built while position 0's
+    lives and its keys are held; then both average (four threads)."""
+    workers = ("w-a", "w-b")
+    assigned = quorum_of(server, *workers)
+    qid = assigned[0]["quorum_id"]
+    clients = [DiLoCoClient(server.address, token=TOKEN, retries=0) for _ in range(4)]
+    built = [threading.Event() for _ in range(4)]
+
+    def member(i: int) -> list[torch.Tensor]:
+        position, q = divmod(i, 2)  # threads 0, 1 at position 0; 2, 3 at position 1
+        if position == 1:
+            assert built[0].wait(20) and built[1].wait(20)
+        where = Rendezvous.from_json(assigned[q]["rendezvous"])
+        meeting = HttpMeeting(clients[i], workers[q], where, position)
+        with QuorumCollective.build(meeting, qid, assigned[q]["rank"], 2, 5.0) as group:
+            built[i].set()
+            assert all(b.wait(20) for b in built)  # both groups live at once
+            tensors = [torch.full((3,), float(10 * position + assigned[q]["rank"] + 1))]
+            average(group, tensors, 1.0)
+        return tensors
+
+    try:
+        results = in_threads(4, member, timeout=30)
+    finally:
+        for c in clients:
+            c.close()
+    for i, got in enumerate(results):
+        position = i // 2  # the mean of its own position's two ranks, not the other's
+        torch.testing.assert_close(got[0], torch.full((3,), 10 * position + 1.5))
+    # Each group's keys went to its own position: as many at each.
+    counts = [ok(call(server, "count", "w-a", qid, position=p))["value"] for p in (0, 1)]
+    assert counts[0] > 0 and counts[0] == counts[1], counts
 
 
 def test_a_rendezvous_call_is_tried_once_the_keys_died_with_the_server() -> None:
