@@ -56,7 +56,16 @@ def _check_group(group: list[dict[str, Any]], rounds: int, mesh: tuple[int, ...]
     if mesh == (2,):  # (a 2x1 HSDP mesh replicates: each rank holds the whole model)
         assert sum(t.numel() for t, _ in last.values()) < 163 * 0.6
     # Rank 0's staging: no buffer holds more than the largest parameter (16 x 6 fp32).
-    assert max(group[0]["facts"]["staging"].values()) <= 16 * 6 * 4
+    assert max(group[0]["facts"]["staging"].values(), default=0) <= 16 * 6 * 4
+
+
+def _check_by_position(group: list[dict[str, Any]]) -> None:
+    """Every round (the join's too) averaged shard with shard on both ranks, and rank 0 put
+    no parameter together: not the pseudo-gradient, not the state for its hash."""
+    for rank in group:
+        assert rank["facts"]["served"]["x_avg"] == ranks.ROUNDS + 1
+        assert rank["facts"]["served"]["x_join"] == ranks.ROUNDS + 1
+    assert group[0]["facts"]["gathered"] == {}
 
 
 @pytest.mark.parametrize(
@@ -67,9 +76,10 @@ def _check_group(group: list[dict[str, Any]], rounds: int, mesh: tuple[int, ...]
 def test_two_fsdp_groups_in_allreduce_mode_match_the_reference(
     tmp_path: Path, mesh: tuple[int, ...], comm: str
 ) -> None:
-    """Two FSDP2 groups of two ranks, all-reduce mode: after every round each rank's shard
-    equals the same box of the other group's (both hold the run's state), and the model equals
-    the single-process reference of two workers stepping on their ranks' mean gradient."""
+    """Two FSDP2 groups of two ranks, all-reduce mode: they average shard with shard (rank r
+    with rank r, nothing put together on rank 0); after every round each rank's shard equals
+    the same box of the other group's (both hold the run's state), and the model equals the
+    single-process reference of two workers stepping on their ranks' mean gradient."""
     config = ServerConfig(port=0, num_workers=2, allreduce=True)
     with DiLoCoServer(config) as server:
         groups = [
@@ -83,6 +93,7 @@ def test_two_fsdp_groups_in_allreduce_mode_match_the_reference(
     got = [_load(tmp_path, g) for g in range(2)]
     for g in range(2):
         _check_group(got[g], ranks.ROUNDS, mesh)
+        _check_by_position(got[g])
     for r in range(2):  # rank r of each group holds the same box: the same values
         for a, b in zip(got[0][r]["records"], got[1][r]["records"], strict=True):
             for name, (shard, offset) in a["shards"].items():
@@ -110,6 +121,10 @@ def test_fsdp_group_beside_a_plain_worker_in_allreduce_mode(tmp_path: Path) -> N
     got = _load(tmp_path, 0)
     _check_group(got, ranks.ROUNDS)
     assert got[0]["facts"]["metrics"]["rebases"] == 0  # the hashes agreed: no resync
+    # Another layout in the quorum: each parameter of the pseudo-gradient went through rank
+    # 0 once a round.
+    assert "x_join" not in got[0]["facts"]["served"]
+    assert got[0]["facts"]["gathered"].get("grad") == ranks.ROUNDS * len(NAMES)
     others = torch.load(tmp_path / "plain1.pt")
     for rank in got:
         for mine, theirs in zip(rank["records"], others, strict=True):
@@ -176,6 +191,66 @@ def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent
     assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
     expected = ranks.reference_groups(1)
     for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+
+
+def test_a_group_dying_inside_the_exchange_by_position_leaves_the_other_consistent(
+    tmp_path: Path,
+) -> None:
+    """Two FSDP2 groups exchanging shard with shard; the second group's rank 1 exits inside the
+    first tensor all-reduce of position 1 (position 0 completes). The first group's rank 1
+    reports the failure, its rank 0 discards the round on both ranks, and a quorum of the group
+    alone repeats it: the group ends where a lone worker ends."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True, collective_timeout=10.0)
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        dying = ranks.spawn(
+            sar.group_rank, (server.address, 1, str(tmp_path), (2,), "fp32", None, None, True)
+        )
+        with pytest.raises(Exception, match="exit code 3"):
+            ranks.join(dying, timeout=60)
+        ranks.join(group, timeout=120)
+        status = server.status()
+    assert status["rounds_completed"] >= ranks.ROUNDS
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
+    assert got[0]["facts"]["gathered"] == {}  # alone, it still put nothing together
+    expected = ranks.reference_groups(1)
+    for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+
+
+def test_groups_of_one_layout_share_the_state_position_by_position(tmp_path: Path) -> None:
+    """The second group starts from another state: at the join the first group's state (the
+    lower worker id's) goes from each of its ranks to the same rank of the other group, the
+    receiver checks the agreed hash and rebases; nothing is put together on either rank 0, and
+    from then on both groups hold the same shards and train as the reference."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True)
+    with DiLoCoServer(config) as server:
+        groups = [
+            ranks.spawn(
+                sar.group_rank,
+                (server.address, g, str(tmp_path), (2,), "fp32", f"{'ab'[g]}-group")
+                + (None, False, g == 1),
+            )
+            for g in range(2)
+        ]
+        for ctx in groups:
+            ranks.join(ctx, timeout=120)
+    got = [_load(tmp_path, g) for g in range(2)]
+    for g in range(2):
+        _check_group(got[g], ranks.ROUNDS)
+        _check_by_position(got[g])
+        for rank in got[g]:
+            assert rank["facts"]["served"]["x_bcast"] == 1
+    assert [got[g][0]["facts"]["metrics"]["rebases"] for g in range(2)] == [0, 1]
+    for r in range(2):
+        for a, b in zip(got[0][r]["records"], got[1][r]["records"], strict=True):
+            for name, (shard, _) in a["shards"].items():
+                assert torch.equal(shard, b["shards"][name][0]), (a["round"], name)
+    expected = ranks.reference_groups(2)
+    for name, value in _whole(got[0], -1).items():
         torch.testing.assert_close(value, expected[name])
 
 

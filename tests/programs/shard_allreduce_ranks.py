@@ -35,15 +35,28 @@ def group_rank(
     comm: str,
     worker_id: str | None = None,
     save_dir: str | None = None,
+    die: bool = False,
+    shift: bool = False,
 ) -> None:
     """One rank of an FSDP2 group training ``make_model`` on stream ``2 * group + rank`` in an
     all-reduce run; records its shards after every sync, and the group's metrics and what its
-    all-reduce state holds (the shapes of its snapshot, momentum and averaging buffers)."""
+    all-reduce state holds (the shapes of its snapshot, momentum and averaging buffers).
+    ``die``: rank 1 exits (its sockets closed) at its first tensor all-reduce with the other
+    groups' rank 1, while they are inside it; the group beats, so the server leaves it out.
+    ``shift``: the model starts 0.01 away from ``make_model``'s (one group resyncs)."""
     _init(rank, port)
+    if die and rank == 1:
+        _exit_in(QuorumCollective, "all-reduce")
     model = _sharded_model(mesh)
+    if shift:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
     opt = make_inner(model.parameters())
     records: list[dict[str, Any]] = []
-    kw = {"worker_id": worker_id, "save_dir": save_dir}
+    kw: dict[str, Any] = {"worker_id": worker_id, "save_dir": save_dir}
+    if die:
+        kw["heartbeat_interval"] = 0.2
     with _worker(model, opt, server, bf16_comm=comm == "bf16", **kw) as worker:
         for step, (x, y) in enumerate(batches(2 * group + rank, SYNC_EVERY * ROUNDS), start=1):
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -72,6 +85,10 @@ def group_rank(
                 "momentum": {n: tuple(t.shape) for n, t in state.momentum.items()},
             },
             "staging": shards.staging.sizes(),
+            # How the rounds averaged: shard with shard (every rank's exchange commands) or
+            # through rank 0 (the parameters it put together, by kind).
+            "served": dict(worker._group.outer.positions.served),  # type: ignore[union-attr]
+            "gathered": None if state is None else dict(state.gathered),
         }
     torch.save({"records": records, "facts": facts}, Path(out) / f"g{group}r{rank}.pt")
     leave()
@@ -94,14 +111,7 @@ def plain_rank(
     away from ``make_model``'s (another state: one member resyncs at the join)."""
     torch.set_num_threads(1)
     if die:
-        original = QuorumCollective.collective
-
-        def collective(self: QuorumCollective, what: str, start: Any) -> None:
-            if what == "all-reduce":
-                os._exit(3)
-            original(self, what, start)
-
-        QuorumCollective.collective = collective  # type: ignore[method-assign]
+        _exit_in(QuorumCollective, "all-reduce")
     model = make_model()
     if shift:
         with torch.no_grad():
@@ -136,3 +146,16 @@ def plain_rank(
                     }
                 )
     torch.save(records, Path(out) / f"plain{group}.pt")
+
+
+def _exit_in(cls: Any, collective: str) -> None:
+    """This process exits with code 3 as it enters its first ``collective`` of the quorum
+    collectives (its sockets closed, as a killed process's)."""
+    original = cls.collective
+
+    def hooked(self: QuorumCollective, what: str, start: Any) -> None:
+        if what == collective:
+            os._exit(3)
+        original(self, what, start)
+
+    cls.collective = hooked

@@ -20,7 +20,8 @@ from tests.programs.group_ranks import FaultyClient, _init
 def _worker(model: torch.nn.Module, opt: Any, server: str, **kw: Any) -> DiLoCoWorker:
     kw.setdefault("sync_every", SYNC_EVERY)
     kw.setdefault("bf16_comm", False)
-    return DiLoCoWorker(model, opt, server, heartbeat_interval=0, **kw)
+    kw.setdefault("heartbeat_interval", 0)
+    return DiLoCoWorker(model, opt, server, **kw)
 
 
 def _sharded_model(mesh_shape: tuple[int, ...]) -> torch.nn.Module:

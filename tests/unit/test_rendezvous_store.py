@@ -109,6 +109,27 @@ def test_keys_per_quorum_are_bounded_by_its_size_and_a_refusal_stores_nothing() 
     s.set("a", "q1", "k0", b"again")  # a key it holds may change
 
 
+def test_a_quorums_bytes_on_all_positions_together_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys and values count on every position of the quorum; a refusal changes nothing; a
+    value replaced or deleted gives its bytes back."""
+    monkeypatch.setattr(rendezvous, "QUORUM_BYTES", 100)
+    s = store()
+    s.set("a", "q1", "k", b"x" * 40, position=0)  # 41 bytes
+    s.set("a", "q1", "k", b"x" * 40, position=7)  # 82
+    assert refused(lambda: s.set("a", "q1", "j", b"x" * 18, position=3)) == (413, "store_full")
+    assert refused(lambda: s.add("a", "q1", "n", 10**17, position=2)) == (413, "store_full")
+    assert s.held() == {"q1": 2}
+    s.set("a", "q1", "j", b"x" * 17, position=3)  # 100: exactly the bound
+    s.set("a", "q1", "k", b"", position=0)  # 60
+    s.set("c", "q2", "big", b"x" * 96)  # another quorum's bytes are its own
+    assert s.delete("a", "q1", "j", position=3)  # 42
+    s.set("a", "q1", "m", b"x" * 57, position=1)  # 100 again
+    assert refused(lambda: s.set("a", "q1", "k", b"x", position=0)) == (413, "store_full")
+    assert asyncio.run(s.get("a", "q1", "k", 0)) == b""
+
+
 def test_the_oldest_quorums_keys_go_past_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rendezvous, "QUORUMS_KEPT", 1)
     s = store()

@@ -4,6 +4,7 @@ hand-computed references and DTensor's own maths."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -166,3 +167,31 @@ def test_tiling_finds_gaps_and_overlaps() -> None:
     assert tiles_once((4,), [strided, Box((1,), (1,)), Box((3,), (1,))])
     assert not tiles_once((4,), [strided, Box((1,), (2,))])  # 2 twice, 3 missing
     assert not tiles_once((4,), [Box((0,), (2,), ((0, 0),)), Box((2,), (2,))])  # 0 twice
+
+
+@pytest.mark.parametrize(
+    ("offset", "box", "expected"),
+    [
+        ((2, 0), (3, 4), (8, 12)),  # whole rows: one run
+        ((0, 1), (3, 2), None),  # columns: a run per row, not one
+        ((1, 1), (1, 2), (5, 2)),  # part of one row
+        ((0, 0, 0), (2, 3, 4), (0, 24)),  # the whole tensor
+        ((1, 1, 0), (1, 2, 4), (16, 8)),  # rows of one matrix of a stack
+        ((0, 1, 0), (2, 2, 4), None),  # the same rows of two matrices
+        ((3, 0), (0, 4), (0, 0)),  # an empty box
+    ],
+)
+def test_flat_range_is_the_box_as_one_run_of_the_flat_tensor(
+    offset: tuple[int, ...], box: tuple[int, ...], expected: tuple[int, int] | None
+) -> None:
+    shape = (4, 4) if len(box) == 2 else (2, 3, 4)
+    b = Box(offset, box)
+    assert b.flat_range(shape) == expected
+    if expected is not None and b.numel:  # the run holds exactly the box's elements, in order
+        whole = torch.arange(math.prod(shape)).reshape(shape)
+        start, n = expected
+        assert torch.equal(whole.reshape(-1)[start : start + n], b.read(whole).reshape(-1))
+
+
+def test_a_strided_box_is_no_flat_range() -> None:
+    assert Box((0, 0), (2, 4), ((0, 2), None)).flat_range((4, 4)) is None

@@ -109,6 +109,25 @@ class Box:
         ]
         target.index_put_(torch.meshgrid(*grid, indexing="ij"), values.to(target.dtype))
 
+    def flat_range(self, shape: Sequence[int]) -> tuple[int, int] | None:
+        """Where the box lies in the row-major flat view of a tensor of ``shape``, as (start,
+        elements), when it is one run there: extent 1 along the dims before the first dim it
+        spans more than one index of, and whole along every dim after it (``Shard(0)`` rows
+        are; columns are not). None for a box that is no run (or is strided)."""
+        if self.strided:
+            return None
+        if self.numel == 0:
+            return (0, 0)
+        first = next((d for d, n in enumerate(self.shape) if n != 1), len(self.shape))
+        if any(
+            n != size for n, size in zip(self.shape[first + 1 :], shape[first + 1 :], strict=True)
+        ):
+            return None
+        start = 0
+        for o, size in zip(self.offset, shape, strict=True):
+            start = start * size + o
+        return start, self.numel
+
     def overlaps(self, other: Box) -> bool:
         if self.numel == 0 or other.numel == 0:
             return False

@@ -24,11 +24,11 @@ from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.sharded_whole import ShardedWhole, StreamedState
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
-from diloco.worker.allreduce.streamed import Parts
 from diloco.worker.allreduce.whole_model import WholeModel
 from diloco.worker.groups.group_streaming import GroupStreaming
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
 from diloco.worker.groups.sharded_model import ShardedModel
+from diloco.worker.groups.sharded_outer import OuterShards
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
 from diloco.worker.session import Session
@@ -86,7 +86,7 @@ def _quorum_sync(
     session: Session,
     reply: Registered,
     lockstep: Lockstep | None,
-    parts: Parts | None,
+    parts: OuterShards | None,
 ) -> QuorumSync | GroupStreaming:
     """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group, and a
     sharded group's state stays on its shards (``parts``: its per-shard outer state)."""
@@ -102,7 +102,7 @@ def _quorum_sync(
             "worker group yet: leave num_fragments at 1 or run a parameter server"
         )
     if parts is not None:  # a sharded group: the state stays on its shards
-        sharded = StreamedState(session, RunRules.of(reply), parts)
+        sharded = StreamedState(session, RunRules.of(reply), parts, parts.positions)
         return QuorumSync(session, sharded, ShardedWhole(session, sharded))
     state = SharedState(session, RunRules.of(reply))
     if settings.num_fragments == 1:

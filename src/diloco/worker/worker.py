@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from diloco.wire.messages import Registered, RegisterInfo
+from diloco.worker.allreduce.shard_exchange import HttpLink
 from diloco.worker.choose import choose_strategy, same_family
 from diloco.worker.groups.group import WorkerGroup, find_group
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
@@ -152,6 +153,8 @@ class DiLoCoWorker:
         )
         if self._group is not None:  # rank 0 of a sharded group syncs through its shards
             self._local = self._group.local
+            if self._group.outer is not None:  # every rank may meet others shard with shard
+                self._group.outer.positions.link = HttpLink(self.client)
         self._encoder = UploadEncoder(
             self.codec, self._local, self.metrics, self.settings.error_feedback
         )

@@ -18,9 +18,9 @@ Bounds, before anything is stored: keys and values by their messages
 ``bad_field``), keys per position (``KEYS_BASE`` + ``KEYS_PER_MEMBER`` per member: 413
 ``store_full``), quorums holding keys (``QUORUMS_KEPT``, counted in quorums, not positions: the
 oldest quorum dropped first, with all its positions), and every wait by ``max_wait`` (the
-collective timeout). Memory is thus at most ``QUORUMS_KEPT`` x ``POSITIONS_LIMIT`` x keys per
-position x (``KEY_LIMIT`` + ``VALUE_LIMIT``), each factor bounded (members by the workers the
-server admits). ``forget(quorum_id)`` drops a finished quorum's keys on every position (the
+collective timeout). Each quorum holds at most ``QUORUM_BYTES`` of keys and values over all its
+positions (413 ``store_full``), so the store holds at most ``QUORUMS_KEPT`` x ``QUORUM_BYTES``
+(128 MiB) whatever the members and positions. ``forget(quorum_id)`` drops a finished quorum's keys on every position (the
 book calls it once no member can still be connecting).
 
 Pure state with asyncio waits and an injected clock: no HTTP here. Used from the server's event
@@ -44,6 +44,10 @@ KEYS_BASE = 16
 KEYS_PER_MEMBER = 8
 """Keys a quorum may hold at one position: gloo sets one per member (its address), NCCL a few
 more."""
+QUORUM_BYTES = 2 << 20
+"""Bytes (keys and values) one quorum holds on all its positions together: gloo and NCCL put a
+few hundred bytes a rank there, so this is room for thousands of ranks; what bounds the store
+whatever the group sizes (``QUORUMS_KEPT`` quorums of at most this many bytes)."""
 QUORUMS_KEPT = 64
 """Quorums whose keys are held at once: a run that discards quorums without completing one
 never forgets them (``QuorumBook``), so the oldest go past this many (long timed out)."""
@@ -56,11 +60,12 @@ MembersOf = Callable[[str], "tuple[str, ...] | None"]
 
 class _Keys:
     """One quorum's keys at one position, and an event set (then replaced) at every change, for
-    the waits (a change at another position wakes none of them)."""
+    the waits (a change at another position wakes none of them). ``quorum`` counts the bytes
+    held on all of its positions."""
 
-    def __init__(self, members: frozenset[str]) -> None:
-        self.members = members
-        self.limit = KEYS_BASE + KEYS_PER_MEMBER * len(members)
+    def __init__(self, quorum: _Quorum) -> None:
+        self.quorum = quorum
+        self.limit = KEYS_BASE + KEYS_PER_MEMBER * len(quorum.members)
         self.values: dict[str, bytes] = {}
         self.changed = asyncio.Event()
 
@@ -68,13 +73,32 @@ class _Keys:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def room_for(self, key: str) -> None:
-        if key not in self.values and len(self.values) >= self.limit:
+    def put(self, key: str, value: bytes) -> None:
+        """``key`` holds ``value`` now, within this position's keys limit and the quorum's
+        bytes (413 ``store_full`` before anything changes); the waits are woken."""
+        held = self.values.get(key)
+        if held is None and len(self.values) >= self.limit:
             raise ApiError(
                 413,
                 "store_full",
-                f"a quorum of {len(self.members)} holds at most {self.limit} keys",
+                f"a quorum of {len(self.quorum.members)} holds at most {self.limit} keys a position",
             )
+        grows = len(value) - (len(held) if held is not None else -len(key.encode()))
+        if self.quorum.bytes + grows > QUORUM_BYTES:
+            raise ApiError(
+                413, "store_full", f"a quorum's keys hold at most {QUORUM_BYTES} bytes in all"
+            )
+        self.quorum.bytes += grows
+        self.values[key] = value
+        self.changes()
+
+    def pop(self, key: str) -> bool:
+        held = self.values.pop(key, None)
+        if held is None:
+            return False
+        self.quorum.bytes -= len(held) + len(key.encode())
+        self.changes()
+        return True
 
 
 class _Quorum:
@@ -83,11 +107,12 @@ class _Quorum:
     def __init__(self, members: tuple[str, ...]) -> None:
         self.members = frozenset(members)
         self.positions: dict[int, _Keys] = {}
+        self.bytes = 0  # keys and values held on all positions
 
     def at(self, position: int) -> _Keys:
         keys = self.positions.get(position)
         if keys is None:
-            keys = self.positions[position] = _Keys(self.members)
+            keys = self.positions[position] = _Keys(self)
         return keys
 
     def changes(self) -> None:
@@ -124,10 +149,7 @@ class RendezvousStore:
     def set(
         self, worker: str, quorum_id: str, key: str, value: bytes, *, position: int = 0
     ) -> None:
-        keys = self._keys(worker, quorum_id, position)
-        keys.room_for(key)
-        keys.values[key] = value
-        keys.changes()
+        self._keys(worker, quorum_id, position).put(key, value)
 
     async def get(
         self, worker: str, quorum_id: str, key: str, wait: float, *, position: int = 0
@@ -138,7 +160,6 @@ class RendezvousStore:
 
     def add(self, worker: str, quorum_id: str, key: str, amount: int, *, position: int = 0) -> int:
         keys = self._keys(worker, quorum_id, position)
-        keys.room_for(key)
         held = keys.values.get(key, b"0")
         try:
             count = int(held.decode("ascii")) + amount
@@ -146,8 +167,7 @@ class RendezvousStore:
             raise ApiError(409, "not_a_counter", f"key {key!r} holds no counter") from None
         if abs(count) > COUNT_LIMIT:
             raise ApiError(409, "counter_overflow", f"counter {key!r} would pass {COUNT_LIMIT}")
-        keys.values[key] = str(count).encode("ascii")
-        keys.changes()
+        keys.put(key, str(count).encode("ascii"))
         return count
 
     def compare_set(
@@ -166,9 +186,7 @@ class RendezvousStore:
         held = keys.values.get(key)
         if (held if held is not None else b"") != expected:
             return held if held is not None else expected
-        keys.room_for(key)
-        keys.values[key] = desired
-        keys.changes()
+        keys.put(key, desired)
         return desired
 
     async def wait(
@@ -193,11 +211,7 @@ class RendezvousStore:
                 pass
 
     def delete(self, worker: str, quorum_id: str, key: str, *, position: int = 0) -> bool:
-        keys = self._keys(worker, quorum_id, position)
-        gone = keys.values.pop(key, None) is not None
-        if gone:
-            keys.changes()
-        return gone
+        return self._keys(worker, quorum_id, position).pop(key)
 
     def count(self, worker: str, quorum_id: str, *, position: int = 0) -> int:
         """Keys held at ``position``."""

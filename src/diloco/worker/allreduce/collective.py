@@ -263,15 +263,17 @@ def broadcast(
                 own.copy_(part)
 
 
-def compare(quorum: QuorumCollective, value: str, *, veto: bool) -> tuple[bool, bool]:
+def compare(
+    quorum: QuorumCollective, value: str, *, veto: bool, what: str = "hash check"
+) -> tuple[bool, bool]:
     """Whether every member holds the same hex hash ``value`` (``state_hash``'s), and whether
     some member vetoed: one MAX all-reduce of ``[v, -v, veto]`` gives the largest and the
     smallest value held and any veto. Every member that completes the collective learns both,
     so a veto (a failed check of the average) fails the comparison on every member, never on
-    some. A collective."""
+    some. A collective (``what`` names it in errors and logs)."""
     v = float(int(value, 16))  # 32 bits: exact in fp64
     t = torch.tensor([v, -v, 1.0 if veto else 0.0], dtype=torch.float64)
-    quorum.collective("hash check", allreduce_work(t, quorum.timeout, dist.ReduceOp.MAX))
+    quorum.collective(what, allreduce_work(t, quorum.timeout, dist.ReduceOp.MAX))
     return bool(t[0].item() == v and -t[1].item() == v), bool(t[2].item() > 0)
 
 

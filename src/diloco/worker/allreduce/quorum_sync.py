@@ -256,12 +256,17 @@ class QuorumSync:
             with _stage("join"):
                 quorum = QuorumCollective.build(meeting, q.quorum_id, q.rank, q.size, q.timeout)
             with quorum:
-                if q.resync:
-                    with _stage("resync"):
-                        self._share_state(quorum, q)
-                with _stage("average"):
-                    tensors, weight = payload.contribution(q, weighted)
-                total, left_out = self._average(quorum, q, tensors, weight)
+                try:
+                    with _stage("join"):
+                        self._state.meet(quorum, s.worker_id or "", q.rendezvous.path)
+                    if q.resync:
+                        with _stage("resync"):
+                            self._share_state(quorum, q)
+                    with _stage("average"):
+                        tensors, weight = payload.contribution(q, weighted)
+                    total, left_out = self._average(quorum, q, tensors, weight)
+                finally:
+                    self._state.part()
             # The collective is closed. Every member applies the same step to the same state,
             # so the new hashes agree; the server compares them, and a member whose hash is not
             # the majority's is sent the state at its next quorum.

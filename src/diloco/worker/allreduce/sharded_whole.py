@@ -27,13 +27,21 @@ from diloco.persistence.lazy_tensors import LazyTensors
 from diloco.wire.messages import Assignment
 from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective
+from diloco.worker.allreduce.shard_exchange import (
+    Positions,
+    QuorumPosition,
+    exchange_average,
+    join_command,
+    layout_free_hash,
+    raise_any,
+    same_layout,
+)
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
 from diloco.worker.allreduce.streamed import (
     Entry,
     Parts,
     broadcast,
     checked_average,
-    streamed_hash,
 )
 from diloco.worker.allreduce.whole_model import WholeModel
 from diloco.worker.session import Session
@@ -44,11 +52,16 @@ log = logging.getLogger(__name__)
 class StreamedState(SharedState):
     """The run's state on a sharded group's shards, seen from rank 0 through ``parts``."""
 
-    def __init__(self, session: Session, rules: RunRules, parts: Parts) -> None:
+    def __init__(
+        self, session: Session, rules: RunRules, parts: Parts, positions: Positions
+    ) -> None:
         # Not SharedState's: nothing of the state is held here.
         self._s = session
         self.rules = rules
         self.parts = parts
+        self.positions = positions
+        #: The quorum in progress averages shard with shard (``shard_exchange``).
+        self.by_position = False
         self.globals = []
         self.momentum = []
         parts.own()  # every rank's snapshot from its own shards (as ``own_snapshot``)
@@ -63,16 +76,45 @@ class StreamedState(SharedState):
         raise AssertionError("a sharded group's state is reached one parameter at a time")
 
     def hash(self) -> str:
-        return streamed_hash(self.parts, self.entries)
+        return layout_free_hash(self.positions, self.parts.load, self.entries)
+
+    def meet(self, quorum: QuorumCollective, worker_id: str, path: str) -> None:
+        """Shard with shard when every member is a group of this layout: every rank joins its
+        position (``part`` leaves, even if joining failed on some rank)."""
+        if same_layout(quorum, self.positions.mark()):
+            self.by_position = True
+            cmd = join_command(quorum, worker_id, path)
+            raise_any(quorum, self.positions.open(QuorumPosition(quorum), cmd), "join")
+
+    def part(self) -> None:
+        if self.by_position:
+            self.by_position = False
+            self.positions.close()
 
     def broadcast(self, quorum: QuorumCollective, src: int) -> None:
-        broadcast(quorum, self.parts, self.entries, src)
+        if self.by_position:
+            kinds = sorted({kind for kind, _, _ in self.entries})
+            raise_any(quorum, self.positions.broadcast(src, kinds), "resync")
+        else:
+            broadcast(quorum, self.parts, self.entries, src)
 
     streamed = True
 
     def streamed_average(
         self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
     ) -> tuple[Averaged, list[torch.Tensor], int]:
+        numel = sum(math.prod(shape) for _, _, shape in self.grads)
+        if self.by_position:
+            averaged, samples = exchange_average(
+                quorum,
+                self.positions,
+                self.parts.measure(),
+                weight,
+                comm,
+                norm_bound=self.rules.norm_bound,
+                sample=sample,
+            )
+            return averaged, samples, numel
         averaged, samples = checked_average(
             quorum,
             self.parts,
@@ -82,7 +124,7 @@ class StreamedState(SharedState):
             norm_bound=self.rules.norm_bound,
             sample=sample,
         )
-        return averaged, samples, sum(math.prod(shape) for _, _, shape in self.grads)
+        return averaged, samples, numel
 
     def save(
         self,

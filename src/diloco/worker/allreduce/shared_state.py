@@ -22,6 +22,7 @@ from diloco.persistence.lazy_tensors import LazyTensors
 from diloco.wire.messages import Registered
 from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
+from diloco.worker.allreduce.shard_exchange import WHOLE_MODEL, same_layout
 from diloco.worker.session import Session
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,16 @@ class SharedState:
     def broadcast(self, quorum: QuorumCollective, src: int) -> None:
         """Rank ``src``'s state into every member's (a joiner's resync)."""
         broadcast(quorum, self.tensors(), src)
+
+    def meet(self, quorum: QuorumCollective, worker_id: str, path: str) -> None:
+        """A quorum's first step on every member: the members compare their layouts (one tiny
+        collective, ``shard_exchange.same_layout``); a plain member's is the whole model, so it
+        learns nothing here. Sharded groups that all share one layout then average shard with
+        shard (``StreamedState``). ``path``: the quorum's rendezvous (``Rendezvous.path``)."""
+        same_layout(quorum, WHOLE_MODEL)
+
+    def part(self) -> None:
+        """The quorum is over (whatever happened): undo what ``meet`` set up."""
 
     def streamed_average(
         self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int

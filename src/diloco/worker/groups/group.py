@@ -122,11 +122,12 @@ class WorkerGroup:
         self.local = local
         #: Sharded (DTensor parameters): every rank's shards and rank 0's commands to them.
         self.shards: ShardState | None = None
+        self.outer: OuterShards | None = None  # its all-reduce state, on every rank
         if any(info["sharded"] for info in infos):
             ranks = dist.get_process_group_ranks(pg)
             plans = agree_on_shards([i["shards"] for i in infos], self.tables, ranks)
             self.shards = ShardState(pg, self.rank, local.params, plans, local.device)
-            outer = OuterShards(self.shards)  # all-reduce mode's commands, on every rank
+            outer = self.outer = OuterShards(self.shards)  # all-reduce mode's commands
             pieces = PieceShards(self.shards)  # streaming fragments' commands, on every rank
             if self.leader:
                 self.local = ShardedModel.of(local, self.shards, outer, pieces)

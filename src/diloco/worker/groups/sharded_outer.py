@@ -25,6 +25,7 @@ Plain (non-DTensor) parameters are rank 0's alone (no broadcast), as in ``ShardS
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from diloco.core.outer import OuterSGD, apply_outer_step
 from diloco.worker.groups.json_collectives import broadcast_json
 from diloco.worker.groups.shard_table import ShardPlan
 from diloco.worker.groups.sharded import ShardState
+from diloco.worker.groups.sharded_positions import PositionShards
 
 
 class OuterShards:
@@ -46,6 +48,11 @@ class OuterShards:
         self.acc: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self._outer: tuple[tuple[float, float, bool], OuterSGD, list[Any]] | None = None
+        #: Parameters rank 0 put together, by kind (``grad``, ``snap``, ``mom``): what the
+        #: tests hold the exchange shard with shard to (it gathers none of the pseudo-gradient).
+        self.gathered: Counter[str] = Counter()
+        #: The exchange shard with shard, when a quorum's members share this layout.
+        self.positions = PositionShards(state, self._held)
         state.handlers.update(
             {
                 "q_own": lambda cmd: self._own(),
@@ -151,6 +158,7 @@ class OuterShards:
         dist.gather(send, parts, group_dst=0, group=st.pg)
         if parts is None:
             return None
+        self.gathered[kind] += 1
         whole = staging.get("q_whole", math.prod(plan.shape), torch.float32, cpu=True)
         whole = whole.view(plan.shape)
         for part, got in zip(parts, plan.boxes, strict=True):
