@@ -8,18 +8,26 @@ layers, with AdamW, against one server in this process (``num_workers=2``, loopb
 * ``fsdp``: ``fully_shard`` on every layer and at the root over a 1-D CPU mesh of the group's
   two ranks, so each rank holds half of every parameter, of its gradient and of AdamW's state.
 
+``--allreduce``: the server runs in all-reduce mode and the groups average among themselves.
+There ``fsdp`` groups exchange shard with shard (rank r with rank r), and a third set-up,
+``fsdp-rank0``, is the same run with the layout check made to disagree (each group's mark
+changed in this benchmark only), so the groups take the path a mixed quorum takes: every
+parameter through each rank 0, one at a time.
+
 Each rank takes a few inner steps, then ``force_sync()`` after a barrier of its group; one
 warm-up round, then ``--repeats`` timed. Memory: each rank's base is its RSS after imports,
 its process group and one tiny optimizer (``harness/rss.base_rss``), before the model exists;
 the figures are its peak RSS (``ru_maxrss``) above that base, beside what the model's own training
 keeps on that rank (its parameters, gradients and AdamW's two moments: 4 x its share of the fp32
-parameters), and the RSS ``DiLoCoWorker.start()`` adds (its snapshot: one more share; on rank 0 of
+parameters), and the RSS ``DiLoCoWorker.start()`` adds (its snapshot: one more share, three in all-reduce mode
+with the momentum and the averaging buffer; on rank 0 of
 a sharded group, staging buffers bounded by the largest parameter come with the syncs). The
 peak also holds what the framework allocates on the way (FSDP2 on CPU all-gathers each layer
 for forward and backward, and glibc keeps much of what is freed), so it is an upper bound on
 DiLoCo's part, not a measure of it.
 
-Usage: ``.venv/bin/python -m benchmarks.training.sharded_groups [--params 100e6] [--repeats 3]``;
+Usage: ``.venv/bin/python -m benchmarks.training.sharded_groups [--params 100e6] [--repeats 3]
+[--allreduce]``;
 ``--smoke``: 2M parameters, one round per set-up, checked.
 """
 
@@ -50,9 +58,19 @@ MB = 1e6
 
 def _model(layers: int, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        *(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
-    )
+    return torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+
+
+def _through_rank0(group: int) -> None:
+    """``fsdp-rank0``: each group's layout mark differs, so the quorum takes the streamed path."""
+    from diloco.worker.allreduce import sharded_whole
+
+    check = sharded_whole.same_layout
+
+    def differing(quorum: Any, mark: str) -> bool:
+        return check(quorum, f"{int(mark, 16) ^ (group + 1):08x}")
+
+    sharded_whole.same_layout = differing
 
 
 def _wrap(model: torch.nn.Module, mode: str) -> torch.nn.Module:
@@ -98,6 +116,8 @@ def _rank(
         timeout=timedelta(seconds=1200),
     )
     base = base_rss()
+    if mode == "fsdp-rank0":
+        _through_rank0(group)
     model = _wrap(_model(layers, width), mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.Generator().manual_seed(100 * group + rank)
@@ -140,9 +160,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(mode: str, params: float, repeats: int) -> dict[str, Any]:
+def run(mode: str, params: float, repeats: int, allreduce: bool) -> dict[str, Any]:
     layers = max(2, round(params / WIDTH**2))
-    with DiLoCoServer(ServerConfig(port=0, num_workers=2)) as server:
+    config = ServerConfig(port=0, num_workers=2, allreduce=allreduce, collective_timeout=600.0)
+    with DiLoCoServer(config) as server:
         out = mp.get_context("spawn").Queue()
         args = (mode, [_free_port(), _free_port()], server.address, layers, WIDTH, repeats, out)
         procs = mp.start_processes(_rank, args=args, nprocs=4, join=False, start_method="spawn")
@@ -152,23 +173,14 @@ def run(mode: str, params: float, repeats: int) -> dict[str, Any]:
     return {"mode": mode, "params": layers * WIDTH**2, "ranks": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--params", type=float, default=100e6)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
-    smoke.add_flag(ap)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.params, args.repeats = 2e6, 1
-    # glibc's mmap threshold otherwise rises after the first large free, and later blocks of that
-    # size stay in the heap after they are freed: the peaks would depend on the order of frees.
-    # Fixed here (read by each rank at its start), the same for both set-ups.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    results = [run(mode, args.params, args.repeats) for mode in args.modes]
+def _report(results: list[dict[str, Any]], allreduce: bool) -> None:
+    # What DiLoCo keeps per share held: the snapshot; in all-reduce mode also the outer
+    # momentum and the averaging buffer.
+    kept = 3 if allreduce else 1
     print(
         f"model: {results[0]['params'] / 1e6:.1f}M fp32 parameters in {WIDTH}x{WIDTH} layers, "
-        f"2 groups x 2 gloo ranks, AdamW, bf16 uploads, {INNER_STEPS} inner steps per round, "
+        f"2 groups x 2 gloo ranks, AdamW, bf16 on the wire, {INNER_STEPS} inner steps per "
+        f"round, {'all-reduce' if allreduce else 'server'} mode, "
         f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}"
     )
     rows = []
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{4 * share / MB:.0f}",
                     f"{rank['at_start'] / MB:.0f}",
                     f"{peak / MB:.0f}",
-                    f"{peak / (5 * share):.2f}",
+                    f"{peak / ((4 + kept) * share):.2f}",
                     f"{statistics.median(rank['walls']) * 1000:.0f}",
                 ]
             )
@@ -199,24 +211,55 @@ def main(argv: list[str] | None = None) -> int:
             "4 x held (params, grads, AdamW) MB",
             "RSS added by start() MB",
             "peak above base MB",
-            "peak / (4 x held + held)",
+            f"peak / (4 x held + {kept} x held)",
             "round median ms",
         ],
         rows,
     )
-    if "ddp" in medians and "fsdp" in medians:
-        print(f"round time fsdp / ddp: {medians['fsdp'] / medians['ddp']:.2f}x")
+    for mode in ("fsdp", "fsdp-rank0"):
+        if "ddp" in medians and mode in medians:
+            print(f"round time {mode} / ddp: {medians[mode] / medians['ddp']:.2f}x")
+
+
+def _check(results: list[dict[str, Any]], modes: list[str], repeats: int) -> None:
+    smoke.require([r["mode"] for r in results] == modes, "every set-up ran")
+    for r in results:
+        smoke.require(len(r["ranks"]) == 4, f"{r['mode']}: four ranks reported")
+        for rank in r["ranks"]:
+            smoke.require(len(rank["walls"]) == repeats, f"{r['mode']}: rounds timed")
+            smoke.require(rank["peak_above_base"] > 0, f"{r['mode']}: memory measured")
+    for fsdp in (r for r in results if r["mode"].startswith("fsdp")):
+        held = [rank["local_params"] for rank in fsdp["ranks"]]
+        smoke.require(sum(held[:2]) == fsdp["params"], "fsdp: each group's shards tile it")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=float, default=100e6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--allreduce", action="store_true", help="the server in all-reduce mode")
+    ap.add_argument("--modes", nargs="+", choices=["ddp", "fsdp", "fsdp-rank0"])
+    smoke.add_flag(ap)
+    args = ap.parse_args(argv)
+    if args.modes is None:
+        args.modes = ["ddp", "fsdp", "fsdp-rank0"] if args.allreduce else ["ddp", "fsdp"]
+    if "fsdp-rank0" in args.modes and not args.allreduce:
+        ap.error("fsdp-rank0 is an all-reduce set-up: add --allreduce")
     if args.smoke:
-        smoke.require([r["mode"] for r in results] == args.modes, "every set-up ran")
-        for r in results:
-            smoke.require(len(r["ranks"]) == 4, f"{r['mode']}: four ranks reported")
-            for rank in r["ranks"]:
-                smoke.require(len(rank["walls"]) == args.repeats, f"{r['mode']}: rounds timed")
-                smoke.require(rank["peak_above_base"] > 0, f"{r['mode']}: memory measured")
-        if "fsdp" in medians:
-            fsdp = next(r for r in results if r["mode"] == "fsdp")
-            held = [rank["local_params"] for rank in fsdp["ranks"]]
-            smoke.require(sum(held[:2]) == fsdp["params"], "fsdp: each group's shards tile it")
+        args.params, args.repeats = 2e6, 1
+    # glibc's mmap threshold otherwise rises after the first large free, and later blocks of that
+    # size stay in the heap after they are freed: the peaks would depend on the order of frees.
+    # Fixed here (read by each rank at its start), the same for both set-ups.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    sets = [(args.allreduce, args.modes)]
+    if args.smoke:  # both modes' paths, each set-up once
+        sets = [(False, ["ddp", "fsdp"]), (True, ["fsdp", "fsdp-rank0"])]
+    for allreduce, modes in sets:
+        results = [run(mode, args.params, args.repeats, allreduce) for mode in modes]
+        _report(results, allreduce)
+        if args.smoke:
+            _check(results, modes, args.repeats)
+    if args.smoke:
         smoke.passed("sharded_groups")
     return 0
 
