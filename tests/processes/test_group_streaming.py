@@ -126,9 +126,9 @@ def test_ddp_group_streams_in_allreduce_mode_as_the_single_process_reference(
 
 
 def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
-    """In all-reduce mode, a sharded group and a partitioned group asking for fragments fail at
-    rank 0's first registration, where the mode is learnt (rank 0's ValueError, which every
-    rank raises); no hang."""
+    """In all-reduce mode, a sharded group asking for fragments with overlap_steps > 0 and a
+    partitioned group asking for fragments fail at rank 0's first registration, where the mode
+    is learnt (rank 0's ValueError, which every rank raises); no hang."""
     config = ServerConfig(port=0, num_workers=1, allreduce=True)
     with DiLoCoServer(config) as one, DiLoCoServer(config) as two:
         servers = [one.address, two.address]
@@ -136,7 +136,7 @@ def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
     errors = [torch.load(tmp_path / f"refused{r}.pt") for r in range(2)]
     assert set(errors[0]) == {"allreduce_sharded", "allreduce_partitioned"}
     for case, words in [
-        ("allreduce_sharded", "sharded (DTensor) worker group"),
+        ("allreduce_sharded", "sharded (DTensor) worker group in all-reduce mode need overlap"),
         ("allreduce_partitioned", "partitioned worker group"),
     ]:
         assert errors[0][case].startswith("ValueError: "), case

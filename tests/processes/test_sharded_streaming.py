@@ -63,6 +63,37 @@ def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, frag
     assert 0 < max(x["staging"] for x in r0) <= 16 * 6 * 4
 
 
+@pytest.mark.parametrize("fragments", [2, 4])
+def test_fsdp_group_streams_in_allreduce_mode_as_the_single_process_reference(
+    tmp_path: Path, fragments: int
+) -> None:
+    """All-reduce mode, tau 0: rank 0's quorum rounds average one fragment's buffer at each due
+    step while the outer step and the merge run on the ranks' shards; both ranks agree on every
+    outcome and count, and after every step each rank's shard equals its box of a single
+    streaming all-reduce worker's parameters on the mean gradient."""
+    config = ServerConfig(port=0, num_workers=1, allreduce=True)
+    with DiLoCoServer(config) as server:
+        ctx = ranks.spawn(sr.fsdp_rank, (server.address, str(tmp_path), fragments, 0, False))
+        ranks.join(ctx, timeout=120)
+        status = server.status()
+    with DiLoCoServer(config) as ref_server:
+        expected_steps = sr.reference_ddp(ref_server.address, fragments, 0)
+        ref_status = ref_server.status()
+    assert status["registrations"] == 1
+    assert status["rounds_completed"] == ref_status["rounds_completed"] >= 3 * fragments
+    r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2))
+    _assert_ranks_agree(r0, r1)
+    for records in (r0, r1):
+        assert len(records[1:]) == len(expected_steps)
+        for step, (g, e) in enumerate(zip(records[1:], expected_steps, strict=True)):
+            assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
+            for name, (shard, offset) in g["params"].items():
+                want = e["params"][name][_box(shard, offset)]
+                torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
+    # Rank 0 holds one fragment's buffer; its staging no more than the largest parameter.
+    assert 0 < max(x["staging"] for x in r0) <= 16 * 6 * 4
+
+
 def test_faults_on_rank_0_mid_fragment_leave_the_shards_consistent(tmp_path: Path) -> None:
     """Rank 0's scripted client: the 2nd fragment upload finds the server unreachable (kept
     locally, its pseudo-gradient stays in the shards), before the 4th the server forgets the

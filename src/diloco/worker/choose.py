@@ -22,6 +22,7 @@ from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
 from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
 from diloco.worker.allreduce.quorum_sync import QuorumSync
+from diloco.worker.allreduce.sharded_fragments import SHARDED_OVERLAP, ShardedFragmentRounds
 from diloco.worker.allreduce.sharded_whole import ShardedWhole, StreamedState
 from diloco.worker.allreduce.shared_state import RunRules, SharedState
 from diloco.worker.allreduce.whole_model import WholeModel
@@ -96,14 +97,16 @@ def _quorum_sync(
             "group (a state received would rebase rank 0's stale copies of the other ranks' "
             "parameters): leave num_fragments at 1 or run a parameter server"
         )
-    if settings.num_fragments > 1 and parts is not None:
-        raise ValueError(
-            "streaming fragments in all-reduce mode are not supported for a sharded (DTensor) "
-            "worker group yet: leave num_fragments at 1 or run a parameter server"
-        )
+    if parts is not None and settings.num_fragments > 1 and settings.overlap_steps > 0:
+        raise ValueError(SHARDED_OVERLAP)
     if parts is not None:  # a sharded group: the state stays on its shards
         sharded = StreamedState(session, RunRules.of(reply), parts, parts.positions)
-        return QuorumSync(session, sharded, ShardedWhole(session, sharded))
+        if settings.num_fragments == 1:
+            return QuorumSync(session, sharded, ShardedWhole(session, sharded))
+        assert lockstep is not None
+        fragments = ShardedFragmentRounds(session, sharded, parts)
+        rounds = QuorumSync(session, sharded, fragments)
+        return GroupStreaming(lockstep, session, GroupedFragmentRounds(session, rounds, fragments))
     state = SharedState(session, RunRules.of(reply))
     if settings.num_fragments == 1:
         return QuorumSync(session, state, WholeModel(session, state))

@@ -73,26 +73,10 @@ class FragmentRounds:
         self.alpha = settings.merge_alpha
         self.tau = settings.overlap_steps
         self.schedule = Schedule(session.sync_every, len(self._plan))
-        snapshot, momentum = state.snapshot, state.momentum
-        names = list(snapshot)
         # One outer optimizer per fragment over views of the state (the server's units).
         self._views: list[list[torch.nn.Parameter]] = []
         self._outers: list[OuterSGD] = []
-        for pieces in self._plan:
-            views = [
-                torch.nn.Parameter(
-                    snapshot[p.param].view(-1)[p.start : p.stop].view(p.shape),
-                    requires_grad=False,
-                )
-                for p in pieces
-            ]
-            buffers = [
-                momentum[names.index(p.param)].view(-1)[p.start : p.stop].view(p.shape)
-                for p in pieces
-                if momentum
-            ]
-            self._views.append(views)
-            self._outers.append(state.outer(views, buffers))
+        self._build_outers(state)
         # One buffer of the largest fragment's size, fp32, where a fragment is averaged.
         largest = max(sum(p.numel for p in frag) for frag in self._plan)
         self._acc = torch.zeros(largest, dtype=torch.float32)
@@ -109,6 +93,25 @@ class FragmentRounds:
         #: Parameters outside the round's fragment moved (a state taken, a rebase): a worker
         #: group's rank 0 then shares the whole model (``allreduce/group_rounds.py`` clears it).
         self.moved_all = False
+
+    def _build_outers(self, state: SharedState) -> None:
+        snapshot, momentum = state.snapshot, state.momentum
+        names = list(snapshot)
+        for pieces in self._plan:
+            views = [
+                torch.nn.Parameter(
+                    snapshot[p.param].view(-1)[p.start : p.stop].view(p.shape),
+                    requires_grad=False,
+                )
+                for p in pieces
+            ]
+            buffers = [
+                momentum[names.index(p.param)].view(-1)[p.start : p.stop].view(p.shape)
+                for p in pieces
+                if momentum
+            ]
+            self._views.append(views)
+            self._outers.append(state.outer(views, buffers))
 
     # --- the schedule (training thread) -------------------------------------------------------
 
@@ -191,13 +194,15 @@ class FragmentRounds:
         flat, offset = self._acc, 0
         with torch.no_grad():
             for piece in self._plan[k]:
-                local, snapshot = s.local.slices(piece)
-                out = flat[offset : offset + piece.numel]
-                torch.sub(snapshot, local.to(flat.device), out=out)
+                self._fill_piece(piece, flat[offset : offset + piece.numel])
                 offset += piece.numel
         self._fill_weight = self._weight_of(k)
         self._fill_mark = (s.total_steps, s.samples)
         self._filled = k
+
+    def _fill_piece(self, piece: Piece, out: torch.Tensor) -> None:
+        local, snapshot = self._s.local.slices(piece)
+        torch.sub(snapshot, local.to(out.device), out=out)
 
     def _weight_of(self, k: int) -> float:
         """Fragment ``k``'s weight: what was trained since its last contribution."""

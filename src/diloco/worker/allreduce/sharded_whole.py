@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from diloco.core.fragments import SEQUENTIAL
+from diloco.core.fragments import SEQUENTIAL, Piece
 from diloco.core.outer import OuterSGD
 from diloco.persistence.lazy_tensors import LazyTensors
 from diloco.wire.messages import Assignment
 from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective
 from diloco.worker.allreduce.shard_exchange import (
+    WHOLE_MODEL,
     Positions,
     QuorumPosition,
     exchange_average,
@@ -62,6 +63,9 @@ class StreamedState(SharedState):
         self.positions = positions
         #: The quorum in progress averages shard with shard (``shard_exchange``).
         self.by_position = False
+        #: The whole model is averaged through the shards (not a fragment's buffer).
+        self.streamed = True
+        self.momentum_pieces: list[Piece] | None = None
         self.globals = []
         self.momentum = []
         parts.own()  # every rank's snapshot from its own shards (as ``own_snapshot``)
@@ -78,10 +82,19 @@ class StreamedState(SharedState):
     def hash(self) -> str:
         return layout_free_hash(self.positions, self.parts.load, self.entries)
 
+    def carry_fragments(self, pieces: list[Piece]) -> None:
+        """Streaming fragments (``sharded_fragments.py``): the payload's buffer is averaged as
+        a plain member's, and the checkpoint's momentum is cut into ``pieces``."""
+        self.momentum_pieces = pieces
+        self.streamed = False
+
     def meet(self, quorum: QuorumCollective, worker_id: str, path: str) -> None:
         """Shard with shard when every member is a group of this layout: every rank joins its
-        position (``part`` leaves, even if joining failed on some rank)."""
-        if same_layout(quorum, self.positions.mark()):
+        position (``part`` leaves, even if joining failed on some rank). A fragment's round
+        averages rank 0's buffer, a plain member's bytes."""
+        if self.momentum_pieces is not None:
+            same_layout(quorum, WHOLE_MODEL)
+        elif same_layout(quorum, self.positions.mark()):
             self.by_position = True
             cmd = join_command(quorum, worker_id, path)
             raise_any(quorum, self.positions.open(QuorumPosition(quorum), cmd), "join")
@@ -97,8 +110,6 @@ class StreamedState(SharedState):
             raise_any(quorum, self.positions.broadcast(src, kinds), "resync")
         else:
             broadcast(quorum, self.parts, self.entries, src)
-
-    streamed = True
 
     def streamed_average(
         self, quorum: QuorumCollective, weight: float, comm: torch.dtype, sample: int
@@ -144,12 +155,22 @@ class StreamedState(SharedState):
         params = LazyTensors(
             {n: (fp32, shape) for n, shape in table.items()}, lambda n: self.parts.load("snap", n)
         )
-        if self.rules.momentum > 0:
+        if self.rules.momentum > 0 and self.momentum_pieces is not None:
+            pieces = self.momentum_pieces
+            momentum = LazyTensors(
+                {f"{i}/momentum_buffer": (fp32, p.shape) for i, p in enumerate(pieces)},
+                lambda key: self._piece_of("mom", pieces[int(key.split("/")[0])]),
+            )
+        elif self.rules.momentum > 0:
             momentum = LazyTensors(
                 {f"{i}/momentum_buffer": (fp32, table[n]) for i, n in enumerate(names)},
                 lambda key: self.parts.load("mom", names[int(key.split("/")[0])]),
             )
         super().save(quorum_id, state, layout, params=params, momentum=momentum)
+
+    def _piece_of(self, kind: str, piece: Piece) -> torch.Tensor:
+        whole = self.parts.load(kind, piece.param).reshape(-1)
+        return whole[piece.start : piece.stop].view(piece.shape)
 
 
 class ShardedWhole(WholeModel):

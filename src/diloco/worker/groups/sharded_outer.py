@@ -17,7 +17,11 @@ as JSON and run on every rank (``ShardState.handlers``):
 - ``q_set KIND NAME``: a parameter rank 0 holds scattered into every holder's ``acc``,
   ``snap`` or ``mom`` (replicas included), rank 0 handing the tensor in-process;
 - ``q_step``: the outer step (``core.outer.OuterSGD``, the run's rules in the command) on every
-  held box with its ``acc``; element-wise, so each box steps as the whole model would.
+  held box with its ``acc``; element-wise, so each box steps as the whole model would;
+- ``q_piece``: streaming fragments (``allreduce/sharded_fragments.py``): one fragment piece's
+  averaged pseudo-gradient scattered from rank 0, and every holder's outer step on its elements
+  of the piece (``step``); or every holder's merge of its elements of the piece with its own
+  new snapshot (``mix``: ``local = alpha * local + (1 - alpha) * snapshot``).
 
 Plain (non-DTensor) parameters are rank 0's alone (no broadcast), as in ``ShardState``.
 """
@@ -31,10 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from diloco.core.fragments import Piece
 from diloco.core.outer import OuterSGD, apply_outer_step
+from diloco.core.piece_moves import mix_span, step_span
 from diloco.worker.groups.json_collectives import broadcast_json
 from diloco.worker.groups.shard_table import ShardPlan
 from diloco.worker.groups.sharded import ShardState
+from diloco.worker.groups.sharded_pieces import span_in
 from diloco.worker.groups.sharded_positions import PositionShards
 
 
@@ -60,6 +67,7 @@ class OuterShards:
                 "q_get": lambda cmd: self._get(cmd["kind"], self._st.plans[cmd["name"]]),
                 "q_set": lambda cmd: self._set(cmd["kind"], self._st.plans[cmd["name"]], None),
                 "q_step": lambda cmd: self._step(cmd["lr"], cmd["momentum"], cmd["nesterov"]),
+                "q_piece": self._piece,
             }
         )
 
@@ -87,6 +95,30 @@ class OuterShards:
 
     def step(self, lr: float, momentum: float, nesterov: bool) -> None:
         self._issue({"cmd": "q_step", "lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    def step_piece(
+        self, piece: Piece, values: torch.Tensor, lr: float, momentum: float, nesterov: bool
+    ) -> None:
+        """Rank 0: the outer step on fragment piece ``piece`` with its averaged ``values``, on
+        every holder's elements of it."""
+        st = self._st
+        plan = st.plans[piece.param]
+        cmd = {"cmd": "q_piece", "op": "step", "name": piece.param, "start": piece.start}
+        cmd.update(stop=piece.stop, lr=lr, momentum=momentum, nesterov=nesterov)
+        if plan.plain:
+            self._piece(cmd, values)
+            return
+        st.staged(plan).view(-1)[piece.start : piece.stop].copy_(values)
+        st.command(cmd)
+
+    def mix_piece(self, piece: Piece, alpha: float) -> None:
+        """Rank 0: every holder's elements of ``piece`` mixed with its own snapshot's."""
+        cmd = {"cmd": "q_piece", "op": "mix", "name": piece.param, "alpha": alpha}
+        cmd.update(start=piece.start, stop=piece.stop)
+        if self._st.plans[piece.param].plain:
+            self._piece(cmd)
+            return
+        self._st.command(cmd)
 
     def _issue(self, cmd: dict[str, Any], whole: torch.Tensor | None = None) -> Any:
         st = self._st
@@ -209,3 +241,45 @@ class OuterShards:
         _, outer, params = self._outer
         grads = [self._held("acc", n) for n in self._st.snapshot]
         apply_outer_step(outer, params, grads)
+
+    @torch.no_grad()
+    def _piece(self, cmd: dict[str, Any], values: torch.Tensor | None = None) -> None:
+        """``q_piece`` on this rank's elements of the piece (a plain parameter: rank 0's whole,
+        ``values`` handed in-process)."""
+        st = self._st
+        plan = st.plans[cmd["name"]]
+        held = plan.boxes[st.rank]
+        if cmd["op"] == "step" and not plan.plain:
+            values = self._scatter_staged(plan)
+        if held is None or not held[0].numel:
+            return
+        start, stop = cmd["start"], cmd["stop"]
+        span = span_in(held[0], plan.shape, start, stop) if not plan.plain else slice(start, stop)
+        snap = self._held("snap", plan.name).view(-1)
+        if cmd["op"] == "step":
+            assert values is not None
+            grads = values.view(-1) if plan.plain else values.view(-1)[span]
+            mom = self._held("mom", plan.name).view(-1) if cmd["momentum"] > 0 else None
+            step_span(snap, mom, grads, span, cmd["lr"], cmd["momentum"], cmd["nesterov"])
+        else:
+            mix_span(st.local(plan.name).view(-1), snap, span, cmd["alpha"])
+        if st.device.type == "cuda":
+            torch.cuda.synchronize(st.device)
+
+    def _scatter_staged(self, plan: ShardPlan) -> torch.Tensor:
+        """Every rank's box of rank 0's staged parameter, fp32 (the padded receive buffer)."""
+        st = self._st
+        width = plan.width
+        parts = None
+        if st.rank == 0:
+            whole = st.staged(plan)
+            parts = []
+            for r, got in enumerate(plan.boxes):
+                part = st.staging.get(f"part{r}", width, torch.float32)
+                if got is not None and got[0].numel:
+                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
+                parts.append(part)
+        recv = st.staging.get("send", width, torch.float32)
+        dist.scatter(recv, parts, group_src=0, group=st.pg)
+        held = plan.boxes[st.rank]
+        return recv[: held[0].numel] if held is not None else recv[:0]

@@ -93,7 +93,7 @@ class PieceShards:
         local = st.local(plan.name).view(-1)  # a view: the moves write into the shard
         snap = st.snapshot[plan.name].view(-1)
         values = recv[: box.numel]
-        span = _span_in(box, plan.shape, cmd["start"], cmd["stop"])
+        span = span_in(box, plan.shape, cmd["start"], cmd["stop"])
         if isinstance(span, slice):
             if span.start < span.stop:
                 move_piece(cmd["op"], local[span], snap[span], values[span], cmd["alpha"])
@@ -107,7 +107,7 @@ class PieceShards:
             torch.cuda.synchronize(st.device)
 
 
-def _span_in(box: Box, shape: tuple[int, ...], start: int, stop: int) -> slice | torch.Tensor:
+def span_in(box: Box, shape: tuple[int, ...], start: int, stop: int) -> slice | torch.Tensor:
     """The positions, in the box's flat order, of its elements whose global flat index is in
     ``[start, stop)``: a slice when the box is whole rows of the tensor (its global indices
     one range), else a boolean mask (strided boxes too: their indices in local order)."""
