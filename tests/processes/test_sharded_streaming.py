@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, ServerConfig
+from diloco.persistence import list_checkpoints, load_checkpoint
 from tests.helpers import ranks
 from tests.programs import stream_ranks as sr
 
@@ -92,6 +93,38 @@ def test_fsdp_group_streams_in_allreduce_mode_as_the_single_process_reference(
                 torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
     # Rank 0 holds one fragment's buffer; its staging no more than the largest parameter.
     assert 0 < max(x["staging"] for x in r0) <= 16 * 6 * 4
+
+
+def test_a_streaming_fsdp_groups_checkpoint_in_allreduce_mode_is_a_plain_members(
+    tmp_path: Path,
+) -> None:
+    """``--save-every 2``: the group's rank 0 writes the server mode's streaming layout from the
+    shards (each fragment piece's momentum cut from its parameter gathered from the owners),
+    and it equals a single-process streaming member's checkpoint of the same run, round for
+    round: parameters, each piece's momentum, the fragments and their rounds; a parameter
+    server resumes from it."""
+    config = ServerConfig(port=0, num_workers=1, allreduce=True, save_every=2)
+    saves = [tmp_path / "group", tmp_path / "plain"]
+    with DiLoCoServer(config) as server:
+        args = (server.address, str(tmp_path), 2, 0, False, str(saves[0]))
+        ranks.join(ranks.spawn(sr.fsdp_rank, args), timeout=120)
+    with DiLoCoServer(config) as ref_server:
+        sr.reference_ddp(ref_server.address, 2, 0, save_dir=str(saves[1]))
+    got, want = (load_checkpoint(list_checkpoints(f)[-1]) for f in saves)
+    assert got.round == want.round >= 4
+    assert got.extra["fragments"] == want.extra["fragments"] == [2, "sequential"]
+    for key in ("unit_rounds", "optimizer_units", "param_order"):
+        assert got.extra[key] == want.extra[key], key
+    for name, value in want.params.items():
+        torch.testing.assert_close(got.params[name], value)
+    mine, theirs = got.optimizer_state["state"], want.optimizer_state["state"]
+    assert sorted(mine) == sorted(theirs) and len(mine) >= 4
+    for i, entry in theirs.items():
+        torch.testing.assert_close(mine[i]["momentum_buffer"], entry["momentum_buffer"])
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, save_dir=str(saves[0]))) as resumed:
+        assert resumed.status()["round"] == got.round
+        for name, value in resumed.global_params().items():
+            assert torch.equal(value, got.params[name]), name
 
 
 def test_faults_on_rank_0_mid_fragment_leave_the_shards_consistent(tmp_path: Path) -> None:

@@ -127,12 +127,19 @@ def pipeline_rank(rank: int, port: int, server: str, out: str, fragments: int, t
 
 
 def fsdp_rank(
-    rank: int, port: int, server: str, out: str, fragments: int, tau: int, faults: bool
+    rank: int,
+    port: int,
+    server: str,
+    out: str,
+    fragments: int,
+    tau: int,
+    faults: bool,
+    save_dir: str | None = None,
 ) -> None:
     """One rank of an FSDP2 group (``shard_ranks._sharded_model``) streaming ``fragments``
     fragments on stream ``rank``; records its shards (and where each starts) and its largest
-    staging buffer after the join and after every step in ``fsdp{rank}.pt``. ``faults``: rank 0's scripted client, as
-    ``ddp_rank``'s."""
+    staging buffer after the join and after every step in ``fsdp{rank}.pt``. ``faults``: rank
+    0's scripted client, as ``ddp_rank``'s; ``save_dir``: the worker's (all-reduce mode)."""
     _init(rank, port)
     model = _sharded_model((2,))
     opt = make_inner(model.parameters())
@@ -146,7 +153,7 @@ def fsdp_rank(
         assert shards is not None
         records[-1]["staging"] = max(shards.staging.sizes().values(), default=0)
 
-    with _worker(model, opt, server, fragments, tau, client=client) as worker:
+    with _worker(model, opt, server, fragments, tau, client=client, save_dir=save_dir) as worker:
         record()
         for x, y in batches(rank, STEPS):
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -193,7 +200,12 @@ COUNTED = ("rounds", "fragments_sent", "failed_syncs")
 
 
 def reference_ddp(
-    server: str, fragments: int, tau: int, group: int = 0, model: torch.nn.Module | None = None
+    server: str,
+    fragments: int,
+    tau: int,
+    group: int = 0,
+    model: torch.nn.Module | None = None,
+    save_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """A single-process streaming worker standing for DDP group ``group``: its inner step uses
     the mean gradient of the two ranks' batches and it reports both ranks' samples; its
@@ -204,7 +216,7 @@ def reference_ddp(
     out = []
     halves = list(zip(*(batches(2 * group + r, STEPS) for r in range(2)), strict=True))
     samples = samples_of(group, 0) + samples_of(group, 1)
-    with _worker(model, opt, server, fragments, tau) as worker:
+    with _worker(model, opt, server, fragments, tau, save_dir=save_dir) as worker:
         for pair in halves:
             loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in pair) / 2
             assert isinstance(loss, torch.Tensor)

@@ -55,11 +55,14 @@ class OuterShards:
         self.acc: dict[str, torch.Tensor] = {}
         self.momentum: dict[str, torch.Tensor] = {}
         self._outer: tuple[tuple[float, float, bool], OuterSGD, list[Any]] | None = None
+        #: ``acc`` holds this round's pseudo-gradient (``q_measure`` wrote it): the exchange
+        #: shard with shard averages it in place without taking it again.
+        self.fresh = False
         #: Parameters rank 0 put together, by kind (``grad``, ``snap``, ``mom``): what the
         #: tests hold the exchange shard with shard to (it gathers none of the pseudo-gradient).
         self.gathered: Counter[str] = Counter()
         #: The exchange shard with shard, when a quorum's members share this layout.
-        self.positions = PositionShards(state, self._held)
+        self.positions = PositionShards(state, self)
         state.handlers.update(
             {
                 "q_own": lambda cmd: self._own(),
@@ -133,6 +136,10 @@ class OuterShards:
 
     # --- every rank -------------------------------------------------------------------------
 
+    def held(self, kind: str, name: str) -> torch.Tensor:
+        """This rank's ``kind`` tensor (``snap``, ``mom``, ``acc``) of a box it holds."""
+        return self._held(kind, name)
+
     def _held(self, kind: str, name: str) -> torch.Tensor:
         """This rank's ``kind`` tensor of a parameter it holds (momentum and acc made at their
         first use, zeros: the first step's ``0 * m + g`` is ``g``, as in ``SharedState``)."""
@@ -150,17 +157,26 @@ class OuterShards:
 
     @torch.no_grad()
     def _measure(self) -> tuple[bool, float] | None:
-        # fp64 squares of each owned box: the boxes tile the parameter once, so the sum is the
-        # whole pseudo-gradient's, and a value too large for fp32's square is not infinite.
+        # Each held box's pseudo-gradient lands in its ``acc`` (the exchange shard with shard
+        # averages it there, ``fresh``); the norm is the owned boxes' (they tile each parameter
+        # once), fp32 per box combined in fp64 as a plain member's ``measure``, with an fp64
+        # pass only when that overflows: a large finite value is not a non-finite one.
         st = self._st
         squares, bad = 0.0, 0.0
         for name, plan in st.plans.items():
             held = plan.boxes[st.rank]
-            if held is None or not held[1] or not held[0].numel:
+            if held is None or not held[0].numel:
                 continue
-            diff = self._grad(name)
-            bad += float(not bool(torch.isfinite(diff).all()))
-            squares += float(torch.linalg.vector_norm(diff, dtype=torch.float64)) ** 2
+            diff = self._held("acc", name)
+            torch.sub(st.snapshot[name], self._local32(name), out=diff)
+            if not held[1]:
+                continue
+            norm = float(torch.linalg.vector_norm(diff))
+            if not math.isfinite(norm):
+                bad += float(not bool(torch.isfinite(diff).all()))
+                norm = float(torch.linalg.vector_norm(diff, dtype=torch.float64))
+            squares += norm * norm
+        self.fresh = True
         t = torch.tensor([squares, bad], dtype=torch.float64, device=st.device)
         dist.all_reduce(t, group=st.pg)
         if st.rank != 0:
@@ -169,9 +185,11 @@ class OuterShards:
             return False, math.inf
         return True, math.sqrt(float(t[0].item()))
 
+    def _local32(self, name: str) -> torch.Tensor:
+        return self._st.local(name).detach().to("cpu", torch.float32)
+
     def _grad(self, name: str) -> torch.Tensor:
-        local = self._st.local(name).detach().to("cpu", torch.float32)
-        return self._st.snapshot[name] - local
+        return self._st.snapshot[name] - self._local32(name)
 
     @torch.no_grad()
     def _get(self, kind: str, plan: ShardPlan) -> torch.Tensor | None:

@@ -81,14 +81,25 @@ class Link(Protocol):
         ...
 
 
+class Holder(Protocol):
+    """A rank's all-reduce state beside its shards (``sharded_outer.OuterShards``)."""
+
+    #: ``acc`` holds this round's pseudo-gradient already (its measure wrote it).
+    fresh: bool
+
+    def held(self, kind: str, name: str) -> torch.Tensor:
+        """This rank's ``kind`` tensor (``snap``, ``mom``, ``acc``) of a box it holds."""
+        ...
+
+
 class PositionShards:
     """One rank's position in the quorums its group meets shard with shard, and rank 0's way
     to run the exchange on every rank (``allreduce.shard_exchange.Positions``)."""
 
-    def __init__(self, state: ShardState, held: Any) -> None:
+    def __init__(self, state: ShardState, holder: Holder) -> None:
         self._st = state
-        #: ``OuterShards._held``: a rank's ``acc``, ``snap`` or ``mom`` tensor of a box it holds.
-        self._held = held
+        self._holder = holder
+        self._held = holder.held
         #: How this rank joins its position (every rank of a group has a client of the
         #: server): set by the worker.
         self.link: Link | None = None
@@ -187,8 +198,10 @@ class PositionShards:
         accs: list[torch.Tensor] = []
         for name, snap in st.snapshot.items():
             acc = self._held("acc", name)
-            torch.sub(snap, st.local(name).detach().to("cpu", torch.float32), out=acc)
+            if not self._holder.fresh:  # else the measure just wrote it
+                torch.sub(snap, st.local(name).detach().to("cpu", torch.float32), out=acc)
             accs.append(acc.view(-1))
+        self._holder.fresh = False
         error = None
         try:
             if self._position is not None and self._position.size > 1:
@@ -206,7 +219,7 @@ class PositionShards:
             held = st.plans[name].boxes[st.rank]
             if held is None or not held[1]:
                 continue
-            squares += float(torch.linalg.vector_norm(acc, dtype=torch.float64)) ** 2
+            squares += float(torch.linalg.vector_norm(acc)) ** 2  # fp32, as reduce_scaled's
             # clone: ``contiguous`` keeps a one-element view's odd stride
             picked = acc[:: cmd["sample"]].clone(memory_format=torch.contiguous_format)
             crc = zlib.crc32(byte_view(picked), crc)
