@@ -24,17 +24,16 @@ class BodyThenUnreachable(DiLoCoClient):
         super().__init__(server, retries=1, backoff=0.01)
         self.uploads = 0
 
-    def submit_pseudogradients(
-        self, worker_id: str, base_round: int, sid: str, specs: Any, produce: Any, **kw: Any
-    ) -> dict[str, Any]:
+    def submit_pseudogradients(self, worker_id: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.uploads += 1
         if self.uploads == 2:
+            _, _, specs, produce = args[:4]
             for spec in specs:
                 got = produce(spec)
                 if not isinstance(got, torch.Tensor):
                     list(got)
             raise Unreachable("scripted: the body was encoded, then the server is unreachable")
-        return super().submit_pseudogradients(worker_id, base_round, sid, specs, produce, **kw)
+        return super().submit_pseudogradients(worker_id, *args, **kwargs)
 
 
 def residual_boxes(worker: DiLoCoWorker) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
@@ -44,6 +43,7 @@ def residual_boxes(worker: DiLoCoWorker) -> dict[str, tuple[torch.Tensor, tuple[
     out = {}
     for name, e in shards.residual.items():
         held = shards.plans[name].boxes[shards.rank]
+        assert held is not None
         out[name] = (e.clone(), tuple(held[0].offset))
     return out
 
@@ -51,11 +51,9 @@ def residual_boxes(worker: DiLoCoWorker) -> dict[str, tuple[torch.Tensor, tuple[
 def owned_shapes(worker: DiLoCoWorker) -> dict[str, tuple[int, ...]]:
     """The shape of each box this rank owns."""
     shards = worker._group.shards  # type: ignore[union-attr]
-    return {
-        n: tuple(p.boxes[shards.rank][0].shape)
-        for n, p in shards.plans.items()
-        if p.boxes[shards.rank] is not None and p.boxes[shards.rank][1]
-    }
+    assert shards is not None
+    held = {n: p.boxes[shards.rank] for n, p in shards.plans.items()}
+    return {n: tuple(h[0].shape) for n, h in held.items() if h is not None and h[1]}
 
 
 def codec_rank(
