@@ -116,9 +116,22 @@ def assert_rank0_faults_survived(records: list[dict[str, Any]], status: dict[str
     assert "kept_local" in outcomes and outcomes[-1] in ("adopted", "rebased")
 
 
-def reference_groups(num_groups: int) -> dict[str, torch.Tensor]:
+def reference_groups(
+    num_groups: int,
+    codec: str | None = None,
+    residuals: list[dict[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
     """Single-process DiLoCo where each group is one worker whose inner step uses the mean
-    gradient of its two ranks' batches."""
+    gradient of its two ranks' batches. ``codec`` (a lossy one): each worker's pseudo-gradient
+    goes through it with error feedback, as ``UploadEncoder`` sends it, and the server takes
+    the decoded values; ``residuals`` then receives each worker's residual after the last
+    round."""
+    from diloco.core.codecs import ErrorFeedback
+    from diloco.worker.settings import parse_codec
+
+    codecs = [parse_codec(codec) for _ in range(num_groups)] if codec else []
+    feedback = [ErrorFeedback() for _ in codecs]
+    names = [n for n, _ in make_model().named_parameters()]
     global_model = make_model()
     outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     workers = [make_model() for _ in range(num_groups)]
@@ -138,15 +151,19 @@ def reference_groups(num_groups: int) -> dict[str, torch.Tensor]:
                 loss.backward()
                 inner.step()
                 inner.zero_grad()
-            pseudo_grads.append(
-                [
-                    gp.detach() - p.detach()
-                    for gp, p in zip(global_model.parameters(), model.parameters(), strict=True)
-                ]
-            )
+            pg = [
+                gp.detach() - p.detach()
+                for gp, p in zip(global_model.parameters(), model.parameters(), strict=True)
+            ]
+            if codecs:  # what the server decodes of the encoded c = g + e
+                c, fb = codecs[g], feedback[g]
+                pg = [c.decode(fb.encode(c, n, t), t.shape) for n, t in zip(names, pg, strict=True)]
+            pseudo_grads.append(pg)
         with torch.no_grad():
             for j, p in enumerate(global_model.parameters()):
                 p.grad = torch.stack([pg[j] for pg in pseudo_grads]).sum(0) / num_groups
         outer.step()
         outer.zero_grad()
+    if residuals is not None:
+        residuals.extend(dict(fb.residuals) for fb in feedback)
     return {n: p.detach().clone() for n, p in global_model.named_parameters()}

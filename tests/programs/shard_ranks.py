@@ -133,7 +133,7 @@ def bad_shard_rank(rank: int, port: int, server: str, out: str) -> None:
         "disagree": (_hand_sharded(rank, [Shard(rank)], mesh), {}),
         "partial": (_hand_sharded(rank, [Partial()], mesh), {}),
         "mesh": (_hand_sharded(rank, [Shard(0)], mesh), {"process_group": alone}),
-        "codec": (_hand_sharded(rank, [Shard(0)], mesh), {"codec": "int8"}),
+        "codec": (_hand_sharded(rank, [Shard(0)], mesh), {"codec": "int8", "num_fragments": 2}),
         "plain": (
             _hand_sharded(rank, [Shard(0)], mesh) if rank == 0 else torch.nn.Linear(4, 4, False),
             {},

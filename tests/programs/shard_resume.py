@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from diloco.worker import resume
 from tests.helpers.ranks import BATCH, ROUNDS, SYNC_EVERY, batches, leave, make_inner
 from tests.programs.group_ranks import _init
+from tests.programs.shard_codec_ranks import residual_boxes
 from tests.programs.shard_ranks import _sharded_model, _shards, _worker
 
 SAVE_AT = SYNC_EVERY + 2
@@ -30,15 +31,22 @@ def _step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) ->
 
 
 def first_rank(
-    rank: int, port: int, server: str, out: str, mesh: tuple[int, ...], blocked: bool = False
+    rank: int,
+    port: int,
+    server: str,
+    out: str,
+    mesh: tuple[int, ...],
+    blocked: bool = False,
+    codec: str | None = None,
 ) -> None:
     """Train to ``SAVE_AT`` on stream ``rank``, checkpoint, then die without leaving (a crash:
     the server still counts the worker). ``blocked``: first a checkpoint into a folder where
-    rank 1 cannot write its shard (a directory in the way), its errors recorded."""
+    rank 1 cannot write its shard (a directory in the way), its errors recorded. ``codec``:
+    the residual boxes at the checkpoint are recorded too."""
     _init(rank, port)
     model = _sharded_model(mesh)
     opt = make_inner(model.parameters())
-    worker = _worker(model, opt, server)
+    worker = _worker(model, opt, server, codec=codec)
     worker.start()
     for x, y in batches(rank, SAVE_AT):
         _step(model, opt, x, y)
@@ -58,14 +66,17 @@ def first_rank(
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "dcp"))
     facts = {"worker_id": worker.worker_id, "shards": _shards(model), "errors": errors}
+    facts["residual"] = residual_boxes(worker)
     torch.save(facts, Path(out) / f"first{rank}.pt")
     leave()
 
 
-def again_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...]) -> None:
+def again_rank(
+    rank: int, port: int, server: str, out: str, mesh: tuple[int, ...], codec: str | None = None
+) -> None:
     """New processes: load the checkpoint (under ``mesh``, maybe not the one it was saved
     under), resume as its worker, train to ``SYNC_EVERY * ROUNDS`` and leave. Records the
-    shards at the start, and the resume's error if it fails."""
+    shards (and residual boxes) at the start, and the resume's error if it fails."""
     _init(rank, port)
     torch.manual_seed(99)  # nothing of this model's own initialisation may survive the resume
     model = _sharded_model(mesh)
@@ -80,15 +91,16 @@ def again_rank(rank: int, port: int, server: str, out: str, mesh: tuple[int, ...
     loaded = _shards(model)
     saved = resume.load(str(folder))
     assert saved is not None
-    worker = _worker(model, opt, server, worker_id=saved[0].worker_id)
+    worker = _worker(model, opt, server, worker_id=saved[0].worker_id, codec=codec)
     facts: dict[str, Any] = {"loaded": loaded}
     try:
-        resume.start_resumed(worker, *saved)
+        resume.start_resumed(worker, *saved, resume.load_codec_state(str(folder)))
     except ValueError as exc:
         facts["error"] = str(exc)
         torch.save(facts, Path(out) / f"again{rank}.pt")
         leave()
     facts["begin"] = _shards(model)
+    facts["residual"] = residual_boxes(worker)
     facts["local_step"] = worker.local_step
     facts["worker_id"] = worker.worker_id
     outcomes = []

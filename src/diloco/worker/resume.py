@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from diloco.core import to_progress_
 from diloco.core.shards import Box
 from diloco.worker.state import snapshot_shards
+from diloco.worker.state.encoder import RESIDUAL
 from diloco.worker.state.snapshot_shards import ShardedSnapshot
 
 if TYPE_CHECKING:
@@ -120,15 +121,21 @@ def sharded(worker: DiLoCoWorker) -> bool:
 
 
 def save_shard(worker: DiLoCoWorker, folder: str) -> None:
-    """A sharded group's ranks, all of them (a collective): each writes its snapshot boxes into
-    ``folder`` (created if needed); a failed write raises the same ``OSError`` on every rank."""
+    """A sharded group's ranks, all of them (a collective): each writes its snapshot boxes, and
+    the residual boxes it owns (a lossy codec's, once committed), into ``folder`` (created if
+    needed); a failed write raises the same ``OSError`` on every rank."""
     shards = _shards(worker)
     assert shards is not None
+    group = worker._group
+    assert group is not None and group.residuals is not None
+    residuals = group.residuals
+    residual = residuals.saved()  # this rank's owned boxes, beside its snapshot boxes
+    layout = snapshot_shards.sharding(shards.plans, shards.size)
+    layout["residual"] = any(residuals.kept())  # the owners' files hold theirs (a collective)
     error = None
     try:
         os.makedirs(folder, exist_ok=True)
-        layout = snapshot_shards.sharding(shards.plans, shards.size)
-        snapshot_shards.write_shard(folder, shards.rank, snapshot(worker), layout)
+        snapshot_shards.write_shard(folder, shards.rank, snapshot(worker), layout, residual)
     except OSError as exc:
         error = f"rank {shards.rank} of the sharded worker group could not save its snapshot: {exc}"
     error = shards.first_error(error)
@@ -213,7 +220,7 @@ def start_resumed(
         worker.start()
         return
     if _shards(worker) is not None:
-        _start_sharded(worker, state, snapshot)
+        _start_sharded(worker, state, snapshot, codec)
         return
     params = worker._local.params
     if group is not None:
@@ -255,25 +262,36 @@ def _take_counters(worker: DiLoCoWorker, state: WorkerState, leads: bool) -> Non
     )
 
 
-def _start_sharded(worker: DiLoCoWorker, state: WorkerState, snapshot: Snapshot | None) -> None:
-    """``start_resumed`` on a rank of a sharded group: its own progress, box by box."""
+def _start_sharded(
+    worker: DiLoCoWorker,
+    state: WorkerState,
+    snapshot: Snapshot | None,
+    codec: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """``start_resumed`` on a rank of a sharded group: its own progress, box by box; its owned
+    residual boxes (re-sliced as the snapshot's), and rank 0's codec state."""
     shards = _shards(worker)
+    group = worker._group
+    assert group is not None and group.residuals is not None
     progress: dict[str, torch.Tensor] = {}
+    residual: dict[str, torch.Tensor] | None = None
     error = None
     try:
         progress = _shard_progress(shards, snapshot)
+        residual = _shard_residual(shards, snapshot)
+        if group.leader and codec:
+            _load_codec_state(worker, codec)
     except (ValueError, OSError, SafetensorError) as exc:  # a file of one rank: every rank fails
         error = f"rank {shards.rank} of the sharded worker group cannot resume: {exc}"
     error = shards.first_error(error)
     if error is not None:
         raise ValueError(error)
+    group.residuals.restore(residual, worker._encoder)
     worker.start()
     with torch.no_grad():
         for name, delta in progress.items():
             local = shards.local(name)
             local.add_(delta.to(local.device, local.dtype))
-    group = worker._group
-    assert group is not None
     group.share()  # plain parameters: rank 0's, progress included
     _take_counters(worker, state, group.leader)
 
@@ -310,6 +328,32 @@ def _shard_progress(shards: Any, snapshot: Snapshot | None) -> dict[str, torch.T
             to_progress_(local, saved)
             progress[name] = local
     return progress
+
+
+def _shard_residual(shards: Any, snapshot: Snapshot | None) -> dict[str, torch.Tensor] | None:
+    """The residual of every box this rank owns, from the owners' files of a sharded checkpoint
+    (re-sliced as the snapshot); None when the checkpoint holds none."""
+    if not isinstance(snapshot, ShardedSnapshot) or not snapshot.has_residual:
+        return None
+    out = {}
+    for name, plan in shards.plans.items():
+        held = plan.boxes[shards.rank]
+        if held is not None and held[1]:
+            out[name] = snapshot.box(name, held[0], shards.rank, key=RESIDUAL + name)
+    return out
+
+
+def _load_codec_state(worker: DiLoCoWorker, codec: Mapping[str, torch.Tensor]) -> None:
+    """Rank 0 of a sharded group: the codec's own state (low rank's ``Q``). A whole residual (a
+    single worker's checkpoint) is not cut into shards: dropped with a warning."""
+    whole = [k for k in codec if k.startswith(RESIDUAL)]
+    if whole:
+        log.warning(
+            "the checkpoint's residual is a single worker's (%d tensors, whole): a sharded group "
+            "keeps its residual on the shards and starts this one from zero",
+            len(whole),
+        )
+    worker._encoder.load_state_dict({k: t for k, t in codec.items() if k not in whole})
 
 
 def _progress(

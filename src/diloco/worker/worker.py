@@ -158,6 +158,8 @@ class DiLoCoWorker:
         self._encoder = UploadEncoder(
             self.codec, self._local, self.metrics, self.settings.error_feedback
         )
+        if self._group is not None and self._group.residuals is not None and self._group.leader:
+            self._encoder.model_body = self._group.residuals.upload  # the residual on the shards
         self._session = Session(
             self.settings, self.client, self._local, self.metrics, self._rejoin, self._encoder
         )

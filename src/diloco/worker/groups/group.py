@@ -41,6 +41,7 @@ from diloco.worker.groups.agreement import Table, agree
 from diloco.worker.groups.json_collectives import all_gather_json, broadcast_json
 from diloco.worker.groups.shard_table import agree_on_shards, describe
 from diloco.worker.groups.sharded import ShardState
+from diloco.worker.groups.sharded_codec import ResidualShards
 from diloco.worker.groups.sharded_model import ShardedModel
 from diloco.worker.groups.sharded_outer import OuterShards
 from diloco.worker.groups.sharded_pieces import PieceShards
@@ -123,12 +124,14 @@ class WorkerGroup:
         #: Sharded (DTensor parameters): every rank's shards and rank 0's commands to them.
         self.shards: ShardState | None = None
         self.outer: OuterShards | None = None  # its all-reduce state, on every rank
+        self.residuals: ResidualShards | None = None  # a lossy codec's residual, on the owners
         if any(info["sharded"] for info in infos):
             ranks = dist.get_process_group_ranks(pg)
             plans = agree_on_shards([i["shards"] for i in infos], self.tables, ranks)
             self.shards = ShardState(pg, self.rank, local.params, plans, local.device)
             outer = self.outer = OuterShards(self.shards)  # all-reduce mode's commands
             pieces = PieceShards(self.shards)  # streaming fragments' commands, on every rank
+            self.residuals = ResidualShards(self.shards)
             if self.leader:
                 self.local = ShardedModel.of(local, self.shards, outer, pieces)
         self._mirrors: dict[str, torch.Tensor] = {}

@@ -88,10 +88,12 @@ def refuse_unsupported(first: Mapping[str, Any]) -> None:
             "worker group: partitioned=True with sharded (DTensor) parameters; a sharded group "
             "syncs each parameter from its shards: leave partitioned unset"
         )
-    if first["codec"] not in ("fp32", "bf16"):
+    if first["codec"] not in ("fp32", "bf16") and first["num_fragments"] > 1:
         raise ValueError(
-            f"worker group: codec {first['codec']!r} is not supported with sharded (DTensor) "
-            "parameters yet; a sharded group sends fp32 or bf16 (codec=None, bf16_comm)"
+            f"worker group: codec {first['codec']!r} with streaming fragments "
+            f"(num_fragments={first['num_fragments']}) is not supported with sharded (DTensor) "
+            "parameters yet; a sharded group streams fp32 or bf16 (codec=None, bf16_comm), or "
+            "sends a lossy codec with num_fragments=1"
         )
 
 

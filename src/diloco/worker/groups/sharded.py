@@ -7,7 +7,8 @@ of its box (pinned when the parameters are on CUDA). No rank holds the whole mod
 (``worker/groups/json_collectives.py``) and every rank, rank 0 included, runs it:
 
 - ``grad NAME``: each rank's owned box of ``snapshot - local`` in the communication dtype is
-  gathered (padded to the largest box) onto rank 0, which puts the parameter together;
+  gathered (padded to the largest box) onto rank 0, which puts the parameter together (with
+  ``owed``: plus the owner's error-feedback residual, ``worker/groups/sharded_codec.py``);
 - ``full NAME``: the same with the parameter's own values (the run's initial parameters);
 - ``put NAME``: rank 0's staged download of one parameter is scattered, each rank its box, into
   the snapshots (replicas included);
@@ -94,6 +95,9 @@ class ShardState:
                 self.snapshot[name] = torch.zeros(
                     held[0].shape, dtype=torch.float32, pin_memory=pin
                 )
+        #: A lossy codec's error-feedback residual of each box this rank owns (fp32, CPU, the
+        #: box's shape; made at the first commit, ``sharded_codec.py``); replicas keep none.
+        self.residual: dict[str, torch.Tensor] = {}
         self.staging = Staging(device)
         #: Further commands by name (all-reduce mode's, ``sharded_outer.OuterShards``).
         self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
@@ -138,11 +142,12 @@ class ShardState:
             return None
         plan = self.plans[cmd["name"]]
         if op == "grad":
-            return self._gather(plan, _DTYPES[cmd["dtype"]], grad=True)
+            owed = self.residual.get(plan.name) if cmd.get("owed") else None
+            return self._gather(plan, _DTYPES[cmd["dtype"]], grad=True, owed=owed)
         if op == "full":
             return self._gather(plan, getattr(torch, plan.dtype.removeprefix("torch.")), grad=False)
         if op == "put":
-            self._scatter(plan)
+            self.scatter(plan, self.staged(plan) if self.rank == 0 else None, self._into_snapshot)
             return None
         raise ValueError(f"unknown worker group command {op!r}")
 
@@ -154,17 +159,19 @@ class ShardState:
             torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def _gather(self, plan: ShardPlan, dtype: torch.dtype, *, grad: bool) -> torch.Tensor | None:
-        """Every owner's box of ``snapshot - local`` (or of ``local``) in ``dtype``; rank 0 gets
-        the parameter put together, on the CPU (a staging buffer, valid until the next
-        command)."""
+    def _gather(
+        self, plan: ShardPlan, dtype: torch.dtype, *, grad: bool, owed: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Every owner's box of ``snapshot - local`` (plus ``owed``, its residual, if any; or of
+        ``local``) in ``dtype``; rank 0 gets the parameter put together, on the CPU (a staging
+        buffer, valid until the next command)."""
         held = plan.boxes[self.rank]
         if plan.plain:
-            return self._own_whole(plan, dtype, grad)
+            return self._own_whole(plan, dtype, grad, owed)
         width = plan.width
         send = self.staging.get("send", width, dtype)
         if held is not None and held[1]:
-            self._own_box(plan.name, held[0].numel, send, grad)
+            self._own_box(plan.name, held[0].numel, send, grad, owed)
         parts = None
         if self.rank == 0:
             parts = [self.staging.get(f"part{r}", width, dtype) for r in range(self.size)]
@@ -178,7 +185,9 @@ class ShardState:
                 box.write(whole, part[: box.numel].view(box.shape))
         return whole
 
-    def _own_box(self, name: str, numel: int, out: torch.Tensor, grad: bool) -> None:
+    def _own_box(
+        self, name: str, numel: int, out: torch.Tensor, grad: bool, owed: torch.Tensor | None
+    ) -> None:
         local = self.local(name).reshape(-1)
         if not grad:
             out[:numel].copy_(local)
@@ -188,14 +197,20 @@ class ShardState:
         torch.sub(
             snap.to(diff.device, non_blocking=True), local.to(diff.device, torch.float32), out=diff
         )
+        if owed is not None:  # c = g + e, as the plain encoder adds them (fp32, same bits)
+            diff.add_(owed.reshape(-1).to(diff.device))
         out[:numel].copy_(diff)
 
-    def _own_whole(self, plan: ShardPlan, dtype: torch.dtype, grad: bool) -> torch.Tensor:
+    def _own_whole(
+        self, plan: ShardPlan, dtype: torch.dtype, grad: bool, owed: torch.Tensor | None
+    ) -> torch.Tensor:
         whole = self.staging.get("whole", _numel(plan.shape), dtype, cpu=True)
         if grad:
             diff = self.staging.get("fp32", _numel(plan.shape), torch.float32)
             local = self.local(plan.name).reshape(-1).to(diff.device, torch.float32)
             torch.sub(self.snapshot[plan.name].reshape(-1).to(diff.device), local, out=diff)
+            if owed is not None:
+                diff.add_(owed.reshape(-1).to(diff.device))
             whole.copy_(diff)
         else:
             whole.copy_(self.local(plan.name).reshape(-1))
@@ -208,16 +223,24 @@ class ShardState:
         )
 
     @torch.no_grad()
-    def _scatter(self, plan: ShardPlan) -> None:
-        """Rank 0's staged parameter into every rank's snapshot, each its box."""
+    def scatter(
+        self,
+        plan: ShardPlan,
+        whole: torch.Tensor | None,
+        store: Callable[[str, torch.Tensor, bool], None],
+    ) -> None:
+        """Rank 0's fp32 ``whole`` parameter (None on the other ranks) cut into every rank's
+        box; each rank that holds one calls ``store(name, its box's values, owns)`` (a view of
+        a staging buffer, flat, valid until the next command)."""
         held = plan.boxes[self.rank]
         if plan.plain:
-            self.snapshot[plan.name].copy_(self.staged(plan))
+            assert whole is not None
+            store(plan.name, whole.reshape(-1), True)
             return
         width = plan.width
         parts = None
         if self.rank == 0:
-            whole = self.staged(plan)
+            assert whole is not None
             parts = []
             for r, got in enumerate(plan.boxes):
                 part = self.staging.get(f"part{r}", width, torch.float32)
@@ -227,8 +250,10 @@ class ShardState:
         recv = self.staging.get("send", width, torch.float32)
         dist.scatter(recv, parts, group_src=0, group=self.pg)
         if held is not None and held[0].numel:
-            snap = self.snapshot[plan.name]
-            snap.view(-1).copy_(recv[: held[0].numel])
+            store(plan.name, recv[: held[0].numel], held[1])
+
+    def _into_snapshot(self, name: str, values: torch.Tensor, owns: bool) -> None:
+        self.snapshot[name].view(-1).copy_(values)  # replicas too: every holder's snapshot
 
 
 def _numel(shape: tuple[int, ...]) -> int:

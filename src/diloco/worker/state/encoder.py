@@ -97,7 +97,9 @@ class UploadEncoder:
         self.feedback = None if self.raw or not error_feedback else ErrorFeedback()
         self._local = local
         self._metrics = metrics
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        #: Set by a sharded group's rank 0: its residual is on the shards (``sharded_codec``).
+        self.model_body: Callable[[UploadEncoder], Upload] | None = None
         self._squares: dict[str, float] = {}  # squared residual norm per committed tensor
         self._scratch: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
 
@@ -112,7 +114,9 @@ class UploadEncoder:
     def model_upload(self) -> Upload:
         """The whole model's ``snapshot - local``, as plain DiLoCo sends it."""
         if self.raw:
-            return Upload(self._local.specs(), self._local.produce, _nothing)
+            return Upload(self._local.specs(), self._local.produce, nothing)
+        if self.model_body is not None:
+            return self.model_body(self)
         return _ModelBody(self).upload()
 
     def fragment_upload(self, pieces: list[Piece], send: Mapping[str, torch.Tensor]) -> Upload:
@@ -120,20 +124,20 @@ class UploadEncoder:
         if self.raw:
             dtype = self._local.comm_dtype
             specs = [TensorSpec(p.wire_name, dtype, (p.numel,)) for p in pieces]
-            return Upload(specs, lambda spec: send[spec.name], _nothing)
+            return Upload(specs, lambda spec: send[spec.name], nothing)
         return _FragmentBody(self, pieces, send).upload()
 
     # --- what the metrics and a checkpoint see ------------------------------------------------
 
     def residual_norm(self) -> float:
         """``||e||`` after the last committed upload (0 without error feedback)."""
-        with self._lock:
+        with self.lock:
             return math.sqrt(sum(self._squares.values()))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of the residuals and the codec's state, keyed with ``RESIDUAL`` and
         ``CODEC_STATE`` in front of the names: one safetensors file holds them."""
-        with self._lock:
+        with self.lock:
             out = {}
             if self.feedback is not None:
                 for name, e in self.feedback.residuals.items():
@@ -151,7 +155,7 @@ class UploadEncoder:
         for name, e in residuals.items():
             if name not in params or tuple(e.shape) != tuple(params[name].shape):
                 raise ValueError(f"the checkpoint's residual {name!r} does not fit the model")
-        with self._lock:
+        with self.lock:
             if self.feedback is None:
                 if residuals:
                     log.warning(
@@ -197,7 +201,7 @@ class UploadEncoder:
             self._scratch[(key, device)] = have
         return [t[:n] for t, (_, n) in zip(have, sizes, strict=True)]
 
-    def _parts_buffer(
+    def parts_buffer(
         self, key: str, block: BlockCodec, n: int, device: torch.device
     ) -> list[torch.Tensor]:
         return self._buffer(key, [(p.dtype, p.numel) for p in block.flat_parts(n)], device)
@@ -250,7 +254,7 @@ class UploadEncoder:
             if c.device == sub[0].device:
                 block.encode_piece(c, sub)
             else:  # encoded on the GPU, a byte or less per element crosses to the host
-                parts = block.encode_piece(c, self._parts_buffer("dev", block, b - a, device))
+                parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, device))
                 for o, t in zip(sub, parts, strict=True):
                     o.copy_(t)
 
@@ -267,7 +271,7 @@ class UploadEncoder:
                 gd = self._fp32("g", b - a, e.device).copy_(gd, non_blocking=True)
             c = e[a:b]
             c.add_(gd)
-            parts = block.encode_piece(c, self._parts_buffer("dev", block, b - a, e.device))
+            parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, e.device))
             block.add_piece_into(c, parts, -1.0, False)
             total += torch.linalg.vector_norm(c).square()
         return float(total)
@@ -295,11 +299,11 @@ class UploadEncoder:
         self._metrics["residual_norm"] = math.sqrt(sum(self._squares.values()))
 
 
-def _nothing() -> None:
+def nothing() -> None:
     pass
 
 
-class _Body:
+class Body:
     """An upload's body: ``tensors`` (key -> shape on the wire) each as ``codec``'s parts, in
     order; a tensor is encoded (``encode(key)``) when its first part is asked for."""
 
@@ -318,7 +322,7 @@ class _Body:
     def upload(self) -> Upload:
         # Without error feedback nothing moves once the server counted the body.
         return Upload(
-            self.specs, self.produce, _nothing if self.enc.feedback is None else self.commit
+            self.specs, self.produce, nothing if self.enc.feedback is None else self.commit
         )
 
     def produce(self, spec: TensorSpec) -> torch.Tensor:
@@ -334,7 +338,7 @@ class _Body:
         raise NotImplementedError
 
 
-class _ModelBody(_Body):
+class _ModelBody(Body):
     """The whole model, one parameter at a time."""
 
     def __init__(self, enc: UploadEncoder) -> None:
@@ -357,7 +361,7 @@ class _ModelBody(_Body):
                 self.factors[key] = [t.to("cpu").contiguous() for t in enc.codec.encode(c, key)]
             return self.factors[key]
         n = p.numel()
-        host = enc._parts_buffer("host", block, n, torch.device("cpu"))
+        host = enc.parts_buffer("host", block, n, torch.device("cpu"))
         flat_e = None if e is None else e.to(p.device).view(-1)
         for a, b, g in enc.pieces(key, p):
             sub = [h[s:t] for h, (s, t) in zip(host, block.piece_ranges(n, a, b), strict=True)]
@@ -368,7 +372,7 @@ class _ModelBody(_Body):
         enc = self.enc
         assert enc.feedback is not None
         squares = {}
-        with enc._lock:
+        with enc.lock:
             for name, p in self.params.items():
                 block = enc.block_of(tuple(p.shape))
                 e = enc.residual(name)
@@ -386,7 +390,7 @@ class _ModelBody(_Body):
             enc.committed(squares)
 
 
-class _FragmentBody(_Body):
+class _FragmentBody(Body):
     """A fragment's pieces, each encoded as its own flat tensor from the send buffer."""
 
     def __init__(self, enc: UploadEncoder, pieces: list[Piece], send: Mapping[str, torch.Tensor]):
@@ -401,14 +405,14 @@ class _FragmentBody(_Body):
         device = enc._local.params[piece.param].device
         e = enc.owed(piece.param)
         own = None if e is None else e.to(device).view(-1)[piece.start : piece.stop]
-        host = enc._parts_buffer("host", self.block, piece.numel, torch.device("cpu"))
+        host = enc.parts_buffer("host", self.block, piece.numel, torch.device("cpu"))
         enc.encode_flat(self.block, own, self.send[key], host, device)
         return host
 
     def commit(self) -> None:
         enc = self.enc
         squares = {}
-        with enc._lock:
+        with enc.lock:
             for wire, piece in self.pieces.items():
                 e = enc.residual(piece.param).view(-1)
                 sq = enc.commit_flat(self.block, e[piece.start : piece.stop], self.send[wire])

@@ -32,7 +32,8 @@ _KEY = "diloco_sharding"
 
 Sharding = dict[str, Any]
 """``{"ranks": N, "params": {name: {"shape": S, "boxes": [[offset, shape, owns] | None]}}}``:
-per parameter, per group rank, the box it holds (None: nothing, a plain parameter off rank 0)."""
+per parameter, per group rank, the box it holds (None: nothing, a plain parameter off rank 0);
+``"residual": true`` when the owners' files also hold their residual boxes (``residual/NAME``)."""
 
 
 def sharding(plans: Mapping[str, Any], ranks: int) -> Sharding:
@@ -53,13 +54,22 @@ def sharding(plans: Mapping[str, Any], ranks: int) -> Sharding:
 
 
 def write_shard(
-    folder: str, rank: int, snapshot: Mapping[str, torch.Tensor], layout: Sharding
+    folder: str,
+    rank: int,
+    snapshot: Mapping[str, torch.Tensor],
+    layout: Sharding,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
-    """Write this rank's snapshot boxes into ``folder``; the path written. The file goes in
-    under a temporary name and is renamed, so a reader never sees half of it; an ``OSError``
-    if it cannot be written."""
+    """Write this rank's snapshot boxes into ``folder``; the path written. ``extra``: more
+    tensors of this rank's boxes under their own keys (its error-feedback residual boxes,
+    ``residual/NAME``, which ``box(..., key=)`` reads back re-sliced as the snapshot is). The
+    file goes in under a temporary name and is renamed, so a reader never sees half of it; an
+    ``OSError`` if it cannot be written."""
     path = os.path.join(folder, SHARD_FILE.format(rank=rank))
-    tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in snapshot.items()}
+    tensors = {
+        n: t.detach().to("cpu", copy=True).contiguous()
+        for n, t in {**snapshot, **(extra or {})}.items()
+    }
     try:
         save_file(tensors, path + ".tmp", metadata={_KEY: json.dumps(layout)})
     except SafetensorError as exc:  # its I/O errors are not OSErrors
@@ -89,6 +99,11 @@ class ShardedSnapshot(Mapping[str, torch.Tensor]):
         self.layout: Sharding = json.loads(meta[_KEY])
 
     @property
+    def has_residual(self) -> bool:
+        """Whether the owners' files hold their error-feedback residual boxes."""
+        return bool(self.layout.get("residual"))
+
+    @property
     def ranks(self) -> int:
         return int(self.layout["ranks"])
 
@@ -106,14 +121,18 @@ class ShardedSnapshot(Mapping[str, torch.Tensor]):
         """Parameter ``name``'s global shape."""
         return tuple(self.layout["params"][name]["shape"])
 
-    def box(self, name: str, want: Box, rank: int | None = None) -> torch.Tensor:
+    def box(
+        self, name: str, want: Box, rank: int | None = None, key: str | None = None
+    ) -> torch.Tensor:
         """The fp32 values of ``want`` (a box of parameter ``name``). ``rank``: the reader's
-        group rank, whose own file is read alone when it holds exactly ``want``."""
+        group rank, whose own file is read alone when it holds exactly ``want``. ``key``: read
+        the tensor saved under that key instead of the snapshot (a residual, which only the
+        owners' files hold), with the same boxes."""
         saved = self._boxes(name)
         own = saved[rank] if rank is not None and rank < len(saved) else None
         if own is not None and rank is not None:
-            if own[0] == want:
-                return self._read(rank, name, tuple(slice(0, n) for n in want.shape))
+            if own[0] == want and (own[1] or key is None):
+                return self._read(rank, key or name, tuple(slice(0, n) for n in want.shape))
         out = torch.empty(want.shape, dtype=torch.float32)
         covered = 0
         for r, got in enumerate(saved):
@@ -127,7 +146,7 @@ class ShardedSnapshot(Mapping[str, torch.Tensor]):
                 slice(a - o, b - o) for a, b, o in zip(lo, hi, got[0].offset, strict=True)
             )
             target = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, want.offset, strict=True))
-            out[target] = self._read(r, name, source)
+            out[target] = self._read(r, key or name, source)
             covered += _numel([b - a for a, b in zip(lo, hi, strict=True)])
         assert covered == want.numel, (name, want)  # the owned boxes tile it once (checked at save)
         return out
