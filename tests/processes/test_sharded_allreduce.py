@@ -13,6 +13,7 @@ import torch
 from diloco import DiLoCoServer, ServerConfig
 from diloco.persistence import list_checkpoints, load_checkpoint
 from tests.helpers import ranks
+from tests.programs import group_ranks as gr
 from tests.programs import shard_allreduce_ranks as sar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -132,6 +133,37 @@ def test_fsdp_group_beside_a_plain_worker_in_allreduce_mode(tmp_path: Path) -> N
             for name, (shard, offset) in mine["shards"].items():
                 assert torch.equal(shard, _slice(theirs["params"][name], shard, offset)), name
     expected = ranks.reference_groups(2)
+    for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+
+
+def test_an_fsdp_group_a_ddp_group_and_a_plain_worker_average_in_one_quorum(
+    tmp_path: Path,
+) -> None:
+    """All-reduce mode, the three kinds of worker of one model in each quorum (the layouts
+    differ: the FSDP group takes the streamed path): after every round the FSDP group's shards
+    are the DDP group's and the plain worker's slices, and the run equals the reference."""
+    config = ServerConfig(port=0, num_workers=3, allreduce=True)
+    with DiLoCoServer(config) as server:
+        fsdp = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        ddp = ranks.spawn(gr.ddp_rank, (server.address, 1, str(tmp_path), False))
+        plain = ranks.spawn(sar.plain_rank, (server.address, 2, str(tmp_path), False), nprocs=1)
+        for ctx in (fsdp, ddp, plain):
+            ranks.join(ctx, timeout=120)
+        status = server.status()
+    assert status["rounds_completed"] == ranks.ROUNDS and status["registrations"] == 3
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["rebases"] == 0  # one state: the hashes agreed
+    others = torch.load(tmp_path / "plain2.pt")
+    ddp_records = torch.load(tmp_path / "g1r0.pt")[1:]  # after every step (the join first)
+    for rank in got:
+        for i, (mine, theirs) in enumerate(zip(rank["records"], others, strict=True)):
+            after_sync = ddp_records[(i + 1) * ranks.SYNC_EVERY - 1]["params"]
+            for name, (shard, offset) in mine["shards"].items():
+                assert torch.equal(shard, _slice(theirs["params"][name], shard, offset)), name
+                assert torch.equal(shard, _slice(after_sync[name], shard, offset)), name
+    expected = ranks.reference_groups(3)
     for name, value in _whole(got, -1).items():
         torch.testing.assert_close(value, expected[name])
 

@@ -12,6 +12,7 @@ import torch
 from diloco import DiLoCoServer, ServerConfig
 from tests.helpers import ranks
 from tests.helpers.reference import assert_same_params
+from tests.programs import group_ranks as gr
 from tests.programs import shard_ranks as sr
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -88,6 +89,22 @@ def test_fsdp_group_beside_a_plain_worker(tmp_path: Path) -> None:
     _check_group(tmp_path, 0, (2,))
     assert set(got) == NAMES
     assert_same_params(got, ranks.reference_groups(2))
+
+
+def test_an_fsdp_group_a_ddp_group_and_a_plain_worker_train_in_one_run(tmp_path: Path) -> None:
+    """The three kinds of worker of one model in one run: the server sees the model's own
+    names from each, and the run equals three single-process workers on their mean gradients."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=3)) as server:
+        fsdp = ranks.spawn(sr.fsdp_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        ddp = ranks.spawn(gr.ddp_rank, (server.address, 1, str(tmp_path), False))
+        plain = ranks.spawn(sr.plain_rank, (server.address, 2), nprocs=1)
+        for ctx in (fsdp, ddp, plain):
+            ranks.join(ctx, timeout=120)
+        status, got = server.status(), server.global_params()
+    assert status["round"] == ranks.ROUNDS and status["registrations"] == 3
+    _check_group(tmp_path, 0, (2,))
+    assert set(got) == NAMES
+    assert_same_params(got, ranks.reference_groups(3))
 
 
 def test_sharded_ranks_that_cannot_form_a_worker_fail_on_every_rank(tmp_path: Path) -> None:
