@@ -89,6 +89,28 @@ def test_pipeline_group_streams_as_the_unsplit_model(tmp_path: Path) -> None:
         torch.testing.assert_close(got[name], expected[name])
 
 
+def test_pipeline_group_streams_in_allreduce_mode_as_the_unsplit_model(tmp_path: Path) -> None:
+    """All-reduce mode, tau 0: at each due step rank 0 gathers every stage's parameters (a
+    round may move any of them) and the merge scatters each stage its own back; every stage's
+    parameters equal an unsplit streaming all-reduce worker's after every step, the same
+    rounds completed."""
+    config = ServerConfig(port=0, num_workers=1, allreduce=True)
+    with DiLoCoServer(config) as server:
+        ctx = ranks.spawn(sr.pipeline_rank, (server.address, str(tmp_path), 2, 0))
+        ranks.join(ctx, timeout=120)
+        status = server.status()
+    with DiLoCoServer(config) as ref_server:
+        expected_steps = sr.reference_pipeline(ref_server.address, 2, 0)
+        ref_status = ref_server.status()
+    assert status["registrations"] == 1
+    assert status["rounds_completed"] == ref_status["rounds_completed"] >= 5
+    stages = [torch.load(tmp_path / f"pipe{r}.pt") for r in range(2)]
+    assert set(stages[1][-1]["params"]) == {"2.weight", "2.bias", "4.weight", "4.bias"}
+    for records in stages:
+        _assert_as_reference(records, expected_steps)
+    assert [x["outcome"] for x in stages[0]] == [x["outcome"] for x in stages[1]]
+
+
 def test_faults_on_rank_0_mid_fragment_leave_both_ranks_consistent(tmp_path: Path) -> None:
     """Rank 0's scripted client: the 2nd fragment upload finds the server unreachable (kept
     locally), before the 4th the server forgets the worker (410: the next due fragment
@@ -126,9 +148,9 @@ def test_ddp_group_streams_in_allreduce_mode_as_the_single_process_reference(
 
 
 def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
-    """In all-reduce mode, a sharded group asking for fragments with overlap_steps > 0 and a
-    partitioned group asking for fragments fail at rank 0's first registration, where the mode
-    is learnt (rank 0's ValueError, which every rank raises); no hang."""
+    """In all-reduce mode, a sharded group and a partitioned group asking for fragments with
+    overlap_steps > 0 fail at rank 0's first registration, where the mode is learnt (rank 0's
+    ValueError, which every rank raises); no hang."""
     config = ServerConfig(port=0, num_workers=1, allreduce=True)
     with DiLoCoServer(config) as one, DiLoCoServer(config) as two:
         servers = [one.address, two.address]
@@ -137,7 +159,7 @@ def test_streaming_still_refused_fails_on_every_rank(tmp_path: Path) -> None:
     assert set(errors[0]) == {"allreduce_sharded", "allreduce_partitioned"}
     for case, words in [
         ("allreduce_sharded", "sharded (DTensor) worker group in all-reduce mode need overlap"),
-        ("allreduce_partitioned", "partitioned worker group"),
+        ("allreduce_partitioned", "partitioned worker group (pipeline stages) in all-reduce"),
     ]:
         assert errors[0][case].startswith("ValueError: "), case
         assert words in errors[0][case]

@@ -167,8 +167,8 @@ def fsdp_rank(
 
 def refused_rank(rank: int, port: int, servers: list[str], out: str) -> None:
     """Streaming groups that are still refused in all-reduce mode (``server`` runs in it), each
-    rank's error recorded: a sharded group (DTensor weight) overlapping its rounds (tau 1) and
-    a partitioned group, both at
+    rank's error recorded: a sharded group (DTensor weight) and a partitioned group, both
+    overlapping their rounds (tau 1), both at
     their start, where the mode is learnt (each its own server: a run takes one model)."""
     _init(rank, port)
     errors: dict[str, str] = {}

@@ -91,11 +91,13 @@ def _quorum_sync(
 ) -> QuorumSync | GroupStreaming:
     """``QuorumSync`` over its payload; a worker group's streaming wraps it for the group, and a
     sharded group's state stays on its shards (``parts``: its per-shard outer state)."""
-    if settings.num_fragments > 1 and lockstep is not None and lockstep.group.partitioned:
+    partitioned = lockstep is not None and lockstep.group.partitioned
+    if settings.num_fragments > 1 and partitioned and settings.overlap_steps > 0:
         raise ValueError(
-            "streaming fragments in all-reduce mode are not supported for a partitioned worker "
-            "group (a state received would rebase rank 0's stale copies of the other ranks' "
-            "parameters): leave num_fragments at 1 or run a parameter server"
+            "streaming fragments of a partitioned worker group (pipeline stages) in all-reduce "
+            "mode need overlap_steps=0: a state received while a round overlaps training would "
+            "rebase rank 0's copies of the other ranks' parameters, which go on training; set "
+            "overlap_steps=0 or run a parameter server"
         )
     if parts is not None and settings.num_fragments > 1 and settings.overlap_steps > 0:
         raise ValueError(SHARDED_OVERLAP)
@@ -114,4 +116,7 @@ def _quorum_sync(
     quorum = QuorumSync(session, state, payload)
     if lockstep is None:
         return quorum
-    return GroupStreaming(lockstep, session, GroupedFragmentRounds(session, quorum, payload))
+    # A partitioned group's rank 0 takes every rank's parameters at each due step: a round may
+    # move them all (a state received, a rebase), and its copies must be those of now.
+    grouped = GroupedFragmentRounds(session, quorum, payload, every_param=partitioned)
+    return GroupStreaming(lockstep, session, grouped)

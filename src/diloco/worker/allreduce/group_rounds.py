@@ -6,8 +6,10 @@ The quorum loop, the round's thread and its merge are ``FragmentRounds``'s, unch
 only says, at a due step, which parameters the round's fragment touches (the run's round picks
 the fragment, ``base_round mod P``), and at the merge step whether parameters outside it moved
 too (a state received or taken, a rebase, a round that averaged another fragment than the one
-announced), so that the group shares the whole model then. A re-join is the quorum loop's own
-(``Standing``), never a due step's.
+announced), so that the group shares the whole model then. A partitioned group (pipeline
+stages, ``overlap_steps`` 0 only) names every parameter at each due step: rank 0's copies of the
+other ranks' parameters are then those of now whatever the round moves, and the merge sends
+every rank its own back. A re-join is the quorum loop's own (``Standing``), never a due step's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,18 @@ class GroupedFragmentRounds:
     """A ``FragmentLeader`` (``worker/groups/group_streaming.py``) over ``QuorumSync`` with a
     ``FragmentRounds`` payload."""
 
-    def __init__(self, session: Session, quorum: QuorumSync, payload: FragmentRounds) -> None:
+    def __init__(
+        self,
+        session: Session,
+        quorum: QuorumSync,
+        payload: FragmentRounds,
+        *,
+        every_param: bool = False,
+    ) -> None:
         self._s = session
+        #: A partitioned group (``overlap_steps`` 0): every parameter is gathered to rank 0 at
+        #: a due step and shared back at its merge, as a round may move any of them.
+        self._every_param = every_param
         self._quorum = quorum
         self._payload = payload
         self._announced = -1  # the fragment whose parameters the group moves for this round
@@ -57,6 +69,8 @@ class GroupedFragmentRounds:
 
     def due_params(self, k: int) -> list[str]:
         self._announced = self._s.base_round % self._payload.num_fragments
+        if self._every_param:
+            return list(self._s.local.params)
         return self._payload.fragment_params(self._announced)
 
     def send_fragment(self, k: int) -> None:
