@@ -69,6 +69,28 @@ def _check_by_position(group: list[dict[str, Any]]) -> None:
     assert group[0]["facts"]["gathered"] == {}
 
 
+def _survive_a_dying_member(tmp_path: Path, spawn_dying: Any) -> list[dict[str, Any]]:
+    """Group 0 beside a member that exits with code 3 inside its first tensor all-reduce: the
+    group's round is discarded on both ranks and a quorum of the group alone repeats it, so the
+    group ends where a lone worker ends. Group 0's records."""
+    config = ServerConfig(port=0, num_workers=2, allreduce=True, collective_timeout=10.0)
+    with DiLoCoServer(config) as server:
+        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
+        dying = spawn_dying(server.address)
+        with pytest.raises(Exception, match="exit code 3"):
+            ranks.join(dying, timeout=60)
+        ranks.join(group, timeout=120)
+        status = server.status()
+    assert status["rounds_completed"] >= ranks.ROUNDS
+    got = _load(tmp_path, 0)
+    _check_group(got, ranks.ROUNDS)
+    assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
+    expected = ranks.reference_groups(1)
+    for name, value in _whole(got, -1).items():
+        torch.testing.assert_close(value, expected[name])
+    return got
+
+
 @pytest.mark.parametrize(
     ("mesh", "comm"),
     [((2,), "fp32"), ((2, 1), "fp32"), ((2,), "bf16")],
@@ -209,21 +231,11 @@ def test_a_member_dying_inside_the_allreduce_leaves_the_sharded_group_consistent
     """The plain member exits inside the first averaging all-reduce: the group's round is
     discarded on both ranks (nothing applied), and a quorum of the group alone repeats it with
     the pseudo-gradient its shards still hold: the group ends where a lone worker ends."""
-    config = ServerConfig(port=0, num_workers=2, allreduce=True, collective_timeout=10.0)
-    with DiLoCoServer(config) as server:
-        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
-        plain = ranks.spawn(sar.plain_rank, (server.address, 1, str(tmp_path), True), nprocs=1)
-        with pytest.raises(Exception, match="exit code 3"):
-            ranks.join(plain, timeout=60)
-        ranks.join(group, timeout=120)
-        status = server.status()
-    assert status["rounds_completed"] >= ranks.ROUNDS
-    got = _load(tmp_path, 0)
-    _check_group(got, ranks.ROUNDS)
-    assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
-    expected = ranks.reference_groups(1)
-    for name, value in _whole(got, -1).items():
-        torch.testing.assert_close(value, expected[name])
+    got = _survive_a_dying_member(
+        tmp_path,
+        lambda address: ranks.spawn(sar.plain_rank, (address, 1, str(tmp_path), True), nprocs=1),
+    )
+    assert "x_join" not in got[0]["facts"]["served"]  # a plain member: the streamed path
 
 
 def test_a_group_dying_inside_the_exchange_by_position_leaves_the_other_consistent(
@@ -233,24 +245,14 @@ def test_a_group_dying_inside_the_exchange_by_position_leaves_the_other_consiste
     first tensor all-reduce of position 1 (position 0 completes). The first group's rank 1
     reports the failure, its rank 0 discards the round on both ranks, and a quorum of the group
     alone repeats it: the group ends where a lone worker ends."""
-    config = ServerConfig(port=0, num_workers=2, allreduce=True, collective_timeout=10.0)
-    with DiLoCoServer(config) as server:
-        group = ranks.spawn(sar.group_rank, (server.address, 0, str(tmp_path), (2,), "fp32"))
-        dying = ranks.spawn(
-            sar.group_rank, (server.address, 1, str(tmp_path), (2,), "fp32", None, None, True)
-        )
-        with pytest.raises(Exception, match="exit code 3"):
-            ranks.join(dying, timeout=60)
-        ranks.join(group, timeout=120)
-        status = server.status()
-    assert status["rounds_completed"] >= ranks.ROUNDS
-    got = _load(tmp_path, 0)
-    _check_group(got, ranks.ROUNDS)
-    assert got[0]["facts"]["metrics"]["discarded_rounds"] >= 1
-    assert got[0]["facts"]["gathered"] == {}  # alone, it still put nothing together
-    expected = ranks.reference_groups(1)
-    for name, value in _whole(got, -1).items():
-        torch.testing.assert_close(value, expected[name])
+    got = _survive_a_dying_member(
+        tmp_path,
+        lambda address: ranks.spawn(
+            sar.group_rank, (address, 1, str(tmp_path), (2,), "fp32", None, None, True)
+        ),
+    )
+    assert got[0]["facts"]["served"]["x_avg"] >= ranks.ROUNDS  # shard with shard, then alone
+    assert got[0]["facts"]["gathered"] == {}  # it put nothing together, alone or not
 
 
 def test_groups_of_one_layout_share_the_state_position_by_position(tmp_path: Path) -> None:

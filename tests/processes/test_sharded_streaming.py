@@ -31,6 +31,19 @@ def _assert_ranks_agree(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> Non
             assert x[key] == y[key], (step, key, x[key], y[key])
 
 
+def _assert_shards_as_reference(
+    records: list[dict[str, Any]], expected_steps: list[dict[str, Any]]
+) -> None:
+    """After every step the same counts as the reference, and each shard its box of the
+    reference's parameters."""
+    assert len(records) == len(expected_steps)
+    for step, (g, e) in enumerate(zip(records, expected_steps, strict=True)):
+        assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
+        for name, (shard, offset) in g["params"].items():
+            want = e["params"][name][_box(shard, offset)]
+            torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
+
+
 @pytest.mark.parametrize("fragments", [2, 4])
 def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, fragments: int) -> None:
     """An FSDP2 group of two ranks streaming P fragments (tau 1; the spans cut parameters in
@@ -52,12 +65,7 @@ def test_fsdp_group_streams_as_the_single_process_reference(tmp_path: Path, frag
     assert r0[0]["outcome"] == "joined"
     assert {x["outcome"] for x in r0[1:]} <= {"joined", "adopted"}
     for records in (r0, r1):
-        assert len(records[1:]) == len(expected_steps)
-        for step, (g, e) in enumerate(zip(records[1:], expected_steps, strict=True)):
-            assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
-            for name, (shard, offset) in g["params"].items():
-                want = e["params"][name][_box(shard, offset)]
-                torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
+        _assert_shards_as_reference(records[1:], expected_steps)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
     # Rank 0's staging: no buffer past the largest parameter (16 x 6 fp32), never the model.
@@ -85,12 +93,7 @@ def test_fsdp_group_streams_in_allreduce_mode_as_the_single_process_reference(
     r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt") for r in range(2))
     _assert_ranks_agree(r0, r1)
     for records in (r0, r1):
-        assert len(records[1:]) == len(expected_steps)
-        for step, (g, e) in enumerate(zip(records[1:], expected_steps, strict=True)):
-            assert {k: g["metrics"][k] for k in sr.COUNTED} == e["metrics"], step
-            for name, (shard, offset) in g["params"].items():
-                want = e["params"][name][_box(shard, offset)]
-                torch.testing.assert_close(shard, want, msg=f"step {step}, {name}")
+        _assert_shards_as_reference(records[1:], expected_steps)
     # Rank 0 holds one fragment's buffer; its staging no more than the largest parameter.
     assert 0 < max(x["staging"] for x in r0) <= 16 * 6 * 4
 

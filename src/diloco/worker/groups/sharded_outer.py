@@ -266,9 +266,15 @@ class OuterShards:
         ``values`` handed in-process)."""
         st = self._st
         plan = st.plans[cmd["name"]]
+        if cmd["op"] == "step" and not plan.plain:  # the averages, each holder its box
+            whole = st.staged(plan) if st.rank == 0 else None
+            st.scatter(plan, whole, lambda name, got, owns: self._piece_on(plan, cmd, got))
+            return
+        self._piece_on(plan, cmd, values)
+
+    def _piece_on(self, plan: ShardPlan, cmd: dict[str, Any], values: torch.Tensor | None) -> None:
+        st = self._st
         held = plan.boxes[st.rank]
-        if cmd["op"] == "step" and not plan.plain:
-            values = self._scatter_staged(plan)
         if held is None or not held[0].numel:
             return
         start, stop = cmd["start"], cmd["stop"]
@@ -283,21 +289,3 @@ class OuterShards:
             mix_span(st.local(plan.name).view(-1), snap, span, cmd["alpha"])
         if st.device.type == "cuda":
             torch.cuda.synchronize(st.device)
-
-    def _scatter_staged(self, plan: ShardPlan) -> torch.Tensor:
-        """Every rank's box of rank 0's staged parameter, fp32 (the padded receive buffer)."""
-        st = self._st
-        width = plan.width
-        parts = None
-        if st.rank == 0:
-            whole = st.staged(plan)
-            parts = []
-            for r, got in enumerate(plan.boxes):
-                part = st.staging.get(f"part{r}", width, torch.float32)
-                if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
-                parts.append(part)
-        recv = st.staging.get("send", width, torch.float32)
-        dist.scatter(recv, parts, group_src=0, group=st.pg)
-        held = plan.boxes[st.rank]
-        return recv[: held[0].numel] if held is not None else recv[:0]

@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from diloco.core.fragments import Piece
 from diloco.core.piece_moves import move_piece
 from diloco.core.shards import Box
+from diloco.worker.groups.shard_table import ShardPlan
 from diloco.worker.groups.sharded import ShardState
 
 _COMM = {torch.float32: "F32", torch.bfloat16: "BF16"}
@@ -74,25 +74,17 @@ class PieceShards:
     def _piece(self, cmd: dict[str, Any]) -> None:
         st = self._st
         plan = st.plans[cmd["name"]]
-        width = plan.width
-        parts = None
-        if st.rank == 0:  # each rank's box of the staged parameter (only the piece is set)
-            whole = st.staged(plan)
-            parts = []
-            for r, got in enumerate(plan.boxes):
-                part = st.staging.get(f"part{r}", width, torch.float32)
-                if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
-                parts.append(part)
-        recv = st.staging.get("send", width, torch.float32)
-        dist.scatter(recv, parts, group_src=0, group=st.pg)
+        # Each rank's box of rank 0's staged parameter (only the piece is set there).
+        whole = st.staged(plan) if st.rank == 0 else None
+        st.scatter(plan, whole, lambda name, values, owns: self._move(plan, cmd, values))
+
+    def _move(self, plan: ShardPlan, cmd: dict[str, Any], values: torch.Tensor) -> None:
+        st = self._st
         held = plan.boxes[st.rank]
-        if held is None or not held[0].numel:
-            return
+        assert held is not None
         box = held[0]
         local = st.local(plan.name).view(-1)  # a view: the moves write into the shard
         snap = st.snapshot[plan.name].view(-1)
-        values = recv[: box.numel]
         span = span_in(box, plan.shape, cmd["start"], cmd["stop"])
         if isinstance(span, slice):
             if span.start < span.stop:
