@@ -190,7 +190,9 @@ def test_status_and_metrics_show_stages_throughput_bytes_and_reroutes(
     assert sw["stages"][0]["num_params"] == 16 * 8 + 16
     assert sw["boundaries"] == [{**fwd, "bytes_per_token": 68.0}]
     assert st["mode"] == "swarm"
-    assert "mode swarm" in render_status(Status.from_json(st))
+    shown = render_status(Status.from_json(st))  # diloco status
+    assert "mode swarm  3 stages" in shown and "stage 0: 1/1 ready  12.5 samples/s" in shown
+    assert "boundary 0 forward" in shown and "68.0 B/token" in shown
     metrics = requests.get(url(server, "/metrics"), timeout=TIMEOUT).text
     assert 'diloco_swarm_replicas{stage="2"} 1' in metrics
     assert 'diloco_swarm_stage_throughput{stage="0"} 12.5' in metrics

@@ -108,6 +108,15 @@ def test_the_first_ready_replica_fixes_the_stage_table_and_a_different_one_chang
     assert book.routes() == before[0]
 
 
+def test_a_registration_again_keeps_the_stage_but_needs_ready_again() -> None:
+    book = three_ready()
+    v = book.version
+    assert book.assign("c", None) == 0
+    assert peers(book, 0) == ["a"] and book.version == v + 1
+    book.mark_ready(ready("c", 0, port=8799))
+    assert book.routes().stages[0].replicas[1].address == "http://127.0.0.1:8799"
+
+
 def test_a_suspect_is_out_until_its_next_heartbeat_and_each_change_bumps_the_version() -> None:
     book = three_ready()
     assert peers(book, 0) == ["a", "c"] and peers(book, 1) == ["b"]

@@ -86,9 +86,14 @@ class StageBook:
 
     def assign(self, peer: str, fits: Collection[int] | None) -> int:
         """The peer's stage: the one it has if it re-registers and that still fits it, else
-        the policy's (``assignment.py``) among the other peers' stages."""
+        the policy's (``assignment.py``) among the other peers' stages. A registration (first
+        or again: a restarted process) is out of the table until it says ready again: its
+        stage service may have moved or lost its state."""
         stage = self.assigned.get(peer)
         if stage is not None and stage in self.fits(fits):
+            self.ready.pop(peer, None)
+            self.suspects.pop(peer, None)
+            self._publish()
             return stage
         self.left(peer)
         replicas: dict[int, list[float | None]] = {}
