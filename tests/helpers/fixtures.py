@@ -21,7 +21,7 @@ def make_server() -> Iterator[ServerFactory]:
 
     def make(params: dict[str, torch.Tensor] | None = None, **config: Any) -> DiLoCoServer:
         config.setdefault("num_workers", 1)
-        if config.get("allreduce"):  # the server holds no parameters in all-reduce mode
+        if config.get("allreduce") or config.get("swarm"):  # the server holds no parameters
             initial = None
         else:
             initial = initial_params() if params is None else params

@@ -87,6 +87,17 @@ REQUESTS: dict[tuple[str, str], tuple[str, bytes | None, dict[str, str]]] = {
         )
         for op in OPS
     },
+    ("POST", "/swarm/ready"): (
+        "/swarm/ready",
+        b'{"worker_id": "a", "stage": 0, "params": [["w", [2]]], "address": "http://h:1"}',
+        JSON,
+    ),
+    ("GET", "/swarm/routes"): ("/swarm/routes?version=-1", None, {}),
+    ("POST", "/swarm/suspect"): (
+        "/swarm/suspect",
+        b'{"worker_id": "a", "suspect": "b", "stage": 0}',
+        JSON,
+    ),
 }
 
 

@@ -29,6 +29,7 @@ SERVER_FLAGS = {
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every",
     "--dylu-base-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
+    "--swarm", "--stages", "--min-replicas",
     "--no-dashboard", "-o", "--output-dir",
 }  # fmt: skip
 WORKER_FLAGS = {

@@ -66,11 +66,12 @@ SERVER_ALLOWED = {
     "intake": {"config", "errors", "members", "params", "observe", "rounds"},
     "front": {"config", "observe", "params.store"},
     "allreduce": {"config", "errors", "members", "observe"},
+    "swarm": {"config", "errors", "members", "observe", "params.wakeup"},
     "paramserver": {
         *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
     },
     "web": {"config", "errors", "front", "observe", "params.store"},
-    "server": {"config", "front", "web", "allreduce", "paramserver"},
+    "server": {"config", "front", "web", "allreduce", "paramserver", "swarm"},
     "": {"config", "server"},  # diloco.server itself: its exports
 }
 

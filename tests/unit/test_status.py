@@ -23,6 +23,12 @@ from diloco.server.observe.records import (
     WorkerStatus,
 )
 from diloco.server.observe.status import Status, StatusFormatError, build_status
+from diloco.server.observe.swarm_records import (
+    BoundaryStatus,
+    StageStatus,
+    SuspectStatus,
+    SwarmStatus,
+)
 from diloco.server.params.store import ParamStore
 from diloco.server.paramserver.coordinator import Coordinator
 from diloco.wire.messages import Register, RegisterInfo
@@ -91,7 +97,8 @@ def test_update_entries_keep_their_json_keys() -> None:
 # renderWorkers, lossSeries): ``st`` the status, ``opt`` its outer_optimizer, ``w`` a worker,
 # ``u`` an update_log entry, ``entry`` a loss_history round, ``wl`` one worker's report in it;
 # the server panel's ``dn`` (delayed_nesterov), ``f`` a fragment, ``q`` the open quorum, ``l``
-# a worker left out of the quorums.
+# a worker left out of the quorums; swarm mode's ``sw`` and its ``stg`` (a stage), ``bnd`` (a
+# boundary), ``sus`` (a suspect).
 DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "st": (Status, r"\bst"),
     "opt": (OuterOptimizer, r"\bopt"),
@@ -103,6 +110,10 @@ DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "f": (FragmentStatus, r"\bf"),
     "q": (QuorumStatus, r"\bq"),
     "l": (LeftOutStatus, r"\bl"),
+    "sw": (SwarmStatus, r"\bsw"),
+    "stg": (StageStatus, r"\bstg"),
+    "bnd": (BoundaryStatus, r"\bbnd"),
+    "sus": (SuspectStatus, r"\bsus"),
 }
 
 

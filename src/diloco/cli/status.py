@@ -87,6 +87,34 @@ def _allreduce_head(st: Status) -> list[str]:
     return lines
 
 
+def _swarm_head(st: Status) -> list[str]:
+    """Swarm mode: no round and no parameters on the server; its stages, their replicas and
+    the peers' reports instead (``server/swarm/stage_book.py``)."""
+    sw = st.swarm
+    assert sw is not None
+    lines = [
+        f"mode swarm  {sw.num_stages} stages, min {sw.min_replicas} replicas each"
+        f"  routes v{sw.version}  uptime {_num(st.uptime_s, '.0f', 's')}",
+        f"peers {len(st.workers)} live  deaths {st.worker_deaths}"
+        f"  registrations {st.registrations}",
+    ]
+    for k in sw.stages:
+        lines.append(
+            f"stage {k.stage}: {len(k.ready)}/{len(k.assigned)} ready"
+            f"  {_num(k.throughput, '.1f', ' samples/s')}  {_num(k.num_params, ',')} params"
+            f"  {', '.join(k.ready) or '-'}"
+        )
+    for b in sw.boundaries:
+        lines.append(
+            f"boundary {b.boundary} {b.direction}: {_fmt_bytes(b.bytes)}"
+            f"  {_num(b.bytes_per_token, '.1f', ' B/token')}"
+        )
+    lines.append(f"reroutes {sw.reroutes}  recoveries {sw.recoveries}")
+    for x in sw.suspects:
+        lines.append(f"suspect: {x.peer_id} (stage {x.stage}, by {x.reporter}: {x.reason})")
+    return lines
+
+
 def render_status(st: Status) -> str:
     """The state of a server at a glance (the same figures as ``/metrics``)."""
     opt, stale, workers = st.outer_optimizer, st.staleness, st.workers
@@ -97,6 +125,8 @@ def render_status(st: Status) -> str:
     lines = (
         _allreduce_head(st)
         if st.mode == "allreduce"
+        else _swarm_head(st)
+        if st.swarm is not None
         else [
             f"mode {st.mode}  round {st.round}  {state}  uptime {_num(st.uptime_s, '.0f', 's')}",
             f"workers {len(workers)} live, expected {st.num_workers}, "
@@ -116,7 +146,7 @@ def render_status(st: Status) -> str:
             f" {_opt_bytes(st.last_round_bytes_out)} down",
         ]
     )
-    if st.mode != "allreduce" and (st.mode == "async" or stale.count):
+    if st.mode not in ("allreduce", "swarm") and (st.mode == "async" or stale.count):
         lines.append(
             f"staleness last {stale.last}  mean {_num(stale.mean, '.2f')}"
             f"  max {stale.max}  ({stale.count} submissions;"

@@ -33,6 +33,7 @@ DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)))
 _ASYNC = "async mode (arXiv 2401.09135)"
 _DYNAMIC = "dynamic local updates and streaming fragments"
 _ALLREDUCE = "all-reduce mode (issue 19)"
+_SWARM = "pipeline swarm (issue 29)"
 ALLREDUCE_NORM_BOUND = 10.0
 """All-reduce mode's ``--clip-norm-factor`` when unset: a member is left out of a round when its
 pseudo-gradient norm is above 10 x the quorum's median. Honest members' norms differ by a few
@@ -398,6 +399,28 @@ class ServerConfig:
     """All-reduce mode: seconds a quorum's members wait for one another in each collective
     (sent to them); a quorum with no outcome after 3 x this plus ``poll_timeout`` is discarded."""
 
+    swarm: bool = _flag(
+        False,
+        "coordinate a pipeline swarm: peers each host one stage of the model; the server "
+        "assigns stages and serves the route table, and holds no parameters",
+        group=_SWARM,
+    )
+    """Swarm mode (``server/swarm/``): each registering peer is assigned one of ``stages``
+    pipeline stages, says when its stage service is ready (``POST /swarm/ready``, its stage's
+    parameter table checked) and drivers read the live replicas from ``GET /swarm/routes``. It
+    holds no parameters, so it refuses what all-reduce mode refuses, and ``--allreduce``."""
+
+    stages: int = _flag(3, "pipeline stages the model is split into (--swarm)", group=_SWARM)
+    """Swarm mode: the pipeline's stages (at least 2: one stage is a plain worker's model)."""
+
+    min_replicas: int = _flag(
+        2,
+        "replicas every stage gets before any stage gets more (--swarm)",
+        group=_SWARM,
+    )
+    """Swarm mode: joining peers fill every stage to this many replicas (fewest first), then
+    go to the stage whose replicas report the least throughput."""
+
     @property
     def allowed_codecs(self) -> tuple[str, ...]:
         """``codecs`` as names."""
@@ -423,7 +446,12 @@ class ServerConfig:
         return self.clip_norm_factor is not None or self.trim_fraction > 0
 
     def __post_init__(self) -> None:
-        if self.output_dir is not None and self.save_dir is None and not self.allreduce:
+        if (
+            self.output_dir is not None
+            and self.save_dir is None
+            and not self.allreduce
+            and not self.swarm
+        ):
             # -o's checkpoint half, resolved once here: everything after reads save_dir.
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
         # The reference's async command line: a buffer size turns Delayed Nesterov on, 0 turns
@@ -505,6 +533,7 @@ class ServerConfig:
             )
         self._check_download_codec()
         self._check_allreduce()
+        self._check_swarm()
         buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
         if buffer < 1:
             raise ValueError(f"dn_buffer_size must be >= 1, got {self.dn_buffer_size}")
@@ -580,6 +609,29 @@ class ServerConfig:
                 "streaming fragments are downloaded piece by piece as full values: drop "
                 "--num-fragments or use --download-codec fp32"
             )
+
+    def _check_swarm(self) -> None:
+        if self.stages < 2 or self.stages > 1024:
+            raise ValueError(f"stages must be in [2, 1024], got {self.stages}")
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if not self.swarm:
+            return
+        none_held = "the server holds no parameters in swarm mode"
+        clashes = {
+            "--allreduce": (self.allreduce, "one mode per server"),
+            "--async": (self.mode == "async", "the server runs no rounds"),
+            "--download-codec": (self.lossy_download, "nothing is published by the server"),
+            "--num-fragments": (self.num_fragments is not None, "the server runs no rounds"),
+            "--init": (self.initial_params is not None, none_held),
+            "--output-dir": (self.output_dir is not None, none_held),
+            "--save-dir": (self.save_dir is not None, none_held),
+            "--from-checkpoint": (self.from_checkpoint is not None, none_held),
+            "--clip-norm-factor/--trim-fraction": (self.robust, "the server averages nothing"),
+        }
+        refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
+        if refused:
+            raise ValueError("--swarm (swarm=True) cannot go with " + "; ".join(refused))
 
     def _check_allreduce(self) -> None:
         if not (math.isfinite(self.collective_timeout) and self.collective_timeout > 0):

@@ -56,6 +56,23 @@ def server_mode() -> ApiError:
     )
 
 
+def swarm_mode(what: str) -> ApiError:
+    """409 for a request of another mode made to a swarm coordinator (``--swarm``)."""
+    return conflict(
+        "swarm_mode",
+        f"this server coordinates a pipeline swarm (--swarm): {what}; the peers hold their "
+        "stages' parameters and call one another's stage services (GET /swarm/routes)",
+    )
+
+
+def not_swarm_mode() -> ApiError:
+    """409 for a swarm route (``/swarm/*``) made to a server that runs another mode."""
+    return conflict(
+        "not_swarm_mode",
+        "this server does not coordinate a pipeline swarm: start it with --swarm --stages S",
+    )
+
+
 def unagreed_state(claim: tuple[int, str], latest: tuple[int, str] | None) -> ApiError:
     """409 for a quorum request presenting a state the run never agreed on (all-reduce mode):
     it could otherwise become the quorum's source and replace every replica's state."""

@@ -3,7 +3,8 @@
 Each mode of the server is one front object behind this protocol: the parameter server (sync,
 async, streaming fragments: ``server/paramserver/coordinator.py``) and all-reduce mode
 (``server/allreduce/allreduce_front.py``: the workers average among themselves, the server forms
-their quorums and holds no parameters). ``DiLoCoServer`` picks one in one place
+their quorums and holds no parameters) and swarm mode (``server/swarm/swarm_front.py``: a
+pipeline's stages live on the peers, the server assigns them and serves the route table). ``DiLoCoServer`` picks one in one place
 (``server/server.py``, ``make_front``); nothing else asks which mode runs.
 
 Every route is mounted in every mode. A route of the other mode is answered by the front itself,
@@ -41,6 +42,13 @@ from diloco.wire.messages import (
     Saved,
     SaveRequested,
     UploadReceipt,
+)
+from diloco.wire.messages.swarm import (
+    RouteTable,
+    StageAccepted,
+    StageReady,
+    SuspectNoted,
+    SuspectReport,
 )
 
 JSON_LIMIT = 64 * 1024
@@ -185,6 +193,25 @@ class Quorums(Protocol):
         ...
 
 
+class Swarm(Protocol):
+    """The routes of a front that coordinates a pipeline swarm (``server/swarm/``): each
+    raises the ``ApiError`` that refuses it (400, 404, 409, 410) before anything changes."""
+
+    def stage_ready(self, ready: StageReady) -> StageAccepted:
+        """``POST /swarm/ready``: the peer's stage service enters the route table."""
+        ...
+
+    async def routes(self, version: int) -> RouteTable:
+        """``GET /swarm/routes?version=N``: the table once its version is not ``N``, or when
+        the long poll (``poll_timeout``) ends."""
+        ...
+
+    def suspect(self, report: SuspectReport) -> SuspectNoted:
+        """``POST /swarm/suspect``: a driver's report; the suspect is out of the table until
+        it heartbeats again."""
+        ...
+
+
 class Front(Protocol):
     """One mode of the server."""
 
@@ -221,6 +248,11 @@ class Front(Protocol):
     def quorums(self) -> Quorums:
         """The quorum routes' side; 409 ``server_mode`` where the server holds the
         parameters."""
+        ...
+
+    def swarm(self) -> Swarm:
+        """The swarm routes' side; 409 ``not_swarm_mode`` where the server runs another
+        mode."""
         ...
 
     async def request_save(self) -> tuple[int, Saved | SaveRequested]:

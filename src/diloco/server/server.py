@@ -22,6 +22,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.front import Front
 from diloco.server.paramserver.coordinator import OptimizerFactory
 from diloco.server.paramserver.startup import start_coordinator
+from diloco.server.swarm.swarm_front import SwarmFront
 from diloco.server.web.app import build_app
 from diloco.server.web.connections import ConnectionTable, LimitedSite, default_max_connections
 from diloco.server.web.log_limit import LogLimiter, limit_loop_errors
@@ -85,6 +86,10 @@ def make_front(
 ) -> Front:
     """The one place that picks the mode's front from the settings: a new mode is a new front
     here, and nothing else asks which mode runs."""
+    if config.swarm:
+        if initial_params is not None:
+            raise ValueError("initial_params: the server holds no parameters in swarm mode")
+        return SwarmFront(config)
     if config.allreduce:
         if initial_params is not None:
             raise ValueError("initial_params: the server holds no parameters in all-reduce mode")

@@ -23,7 +23,7 @@ from diloco.server.allreduce.quorum_book import QuorumBook
 from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.run_table import RunTable
 from diloco.server.config import ServerConfig
-from diloco.server.errors import allreduce_mode
+from diloco.server.errors import allreduce_mode, not_swarm_mode
 from diloco.server.members.codec_choice import registered_codec
 from diloco.server.members.fragmenting import asked_fragmenting, configured_fragmenting
 from diloco.server.members.membership import Membership
@@ -206,6 +206,9 @@ class AllReduceFront:
 
     def quorums(self) -> AllReduceFront:
         return self
+
+    def swarm(self) -> NoReturn:
+        raise not_swarm_mode()
 
     @property
     def round(self) -> int:

@@ -40,6 +40,7 @@ class Family:
     kind: str
     help: str
     value: Callable[[Status], Any]
+    """The sample's value, or a list of ``(labels, value)``: one sample per label set."""
 
 
 QUORUM_FAMILIES = (
@@ -69,6 +70,69 @@ QUORUM_FAMILIES = (
     ),
 )
 """All-reduce mode's families (``server/allreduce/allreduce_front.py`` lists them)."""
+
+
+def _stages(s: Status, value: Callable[[Any], Any]) -> list[tuple[dict[str, str], Any]]:
+    return [({"stage": str(k.stage)}, value(k)) for k in (s.swarm.stages if s.swarm else ())]
+
+
+SWARM_FAMILIES = (
+    Family(
+        "diloco_swarm_replicas",
+        "gauge",
+        "Replicas of each pipeline stage in the route table (swarm mode).",
+        lambda s: _stages(s, lambda k: len(k.ready)),
+    ),
+    Family(
+        "diloco_swarm_replicas_assigned",
+        "gauge",
+        "Peers assigned each pipeline stage, ready or not (swarm mode).",
+        lambda s: _stages(s, lambda k: len(k.assigned)),
+    ),
+    Family(
+        "diloco_swarm_stage_throughput",
+        "gauge",
+        "Samples per second each stage's replicas reported together (swarm mode).",
+        lambda s: _stages(s, lambda k: k.throughput),
+    ),
+    Family(
+        "diloco_swarm_boundary_bytes_total",
+        "counter",
+        "Bytes the live peers sent across each stage boundary and direction (swarm mode).",
+        lambda s: [
+            ({"boundary": str(b.boundary), "direction": b.direction}, b.bytes)
+            for b in (s.swarm.boundaries if s.swarm else ())
+        ],
+    ),
+    Family(
+        "diloco_swarm_boundary_bytes_per_token",
+        "gauge",
+        "Bytes per token across each stage boundary and direction (swarm mode).",
+        lambda s: [
+            ({"boundary": str(b.boundary), "direction": b.direction}, b.bytes_per_token)
+            for b in (s.swarm.boundaries if s.swarm else ())
+        ],
+    ),
+    Family(
+        "diloco_swarm_reroutes_total",
+        "counter",
+        "Stage calls the live drivers re-sent to another replica (swarm mode).",
+        lambda s: s.swarm.reroutes if s.swarm else 0,
+    ),
+    Family(
+        "diloco_swarm_recoveries_total",
+        "counter",
+        "Re-sent stage calls that then succeeded (swarm mode).",
+        lambda s: s.swarm.recoveries if s.swarm else 0,
+    ),
+    Family(
+        "diloco_swarm_suspects",
+        "gauge",
+        "Replicas reported suspect and not heard from since (swarm mode).",
+        lambda s: len(s.swarm.suspects) if s.swarm else 0,
+    ),
+)
+"""Swarm mode's families (``server/swarm/swarm_front.py`` lists them)."""
 
 
 def _escape(value: str) -> str:
@@ -201,7 +265,9 @@ def render(
         ],
     )
     for family in families:
-        out.one(family.name, family.kind, family.help, family.value(status))
+        value = family.value(status)
+        samples = value if isinstance(value, list) else [({}, value)]
+        out.family(family.name, family.kind, family.help, samples)
     out.one("diloco_workers_live", "gauge", "Registered workers.", len(workers))
     by_codec = Counter(w.codec for w in workers if w.codec is not None)
     out.family(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import types
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import torch
@@ -47,6 +47,7 @@ from diloco.server.observe.records import (
     WorkerExclusions,
     WorkerStatus,
 )
+from diloco.server.observe.swarm_records import SwarmStatus
 from diloco.server.params.store import F32_BYTES, ParamStore
 
 STATUS_LOG = 200  # updates of the run log that /status shows (the newest)
@@ -148,6 +149,9 @@ class Status:
     bytes_per_second: float | None = None
     submissions: int = 0
     dn_buffered: tuple[int, ...] = ()
+    # Swarm mode (server/swarm/): stages, replicas, throughput, boundary bytes, reroutes and
+    # suspects; None (left out of the JSON) in the other modes.
+    swarm: SwarmStatus | None = field(default=None, metadata={OMIT: True})
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""

@@ -33,7 +33,7 @@ from diloco.core import default_outer_optimizer, optimizer_hparams, set_optimize
 from diloco.core.delayed_nesterov import DelayedNesterov
 from diloco.persistence import Checkpoint
 from diloco.server.config import ServerConfig
-from diloco.server.errors import ApiError, bad_request, server_mode, unknown_worker
+from diloco.server.errors import ApiError, bad_request, not_swarm_mode, server_mode, unknown_worker
 from diloco.server.front import JSON_LIMIT
 from diloco.server.intake.intake import Intake
 from diloco.server.intake.upload_body import UploadBody
@@ -264,6 +264,9 @@ class Coordinator:
 
     def quorums(self) -> NoReturn:
         raise server_mode()
+
+    def swarm(self) -> NoReturn:
+        raise not_swarm_mode()
 
     def upload_limit(self) -> int:
         store = self.model.store

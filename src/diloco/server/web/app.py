@@ -17,7 +17,7 @@ from diloco.server.front import JSON_LIMIT, Front
 from diloco.server.observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from diloco.server.observe.metrics import render as render_metrics
 from diloco.server.params.store import ParamStore, Snapshot
-from diloco.server.web import control, dashboard, rendezvous_routes
+from diloco.server.web import control, dashboard, rendezvous_routes, swarm_routes
 from diloco.server.web.control import Shutdown
 from diloco.server.web.counters import HttpCounters
 from diloco.server.web.json_bodies import read_json, reply
@@ -318,6 +318,7 @@ def build_app(
         web.get("/healthz", healthz),
         *control.routes(front, shutdown),
         *rendezvous_routes.routes(front),
+        *swarm_routes.routes(front),
         *(dashboard.routes() if config.dashboard_enabled else ()),
         web.route("*", "/{tail:.*}", not_found),  # last: JSON for every unknown path
     ]

@@ -11,6 +11,8 @@ length, all-reduce mode's outer step and collective timeout...); a worker never 
   parameters' reply, a long poll's 202;
 - ``quorums.py``: all-reduce mode's quorum asks, assignments and outcomes;
 - ``rendezvous.py``: all-reduce mode's rendezvous store calls (a quorum's members only);
+- ``swarm.py``: swarm mode's stage readiness, route table and suspect reports (its heartbeat
+  and registration fields are ``registration.py``'s);
 - ``operator.py``: the operator's ``/control/*`` requests;
 - ``error_body.py``: the body of every error reply.
 """

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from diloco.core.fragments import PATTERNS, SEQUENTIAL
 from diloco.wire.messages.codec import Reply, Request, Rule, at_least, one_of, spec, text
 
+STAGES_LIMIT = 1024
+"""Swarm mode: stages a pipeline may have (and a peer may name as fitting it)."""
 Table = tuple[tuple[str, tuple[int, ...]], ...]
 """A parameter table: ``[[name, [dim, ...]], ...]`` in the model's order."""
 Plan = tuple[tuple[tuple[str, str, int, int], ...], ...]
@@ -35,6 +37,10 @@ def _table_ok(table: Table) -> bool:
 TABLE = Rule(
     "a non-empty list of [name, [dim, ...]] with distinct non-empty names and dims >= 0",
     _table_ok,
+)
+STAGES = Rule(
+    f"a non-empty list of at most {STAGES_LIMIT} distinct stage indices >= 0",
+    lambda v: 0 < len(v) <= STAGES_LIMIT and len(set(v)) == len(v) and min(v) >= 0,
 )
 CODEC = Rule(
     "an object of strings with a 'codec' key, as codec_metadata(codec) gives "
@@ -67,6 +73,8 @@ class RegisterInfo(Request):
     params: Table | None = spec(default=None, rule=TABLE, omit=True)
     """Its parameter table. All-reduce mode requires it (the first registrant's is the run's,
     and a worker whose table differs is refused before it enters a collective)."""
+    stages: tuple[int, ...] | None = spec(default=None, rule=STAGES, omit=True)
+    """Swarm mode: the pipeline stages that fit the peer (its memory); absent: any."""
 
     @property
     def fragmenting(self) -> tuple[int, str]:
@@ -171,10 +179,54 @@ class Registered(Reply):
     quorum's median norm contributes nothing that round (``--clip-norm-factor``, else the
     mode's default)."""
 
+    stage: int | None = spec(default=None, omit=True)
+    """Swarm mode: the pipeline stage the peer hosts (it builds only that one)."""
+    num_stages: int | None = spec(default=None, omit=True)
+    """Swarm mode: the pipeline's stages."""
+
     @property
     def allreduce(self) -> bool:
         """The server runs in all-reduce mode."""
         return self.mode == "allreduce"
+
+
+DIRECTIONS = ("forward", "backward")
+"""Which way a boundary's tensors travel: activations head to tail, their gradients back."""
+COUNT = Rule(f"an integer in [0, {2**62}]", lambda v: 0 <= v <= 2**62)
+BOUNDARIES_LIMIT = 2 * STAGES_LIMIT
+
+
+@dataclass(frozen=True)
+class BoundaryTraffic(Request):
+    """Bytes a peer SENT across one stage boundary in one direction, and the tokens they
+    carried (counted by the sender only, so that a sum over peers counts each byte once)."""
+
+    boundary: int = spec(rule=at_least(0))
+    """Boundary ``b`` lies between stage ``b`` and stage ``b + 1``."""
+    direction: str = spec(rule=one_of(DIRECTIONS))
+    """``forward`` (activations) or ``backward`` (their gradients)."""
+    bytes: int = spec(rule=COUNT)
+    """Body bytes sent so far."""
+    tokens: int = spec(rule=COUNT)
+    """Tokens those bodies carried (elements of the leading dims the model calls tokens)."""
+
+
+@dataclass(frozen=True)
+class SwarmBeat(Request):
+    """Swarm mode: a peer's measurements, cumulative since it started (``Heartbeat.swarm``)."""
+
+    throughput: float | None = spec(default=None, rule=at_least(0, "a number"), omit=True)
+    """Samples per second its stage processed lately: the coordinator's bottleneck measure."""
+    boundaries: tuple[BoundaryTraffic, ...] = spec(
+        default=(),
+        rule=Rule(f"at most {BOUNDARIES_LIMIT} entries", lambda v: len(v) <= BOUNDARIES_LIMIT),
+        omit=True,
+    )
+    """What it sent across each boundary and direction."""
+    reroutes: int = spec(default=0, rule=COUNT, omit=True)
+    """Stage calls it re-sent to another replica (a driver)."""
+    recoveries: int = spec(default=0, rule=COUNT, omit=True)
+    """Re-sent calls that then succeeded (a driver)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +244,8 @@ class Heartbeat(Request):
     """Seconds since its training loop's last optimizer step (a hung loop is evicted)."""
     syncing: bool | None = spec(default=None, omit=True)
     """It is blocked in a sync: a silent loop is not hung."""
+    swarm: SwarmBeat | None = spec(default=None, omit=True)
+    """Swarm mode: what the peer measured of its stage and its calls since it started."""
 
 
 @dataclass(frozen=True, kw_only=True)

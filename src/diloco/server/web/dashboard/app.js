@@ -249,11 +249,13 @@
   }
 
   // The server panel. All-reduce mode shows its quorums and hides what only a parameter server
-  // has (a barrier's submissions, DyLU, fragments' uploads); elements say which with data-mode.
+  // has (a barrier's submissions, DyLU, fragments' uploads); swarm mode shows its stages;
+  // elements say which with data-mode.
   function renderMetrics(st, workers) {
     const allreduce = st.mode === "allreduce";
+    const family = allreduce || st.mode === "swarm" ? st.mode : "server";
     for (const el of document.querySelectorAll("[data-mode]")) {
-      el.hidden = el.dataset.mode !== (allreduce ? "allreduce" : "server");
+      el.hidden = el.dataset.mode !== family;
     }
     const dn = st.delayed_nesterov;
     $("m-dn-row").hidden = !dn;
@@ -263,6 +265,12 @@
     }
     setText("m-deaths", `${st.worker_deaths ?? 0} evicted, ${st.kicks ?? 0} kicked`);
     $("save-state").disabled = false;
+    if (st.swarm) {
+      renderSwarm(st.swarm);
+      $("save-state").disabled = true;
+      $("save-state").title = "disabled: the peers hold their stages' parameters";
+      return;
+    }
     if (allreduce) {
       renderQuorums(st);
       $("save-state").title = "rank 0 of the next quorum saves, where its worker has a save_dir";
@@ -314,6 +322,21 @@
     const excluded = Array.isArray(st.excluded_last) ? st.excluded_last : [];
     const leftOut = Array.isArray(st.left_out) ? st.left_out.map((l) => l.worker_id) : [];
     setText("m-excluded", [...excluded, ...leftOut].join(", ") || "none");
+  }
+
+  // Swarm mode's section (``sw``): ``stg`` a stage, ``bnd`` a boundary, ``sus`` a suspect.
+  function renderSwarm(sw) {
+    const stages = Array.isArray(sw.stages) ? sw.stages : [];
+    setText("m-swarm-stages", stages.map((stg) =>
+      `s${stg.stage} ${stg.ready.length}/${stg.assigned.length}` +
+        (stg.throughput === null ? "" : ` ${fmtNum(stg.throughput, 1)}/s`)).join(", ") || "-");
+    const bounds = Array.isArray(sw.boundaries) ? sw.boundaries : [];
+    setText("m-swarm-boundaries", bounds.map((bnd) =>
+      `${bnd.boundary}${bnd.direction === "forward" ? "→" : "←"} ` +
+        `${fmtNum(bnd.bytes_per_token, 1)} B/token`).join(", ") || "none yet");
+    const suspects = Array.isArray(sw.suspects) ? sw.suspects.map((sus) => sus.peer_id) : [];
+    setText("m-swarm-reroutes", `${sw.reroutes ?? 0} rerouted, ${sw.recoveries ?? 0} recovered` +
+      (suspects.length ? `; suspect: ${suspects.join(", ")}` : ""));
   }
 
   function fillIfIdle(id, value) {
