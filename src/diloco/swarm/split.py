@@ -42,8 +42,8 @@ def _param_count(module: nn.Module) -> int:
 
 def stage_bounds(sizes: list[int], num_stages: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` ranges of ``len(sizes)`` layers, one per stage, each with at
-    least one layer, minimizing the largest stage's total of ``sizes`` (ties: the earliest
-    split). Exact by dynamic programming: sequences are short (tens of layers)."""
+    least one layer, minimizing the largest stage's total of ``sizes`` (among equal splits, the one
+    the search meets first: deterministic). Exact by dynamic programming: sequences are short (tens of layers)."""
     n = len(sizes)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers into {num_stages} stages of at least one layer")
