@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import requests
 import torch
@@ -108,6 +109,7 @@ def swarm(
     first_timeout_s: float = 30.0,
     seed: int = 0,
     model: Callable[[int], nn.Sequential] = make_model,
+    service_options: dict[int, dict[str, Any]] | None = None,
 ) -> Iterator[Swarm]:
     """Three stages of ``model(seed)``: the head in the driver, each remote stage ``k`` with
     ``replicas[k]`` services (deep copies of the one stage: replicas start equal)."""
@@ -128,6 +130,7 @@ def swarm(
                     token=TOKEN,
                     loss_fn=loss_fn if k == len(edges) else None,
                     hook=(hooks or {}).get((k, r)),
+                    **(service_options or {}).get(k, {}),
                 )
                 services[k].append(service.start())
         routes = StaticRoutes(
@@ -169,18 +172,18 @@ def post(
 
 
 class NthForward:
-    """A hook for every replica of a stage that stops the ``n``-th forward call (counted over
+    """A hook for every replica of a stage that stops the ``n``-th call of ``kind`` (counted over
     all of them) before its work: it tells the test which replica holds it (``reached``) and
     waits until the test ``release``s it (after killing that replica, say)."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.seen, self.replica = n, 0, -1
+    def __init__(self, n: int, kind: str = "forward") -> None:
+        self.n, self.kind, self.seen, self.replica = n, kind, 0, -1
         self.reached, self.released = threading.Event(), threading.Event()
         self._lock = threading.Lock()
 
     def for_replica(self, r: int) -> Hook:
         def hook(kind: str, call: str) -> None:
-            if kind != "forward":
+            if kind != self.kind:
                 return
             with self._lock:
                 self.seen += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from diloco.swarm import BoundaryCodec
@@ -96,23 +97,25 @@ def _no_fault_run(data: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[f
         return losses, joined(s)
 
 
-def test_a_killed_replica_mid_step_loses_no_micro_batch() -> None:
-    """Two replicas of the middle stage; the one serving the step is killed (server stopped,
-    connections reset) when its 2nd forward arrives, so micro-batch 0 was already applied
-    there. The driver re-sends micro-batch 1 to the other replica after replaying micro-batch
-    0 on it: the run equals the no-fault run bit for bit, and the killed replica never stepped."""
+@pytest.mark.parametrize(("stage", "kind"), [(1, "forward"), (2, "loss")])
+def test_a_killed_replica_mid_step_loses_no_micro_batch(stage: int, kind: str) -> None:
+    """Two replicas of a stage (the middle one, or the tail); the one serving the step is killed
+    (server stopped, connections reset) when its 2nd call arrives, so micro-batch 0 was already
+    applied there. The driver re-sends micro-batch 1 to the other replica after replaying
+    micro-batch 0 on it: the run equals the no-fault run bit for bit, and the killed replica
+    never stepped."""
     data = batches(3, 16)
     want_losses, want_params = _no_fault_run(data)
-    fault = NthForward(2)
-    hooks = {(1, r): fault.for_replica(r) for r in range(2)}
-    with swarm(replicas={1: 2}, micro_batch=4, hooks=hooks) as s:
+    fault = NthForward(2, kind)
+    hooks = {(stage, r): fault.for_replica(r) for r in range(2)}
+    with swarm(replicas={stage: 2}, micro_batch=4, hooks=hooks) as s:
         got: list[float] = []
         killed_at: list[float] = []
 
         def kill() -> None:
             assert fault.reached.wait(30)
             killed_at.append(time.monotonic())
-            s.services[1][fault.replica].stop(abrupt=True)
+            s.services[stage][fault.replica].stop(abrupt=True)
             fault.release()
 
         killer = threading.Thread(target=kill)
@@ -123,13 +126,13 @@ def test_a_killed_replica_mid_step_loses_no_micro_batch() -> None:
         got += [s.driver.train_step(x, y) for x, y in data[1:]]
         survivor = 1 - fault.replica
         assert got == want_losses
-        params = joined(s, {1: survivor})
+        params = joined(s, {stage: survivor})
         assert all(torch.equal(params[n], want_params[n]) for n in want_params)
         stats = s.driver.stats()
         assert stats["reroutes"] == 1 and stats["recoveries"] == 1
-        assert s.services[1][survivor].stats()["steps"] == 3
-        assert s.services[1][fault.replica].stats()["steps"] == 0
-        assert s.routes.suspects.keys() == {s.endpoint(s.services[1][fault.replica])}
+        assert s.services[stage][survivor].stats()["steps"] == 3
+        assert s.services[stage][fault.replica].stats()["steps"] == 0
+        assert s.routes.suspects.keys() == {s.endpoint(s.services[stage][fault.replica])}
         assert recovered < 1.0
 
 
@@ -162,3 +165,29 @@ def test_a_frozen_replica_is_left_within_the_computed_timeout() -> None:
         assert s.driver.stats()["reroutes"] == 1
         assert s.services[1][freeze.replica].stats()["steps"] == 0
         assert s.services[1][survivor].stats()["steps"] == 3
+
+
+def test_a_backward_whose_forward_expired_is_preceded_by_the_forward_again() -> None:
+    """The middle stage's clock jumps past the call TTL while the tail computes the first loss:
+    the held forward expires, the backward gets 404 ``unknown_call``, and the driver forwards the
+    kept input there again, then backward. Same parameters, same result: bit-identical."""
+    data = batches(2, 16)
+    model = make_model()
+    want = reference(model, data)
+    now = [0.0]
+    jumped = threading.Event()
+
+    def jump(kind: str, call: str) -> None:
+        if not jumped.is_set():
+            jumped.set()
+            now[0] += 1000.0
+
+    with swarm(
+        hooks={(2, 0): jump}, service_options={1: {"clock": lambda: now[0], "call_ttl_s": 60.0}}
+    ) as s:
+        got = [s.driver.train_step(x, y) for x, y in data]
+        assert jumped.is_set() and got == want
+        _assert_params(joined(s), model, exact=True)
+        assert s.driver.stats()["reroutes"] == 0
+        stats = s.services[1][0].stats()
+        assert stats["refused"] == 1 and stats["steps"] == 2  # the one 404, then the forward
