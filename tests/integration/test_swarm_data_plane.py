@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 
-from diloco.swarm import BoundaryCodec
+from diloco.swarm import BoundaryCodec, Driver, Endpoint, StageCallError, StaticRoutes
 from tests.helpers.swarm import (
     HIDDEN,
     NthForward,
     batches,
     joined,
     make_model,
+    make_optimizer,
     reference,
     swarm,
 )
@@ -191,3 +192,21 @@ def test_a_backward_whose_forward_expired_is_preceded_by_the_forward_again() -> 
         assert s.driver.stats()["reroutes"] == 0
         stats = s.services[1][0].stats()
         assert stats["refused"] == 1 and stats["steps"] == 2  # the one 404, then the forward
+
+
+def test_a_refused_step_raises_and_leaves_no_head_gradient() -> None:
+    """A stage's 401 (a driver with the wrong token) is no fault another replica can fix: the
+    step raises ``StageCallError`` at once, reports no suspect, and the head's gradients of the
+    abandoned step are cleared so they cannot leak into the next one."""
+    x, y = batches(1, 16)[0]
+    with swarm() as s:
+        wrong = StaticRoutes(
+            {k: [Endpoint(group[0].address, "wrong")] for k, group in s.services.items()}
+        )
+        driver = Driver(
+            s.stages[0], make_optimizer(s.stages[0]), wrong, s.driver.boundaries, micro_batch=16
+        )
+        with pytest.raises(StageCallError, match="401"):
+            driver.train_step(x, y)
+        assert all(p.grad is None for p in s.stages[0].parameters())
+        assert wrong.suspects == {} and driver.stats()["reroutes"] == 0

@@ -146,10 +146,16 @@ class Driver:
             zip(torch.split(x, self.micro_batch), torch.split(y, self.micro_batch), strict=True)
         )
         jobs = [(i, xb, yb, xb.shape[0] / total) for i, (xb, yb) in enumerate(chunks)]
-        if self._pool is None:
-            losses = [self._micro_batch(step, *job) for job in jobs]
-        else:
-            losses = list(self._pool.map(lambda job: self._micro_batch(step, *job), jobs))
+        try:
+            if self._pool is None:
+                losses = [self._micro_batch(step, *job) for job in jobs]
+            else:
+                losses = list(self._pool.map(lambda job: self._micro_batch(step, *job), jobs))
+        except BaseException:
+            # The step is abandoned: the head's gradients of its finished micro-batches must not
+            # leak into the next step. (Remote stages keep theirs: docs/design/swarm.md.)
+            self.head_optimizer.zero_grad()
+            raise
         self.head_optimizer.step()
         self.head_optimizer.zero_grad()
         self._step_number += 1
@@ -258,7 +264,10 @@ class Driver:
             reply = self._post(ep, k, "backward", call, record.samples, body)
         except UnknownCall:  # dropped or expired there: forward again, then backward
             self._forward(step, k, record.index, record.inp, ep)
-            reply = self._post(ep, k, "backward", call, record.samples, body)
+            try:
+                reply = self._post(ep, k, "backward", call, record.samples, body)
+            except UnknownCall:  # dropped again at once: too busy to keep a call, go elsewhere
+                raise CallFailed(f"backward: replica keeps dropping call {call}") from None
         g, _ = bwd_in.decode(reply)
         self._count(bwd_in, "backward", len(reply), g.shape)
         return g
