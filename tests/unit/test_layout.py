@@ -16,6 +16,7 @@ ALLOWED = {
     "worker": {"core", "wire", "persistence", "worker"},
     "integrations": {"core", "wire", "worker", "integrations"},
     "demo": {"core", "wire", "server", "worker", "demo"},
+    "swarm": {"core", "wire", "persistence", "worker", "swarm"},  # worker: its transport only
 }
 
 

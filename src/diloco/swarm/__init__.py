@@ -1,0 +1,35 @@
+"""Pipeline swarm, the peer side (issue 29): a model split into stages across machines.
+
+Built so far: the data plane. ``split`` cuts an ``nn.Sequential`` into named stages,
+``boundary`` is what crosses between stages (codecs, shapes, bytes per token),
+``stage_service`` serves one stage over HTTP, ``driver`` pushes micro-batches through the
+stages from a head replica with failover, ``routing`` picks replicas. Stage sync among a stage's
+replicas and the peer that joins through the coordinator are not built yet
+(docs/design/swarm.md).
+"""
+
+from diloco.swarm.boundary import BoundaryCodec, BoundarySpec, Compressor, Traffic
+from diloco.swarm.driver import CallFailed, Driver, StageCallError
+from diloco.swarm.routing import Endpoint, NoReplica, Picker, Routes, StaticRoutes
+from diloco.swarm.split import Stage, split_sequential, stage_of
+from diloco.swarm.stage_service import StageEdges, StageService
+
+__all__ = [
+    "BoundaryCodec",
+    "BoundarySpec",
+    "CallFailed",
+    "Compressor",
+    "Driver",
+    "Endpoint",
+    "NoReplica",
+    "Picker",
+    "Routes",
+    "Stage",
+    "StageCallError",
+    "StageEdges",
+    "StageService",
+    "StaticRoutes",
+    "Traffic",
+    "split_sequential",
+    "stage_of",
+]
