@@ -74,6 +74,7 @@ class Refused(Exception):
     def __init__(self, status: int, code: str, detail: str) -> None:
         super().__init__(detail)
         self.status, self.code, self.detail = status, code, detail
+        self.counted = False  # in the stats already (refused on the compute thread)
 
 
 @dataclass
@@ -209,7 +210,7 @@ class StageService:
                     self._pool, self._work, kind, query, body, arrived
                 )
             except Refused as exc:
-                if exc.status != 401:
+                if exc.status != 401 and not exc.counted:
                     with self._lock:
                         self._counts["refused"] += 1
                 return web.json_response(
@@ -233,6 +234,17 @@ class StageService:
     # --- the work (compute thread) -------------------------------------------------------------
 
     def _work(self, kind: str, query: dict[str, Any], body: bytes, arrived: float) -> bytes:
+        # Counted here, on the compute thread: once ``drain`` returns, a refusal is in the
+        # stats (the handler's reply may still be on its way).
+        try:
+            return self._call(kind, query, body, arrived)
+        except Refused as exc:
+            with self._lock:
+                self._counts["refused"] += 1
+            exc.counted = True
+            raise
+
+    def _call(self, kind: str, query: dict[str, Any], body: bytes, arrived: float) -> bytes:
         if self.hook is not None:
             self.hook(kind, query["call"])
         budget = query.get("budget")
