@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 
 import torch
 from torch import nn
@@ -133,4 +134,27 @@ def test_the_stage_steps_when_its_samples_are_in_and_drops_the_oldest_call() -> 
         assert traffic["0->1:in:forward"]["tokens"] == 12
         assert json.loads(json.dumps(traffic)) == traffic
     finally:
+        service.stop()
+
+
+def test_strangers_holding_connections_cannot_keep_a_token_holder_out() -> None:
+    """The service's edge is the server's (``diloco.edge``): 12 connections that never send a
+    byte, past the cap of 8 unproven per address, close their oldest; a caller with the token
+    is served all the same, and its connection, once proven, is never the one closed."""
+    service, runs = _service(max_connections=10, max_connections_per_address=8)
+    idle: list[socket.socket] = []
+    try:
+        assert post(service, "forward", _body(SPEC, torch.randn(4, HIDDEN)), call="a", samples=4).ok
+        for _ in range(12):
+            idle.append(socket.create_connection(("127.0.0.1", service.port), timeout=5))
+        # The table admits them on its event loop: a served request after them is the event.
+        r = post(service, "forward", _body(SPEC, torch.randn(4, HIDDEN)), call="b", samples=4)
+        assert r.ok
+        table = service.connections
+        assert table.closed_unproven >= 4  # 12 strangers over 8 per address (the rest: cap 10)
+        assert table.open <= 10
+        assert len(runs) == 2  # both token holders' forwards ran
+    finally:
+        for s in idle:
+            s.close()
         service.stop()

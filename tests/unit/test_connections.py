@@ -10,8 +10,8 @@ import resource
 
 import pytest
 
-from diloco.server.web import connections
-from diloco.server.web.log_limit import LogLimiter, limit_loop_errors
+from diloco.edge import connections
+from diloco.edge.log_limit import LogLimiter, limit_loop_errors
 
 
 def test_address_keys() -> None:

@@ -12,11 +12,12 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "diloco"
 ALLOWED = {
     "core": {"core"},
     "wire": {"core", "wire"},
-    "server": {"core", "wire", "persistence", "server"},
+    "edge": {"edge"},
+    "server": {"core", "wire", "persistence", "edge", "server"},
     "worker": {"core", "wire", "persistence", "worker"},
     "integrations": {"core", "wire", "worker", "integrations"},
     "demo": {"core", "wire", "server", "worker", "demo"},
-    "swarm": {"core", "wire", "persistence", "worker", "swarm"},  # worker: its transport only
+    "swarm": {"core", "wire", "persistence", "edge", "worker", "swarm"},  # worker: its transport
 }
 
 

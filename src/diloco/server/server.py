@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import torch
 from aiohttp import web
 
+from diloco.edge.connections import ConnectionTable, LimitedSite, default_max_connections
+from diloco.edge.log_limit import LogLimiter, limit_loop_errors
 from diloco.server.allreduce.allreduce_front import AllReduceFront
 from diloco.server.config import ServerConfig
 from diloco.server.front import Front
@@ -24,8 +26,6 @@ from diloco.server.paramserver.coordinator import OptimizerFactory
 from diloco.server.paramserver.startup import start_coordinator
 from diloco.server.swarm.swarm_front import SwarmFront
 from diloco.server.web.app import build_app
-from diloco.server.web.connections import ConnectionTable, LimitedSite, default_max_connections
-from diloco.server.web.log_limit import LogLimiter, limit_loop_errors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -188,7 +188,7 @@ class DiLoCoServer:
             max_headers=MAX_HEADERS,
             auto_decompress=False,
             # aiohttp closes a connection still waiting for a complete request head this long
-            # after it opened or its last reply: the header deadline (server/web/connections.py).
+            # after it opened or its last reply: the header deadline (edge/connections.py).
             keepalive_timeout=self.config.header_timeout,
         )
         await self._runner.setup()

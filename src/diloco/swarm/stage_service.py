@@ -42,6 +42,7 @@ import torch
 from aiohttp import web
 from torch import nn
 
+from diloco.edge.connections import ConnectionTable, LimitedSite, vouch
 from diloco.swarm.boundary import BoundaryCodec, Traffic, tokens_of
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class StageService:
         call_ttl_s: float = 120.0,
         max_body_bytes: int = 64 << 20,
         body_timeout_s: float = 30.0,
+        header_timeout_s: float = 10.0,
+        max_connections: int = 256,
+        max_connections_per_address: int = 16,
         hook: Hook | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -117,6 +121,9 @@ class StageService:
         self.token, self.host, self._port = token, host, port
         self.max_calls, self.call_ttl_s = max_calls, call_ttl_s
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.header_timeout_s = header_timeout_s
+        #: Connections bounded before the token is shown (``diloco.edge``, as the server's).
+        self.connections = ConnectionTable(max_connections, max_connections_per_address)
         self.hook, self.clock = hook, clock
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._done: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
@@ -163,9 +170,19 @@ class StageService:
         app = web.Application(client_max_size=self.max_body_bytes)
         for kind in ("forward", "backward", "loss"):
             app.router.add_post(PREFIX + kind, self._handler(kind))
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # keepalive_timeout: a connection still waiting for a complete request head this long
+        # after it opened or its last reply is closed (the header deadline, edge/connections.py).
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=1.0, keepalive_timeout=self.header_timeout_s
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port)
+        site = LimitedSite(
+            self._runner,
+            self.host,
+            self._port,
+            self.connections,
+            handshake_timeout=self.header_timeout_s,
+        )
         await site.start()
         self._port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
         ready.set()
@@ -225,11 +242,13 @@ class StageService:
         return handle
 
     def _authenticate(self, request: web.Request) -> None:
-        if self.token is None:
+        if self.token is None:  # an open service (tests): every caller is trusted
+            vouch(request)
             return
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             raise Refused(401, "unauthorized", "missing or wrong bearer token")
+        vouch(request)  # a token holder's connection no longer counts against strangers'
 
     # --- the work (compute thread) -------------------------------------------------------------
 

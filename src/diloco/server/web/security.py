@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 from aiohttp import HttpVersion11, web
 from aiohttp.typedefs import Middleware
 
-from diloco.server.web.connections import address_key, vouch
-from diloco.server.web.log_limit import LogLimiter
+from diloco.edge.connections import address_key, vouch
+from diloco.edge.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from diloco.server.web.log_limit import LogLimiter
+from diloco.edge.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 
