@@ -273,9 +273,14 @@ class SwarmPeer:
 def _shapes(
     boundaries: tuple[int, ...] | Sequence[tuple[int, ...]], num_stages: int
 ) -> list[tuple[int, ...]]:
+    """One trailing shape per boundary: ``(32,)`` is every boundary's."""
     if boundaries and all(isinstance(d, int) for d in boundaries):
-        return [tuple(boundaries)] * (num_stages - 1)  # type: ignore[arg-type]
-    shapes = [tuple(s) for s in boundaries]  # type: ignore[union-attr]
+        return [tuple(int(d) for d in boundaries)] * (num_stages - 1)  # type: ignore[arg-type]
+    shapes: list[tuple[int, ...]] = []
+    for shape in boundaries:
+        if isinstance(shape, int):
+            raise ValueError("boundaries: one shape (32,) or one tuple per boundary, not a mix")
+        shapes.append(tuple(shape))
     if len(shapes) != num_stages - 1:
         raise ValueError(f"{num_stages} stages have {num_stages - 1} boundaries, not {len(shapes)}")
     return shapes
