@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from diloco.cli import export, server, status, worker
+from diloco.cli import export, server, status, swarm_peer, worker
 
 log = logging.getLogger("diloco.cli")
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     worker.add_parser(sub)
     export.add_parser(sub)
+    swarm_peer.add_parser(sub)
     try:
         from diloco.cli import demo
 

@@ -122,6 +122,7 @@ class Driver:
         self._lock = threading.Lock()  # counters and traffic
         self._counts = {"steps": 0, "micro_batches": 0, "reroutes": 0, "recoveries": 0}
         self._traffic = Traffic()
+        self._sent = Traffic()  # the bodies this driver sent: what the coordinator sums
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight) if max_in_flight > 1 else None
         self._step_number = 0
@@ -298,14 +299,17 @@ class Driver:
         extras: dict[str, torch.Tensor] | None = None,
     ) -> bytes:
         body = codec.encode(t, extras)
-        self._count(codec, direction, len(body), t.shape)
+        self._count(codec, direction, len(body), t.shape, sent=True)
         return body
 
-    def _count(self, codec: BoundaryCodec, direction: str, n: int, shape: Any) -> None:
+    def _count(
+        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
+    ) -> None:
+        tokens = tokens_of(tuple(shape), self.token_dims)
         with self._lock:
-            self._traffic.add(
-                codec.spec.name, direction, n, tokens_of(tuple(shape), self.token_dims)
-            )
+            self._traffic.add(codec.spec.name, direction, n, tokens)
+            if sent:
+                self._sent.add(codec.spec.name, direction, n, tokens)
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -358,11 +362,12 @@ class Driver:
 
     def stats(self) -> dict[str, Any]:
         """Steps, micro-batches, reroutes (failed calls re-sent), recoveries (finished
-        micro-batches replayed on a new replica), bytes and tokens per boundary and direction,
-        and the measured throughput of each endpoint (samples per second)."""
+        micro-batches replayed on a new replica), bytes and tokens per boundary and direction
+        (``traffic``: sent and received; ``sent``: sent only), and the measured throughput of each endpoint (samples per second)."""
         with self._lock:
             return {
                 **self._counts,
                 "traffic": self._traffic.snapshot(),
+                "sent": self._sent.snapshot(),
                 "throughput": self.picker.throughput(),
             }

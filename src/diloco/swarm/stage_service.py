@@ -131,6 +131,7 @@ class StageService:
         self._lock = threading.Lock()  # guards the counters below, read by stats()
         self._counts: dict[str, int] = {"steps": 0, "retries": 0, "dropped": 0, "refused": 0}
         self._traffic = Traffic()
+        self._sent = Traffic()  # the replies this replica sent: what the coordinator sums
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -303,14 +304,17 @@ class StageService:
         extras: dict[str, torch.Tensor] | None = None,
     ) -> bytes:
         body = codec.encode(t, extras)
-        self._count(codec, direction, len(body), t.shape)
+        self._count(codec, direction, len(body), t.shape, sent=True)
         return body
 
-    def _count(self, codec: BoundaryCodec, direction: str, n: int, shape: Any) -> None:
+    def _count(
+        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
+    ) -> None:
+        tokens = tokens_of(tuple(shape), self.edges.token_dims)
         with self._lock:
-            self._traffic.add(
-                codec.spec.name, direction, n, tokens_of(tuple(shape), self.edges.token_dims)
-            )
+            self._traffic.add(codec.spec.name, direction, n, tokens)
+            if sent:
+                self._sent.add(codec.spec.name, direction, n, tokens)
 
     def _forward(self, call: str, samples: int, body: bytes) -> bytes:
         held = self._held.get(call)
@@ -402,13 +406,15 @@ class StageService:
 
     def stats(self) -> dict[str, Any]:
         """Steps taken, retries answered from the tables, calls dropped for room, refusals, the
-        forwards held now, and bytes and tokens per ``boundary:side:direction``."""
+        forwards held now, and bytes and tokens per ``boundary:direction`` (``traffic``:
+        received and sent; ``sent``: the replies only)."""
         with self._lock:
             return {
                 **self._counts,
                 "held": len(self._held),
                 "pending_samples": self._samples,
                 "traffic": self._traffic.snapshot(),
+                "sent": self._sent.snapshot(),
             }
 
 

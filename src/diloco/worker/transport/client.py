@@ -38,10 +38,14 @@ from diloco.wire.messages import (
     QuorumOutcome,
     Register,
     RegisterInfo,
+    Table,
     UploadMeta,
 )
 from diloco.wire.messages.quorums import ERROR_LIMIT
+from diloco.wire.messages.registration import SwarmBeat
 from diloco.wire.messages.rendezvous import StoreCall
+from diloco.wire.messages.swarm import PATH as SWARM
+from diloco.wire.messages.swarm import REASON_LIMIT, StageReady, SuspectReport
 from diloco.worker.transport.address import server_url
 from diloco.worker.transport.bulk import BulkConnections
 
@@ -304,15 +308,42 @@ class DiLoCoClient:
         loss: float | None = None,
         step_age_s: float | None = None,
         syncing: bool | None = None,
+        swarm: SwarmBeat | None = None,
     ) -> dict[str, Any]:
         """``Heartbeat``: liveness plus what the status page shows. ``step_age_s`` (seconds since
         the training loop's last optimizer step) and ``syncing`` let the server tell a hung loop
-        from a busy one. The reply is a ``HeartbeatReply``."""
+        from a busy one; ``swarm``: a swarm peer's measurements. The reply is a
+        ``HeartbeatReply``."""
         # A loss that is not finite is left out (as in an upload's metadata): the server refuses
         # one, and a diverged worker must stay a member for the quorum's checks to leave out.
         finite = loss if loss is not None and math.isfinite(loss) else None
-        body = Heartbeat(worker_id, steps_per_second, finite, step_age_s, syncing)
+        body = Heartbeat(worker_id, steps_per_second, finite, step_age_s, syncing, swarm)
         return self._json("POST", "/heartbeat", body.to_json())
+
+    def stage_ready(
+        self, worker_id: str, *, stage: int, params: Table, address: str
+    ) -> dict[str, Any]:
+        """Swarm mode: the peer's stage service listens at ``address`` and holds ``params``
+        (``StageReady``; the reply is a ``StageAccepted``, a ``Conflict`` for another stage's
+        table or another stage than the one assigned)."""
+        body = StageReady(worker_id, stage, params, address)
+        return self._json("POST", f"{SWARM}/ready", body.to_json())
+
+    def routes(self, version: int = -1) -> dict[str, Any]:
+        """Swarm mode: the route table (a ``RouteTable``). A long poll: answered at once when
+        ``version`` is not the table's, else on its next change or after the server's
+        ``poll_timeout`` (the same version again): the read timeout must outlast that."""
+        return self._json("GET", f"{SWARM}/routes", version=version)
+
+    def suspect(
+        self, worker_id: str, *, suspect: str, stage: int, reason: str = ""
+    ) -> dict[str, Any]:
+        """Swarm mode: a call to replica ``suspect`` of ``stage`` failed (``SuspectReport``;
+        the reply is a ``SuspectNoted``). One attempt: a report that does not arrive only
+        leaves the replica in the others' tables until the coordinator's own checks drop it,
+        and a driver must not wait on it."""
+        body = SuspectReport(worker_id, suspect, stage, reason[:REASON_LIMIT])
+        return self._json("POST", f"{SWARM}/suspect", body.to_json(), _retries=0)
 
     def quorum(
         self, worker_id: str, *, round: int, hash: str, weight: float | None = None

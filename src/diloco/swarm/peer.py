@@ -1,0 +1,311 @@
+"""SwarmPeer: one peer of a pipeline swarm that joins through the coordinator
+(``diloco server --swarm``).
+
+``start()`` registers (saying which stages fit it, if it says), learns its stage ``k``, builds
+ONLY that stage (``build_stage(k, S)``: the full model never exists here), serves it with a
+``StageService`` unless it is the head (head replicas are drivers and serve nothing), says it is
+ready with the stage's parameter table and its service's address (``POST /swarm/ready``: a
+table other than the stage's is refused with 409 and the peer leaves, leaving nothing in the
+route table), then heartbeats its measurements. A head peer's ``train_step(x, y)`` runs the
+``Driver`` over ``CoordinatorRoutes``; any other peer's ``serve()`` blocks until ``stop()`` (or
+SIGTERM) and leaves. ``stop()`` deregisters and may be called any number of times.
+
+Stage sync (a stage's replicas averaging with DiLoCo) is not wired yet: with ``sync_every=None``
+each replica trains its stage on the micro-batches it is sent and nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco.swarm.boundary import BoundaryCodec, BoundarySpec
+from diloco.swarm.coordinator_routes import CoordinatorRoutes
+from diloco.swarm.driver import Driver
+from diloco.swarm.peer_beats import PeerBeats
+from diloco.swarm.routing import NoReplica
+from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
+from diloco.wire.messages import Registered, RegisterInfo, Table
+from diloco.wire.messages.swarm import StageAccepted
+from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
+
+log = logging.getLogger(__name__)
+
+BuildStage = Callable[[int, int], nn.Module]
+"""``build_stage(k, S)``: stage ``k`` of ``S`` as a module named as in the unsplit model."""
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+"""``optimizer(params)``: the stage's inner optimizer over its parameters."""
+
+
+def table_of(module: nn.Module) -> Table:
+    """A module's parameter table, ``((name, shape), ...)`` in its order."""
+    return tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+
+
+def boundary_codecs(
+    shapes: Sequence[tuple[int, ...]], codec: str
+) -> list[tuple[BoundaryCodec, BoundaryCodec]]:
+    """The ``(forward, backward)`` codecs of each boundary from its trailing shape."""
+    out = []
+    for b, tail in enumerate(shapes):
+        spec = BoundarySpec(f"{b}->{b + 1}", tuple(tail))
+        out.append((BoundaryCodec(spec, codec), BoundaryCodec(spec, codec)))
+    return out
+
+
+class SwarmPeer:
+    """A swarm peer. ``boundaries`` is each boundary's trailing shape (past the micro-batch
+    dimension), ``S - 1`` of them, or one shape for all (``(hidden,)``); ``samples_per_step``
+    is the driver's batch: a body or tail replica steps its optimizer once it has applied that
+    many samples' backwards. ``loss_fn`` is used if the peer becomes the tail. ``stages``: the
+    stages that fit this peer (None: any). ``sync_every`` must be None for now (stage sync is
+    not wired; a value raises ``ValueError``)."""
+
+    def __init__(
+        self,
+        build_stage: BuildStage,
+        *,
+        num_stages: int,
+        server: str,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        boundaries: tuple[int, ...] | Sequence[tuple[int, ...]],
+        samples_per_step: int,
+        micro_batch: int = 1,
+        codec: str = "int8",
+        token: str | None = None,
+        stages: Sequence[int] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sync_every: int | None = None,
+        max_in_flight: int = 1,
+        heartbeat_interval: float = 5.0,
+        route_wait_s: float = 60.0,
+        timeout_floor_s: float = 1.0,
+        first_timeout_s: float = 30.0,
+        token_dims: int = 1,
+        worker_id: str | None = None,
+        tls_ca: str | None = None,
+        hook: Hook | None = None,
+        seed: int = 0,
+    ) -> None:
+        if sync_every is not None:
+            raise ValueError("stage sync (sync_every) is not built yet: leave it None")
+        if num_stages < 2:
+            raise ValueError("a swarm has at least 2 stages")
+        if samples_per_step < 1 or micro_batch < 1 or max_in_flight < 1:
+            raise ValueError("samples_per_step, micro_batch and max_in_flight must be >= 1")
+        shapes = _shapes(boundaries, num_stages)
+        self.build_stage, self.num_stages, self.optimizer_factory = (
+            build_stage,
+            num_stages,
+            optimizer,
+        )
+        self.loss_fn, self.samples_per_step, self.micro_batch = (
+            loss_fn,
+            samples_per_step,
+            micro_batch,
+        )
+        self.edges = boundary_codecs(shapes, codec)  # a bad codec or shape fails here, not later
+        self.token, self.fits = token, tuple(stages) if stages is not None else None
+        self.host, self.port, self.max_in_flight = host, port, max_in_flight
+        self.heartbeat_interval, self.route_wait_s = heartbeat_interval, route_wait_s
+        self.timeout_floor_s, self.first_timeout_s = timeout_floor_s, first_timeout_s
+        self.token_dims, self.hook, self.seed, self.wanted_id = token_dims, hook, seed, worker_id
+        self.client = DiLoCoClient(server, token=token, tls_ca=tls_ca)
+        self.worker_id: str | None = None
+        self.stage: int | None = None
+        self.module: nn.Module | None = None
+        self.service: StageService | None = None
+        self.driver: Driver | None = None
+        self.routes: CoordinatorRoutes | None = None
+        self._beats: PeerBeats | None = None
+        self._samples = 0  # the head's: samples it drove through the swarm
+        self._stopped = threading.Event()
+        self._left = False
+        self._lock = threading.Lock()
+
+    # --- joining -------------------------------------------------------------------------------
+
+    def start(self) -> SwarmPeer:
+        """Join: register, build and serve the assigned stage, say ready, heartbeat. Raises
+        ``Conflict`` (409 ``params_mismatch``) when the stage module does not match the stage's
+        table, after leaving the run; ``ValueError`` when the server is not a swarm of
+        ``num_stages`` stages."""
+        info = RegisterInfo(
+            pid=os.getpid(), heartbeat_interval=self.heartbeat_interval, stages=self.fits
+        )
+        reg = Registered.from_json(self.client.register(self.wanted_id, info=info))
+        self.worker_id = reg.worker_id
+        try:
+            if reg.mode != "swarm" or reg.stage is None:
+                raise ValueError(f"the server runs in {reg.mode} mode, not swarm mode")
+            if reg.num_stages != self.num_stages:
+                raise ValueError(
+                    f"the swarm has {reg.num_stages} stages; this peer was built for "
+                    f"{self.num_stages}"
+                )
+            self.stage = k = reg.stage
+            self.module = self.build_stage(k, self.num_stages)
+            opt = self.optimizer_factory(self.module.parameters())
+            address = self._serve_or_drive(k, opt)
+            accepted = StageAccepted.from_json(
+                self.client.stage_ready(
+                    reg.worker_id, stage=k, params=table_of(self.module), address=address
+                )
+            )
+        except BaseException:
+            self.stop()
+            raise
+        log.info(
+            "swarm peer %s: stage %d of %d ready at %s (table version %d)",
+            self.worker_id, k, self.num_stages, address, accepted.version,
+        )  # fmt: skip
+        self._beats = PeerBeats(
+            self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed
+        )
+        self._beats.start()
+        return self
+
+    def _serve_or_drive(self, k: int, opt: torch.optim.Optimizer) -> str:
+        assert self.module is not None and self.worker_id is not None
+        if k == 0:
+            self.routes = CoordinatorRoutes(self.client, self.worker_id, self.token).start()
+            self.driver = Driver(
+                self.module, opt, self.routes, self.edges,
+                micro_batch=self.micro_batch, max_in_flight=self.max_in_flight,
+                timeout_floor_s=self.timeout_floor_s, first_timeout_s=self.first_timeout_s,
+                token_dims=self.token_dims, driver_id=self.worker_id, seed=self.seed,
+            )  # fmt: skip
+            # The head serves nothing: port 0 names its host and says no one may dial it.
+            return f"http://{_url_host(self.host)}:0"
+        tail = k == self.num_stages - 1
+        self.service = StageService(
+            self.module, opt,
+            StageEdges(self.edges[k - 1], None if tail else self.edges[k], self.token_dims),
+            samples_per_step=self.samples_per_step, token=self.token,
+            loss_fn=self.loss_fn if tail else None, host=self.host, port=self.port,
+            hook=self.hook,
+        ).start()  # fmt: skip
+        return f"http://{_url_host(self.host)}:{self.service.port}"
+
+    # --- working -------------------------------------------------------------------------------
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """A head peer: one step of the batch ``(x, y)`` through the swarm; its mean loss.
+        Waits up to ``route_wait_s`` for every stage to have a live replica (``NoReplica``)."""
+        if self.driver is None or self.routes is None:
+            raise RuntimeError("train_step is for a started head peer (stage 0)")
+        if not self.routes.wait_for(range(1, self.num_stages), self.route_wait_s):
+            raise NoReplica(f"no whole pipeline in the route table after {self.route_wait_s} s")
+        loss = self.driver.train_step(x, y)
+        with self._lock:
+            self._samples += int(x.shape[0])
+        return loss
+
+    def serve(self) -> None:
+        """A peer that is not the head: block until ``stop()`` or SIGTERM, then leave."""
+        if self.service is None:
+            raise RuntimeError("serve is for a started peer that is not the head")
+        with on_sigterm(self._stopped.set):
+            self._stopped.wait()
+        self.stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Leave: stop heartbeats, routes and the service, deregister. Idempotent."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+        self._stopped.set()
+        if self._beats is not None:
+            self._beats.stop()
+        if self.routes is not None:
+            self.routes.stop()
+        if self.service is not None:
+            self.service.stop()
+        if self.driver is not None:
+            self.driver.close()
+        if self.worker_id is not None:
+            try:
+                self.client.deregister(self.worker_id)
+            except SYNC_FAILURES as exc:
+                log.warning("swarm peer %s: deregister failed: %s", self.worker_id, exc)
+        self.client.close()
+
+    # --- observation ---------------------------------------------------------------------------
+
+    def _processed(self) -> int:
+        if self.service is not None:
+            return int(self.service.stats()["steps"]) * self.samples_per_step
+        with self._lock:
+            return self._samples
+
+    def stats(self) -> dict[str, Any]:
+        """The driver's or the service's stats (``sent``: bytes and tokens per boundary and
+        direction this peer sent), with ``stage``."""
+        got: dict[str, Any] = {}
+        if self.driver is not None:
+            got = self.driver.stats()
+        elif self.service is not None:
+            got = self.service.stats()
+        return {**got, "stage": self.stage}
+
+    def beat(self) -> None:
+        """Heartbeat now (tests: the status then holds what was sent so far)."""
+        if self._beats is not None:
+            self._beats.beat()
+
+
+def _shapes(
+    boundaries: tuple[int, ...] | Sequence[tuple[int, ...]], num_stages: int
+) -> list[tuple[int, ...]]:
+    """One trailing shape per boundary: ``(32,)`` is every boundary's."""
+    if boundaries and all(isinstance(d, int) for d in boundaries):
+        return [tuple(int(d) for d in boundaries)] * (num_stages - 1)  # type: ignore[arg-type]
+    shapes: list[tuple[int, ...]] = []
+    for shape in boundaries:
+        if isinstance(shape, int):
+            raise ValueError("boundaries: one shape (32,) or one tuple per boundary, not a mix")
+        shapes.append(tuple(shape))
+    if len(shapes) != num_stages - 1:
+        raise ValueError(f"{num_stages} stages have {num_stages - 1} boundaries, not {len(shapes)}")
+    return shapes
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@contextmanager
+def on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM calls ``callback`` (the peer leaves cleanly) while inside; only on the main
+    thread and only where SIGTERM has its default action (as the worker's handling does)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGTERM: the swarm peer leaves")
+        callback()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
