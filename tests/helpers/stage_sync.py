@@ -106,7 +106,9 @@ def reference_stage(stage: int, replicas: int, rounds: int) -> list[dict[str, to
             for _ in range(EVERY):
                 for t in local:
                     t.sub_(torch.randn(t.shape, generator=gens[r]), alpha=INNER_LR)
-            pseudo.append([g.detach() - t for g, t in zip(global_model.parameters(), local)])
+            pseudo.append(
+                [g.detach() - t for g, t in zip(global_model.parameters(), local, strict=True)]
+            )
         with torch.no_grad():
             for j, p in enumerate(global_model.parameters()):
                 p.grad = torch.stack([pg[j] for pg in pseudo]).sum(0) / replicas

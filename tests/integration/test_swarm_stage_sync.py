@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.persistence import list_checkpoints, load_checkpoint
-from tests.helpers.http import CLIENT, TIMEOUT
+from tests.helpers.http import post_json
 from tests.helpers.stage_sync import (
     EVERY,
     make_stage,
@@ -32,7 +31,7 @@ ROUNDS = {0: 3, 1: 2}
 
 def swarm_server(**config: Any) -> DiLoCoServer:
     return DiLoCoServer(
-        ServerConfig(port=0, swarm=True, stages=2, min_replicas=2, **{**FAST, **config})
+        ServerConfig(port=0, swarm=True, stages=2, **{"min_replicas": 2, **FAST, **config})
     )
 
 
@@ -174,16 +173,29 @@ def test_each_stages_rank_0_saves_into_its_folder_a_server_resumes_from(tmp_path
 
 
 @pytest.mark.timeout(60)
+def test_an_operators_save_is_written_by_each_stages_next_quorum(tmp_path: Path) -> None:
+    """``POST /control/save_state`` (202): the next quorum of every stage saves, each into its
+    own folder."""
+    save = tmp_path / "ckpt"
+    with swarm_server(min_replicas=1) as srv:
+        resp = post_json(srv, "/control/save_state", {})
+        assert resp.status_code == 202, resp.text
+        in_threads(2, lambda k: train_replica(srv.address, k, 0, EVERY, save_dir=str(save)))
+    for stage in (0, 1):
+        folders = list_checkpoints(save / f"stage-{stage}")
+        assert [load_checkpoint(f).round for f in folders] == [0]  # the join's quorum
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_whose_module_is_not_its_stages_is_refused_and_changes_nothing() -> None:
     """Stage 1's table is fixed by its first replica's registration; a worker of stage 1
     registering (again) with stage 0's module gets 409 ``params_mismatch`` and changes nothing,
-    and a ``/swarm/ready`` with that table is refused by the same check."""
+    as does a new peer asking for stage 1 with it, and a ``/swarm/ready`` with that table is
+    refused by the same check; a lossy stage-sync codec is 422."""
     with swarm_server() as srv:
         table = [["0.weight", [3, 8]], ["0.bias", [3]]]
         body = {"worker_id": "good", "info": {"stages": [1], "params": table}}
-        ok = requests.post(
-            f"http://{srv.address}/register", json=body, headers=CLIENT, timeout=TIMEOUT
-        )
+        ok = post_json(srv, "/register", body)
         assert ok.status_code == 200 and ok.json()["params"] == table
         module = make_stage(0)
         register_for(srv.address, "bad", 1)
@@ -194,16 +206,22 @@ def test_a_worker_whose_module_is_not_its_stages_is_refused_and_changes_nothing(
                 worker_id="bad", sync_every=EVERY, bf16_comm=False,
             ).start()  # fmt: skip
         wrong = [["0.weight", [8, 12]], ["0.bias", [8]]]
-        body = {"worker_id": "bad", "info": {"params": wrong}}  # keeps its stage 1
-        resp = requests.post(
-            f"http://{srv.address}/register", json=body, headers=CLIENT, timeout=TIMEOUT
-        )
-        assert resp.status_code == 409 and resp.json()["error"] == "params_mismatch"
+        refusals = [
+            ({"worker_id": "bad", "info": {"params": wrong}}, 409, "params_mismatch"),  # stage 1
+            (
+                {"worker_id": "new", "info": {"stages": [1], "params": wrong}},
+                409,
+                "params_mismatch",
+            ),
+            ({"worker_id": "new", "info": {"codec": {"codec": "int8"}}}, 422, "codec_refused"),
+        ]
+        for body, status, code in refusals:
+            resp = post_json(srv, "/register", body)
+            assert resp.status_code == status and resp.json()["error"] == code, resp.text
         ready = {"worker_id": "good", "stage": 1, "params": wrong, "address": "http://h:1"}
-        resp = requests.post(
-            f"http://{srv.address}/swarm/ready", json=ready, headers=CLIENT, timeout=TIMEOUT
-        )
+        resp = post_json(srv, "/swarm/ready", ready)
         assert resp.status_code == 409 and resp.json()["error"] == "params_mismatch"
         after = srv.status()
     assert after["swarm"] == before["swarm"]  # the same assignments, tables and route table
+    assert {w["worker_id"] for w in after["workers"]} == {"good", "bad"}
     assert after["swarm"]["stages"][1]["num_params"] == 3 * 8 + 3
