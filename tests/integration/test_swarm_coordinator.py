@@ -237,7 +237,8 @@ def test_each_mode_refuses_the_others_routes(make_server: ServerFactory) -> None
     assert_error(routes(plain), 409, "not_swarm_mode")
     assert_error(ready(plain, "a", 0), 409, "not_swarm_mode")
     ask = {"worker_id": "a", "round": 0}
-    assert_error(post_json(swarm, "/quorum", ask), 409, "swarm_mode")
+    # Stage sync is served: a peer not registered has no stage, so no quorum (410).
+    assert_error(post_json(swarm, "/quorum", ask), 410, "unknown_worker")
     resp = requests.get(url(swarm, "/global_params"), timeout=TIMEOUT)
     assert_error(resp, 409, "swarm_mode")
 

@@ -68,7 +68,11 @@ SERVER_ALLOWED = {
     "intake": {"config", "errors", "members", "params", "observe", "rounds"},
     "front": {"config", "observe", "params.store"},
     "allreduce": {"config", "errors", "members", "observe"},
-    "swarm": {"config", "errors", "members", "observe", "params.wakeup"},
+    "swarm": {
+        *("config", "errors", "members", "observe", "params.wakeup"),
+        # Stage sync reuses the all-reduce mode's quorums, never its front.
+        *("allreduce.quorum_book", "allreduce.rendezvous", "allreduce.suspects"),
+    },
     "paramserver": {
         *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
     },

@@ -479,7 +479,7 @@ class ServerConfig:
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
-        if self.save_every and self.save_dir is None and not self.allreduce:
+        if self.save_every and self.save_dir is None and not (self.allreduce or self.swarm):
             # Accepted, it would save nothing: a run that believes it can survive a crash.
             raise ValueError(
                 f"save_every {self.save_every} needs save_dir (--save-dir DIR, or -o DIR): without a "

@@ -172,9 +172,9 @@ class QuorumKeys(Protocol):
 class Quorums(Protocol):
     """The routes of a front whose workers average among themselves: their quorums."""
 
-    @property
-    def round(self) -> int:
-        """The round of the workers' state, named in a pending reply."""
+    def round_of(self, worker_id: str) -> int:
+        """The round of the state ``worker_id``'s quorums hold (the run's; in swarm mode its
+        stage's), named in a pending reply."""
         ...
 
     async def quorum(self, ask: QuorumAsk) -> Assignment | None:
@@ -247,7 +247,8 @@ class Front(Protocol):
 
     def quorums(self) -> Quorums:
         """The quorum routes' side; 409 ``server_mode`` where the server holds the
-        parameters."""
+        parameters. In swarm mode, each stage's replicas' quorums
+        (``server/swarm/stage_quorums.py``)."""
         ...
 
     def swarm(self) -> Swarm:

@@ -4,6 +4,7 @@ reply is known (``DiLoCoWorker._join``), and kept for the worker's life.
 The rule:
 
 - the server's ``mode`` decides the family: ``"allreduce"`` is ``QuorumSync`` (``allreduce/``),
+  and so is ``"swarm"`` (a stage's replicas sync with their stage's quorums, the same protocol),
   anything else a parameter server's strategy (``server_mode/``);
 - ``num_fragments`` decides the share of the model a sync moves: 1, the whole model
   (``PlainSync``, or ``QuorumSync`` over ``WholeModel``); more, one fragment at a time
@@ -55,7 +56,7 @@ def choose_strategy(
             return GroupStreaming(lockstep, session, None)
         return GroupSync(lockstep, session, None)
     assert reply is not None, "a worker that talks to the server chooses from its reply"
-    if reply.allreduce:
+    if reply.quorum_sync:
         local = lockstep.group.local if lockstep is not None else None
         parts = local.outer if isinstance(local, ShardedModel) else None
         inner: SyncStrategy = _quorum_sync(settings, session, reply, lockstep, parts)
@@ -73,8 +74,8 @@ def choose_strategy(
 
 def same_family(joined_allreduce: bool, reply: Registered) -> None:
     """Raise ValueError unless a re-registration's ``reply`` comes from a server of the family
-    the strategy was chosen for (``joined_allreduce``: the first reply's ``allreduce``)."""
-    if reply.allreduce != joined_allreduce:
+    the strategy was chosen for (``joined_allreduce``: the first reply's ``quorum_sync``)."""
+    if reply.quorum_sync != joined_allreduce:
         mode = {True: "all-reduce", False: "parameter-server"}
         raise ValueError(
             f"the server now runs in {mode[not joined_allreduce]} mode; this worker joined it "

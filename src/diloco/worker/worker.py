@@ -398,7 +398,7 @@ class DiLoCoWorker:
             self._strategy = choose_strategy(
                 self.settings, s, self._lockstep, reply, submit=self._submit
             )
-            self._allreduce = reply.allreduce
+            self._allreduce = reply.quorum_sync
         else:
             same_family(self._allreduce, reply)
         if initial:

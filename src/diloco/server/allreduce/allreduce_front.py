@@ -214,6 +214,9 @@ class AllReduceFront:
     def round(self) -> int:
         return self.book.round
 
+    def round_of(self, worker_id: str) -> int:
+        return self.book.round  # one run, one round
+
     async def quorum(self, ask: QuorumAsk) -> Assignment | None:
         """The worker's quorum reply (``book.ask``: 410, 409 ``left_out`` or
         ``unagreed_state``); its weight, bounded by the message (400 ``bad_field``), is logged:

@@ -15,7 +15,9 @@ class StageStatus:
     assigned: tuple[str, ...]  # peers registered for it
     ready: tuple[str, ...]  # of those, in the route table now (ready, alive, not suspect)
     throughput: float | None  # samples/s its replicas reported together (None: not yet)
-    num_params: int  # elements of its agreed table (0: no replica ready yet)
+    num_params: int  # elements of its agreed table (0: none fixed yet)
+    round: int = 0  # of the state its replicas' last quorum agreed on (stage sync)
+    rounds_completed: int = 0  # its quorums that advanced the stage's round
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ Invariants (each tested):
 - a replica is in the route table iff it is assigned a stage, said ready with that stage's
   table, is registered (the front calls ``left`` on every leave, eviction and kick) and no
   driver reported it suspect since its last heartbeat;
-- a stage's table is fixed by its first ready peer and never changes in this server life
-  (a replacement must host the same stage module, even after every replica left);
+- a stage's table is fixed by its first ready peer, or its first registration that carries a
+  table (a ``DiLoCoWorker`` syncing the stage), whichever comes first, and never changes in this
+  server life (a replacement must host the same stage module, even after every replica left);
+  ``check_table`` is the one check both paths run;
 - every check happens before anything changes: a refused call leaves no trace;
 - the version increases exactly when the table's content changes; a long poll returns at once
   on another version, else on the next change or its bound.
@@ -84,23 +86,29 @@ class StageBook:
         except ValueError as exc:
             raise bad_request("no_fitting_stage", str(exc)) from None
 
-    def assign(self, peer: str, fits: Collection[int] | None) -> int:
-        """The peer's stage: the one it has if it re-registers and that still fits it, else
-        the policy's (``assignment.py``) among the other peers' stages. A registration (first
-        or again: a restarted process) is out of the table until it says ready again: its
-        stage service may have moved or lost its state."""
+    def pick(self, peer: str, fits: Collection[int] | None) -> int:
+        """The stage ``assign`` would give the peer now, changing nothing: the one it has if it
+        re-registers and that still fits it, else the policy's (``assignment.py``) among the
+        other peers' stages."""
         stage = self.assigned.get(peer)
         if stage is not None and stage in self.fits(fits):
-            self.ready.pop(peer, None)
-            self.suspects.pop(peer, None)
-            self._publish()
             return stage
-        self.left(peer)
         replicas: dict[int, list[float | None]] = {}
         for other, k in self.assigned.items():
-            replicas.setdefault(k, []).append(self._throughput(other))
-        stage = choose_stage(self.num_stages, self.min_replicas, replicas, fits)
+            if other != peer:
+                replicas.setdefault(k, []).append(self._throughput(other))
+        return choose_stage(self.num_stages, self.min_replicas, replicas, fits)
+
+    def assign(self, peer: str, fits: Collection[int] | None) -> int:
+        """The peer's stage (``pick``). A registration (first or again: a restarted process)
+        is out of the table until it says ready again: its stage service may have moved or
+        lost its state."""
+        stage = self.pick(peer, fits)
+        if self.assigned.get(peer) != stage:
+            self.left(peer)
         self.assigned[peer] = stage
+        self.ready.pop(peer, None)
+        self.suspects.pop(peer, None)
         self._publish()
         return stage
 
@@ -121,17 +129,23 @@ class StageBook:
         assigned = self.assigned.get(ready.worker_id)
         if assigned is None or assigned != ready.stage:
             raise wrong_stage(ready.worker_id, ready.stage, -1 if assigned is None else assigned)
-        agreed = self.tables.get(ready.stage)
-        if agreed is not None and agreed != ready.params:
-            raise mismatch(
-                differences(agreed, ready.params),
-                f"Every replica of stage {ready.stage} must host the same stage module",
-            )
+        self.check_table(ready.stage, ready.params)
         self.tables.setdefault(ready.stage, ready.params)
         self.ready[ready.worker_id] = ready.address
         self.suspects.pop(ready.worker_id, None)
         self._publish()
         return self.version
+
+    def check_table(self, stage: int, table: Table) -> None:
+        """409 ``params_mismatch`` naming the differences when the stage's table is fixed and
+        ``table`` is another; changes nothing (the caller fixes it, ``tables.setdefault``, once
+        its request went through)."""
+        agreed = self.tables.get(stage)
+        if agreed is not None and agreed != table:
+            raise mismatch(
+                differences(agreed, table),
+                f"Every replica of stage {stage} must host the same stage module",
+            )
 
     def heard(self, peer: str, beat: SwarmBeat | None) -> None:
         """A heartbeat of a registered peer: alive again after any report, and its

@@ -3,14 +3,16 @@ of a pipeline whose stages live on the peers. It holds no parameters. It keeps t
 membership and health checks every mode has, and adds: a stage assigned at registration
 (``assignment.py``), ``POST /swarm/ready`` checked against the stage's table, the route table's
 long poll, drivers' suspect reports (``stage_book.py``), and the peers' heartbeat measurements
-in ``/status`` and ``/metrics``.
-
-The peers' own stage sync (replicas of a stage averaging with DiLoCo) is not served here yet:
-``/quorum`` answers 409 ``swarm_mode``, as do the parameter server's routes.
+in ``/status`` and ``/metrics``; and stage sync: each stage's replicas average with DiLoCo through
+quorums of their own (``stage_quorums.py``: the all-reduce mode's quorum book, one per stage),
+so ``/quorum``, ``/quorum/outcome`` and ``/rendezvous/*`` are served, and a registration carrying
+a parameter table is checked against its stage's (``StageBook.check_table``, the same check
+``/swarm/ready`` runs). The parameter server's routes answer 409 ``swarm_mode``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -23,6 +25,7 @@ import torch
 
 from diloco.server.config import ServerConfig
 from diloco.server.errors import swarm_mode, unknown_worker
+from diloco.server.members.codec_choice import registered_codec
 from diloco.server.members.membership import Membership
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.loss_history import LossHistory
@@ -31,12 +34,15 @@ from diloco.server.observe.records import IDLE, QuorumSummary, Saves
 from diloco.server.observe.run_log import RunLog
 from diloco.server.observe.status import Status, build_status
 from diloco.server.swarm.stage_book import StageBook
+from diloco.server.swarm.stage_quorums import LOSSY_REFUSED, SYNC_CODECS, StageQuorums
 from diloco.wire.messages import (
     Deregistered,
     Heartbeat,
     HeartbeatReply,
     Kicked,
+    LastSubmission,
     NumWorkersUpdated,
+    OuterStep,
     Register,
     Registered,
     RegisterInfo,
@@ -58,13 +64,17 @@ TABLE_LIMIT = 1024 * 1024
 
 class SwarmMembers:
     """The run's ``Membership``, whose heartbeats also reach the stage book (a heartbeat ends
-    a suspicion and carries the peer's measurements)."""
+    a suspicion and carries the peer's measurements), and whose registrations carrying a
+    parameter table are checked against the stage they would be given (the front's ``vet``:
+    it needs the peer's id, which a mode's ``admit`` is not told)."""
 
-    def __init__(self, inner: Membership, book: StageBook) -> None:
+    def __init__(self, inner: Membership, book: StageBook, vet: Callable[[Register], None]) -> None:
         self.inner = inner
         self.book = book
+        self.vet = vet
 
     def register(self, asked: Register, hostname: str) -> Registered:
+        self.vet(asked)
         return self.inner.register(asked, hostname)
 
     def deregister(self, worker_id: str, *, died: bool = False) -> Deregistered:
@@ -102,20 +112,43 @@ class SwarmFront:
         self.loss_history = LossHistory(clock)
         self.book = StageBook(config.stages, config.min_replicas, clock)
         self.membership = SwarmMembers(
-            Membership(config, self.registry, clock, self, lambda: None), self.book
+            Membership(config, self.registry, clock, self, lambda: None), self.book, self._vet
         )
-        self._fits: dict[str, list[int]] = {}
+        #: Each stage's replicas' quorums (stage sync).
+        self.stage_quorums = StageQuorums(
+            config,
+            self.instance,
+            self.book.assigned,
+            clock,
+            self._heartbeat_of,
+            self.registry.touch,
+        )
+
+    def _heartbeat_of(self, worker_id: str) -> tuple[float, float] | None:
+        record = self.registry.get(worker_id)
+        if record is None:
+            return None
+        return record.last_seen, record.info.heartbeat_interval or 0.0
+
+    def _vet(self, asked: Register) -> None:
+        """409 ``params_mismatch`` for a registration whose table is not the table of the stage
+        it would be assigned (``StageBook.pick``, what ``assign`` then gives); changes
+        nothing."""
+        table = asked.info.params
+        if table is not None:
+            stage = self.book.pick(asked.worker_id or "", asked.info.stages)
+            self.book.check_table(stage, table)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        pass
+        self.stage_quorums.open()
 
     async def run(self) -> None:
-        await self.membership.inner.health_loop()
+        await asyncio.gather(self.membership.inner.health_loop(), self.stage_quorums.tick_loop())
 
     def close(self) -> None:
-        pass
+        self.stage_quorums.close()
 
     # --- membership (members/membership.py's Roster) --------------------------------------------
 
@@ -130,28 +163,54 @@ class SwarmFront:
         return self.config.num_workers
 
     def admit(self, info: RegisterInfo) -> Callable[[str], None]:
-        """The stages that fit the peer (400 ``no_fitting_stage`` when none is a stage here),
-        checked before anything changes; the stage is assigned once it is registered."""
+        """The stages that fit the peer (400 ``no_fitting_stage`` when none is a stage here)
+        and the codec its stage sync sends (422 ``codec_refused`` for a lossy one, as in
+        all-reduce mode), checked before anything changes; the stage is assigned once it is
+        registered, and a table the registration carries fixes the stage's if none is yet."""
         self.book.fits(info.stages)
+        comm = registered_codec(info.codec, SYNC_CODECS, LOSSY_REFUSED) or "fp32"
 
         def counts(worker_id: str) -> None:
+            before = self.book.assigned.get(worker_id)
             stage = self.book.assign(worker_id, info.stages)
+            if info.params is not None:
+                self.book.tables.setdefault(stage, info.params)
+            self.stage_quorums.comm[worker_id] = comm
+            self.stage_quorums.registered(worker_id, before, stage)
             log.info("peer %s hosts stage %d", worker_id, stage)
 
         return counts
 
     def told(self, reply: Registered, last_submission: str | None) -> Registered:
+        """The peer's stage, and what its stage sync needs, as an all-reduce registration says
+        it for a whole model: its stage's round, table and rendezvous, the collective timeout,
+        the weighting, the outer step and the norm bound."""
+        config = self.config
+        stage = self.book.assigned[reply.worker_id]
+        book = self.stage_quorums.books[stage]
         return replace(
             reply,
             mode=self.mode,
+            round=book.round,
             instance=self.instance,
             has_params=False,
-            stage=self.book.assigned[reply.worker_id],
+            last_submission=(
+                None if last_submission is None else LastSubmission(None, in_params=False)
+            ),
+            params=self.book.tables.get(stage),
+            rendezvous=book.rendezvous,  # None before the server listens (``open``)
+            collective_timeout=config.collective_timeout,
+            weighting=config.weighting,
+            outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
+            norm_bound=config.norm_bound,
+            stage=stage,
             num_stages=self.book.num_stages,
         )
 
     def left(self, worker_id: str) -> None:
+        stage = self.book.assigned.get(worker_id)
         self.book.left(worker_id)
+        self.stage_quorums.left(worker_id, stage)
 
     def expect(self, num_workers: int) -> None:
         pass  # nothing waits for a count of peers: each stage's replicas are counted instead
@@ -164,8 +223,8 @@ class SwarmFront:
     def parameters(self, what: str) -> NoReturn:
         raise swarm_mode(what)
 
-    def quorums(self) -> NoReturn:
-        raise swarm_mode("stage sync among a stage's replicas is not served yet")
+    def quorums(self) -> StageQuorums:
+        return self.stage_quorums
 
     def swarm(self) -> SwarmFront:
         return self
@@ -197,7 +256,10 @@ class SwarmFront:
         return SuspectNoted(version=version)
 
     async def request_save(self) -> tuple[int, SaveRequested]:
-        raise swarm_mode("the stages' checkpoints are the peers' (stage sync is not served yet)")
+        """The peers hold the stages: rank 0 of each stage's next quorum saves."""
+        reply = self.stage_quorums.request_save()
+        log.info("control: checkpoint requested of every stage's next quorum")
+        return 202, reply
 
     async def save(self) -> Path | None:
         return None  # the server holds nothing to save
@@ -205,7 +267,12 @@ class SwarmFront:
     # --- status ---------------------------------------------------------------------------------
 
     def status(self, history_since: int = 0) -> Status:
-        return replace(build_status(self, history_since), swarm=self.book.public())
+        swarm = self.book.public()
+        stages = tuple(
+            replace(st, round=book.round, rounds_completed=book.rounds_completed)
+            for st, book in zip(swarm.stages, self.stage_quorums.books, strict=True)
+        )
+        return replace(build_status(self, history_since), swarm=replace(swarm, stages=stages))
 
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
         return []

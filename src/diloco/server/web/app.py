@@ -138,11 +138,13 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 async def quorum(request: web.Request) -> web.Response:
-    """All-reduce mode: a long poll for this round's quorum (server/allreduce/quorum_book.py)."""
+    """All-reduce and swarm mode: a long poll for this round's quorum
+    (server/allreduce/quorum_book.py; swarm mode: server/swarm/stage_quorums.py)."""
     quorums = request.app[FRONT].quorums()
-    assigned = await quorums.quorum(QuorumAsk.from_json(await read_json(request)))
+    ask = QuorumAsk.from_json(await read_json(request))
+    assigned = await quorums.quorum(ask)
     if assigned is None:
-        return reply(Pending(round=quorums.round), 202)
+        return reply(Pending(round=quorums.round_of(ask.worker_id)), 202)
     return reply(assigned)
 
 

@@ -180,7 +180,8 @@ class Registered(Reply):
     mode's default)."""
 
     stage: int | None = spec(default=None, omit=True)
-    """Swarm mode: the pipeline stage the peer hosts (it builds only that one)."""
+    """Swarm mode: the pipeline stage the peer hosts (it builds only that one); its stage sync
+    runs with that stage's replicas, and its rank 0 saves under ``save_dir/stage-<stage>``."""
     num_stages: int | None = spec(default=None, omit=True)
     """Swarm mode: the pipeline's stages."""
 
@@ -188,6 +189,12 @@ class Registered(Reply):
     def allreduce(self) -> bool:
         """The server runs in all-reduce mode."""
         return self.mode == "allreduce"
+
+    @property
+    def quorum_sync(self) -> bool:
+        """The workers average among themselves in the server's quorums: all-reduce mode, or
+        swarm mode (each stage's replicas, with their stage's quorums)."""
+        return self.mode in ("allreduce", "swarm")
 
 
 DIRECTIONS = ("forward", "backward")

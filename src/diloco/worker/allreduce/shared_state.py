@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,9 @@ class RunRules:
     # A member whose norm is above this many times the quorum's median is left out of a round
     # (``Registered.norm_bound``); a server that does not say (an older one) judges no norms.
     norm_bound: float = math.inf
+    # Swarm mode: the pipeline stage whose replicas sync (``Registered.stage``); rank 0 saves
+    # under ``save_dir/stage-<stage>``, one folder per stage. None: the whole model.
+    stage: int | None = None
 
     @classmethod
     def of(cls, reply: Registered) -> RunRules:
@@ -59,6 +63,7 @@ class RunRules:
             nesterov=outer.nesterov and outer.momentum > 0,
             by_samples=weighting == "samples",
             norm_bound=reply.norm_bound if reply.norm_bound is not None else math.inf,
+            stage=reply.stage,
         )
 
 
@@ -139,7 +144,8 @@ class SharedState:
         momentum: LazyTensors | None = None,
     ) -> None:
         """Rank 0: write the snapshot and ``state`` (the outer optimizer's state dict) at the
-        session's ``base_round`` into the worker's ``save_dir``; ``layout`` holds the fields that
+        session's ``base_round`` into the worker's ``save_dir`` (its stage's folder in swarm
+        mode, ``RunRules.stage``); ``layout holds the fields that
         say how the state is cut (``fragments``, ``unit_rounds``, ``optimizer_units``). Blocking;
         a failure (or no ``save_dir``) is logged, never raised into training. ``params`` and
         ``momentum``: the state read one tensor at a time instead (a sharded group's)."""
@@ -153,6 +159,8 @@ class SharedState:
                 s.base_round,
             )
             return
+        if self.rules.stage is not None:
+            folder = os.path.join(folder, f"stage-{self.rules.stage}")
         tensors: dict[str, torch.Tensor] | LazyTensors = (
             dict(s.local.snapshot) if params is None else params
         )
