@@ -45,6 +45,7 @@ SCRIPTS = {
     "training.streaming_experiment": 120,
     "links.slow_links": 120,
     "codecs.speed": 120,
+    "swarm.pipeline": 120,
     "rounds.rendezvous_join": 60,
 }
 PARALLEL = 3
