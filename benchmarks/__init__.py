@@ -6,7 +6,8 @@ printer and JSON writer). The scripts are grouped by family: ``rounds/`` (a roun
 memory on loopback, against the raw limit and against torchft), ``faults/`` (kill -9 of
 workers and the server), ``links/`` (workers behind slow or shaped links), ``codecs/`` (speed,
 error and training quality of the codecs), ``training/`` (training runs: async, streaming,
-trainers, compute utilization, worker groups). ``quality/`` is the training-quality suite
+trainers, compute utilization, worker groups), ``swarm/`` (the demo model as pipeline
+stages through a ``--swarm`` coordinator). ``quality/`` is the training-quality suite
 (``./dev quality``).
 
 Every script runs from the repository root as a module, e.g.
