@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -69,15 +69,23 @@ def start_server() -> DiLoCoServer:
     return DiLoCoServer(config, initial_params=None).start()
 
 
-def make_peer(server: DiLoCoServer, fits: int, setup: Setup, hook: Hook | None = None) -> SwarmPeer:
+def make_peer(address: str, fits: int, setup: Setup, hook: Hook | None = None) -> SwarmPeer:
     return SwarmPeer(
-        build_stage(setup.seed), num_stages=STAGES, server=server.address,
+        build_stage(setup.seed), num_stages=STAGES, server=address,
         optimizer=lambda params: torch.optim.AdamW(params, lr=setup.lr), loss_fn=loss_fn,
         boundaries=(SEQ, D_MODEL), samples_per_step=setup.batch, micro_batch=setup.micro_batch,
         codec=setup.codec, token=TOKEN, stages=[fits], heartbeat_interval=0.0,
         max_in_flight=setup.in_flight, timeout_floor_s=setup.timeout_floor_s, token_dims=2,
         hook=hook, seed=setup.seed, route_wait_s=30.0,
     )  # fmt: skip
+
+
+class Driven(Protocol):
+    """A swarm as training sees it: its head peer, and a wait for its stages' work."""
+
+    head: SwarmPeer
+
+    def drain(self) -> None: ...
 
 
 @dataclass
@@ -87,7 +95,7 @@ class Swarm:
     stages: dict[int, list[SwarmPeer]] = field(default_factory=dict)
 
     def add(self, fits: int, setup: Setup, hook: Hook | None = None) -> SwarmPeer:
-        peer = make_peer(self.server, fits, setup, hook).start()
+        peer = make_peer(self.server.address, fits, setup, hook).start()
         self.stages.setdefault(fits, []).append(peer)
         return peer
 
@@ -138,9 +146,10 @@ def swarm(
     try:
         for k, n in counts.items():
             bodies[k] = [
-                make_peer(server, k, setup, (hooks or {}).get((k, r))).start() for r in range(n)
+                make_peer(server.address, k, setup, (hooks or {}).get((k, r))).start()
+                for r in range(n)
             ]
-        head = make_peer(server, 0, setup).start()
+        head = make_peer(server.address, 0, setup).start()
         routes = head.routes
         assert routes is not None
         if not routes.wait(
@@ -162,7 +171,7 @@ def batches(tokens: torch.Tensor, steps: int, batch: int, seed: int) -> list[tup
     return [sample_batch(tokens, batch, SEQ, g) for _ in range(steps)]
 
 
-def train_swarm(s: Swarm, data: list[tuple[Any, Any]], warmup: int) -> dict[str, float]:
+def train_swarm(s: Driven, data: list[tuple[Any, Any]], warmup: int) -> dict[str, float]:
     """Train on ``data``; the seconds of the steps after the first ``warmup``."""
     losses = []
     t0 = time.perf_counter()

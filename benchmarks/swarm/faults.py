@@ -13,15 +13,17 @@ from benchmarks.harness.report import print_table
 from benchmarks.swarm.demo_swarm import Setup, batches, swarm
 
 WAIT = 60.0
+REPLICAS = 3
 
 
 class NthForward:
     """A hook for the replicas of stage 1 that holds the ``n``-th forward (counted over all of
-    them) before its work, says which replica and when (``reached``), and lets it go when
+    them once ``armed``) before its work, says which replica and when (``reached``), and lets it go when
     ``release``d."""
 
     def __init__(self, n: int) -> None:
         self.n, self.seen, self.replica, self.at = n, 0, -1, 0.0
+        self.armed = False  # counting starts once the warm steps are done
         self.reached, self.released = threading.Event(), threading.Event()
         self._lock = threading.Lock()
 
@@ -30,6 +32,8 @@ class NthForward:
             if kind != "forward":
                 return
             with self._lock:
+                if not self.armed:
+                    return
                 self.seen += 1
                 stop = self.seen == self.n
             if stop:
@@ -41,8 +45,9 @@ class NthForward:
 
 
 def fault(args: Any, corpus: Any, kind: str) -> dict[str, Any]:
-    """Two replicas of stage 1; ``warm`` steps, then the step whose 2nd micro-batch forward
-    meets the fault (``kill``: connections reset and the service stopped; ``freeze``: the call
+    """Three replicas of stage 1 (so that one slow call on this busy machine, a 503 ``late``,
+    does not leave the stage empty before the fault); ``warm`` steps, then the step whose 2nd
+    micro-batch forward meets the fault (``kill``: connections reset and the service stopped; ``freeze``: the call
     never returns), then one more step. Recovery: from the fault to the step's return."""
     setup = Setup(
         seed=args.seed,
@@ -53,10 +58,10 @@ def fault(args: Any, corpus: Any, kind: str) -> dict[str, Any]:
         timeout_floor_s=args.timeout_floor,
     )
     per_step, warm = 4, 3
-    trap = NthForward(warm * per_step + 2)
-    hooks = {(1, r): trap.for_replica(r) for r in range(2)}
+    trap = NthForward(2)
+    hooks = {(1, r): trap.for_replica(r) for r in range(REPLICAS)}
     data = batches(corpus.shards[0], warm + 2, args.batch, args.seed)
-    with swarm(setup, replicas={1: 2}, hooks=hooks) as s:
+    with swarm(setup, replicas={1: REPLICAS}, hooks=hooks) as s:
         driver = s.head.driver
         assert driver is not None
         step_s = []
@@ -65,6 +70,7 @@ def fault(args: Any, corpus: Any, kind: str) -> dict[str, Any]:
             s.head.train_step(x, y)
             step_s.append(time.perf_counter() - t0)
         timeout = driver.picker.timeout(1)
+        trap.armed = True
         if kind == "kill":
 
             def kill() -> None:
@@ -82,12 +88,13 @@ def fault(args: Any, corpus: Any, kind: str) -> dict[str, Any]:
             if kind == "kill":
                 killer.join(WAIT)
             s.head.train_step(*data[warm + 1])
-            survivor = s.stages[1][1 - trap.replica]
-            assert survivor.service is not None and s.stages[2][0].service is not None
-            survivor.service.drain()
-            s.stages[2][0].service.drain()
+            others = [p for r, p in enumerate(s.stages[1]) if r != trap.replica]
+            for p in [*others, s.stages[2][0]]:
+                assert p.service is not None
+                p.service.drain()
             body_steps = sum(int(p.stats().get("steps", 0)) for p in s.stages[1])
-            pending = int(survivor.stats()["pending_samples"])
+            # The victim's partial step died with it: only the others' pending samples count.
+            pending = sum(int(p.stats()["pending_samples"]) for p in others)
             tail = s.stages[2][0].stats()
             stats = driver.stats()
         finally:

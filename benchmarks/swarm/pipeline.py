@@ -5,8 +5,9 @@
 
 The demo model (``diloco.demo.sequential``: embedding, 2 blocks, head; 137k parameters) is cut
 by ``split_sequential`` into 3 stages (the head stage takes the token ids); one ``SwarmPeer``
-per stage replica, threads of this process, joined through an in-process coordinator; no stage
-sync. Printed, as tables:
+per stage replica joined through an in-process coordinator, no stage sync. The peers are threads
+of this process, except in the throughput runs marked "stages in processes" (stages 1 and 2 in
+spawned children: ``peer_procs``), which show what sharing one GIL costs. Printed, as tables:
 
 * step throughput (samples/s) of the swarm, 1 replica per stage, against the unsplit model in
   this process, on the same batches of ``pydoc_data.topics``, and each run's held-out loss
@@ -50,6 +51,7 @@ from benchmarks.swarm.demo_swarm import (
     train_unsplit,
 )
 from benchmarks.swarm.faults import fault, faults_table, join
+from benchmarks.swarm.peer_procs import process_swarm
 from diloco.demo.data import build_corpus
 from diloco.demo.sequential import build_sequential
 from diloco.swarm import split_sequential
@@ -79,21 +81,23 @@ def throughput(args: Any, corpus: Any) -> list[dict[str, Any]]:
     data = batches(corpus.shards[0], args.steps, args.batch, args.seed)
     timed = (args.steps - args.warmup) * args.batch
     rows = [unsplit(args, corpus, data, "unsplit, one process (before)")]
-    for codec, micro, in_flight in args.configs:
+    for codec, micro, in_flight, procs in args.configs:
         setup = Setup(
             seed=args.seed, batch=args.batch, micro_batch=micro, in_flight=in_flight, codec=codec
         )
-        with swarm(setup) as s:
+        where = ", stages in processes" if procs else ""
+        with process_swarm(setup) if procs else swarm(setup) as s:
             got = train_swarm(s, data, args.warmup)
             rows.append(
                 {
-                    "run": f"swarm {codec}, micro-batch {micro}, {in_flight} in flight",
+                    "run": f"swarm {codec}, micro-batch {micro}, {in_flight} in flight{where}",
                     "samples_s": timed / got["seconds"],
                     "loss": held_out(s.joined(args.seed), corpus.eval, args.windows),
                     "step_ms": got["seconds"] * 1e3 / (args.steps - args.warmup),
                     "codec": codec,
                     "micro_batch": micro,
                     "in_flight": in_flight,
+                    "processes": procs,
                     "sent": s.sent(),
                 }
             )
@@ -130,7 +134,7 @@ boundary 1->2 crosses two links each way."""
 
 def bytes_table(rows: list[dict[str, Any]]) -> list[list[str]]:
     """Bytes per token of each hop, one column per swarm run (bodies' headers included)."""
-    swarm_rows = swarm_runs(rows)
+    swarm_rows = [r for r in swarm_runs(rows) if r["sent"]]  # processes' counts stay there
     out = [
         [
             label,
@@ -232,7 +236,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=256, help="held-out windows of 64 bytes")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of the breakdown's timings")
     ap.add_argument(
-        "--timeout-floor", type=float, default=0.5, help="the driver's least call timeout (s)"
+        "--timeout-floor", type=float, default=1.0, help="the driver's least call timeout (s)"
     )
     ap.add_argument(
         "--threads",
@@ -249,7 +253,14 @@ def main() -> None:
         args.steps, args.warmup, args.windows, args.reps = 4, 1, 16, 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.configs = [("fp32", 4, 4), ("int8", 4, 4), ("int8", 16, 1)]
+    # (codec, micro-batch, in flight, stages in processes)
+    args.configs = [
+        ("fp32", 4, 4, False),
+        ("int8", 4, 4, False),
+        ("int8", 16, 1, False),
+        ("int8", 4, 4, True),
+        ("int8", 16, 1, True),
+    ]
     date, machine = now(), machine_info()
     print(f"# Pipeline swarm, {date}", flush=True)
     print_machine(machine)
@@ -291,7 +302,7 @@ def check(
         all(r["samples_s"] > 0 and r["loss"] == r["loss"] for r in rows),
         "every run trained, finite losses",
     )
-    per = {r["codec"]: r["sent"]["0->1:forward"] for r in swarm_runs(rows)}
+    per = {r["codec"]: r["sent"]["0->1:forward"] for r in swarm_runs(rows) if r["sent"]}
     int8, fp32 = (per[c]["bytes"] / per[c]["tokens"] for c in ("int8", "fp32"))
     smoke.require(
         D_MODEL + 2 <= int8 < D_MODEL + 4 and 4 * D_MODEL <= fp32 < 4 * D_MODEL + 2,
