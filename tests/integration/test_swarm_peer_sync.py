@@ -137,17 +137,18 @@ def test_a_syncing_replica_makes_the_driver_wait_not_fail_over(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("weighting", ["samples", "equal"])
 def test_an_idle_replica_takes_part_in_its_stages_rounds_with_weight_zero(
-    make_server: ServerFactory,
+    make_server: ServerFactory, weighting: str
 ) -> None:
     """Two body replicas; the driver leaves the second out (reported suspect), so no call
     reaches it. Its idle steps bring it to every round of its stage (the quorums wait for every
-    live replica), and with ``--weighting samples`` its weight is 0: after each round both
-    replicas hold the bytes of single-process DiLoCo of the unsplit model, as if it were not
-    there."""
+    live replica), and its weight is 0 (it trained no sample), weighted by samples or equally:
+    after each round both replicas hold the bytes of single-process DiLoCo of the unsplit
+    model, as if it were not there."""
     data = batches(STEPS, BATCH)
     want, _ = unsplit_diloco(data, H)
-    server = swarm_server(make_server, weighting="samples")
+    server = swarm_server(make_server, weighting=weighting)
     rounds = AfterRounds()
     quiet = {"idle_step_s": QUIET}
     with together(

@@ -382,8 +382,9 @@ class Driver:
 
     def stats(self) -> dict[str, Any]:
         """Steps, micro-batches, reroutes (failed calls re-sent), recoveries (finished
-        micro-batches replayed on a new replica), busy waits (503 ``syncing`` waited out), bytes and tokens per boundary and direction
-        (``traffic``: sent and received; ``sent``: sent only), and the measured throughput of each endpoint (samples per second)."""
+        micro-batches replayed on a new replica), busy waits (503 ``syncing`` waited out),
+        bytes and tokens per boundary and direction (``traffic``: sent and received; ``sent``:
+        sent only), and the measured throughput of each endpoint (samples per second)."""
         with self._lock:
             return {
                 **self._counts,

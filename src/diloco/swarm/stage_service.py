@@ -466,8 +466,9 @@ class StageService:
 
     def stats(self) -> dict[str, Any]:
         """Steps taken (idle ones apart), retries answered from the tables, calls dropped for
-        room, refusals, calls answered 503 ``syncing`` (``busy``), the forwards held now, and bytes and tokens per ``boundary:direction`` (``traffic``:
-        received and sent; ``sent``: the replies only)."""
+        room, refusals, calls answered 503 ``syncing`` (``busy``), idle steps, the forwards
+        held now, and bytes and tokens per ``boundary:direction`` (``traffic``: received and
+        sent; ``sent``: the replies only)."""
         with self._lock:
             return {
                 **self._counts,
