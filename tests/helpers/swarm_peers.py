@@ -3,6 +3,8 @@ data plane's small model (``swarm.py``) cut into 3 stages, each peer building on
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,9 +13,12 @@ import requests
 import torch
 from torch import nn
 
+from diloco import DiLoCoClient, DiLoCoWorker, ServerConfig
 from diloco.server.server import DiLoCoServer
 from diloco.swarm import SwarmPeer, stage_of
+from diloco.wire.messages import RegisterInfo
 from tests.helpers.swarm import HIDDEN, LR, loss_fn, make_model
+from tests.helpers.threads import in_threads
 
 STAGES = 3
 BATCH = 16
@@ -22,8 +27,18 @@ FAST = {"poll_timeout": 0.5, "join_timeout": 0.0, "heartbeat_timeout": 0.0}
 clock (the tests decide who leaves)."""
 
 
+_BUILT: dict[tuple[int, int], nn.Module] = {}
+_BUILDING = threading.Lock()
+
+
 def build_stage(k: int, num_stages: int) -> nn.Module:
-    return stage_of(make_model, k, num_stages)
+    """Stage ``k`` of ``make_model(0)``, built once (torch's global generator seeds it, and
+    peers started in threads must not draw from it while another thread's code may), then
+    copied."""
+    with _BUILDING:
+        if (k, num_stages) not in _BUILT:
+            _BUILT[(k, num_stages)] = stage_of(make_model, k, num_stages)
+        return copy.deepcopy(_BUILT[(k, num_stages)])
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -77,3 +92,84 @@ def route_table(server: DiLoCoServer) -> dict[int, list[str]]:
 def params_of(*modules: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of ``modules`` by the unsplit model's names."""
     return {n: p.detach().clone() for m in modules for n, p in m.named_parameters()}
+
+
+def unsplit_diloco(
+    data: list[tuple[torch.Tensor, torch.Tensor]], every: int
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The spec of stage sync: the UNSPLIT model trained by one single-process ``DiLoCoWorker``
+    in all-reduce mode (a real in-process server), fp32, syncing every ``every`` steps with the
+    server's default outer step. Its final parameters and its losses."""
+    model = make_model(0)
+    opt = adamw(model.parameters())
+    losses = []
+    with (
+        DiLoCoServer(ServerConfig(port=0, num_workers=1, allreduce=True)) as srv,
+        DiLoCoWorker(
+            model, opt, srv.address, sync_every=every, bf16_comm=False, heartbeat_interval=0.0
+        ) as worker,
+    ):
+        for x, y in data:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert worker.sync_metrics["rounds"] == len(data) // every
+    return params_of(model), losses
+
+
+class AfterRounds:
+    """Records each replica's stage parameters right after each of its stage's rounds: an
+    optimizer post-step hook registered after the peer's ``DiLoCoWorker`` hook (hooks run in
+    order), so it sees the round's result when the worker's ``local_step`` is back to 0."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, peer: SwarmPeer) -> None:
+        worker, module = peer.worker, peer.module
+        assert worker is not None and module is not None and peer.stage is not None
+        opt = peer.driver.head_optimizer if peer.driver is not None else None
+        if opt is None:
+            assert peer.service is not None
+            opt = peer.service.optimizer
+        stage = peer.stage
+
+        def hook(*_: Any) -> None:
+            if worker.local_step == 0:
+                key = (stage, int(worker.sync_metrics["round"]))
+                with self._lock:
+                    self.seen.setdefault(key, []).append(params_of(module))
+
+        opt.register_step_post_hook(hook)
+
+
+@contextmanager
+def together(
+    server: DiLoCoServer, *fits: int, options: list[dict[str, Any]] | None = None, **common: Any
+) -> Iterator[list[SwarmPeer]]:
+    """Peers (one per entry of ``fits``) started at once, in threads: with stage sync, a stage's
+    first quorum (every replica's join) waits for every replica registered for it, so their ids
+    are registered first, each for its stage (``RegisterInfo.stages``); each peer then registers
+    again under its id and keeps that stage. Without this, a replica joining a stage whose first
+    quorum already formed waits for its stage's next round."""
+    ids = [f"p{i}s{k}" for i, k in enumerate(fits)]
+    for k in set(fits):
+        build_stage(k, STAGES)  # here, before any thread runs
+    client = DiLoCoClient(server.address, token=server.config.token)
+    try:
+        for peer_id, k in zip(ids, fits, strict=True):
+            assert client.register(peer_id, info=RegisterInfo(stages=(k,)))["stage"] == k
+    finally:
+        client.close()
+    made = [
+        make_peer(server, k, worker_id=peer_id, **{**common, **(options or [{}] * len(fits))[i]})
+        for i, (peer_id, k) in enumerate(zip(ids, fits, strict=True))
+    ]
+    try:
+        yield in_threads(len(made), lambda i: made[i].start(), timeout=60)
+    finally:
+        for p in made:
+            p.stop()

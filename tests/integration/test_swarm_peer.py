@@ -174,10 +174,11 @@ def test_a_peer_whose_stage_does_not_match_the_table_is_refused_and_leaves_nothi
         bad.stop()  # idempotent
 
 
-def test_sync_every_is_refused_until_stage_sync_is_wired() -> None:
-    with pytest.raises(ValueError, match="not built yet"):
+@pytest.mark.parametrize(("field", "value"), [("sync_every", 0), ("idle_step_s", 0.0)])
+def test_bad_stage_sync_settings_are_refused_before_anything_runs(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
         SwarmPeer(
             build_stage, num_stages=3, server="127.0.0.1:1", optimizer=torch.optim.SGD,
             loss_fn=nn.functional.cross_entropy, boundaries=(HIDDEN,), samples_per_step=1,
-            sync_every=10,
+            **{field: value},
         )  # fmt: skip

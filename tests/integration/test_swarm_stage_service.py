@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import threading
 
 import torch
 from torch import nn
@@ -157,4 +158,49 @@ def test_strangers_holding_connections_cannot_keep_a_token_holder_out() -> None:
     finally:
         for s in idle:
             s.close()
+        service.stop()
+
+
+def test_a_deferred_step_replies_first_and_callers_get_503_syncing_while_it_runs() -> None:
+    """``defer_steps`` (stage sync): the backward that completes the step's samples is answered
+    before the step runs; while the step runs (held open here, as a quorum round would hold
+    it) a call is answered at once with 503 ``syncing`` and a ``retry_after``, and nothing of
+    it ran; once the step is done the same call succeeds. An idle step (no driver) moves
+    nothing and counts apart."""
+    entered, release = threading.Event(), threading.Event()
+    samples: list[int] = []
+
+    def before_step(n: int) -> None:
+        samples.append(n)
+        if n:
+            entered.set()
+            assert release.wait(30)
+
+    service, runs = _service(defer_steps=True, before_step=before_step)
+    try:
+        x = _body(SPEC, torch.randn(8, HIDDEN))
+        assert post(service, "forward", x, call="a", samples=8).ok
+        g = _body(OUT, torch.randn(8, HIDDEN))
+        assert post(service, "backward", g, call="a").ok  # the reply, with the step held open
+        assert entered.wait(10)
+        busy = post(service, "forward", x, call="b", samples=8)
+        assert busy.status_code == 503 and busy.json()["error"] == "syncing"
+        assert 0 < busy.json()["retry_after"] <= 1.0
+        assert len(runs) == 1 and service.stats()["busy"] == 1  # "b" never ran
+        release.set()
+        service.drain()
+        assert post(service, "forward", x, call="b", samples=8).ok
+        assert service.stats()["steps"] == 1 and samples == [8]
+        before = copy.deepcopy(service.stage.state_dict())
+        service.step_idle()  # a forward is held ("b"): its step is under way, no idle step
+        assert service.stats()["idle_steps"] == 0
+        assert post(service, "backward", g, call="b").ok
+        service.drain()
+        moved = copy.deepcopy(service.stage.state_dict())
+        assert not torch.equal(before["weight"], moved["weight"])
+        service.step_idle()
+        assert service.stats()["idle_steps"] == 1 and samples == [8, 8, 0]
+        assert all(torch.equal(moved[n], p) for n, p in service.stage.state_dict().items())
+    finally:
+        release.set()
         service.stop()

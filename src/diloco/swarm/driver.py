@@ -18,11 +18,17 @@ then backward; ``loss`` on the tail), so its step holds every micro-batch of the
 lost, and since each replica answers a repeated call id from its table, none is counted twice
 by any one replica. A backward sent to a replica that does not hold its forward (404
 ``unknown_call``: dropped, expired, or never seen) is preceded by that forward again.
+
+Busy replicas: a 503 ``syncing`` (the replica is stepping, perhaps through a stage sync's quorum
+round) is not a failure: the driver waits the reply's ``retry_after`` and sends the same call to
+the same replica again, for at most ``busy_wait_s`` in all (a peer sets it to its stage's
+collective timeout), and only then treats the replica as failed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +111,7 @@ class Driver:
         token_dims: int = 1,
         driver_id: str = "driver",
         seed: int = 0,
+        busy_wait_s: float = 60.0,
     ) -> None:
         if len(boundaries) < 1:
             raise ValueError("a swarm has at least two stages: one boundary")
@@ -115,12 +122,15 @@ class Driver:
         self.num_stages = len(boundaries) + 1
         self.micro_batch, self.max_in_flight = micro_batch, max_in_flight
         self.token_dims, self.driver_id = token_dims, driver_id
+        self.busy_wait_s = busy_wait_s
         self.picker = Picker(
             seed=seed, timeout_floor_s=timeout_floor_s, first_timeout_s=first_timeout_s
         )
         self._head_lock = threading.Lock()
         self._lock = threading.Lock()  # counters and traffic
-        self._counts = {"steps": 0, "micro_batches": 0, "reroutes": 0, "recoveries": 0}
+        self._counts = {
+            "steps": 0, "micro_batches": 0, "reroutes": 0, "recoveries": 0, "busy_waits": 0
+        }  # fmt: skip
         self._traffic = Traffic()
         self._sent = Traffic()  # the bodies this driver sent: what the coordinator sums
         self._local = threading.local()
@@ -336,19 +346,29 @@ class Driver:
         headers = {"Content-Type": "application/octet-stream"}
         if ep.token is not None:
             headers["Authorization"] = f"Bearer {ep.token}"
-        began = time.monotonic()
-        try:
-            r = self._session().post(
-                ep.url + PREFIX + kind,
-                params=params,
-                data=body,
-                headers=headers,
-                timeout=(timeout, timeout),
-            )
-        except requests.Timeout:
-            raise CallFailed(f"{kind} timed out after {timeout:.2f} s") from None
-        except requests.ConnectionError as exc:
-            raise CallFailed(f"{kind}: connection failed ({type(exc).__name__})") from None
+        give_up = time.monotonic() + self.busy_wait_s
+        while True:
+            began = time.monotonic()
+            try:
+                r = self._session().post(
+                    ep.url + PREFIX + kind,
+                    params=params,
+                    data=body,
+                    headers=headers,
+                    timeout=(timeout, timeout),
+                )
+            except requests.Timeout:
+                raise CallFailed(f"{kind} timed out after {timeout:.2f} s") from None
+            except requests.ConnectionError as exc:
+                raise CallFailed(f"{kind}: connection failed ({type(exc).__name__})") from None
+            wait = _busy_for(r)
+            if wait is None:
+                break
+            if time.monotonic() + wait > give_up:
+                raise CallFailed(f"{kind}: replica busy (syncing) past {self.busy_wait_s} s")
+            with self._lock:
+                self._counts["busy_waits"] += 1
+            time.sleep(wait)  # the replica said how long its step takes: back off, not fail
         if r.status_code == 404 and "unknown_call" in r.text:
             raise UnknownCall(call)
         if r.status_code >= 500 or r.status_code in (408, 429):
@@ -362,8 +382,9 @@ class Driver:
 
     def stats(self) -> dict[str, Any]:
         """Steps, micro-batches, reroutes (failed calls re-sent), recoveries (finished
-        micro-batches replayed on a new replica), bytes and tokens per boundary and direction
-        (``traffic``: sent and received; ``sent``: sent only), and the measured throughput of each endpoint (samples per second)."""
+        micro-batches replayed on a new replica), busy waits (503 ``syncing`` waited out),
+        bytes and tokens per boundary and direction (``traffic``: sent and received; ``sent``:
+        sent only), and the measured throughput of each endpoint (samples per second)."""
         with self._lock:
             return {
                 **self._counts,
@@ -371,3 +392,14 @@ class Driver:
                 "sent": self._sent.snapshot(),
                 "throughput": self.picker.throughput(),
             }
+
+
+def _busy_for(r: requests.Response) -> float | None:
+    """Seconds to wait before asking again, for a 503 ``syncing``; None for any other reply."""
+    if r.status_code != 503 or "syncing" not in r.text:
+        return None
+    try:
+        wait = float(r.json().get("retry_after", 0.05))
+    except (ValueError, AttributeError):
+        wait = 0.05
+    return min(max(wait, 0.001), 1.0) if math.isfinite(wait) else 0.05

@@ -10,8 +10,18 @@ route table), then heartbeats its measurements. A head peer's ``train_step(x, y)
 ``Driver`` over ``CoordinatorRoutes``; any other peer's ``serve()`` blocks until ``stop()`` (or
 SIGTERM) and leaves. ``stop()`` deregisters and may be called any number of times.
 
-Stage sync (a stage's replicas averaging with DiLoCo) is not wired yet: with ``sync_every=None``
-each replica trains its stage on the micro-batches it is sent and nothing more.
+Stage sync (``sync_every=H``): once its stage and optimizer exist, the peer runs a
+``DiLoCoWorker`` over them under the peer's own id (its registration again keeps the stage and
+carries the stage's table; its first quorum hands a joiner the stage's agreed state before the
+peer says ready). The worker's hook fires where the stage's optimizer steps: on the stage
+service's compute thread (body, tail), after the reply of the call that completed the step, or
+on the thread calling ``train_step`` (head). While a replica steps through a round its service
+answers 503 ``syncing`` and drivers wait (``Driver.busy_wait_s``: the stage's collective
+timeout), never reporting it suspect. A serving replica that has not stepped for
+``idle_step_s`` (no driver calls it) takes a step with no gradient, so its stage's rounds never
+wait for it; the step holds 0 samples (weight 0 under ``--weighting samples``). The peer's
+heartbeats are its own loop (``PeerBeats``): the worker runs none. Without ``sync_every`` each
+replica trains its stage on the micro-batches it is sent and nothing more.
 """
 
 from __future__ import annotations
@@ -20,7 +30,8 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -37,6 +48,7 @@ from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
 from diloco.wire.messages.swarm import StageAccepted
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
+from diloco.worker.worker import DiLoCoWorker
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +79,10 @@ class SwarmPeer:
     dimension), ``S - 1`` of them, or one shape for all (``(hidden,)``); ``samples_per_step``
     is the driver's batch: a body or tail replica steps its optimizer once it has applied that
     many samples' backwards. ``loss_fn`` is used if the peer becomes the tail. ``stages``: the
-    stages that fit this peer (None: any). ``sync_every`` must be None for now (stage sync is
-    not wired; a value raises ``ValueError``)."""
+    stages that fit this peer (None: any). ``sync_every``: stage sync every that many inner
+    steps (None: none); ``sync_options`` are more ``DiLoCoWorker`` settings for it (default
+    fp32 pseudo-gradients: ``bf16_comm=False``); ``idle_step_s``: a serving replica that has
+    not stepped for this long takes a step with no gradient (stage sync only)."""
 
     def __init__(
         self,
@@ -87,6 +101,8 @@ class SwarmPeer:
         host: str = "127.0.0.1",
         port: int = 0,
         sync_every: int | None = None,
+        sync_options: Mapping[str, Any] | None = None,
+        idle_step_s: float = 10.0,
         max_in_flight: int = 1,
         heartbeat_interval: float = 5.0,
         route_wait_s: float = 60.0,
@@ -98,8 +114,10 @@ class SwarmPeer:
         hook: Hook | None = None,
         seed: int = 0,
     ) -> None:
-        if sync_every is not None:
-            raise ValueError("stage sync (sync_every) is not built yet: leave it None")
+        if sync_every is not None and sync_every < 1:
+            raise ValueError("sync_every must be at least 1 (or None: no stage sync)")
+        if not idle_step_s > 0:
+            raise ValueError("idle_step_s must be positive")
         if num_stages < 2:
             raise ValueError("a swarm has at least 2 stages")
         if samples_per_step < 1 or micro_batch < 1 or max_in_flight < 1:
@@ -122,6 +140,13 @@ class SwarmPeer:
         self.timeout_floor_s, self.first_timeout_s = timeout_floor_s, first_timeout_s
         self.token_dims, self.hook, self.seed, self.wanted_id = token_dims, hook, seed, worker_id
         self.client = DiLoCoClient(server, token=token, tls_ca=tls_ca)
+        self.server, self.tls_ca, self.sync_every = server, tls_ca, sync_every
+        self.sync_options = {"bf16_comm": False, **(sync_options or {})}
+        self.idle_step_s = idle_step_s
+        #: The stage's DiLoCo worker (stage sync), once started.
+        self.worker: DiLoCoWorker | None = None
+        self._idler: threading.Thread | None = None
+        self._busy_wait_s = 60.0
         self.worker_id: str | None = None
         self.stage: int | None = None
         self.module: nn.Module | None = None
@@ -157,6 +182,9 @@ class SwarmPeer:
             self.stage = k = reg.stage
             self.module = self.build_stage(k, self.num_stages)
             opt = self.optimizer_factory(self.module.parameters())
+            if self.sync_every is not None:
+                self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
+                self.worker = self._stage_worker(opt)
             address = self._serve_or_drive(k, opt)
             accepted = StageAccepted.from_json(
                 self.client.stage_ready(
@@ -174,7 +202,36 @@ class SwarmPeer:
             self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed
         )
         self._beats.start()
+        if self.worker is not None and self.service is not None:
+            self._idler = threading.Thread(target=self._idle_loop, name="swarm-idle", daemon=True)
+            self._idler.start()
         return self
+
+    def _stage_worker(self, opt: torch.optim.Optimizer) -> DiLoCoWorker:
+        """The stage's DiLoCo worker, started (registered again under this peer's id: the stage
+        is kept; joined: a stage with an agreed state hands it over now). Its heartbeats are the
+        peer's own loop, so it runs none (``heartbeat_interval=0``)."""
+        assert self.module is not None
+        return DiLoCoWorker(
+            self.module, opt, self.server, sync_every=self.sync_every,
+            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca,
+            **{**self.sync_options, "heartbeat_interval": 0.0},
+        ).start()  # fmt: skip
+
+    def _idle_loop(self) -> None:
+        """Stage sync on a serving replica: a step with no gradient after ``idle_step_s``
+        without one, so its stage's rounds never wait on a replica no driver calls."""
+        service = self.service
+        assert service is not None
+        while not self._stopped.is_set():
+            left = self.idle_step_s - service.gate.idle_for()
+            if left > 0:
+                self._stopped.wait(left)
+                continue
+            try:
+                service.step_idle()
+            except (RuntimeError, CancelledError):  # the service stopped (the peer leaves)
+                return
 
     def _serve_or_drive(self, k: int, opt: torch.optim.Optimizer) -> str:
         assert self.module is not None and self.worker_id is not None
@@ -185,6 +242,7 @@ class SwarmPeer:
                 micro_batch=self.micro_batch, max_in_flight=self.max_in_flight,
                 timeout_floor_s=self.timeout_floor_s, first_timeout_s=self.first_timeout_s,
                 token_dims=self.token_dims, driver_id=self.worker_id, seed=self.seed,
+                busy_wait_s=self._busy_wait_s,
             )  # fmt: skip
             # The head serves nothing: port 0 names its host and says no one may dial it.
             return f"http://{_url_host(self.host)}:0"
@@ -194,7 +252,7 @@ class SwarmPeer:
             StageEdges(self.edges[k - 1], None if tail else self.edges[k], self.token_dims),
             samples_per_step=self.samples_per_step, token=self.token,
             loss_fn=self.loss_fn if tail else None, host=self.host, port=self.port,
-            hook=self.hook,
+            hook=self.hook, before_step=self._before_step, defer_steps=self.worker is not None,
         ).start()  # fmt: skip
         return f"http://{_url_host(self.host)}:{self.service.port}"
 
@@ -207,10 +265,16 @@ class SwarmPeer:
             raise RuntimeError("train_step is for a started head peer (stage 0)")
         if not self.routes.wait_for(range(1, self.num_stages), self.route_wait_s):
             raise NoReplica(f"no whole pipeline in the route table after {self.route_wait_s} s")
+        if self.worker is not None:  # the step's weight in its stage's round
+            self.worker.report(samples=int(x.shape[0]))
         loss = self.driver.train_step(x, y)
         with self._lock:
             self._samples += int(x.shape[0])
         return loss
+
+    def _before_step(self, samples: int) -> None:
+        if self.worker is not None:
+            self.worker.report(samples=samples)
 
     def serve(self) -> None:
         """A peer that is not the head: block until ``stop()`` or SIGTERM, then leave."""
@@ -237,9 +301,13 @@ class SwarmPeer:
             self.routes.stop()
         if self.service is not None:
             self.service.stop()
+        if self._idler is not None:
+            self._idler.join(timeout=10)  # an idle step in flight is bounded by its round
         if self.driver is not None:
             self.driver.close()
-        if self.worker_id is not None:
+        if self.worker is not None:  # leaves its stage's quorums and deregisters the peer
+            self.worker.stop(submit=False)
+        elif self.worker_id is not None:
             try:
                 self.client.deregister(self.worker_id)
             except SYNC_FAILURES as exc:

@@ -13,7 +13,11 @@ Routes (``POST``, bodies in the safetensors layout of ``swarm/boundary.py``):
 
 Every call is idempotent per ``ID``: a retry gets the first reply and runs nothing again, so a
 gradient is accumulated at most once per replica. The stage's optimizer steps (then zeroes the
-gradients) once the backwards applied since its last step carry ``samples_per_step`` samples.
+gradients) once the backwards applied since its last step carry ``samples_per_step`` samples,
+before the reply of the call that completed them, or with ``defer_steps`` (stage sync: a step
+may hold a quorum round) right after that reply, ahead of every later call
+(``step_gate.py``). While it steps (with stage sync, a whole quorum round), calls are answered
+503 ``syncing`` with ``retry_after`` seconds instead of waiting.
 
 Bounds: at most ``max_calls`` held forwards (the oldest dropped; its backward then gets 404),
 each for ``call_ttl_s`` at most; the same for finished replies; bodies up to
@@ -44,6 +48,7 @@ from torch import nn
 
 from diloco.edge.connections import ConnectionTable, LimitedSite, vouch
 from diloco.swarm.boundary import BoundaryCodec, Traffic, tokens_of
+from diloco.swarm.step_gate import StepGate
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,8 @@ class StageService:
         max_connections: int = 256,
         max_connections_per_address: int = 16,
         hook: Hook | None = None,
+        before_step: Callable[[int], None] | None = None,
+        defer_steps: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if (edges.outgoing is None) != (loss_fn is not None):
@@ -125,11 +132,16 @@ class StageService:
         #: Connections bounded before the token is shown (``diloco.edge``, as the server's).
         self.connections = ConnectionTable(max_connections, max_connections_per_address)
         self.hook, self.clock = hook, clock
+        #: When the optimizer steps; ``before_step(samples)`` runs just before each step.
+        self.gate = StepGate(optimizer, before_step, clock)
+        self.defer_steps = defer_steps
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._done: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self._samples = 0
         self._lock = threading.Lock()  # guards the counters below, read by stats()
-        self._counts: dict[str, int] = {"steps": 0, "retries": 0, "dropped": 0, "refused": 0}
+        self._counts: dict[str, int] = {
+            "steps": 0, "retries": 0, "dropped": 0, "refused": 0, "busy": 0
+        }  # fmt: skip
         self._traffic = Traffic()
         self._sent = Traffic()  # the replies this replica sent: what the coordinator sums
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
@@ -168,6 +180,7 @@ class StageService:
 
     async def _serve(self, ready: threading.Event) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self.gate.bind(self._loop)
         app = web.Application(client_max_size=self.max_body_bytes)
         for kind in ("forward", "backward", "loss"):
             app.router.add_post(PREFIX + kind, self._handler(kind))
@@ -211,8 +224,21 @@ class StageService:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every call handed to the compute thread so far has finished."""
-        self._pool.submit(lambda: None).result(timeout)
+        """Wait until every call handed to the compute thread so far, and the step it made
+        due, has finished."""
+        self._pool.submit(self.gate.run_due).result(timeout)
+
+    def step_idle(self, timeout: float = 600.0) -> None:
+        """One step with no gradient on the compute thread (``StepGate.idle_step``): a replica
+        no driver calls still counts inner steps and so reaches its stage's rounds. Skipped
+        while a step is under way here (samples applied, or forwards held): its gradients
+        must not be cleared, and its driver's next call comes."""
+
+        def idle() -> None:
+            if self._samples == 0 and not self._held:
+                self.gate.idle_step()
+
+        self._pool.submit(idle).result(timeout)
 
     # --- HTTP ----------------------------------------------------------------------------------
 
@@ -223,11 +249,16 @@ class StageService:
                 query = _query(request, kind)
                 body = await asyncio.wait_for(request.read(), self.body_timeout_s)
                 arrived = self.clock()
-                loop = asyncio.get_running_loop()
-                reply = await loop.run_in_executor(
-                    self._pool, self._work, kind, query, body, arrived
-                )
+                reply = await self._compute(kind, query, body, arrived)
             except Refused as exc:
+                if exc.code == "syncing":
+                    with self._lock:
+                        self._counts["busy"] += 1
+                    return web.json_response(
+                        {"error": exc.code, "detail": exc.detail,
+                         "retry_after": self.gate.retry_after()},
+                        status=503, headers={"Retry-After": "1"},
+                    )  # fmt: skip
                 if exc.status != 401 and not exc.counted:
                     with self._lock:
                         self._counts["refused"] += 1
@@ -241,6 +272,25 @@ class StageService:
             return web.Response(body=reply, content_type="application/octet-stream")
 
         return handle
+
+    async def _compute(
+        self, kind: str, query: dict[str, Any], body: bytes, arrived: float
+    ) -> bytes:
+        """The call on the compute thread, unless the stage steps first: a call that arrives
+        while it steps, or is still queued when a step begins, is refused 503 ``syncing`` at
+        once (its caller retries) rather than left waiting through a quorum round."""
+        if self.gate.busy.is_set():
+            raise _busy()
+        job = self._pool.submit(self._work, kind, query, body, arrived)
+        done: asyncio.Future[Any] = asyncio.wrap_future(job)
+        busy: asyncio.Future[Any] = asyncio.ensure_future(self.gate.wait_busy())
+        try:
+            await asyncio.wait({done, busy}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            busy.cancel()
+        if not done.done() and job.cancel():
+            raise _busy()  # never started: nothing of it ran
+        return await done  # running already (it may be the one that steps): its answer
 
     def _authenticate(self, request: web.Request) -> None:
         if self.token is None:  # an open service (tests): every caller is trusted
@@ -265,6 +315,10 @@ class StageService:
             raise
 
     def _call(self, kind: str, query: dict[str, Any], body: bytes, arrived: float) -> bytes:
+        if self.gate.run_due():
+            # This call overtook the step it follows; the step ran first, and its caller,
+            # who waited through it, retries (its work must not be delayed past its budget).
+            raise _busy()
         if self.hook is not None:
             self.hook(kind, query["call"])
         budget = query.get("budget")
@@ -388,11 +442,17 @@ class StageService:
                 log.warning(
                     "stage step over %d samples, not %d", self._samples, self.samples_per_step
                 )
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            self.gate.mark_due(self._samples)
             self._samples = 0
             with self._lock:
                 self._counts["steps"] += 1
+            if not self.defer_steps:
+                self.gate.run_due()
+                return
+            try:  # after this reply is sent, ahead of any call handed over from now on
+                self._pool.submit(self.gate.run_due)
+            except RuntimeError:  # shut down (stopping): the step is dropped with the service
+                pass
 
     def _expire(self) -> None:
         # Both tables are in arrival order: the expired calls are a prefix.
@@ -405,17 +465,23 @@ class StageService:
     # --- observation ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Steps taken, retries answered from the tables, calls dropped for room, refusals, the
-        forwards held now, and bytes and tokens per ``boundary:direction`` (``traffic``:
-        received and sent; ``sent``: the replies only)."""
+        """Steps taken (idle ones apart), retries answered from the tables, calls dropped for
+        room, refusals, calls answered 503 ``syncing`` (``busy``), idle steps, the forwards
+        held now, and bytes and tokens per ``boundary:direction`` (``traffic``: received and
+        sent; ``sent``: the replies only)."""
         with self._lock:
             return {
                 **self._counts,
+                "idle_steps": self.gate.idle_steps,
                 "held": len(self._held),
                 "pending_samples": self._samples,
                 "traffic": self._traffic.snapshot(),
                 "sent": self._sent.snapshot(),
             }
+
+
+def _busy() -> Refused:
+    return Refused(503, "syncing", "the stage is stepping (a stage sync may be running): retry")
 
 
 def _check_samples(x: torch.Tensor, samples: int) -> None:

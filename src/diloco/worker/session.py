@@ -102,6 +102,8 @@ class Session:
         self.local_step = 0  # inner steps since the last sync (plain) or in this period
         self.total_steps = 0
         self.samples = 0.0  # reported since the last upload (its weight)
+        # The loop reports samples (``DiLoCoWorker.report``): 0 reported means nothing trained.
+        self.reports_samples = False
         self.loss: float | None = None  # the last reported, sent with uploads and heartbeats
         self.syncing = False  # blocked in a sync: a silent loop is not hung
         self.last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?

@@ -302,6 +302,7 @@ class DiLoCoWorker:
             if samples < 0:
                 raise ValueError("samples must be >= 0")
             self._session.samples += samples
+            self._session.reports_samples = True
 
     @property
     def last_sync_outcome(self) -> str | None:

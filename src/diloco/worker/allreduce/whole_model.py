@@ -120,7 +120,10 @@ class WholeModel:
 
     def _weight(self) -> float:
         s = self._s
-        if s.local_step == 0:
+        if s.local_step == 0 or (s.reports_samples and s.samples == 0):
+            # Nothing trained since the last round (a swarm replica's idle steps): its
+            # pseudo-gradient is zero and must neither dilute the average nor, as a zero
+            # norm, set the median the others' norms are judged by.
             return 0.0
         if self._state.rules.by_samples:
             return s.samples if s.samples > 0 else float(s.local_step)
