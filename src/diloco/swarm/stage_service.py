@@ -11,20 +11,15 @@ Routes (``POST``, bodies in the safetensors layout of ``swarm/boundary.py``):
   ``targets``; runs forward, ``scale * loss_fn(out, targets)`` and backward at once, replies
   that scaled loss (``"loss"``, 0-d) and the gradient of the input.
 
-Every call is idempotent per ``ID``: a retry gets the first reply and runs nothing again, so a
-gradient is accumulated at most once per replica. The stage's optimizer steps (then zeroes the
-gradients) once the backwards applied since its last step carry ``samples_per_step`` samples,
-before the reply of the call that completed them, or with ``defer_steps`` (stage sync: a step
-may hold a quorum round) right after that reply, ahead of every later call
-(``step_gate.py``). While it steps (with stage sync, a whole quorum round), calls are answered
-503 ``syncing`` with ``retry_after`` seconds instead of waiting.
+Every call is idempotent per ``ID``, the stage steps once its samples are in, and while it
+steps (with stage sync, a whole quorum round) calls are answered 503 ``syncing`` with
+``retry_after`` seconds instead of waiting: the stage's side, on its one compute thread, is
+``stage_calls.py``; this module is the HTTP edge.
 
-Bounds: at most ``max_calls`` held forwards (the oldest dropped; its backward then gets 404),
-each for ``call_ttl_s`` at most; the same for finished replies; bodies up to
-``max_body_bytes`` (413), read within ``body_timeout_s``; the token is checked from the headers
-before a body byte is read. All stage arithmetic runs on ONE compute thread: autograd and the
-optimizer see one call at a time, and the call tables need no lock. A refused call changes
-nothing: every check happens before the first autograd operation.
+Bounds: bodies up to ``max_body_bytes`` (413), read within ``body_timeout_s``; the token is
+checked from the headers before a body byte is read; connections bounded in all and per address
+before the token is shown, and a request head due within ``header_timeout_s`` (``diloco.edge``,
+as the server's); the call tables' bounds are ``stage_calls.py``'s.
 """
 
 from __future__ import annotations
@@ -36,10 +31,7 @@ import math
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +39,9 @@ from aiohttp import web
 from torch import nn
 
 from diloco.edge.connections import ConnectionTable, LimitedSite, vouch
-from diloco.swarm.boundary import BoundaryCodec, Traffic, tokens_of
-from diloco.swarm.step_gate import StepGate
+from diloco.swarm.stage_calls import Hook, LossFn, Refused, StageCalls, StageEdges, busy_refusal
+
+__all__ = ["PREFIX", "Hook", "LossFn", "Refused", "StageEdges", "StageService"]
 
 log = logging.getLogger(__name__)
 
@@ -56,43 +49,8 @@ PREFIX = "/swarm/stage/"
 CALL_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_SAMPLES = 1 << 20
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Hook = Callable[[str, str], None]
-"""``hook(kind, call_id)``: called on the compute thread before a call's work; tests block in it
-(a frozen replica) or wait for the Nth call (a replica killed at an exact moment)."""
 
-
-@dataclass(frozen=True)
-class StageEdges:
-    """The codecs a stage's calls use. ``incoming`` is the boundary before the stage (``None``
-    for the head, which is never served), ``outgoing`` the one after it (``None`` for the tail);
-    each is a ``(forward, backward)`` pair of codecs."""
-
-    incoming: tuple[BoundaryCodec, BoundaryCodec]
-    outgoing: tuple[BoundaryCodec, BoundaryCodec] | None
-    token_dims: int = 1
-    """Leading dimensions that count as tokens (2 for ``[batch, seq, hidden]``)."""
-
-
-class Refused(Exception):
-    """A call refused with ``status`` and a machine-readable ``code``; nothing changed."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.code, self.detail = status, code, detail
-        self.counted = False  # in the stats already (refused on the compute thread)
-
-
-@dataclass
-class _Held:
-    inp: torch.Tensor
-    out: torch.Tensor
-    reply: bytes
-    samples: int
-    at: float
-
-
-class StageService:
+class StageService(StageCalls):
     """Serves ``stage`` (with its ``optimizer``) to drivers. ``loss_fn`` is given to the tail
     (``edges.outgoing is None``) and to no other stage."""
 
@@ -119,32 +77,24 @@ class StageService:
         defer_steps: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if (edges.outgoing is None) != (loss_fn is not None):
-            raise ValueError("the tail stage (no outgoing boundary) and only it takes a loss_fn")
-        if samples_per_step < 1 or max_calls < 1 or call_ttl_s <= 0:
-            raise ValueError("samples_per_step, max_calls and call_ttl_s must be positive")
-        self.stage, self.optimizer, self.edges = stage, optimizer, edges
-        self.samples_per_step, self.loss_fn = samples_per_step, loss_fn
+        super().__init__(
+            stage,
+            optimizer,
+            edges,
+            samples_per_step=samples_per_step,
+            loss_fn=loss_fn,
+            max_calls=max_calls,
+            call_ttl_s=call_ttl_s,
+            hook=hook,
+            before_step=before_step,
+            defer_steps=defer_steps,
+            clock=clock,
+        )
         self.token, self.host, self._port = token, host, port
-        self.max_calls, self.call_ttl_s = max_calls, call_ttl_s
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.header_timeout_s = header_timeout_s
         #: Connections bounded before the token is shown (``diloco.edge``, as the server's).
         self.connections = ConnectionTable(max_connections, max_connections_per_address)
-        self.hook, self.clock = hook, clock
-        #: When the optimizer steps; ``before_step(samples)`` runs just before each step.
-        self.gate = StepGate(optimizer, before_step, clock)
-        self.defer_steps = defer_steps
-        self._held: OrderedDict[str, _Held] = OrderedDict()
-        self._done: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
-        self._samples = 0
-        self._lock = threading.Lock()  # guards the counters below, read by stats()
-        self._counts: dict[str, int] = {
-            "steps": 0, "retries": 0, "dropped": 0, "refused": 0, "busy": 0
-        }  # fmt: skip
-        self._traffic = Traffic()
-        self._sent = Traffic()  # the replies this replica sent: what the coordinator sums
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._stop: asyncio.Event | None = None
@@ -223,23 +173,6 @@ class StageService:
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every call handed to the compute thread so far, and the step it made
-        due, has finished."""
-        self._pool.submit(self.gate.run_due).result(timeout)
-
-    def step_idle(self, timeout: float = 600.0) -> None:
-        """One step with no gradient on the compute thread (``StepGate.idle_step``): a replica
-        no driver calls still counts inner steps and so reaches its stage's rounds. Skipped
-        while a step is under way here (samples applied, or forwards held): its gradients
-        must not be cleared, and its driver's next call comes."""
-
-        def idle() -> None:
-            if self._samples == 0 and not self._held:
-                self.gate.idle_step()
-
-        self._pool.submit(idle).result(timeout)
-
     # --- HTTP ----------------------------------------------------------------------------------
 
     def _handler(self, kind: str) -> Callable[[web.Request], Any]:
@@ -280,7 +213,7 @@ class StageService:
         while it steps, or is still queued when a step begins, is refused 503 ``syncing`` at
         once (its caller retries) rather than left waiting through a quorum round."""
         if self.gate.busy.is_set():
-            raise _busy()
+            raise busy_refusal()
         job = self._pool.submit(self._work, kind, query, body, arrived)
         done: asyncio.Future[Any] = asyncio.wrap_future(job)
         busy: asyncio.Future[Any] = asyncio.ensure_future(self.gate.wait_busy())
@@ -289,7 +222,7 @@ class StageService:
         finally:
             busy.cancel()
         if not done.done() and job.cancel():
-            raise _busy()  # never started: nothing of it ran
+            raise busy_refusal()  # never started: nothing of it ran
         return await done  # running already (it may be the one that steps): its answer
 
     def _authenticate(self, request: web.Request) -> None:
@@ -300,195 +233,6 @@ class StageService:
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
             raise Refused(401, "unauthorized", "missing or wrong bearer token")
         vouch(request)  # a token holder's connection no longer counts against strangers'
-
-    # --- the work (compute thread) -------------------------------------------------------------
-
-    def _work(self, kind: str, query: dict[str, Any], body: bytes, arrived: float) -> bytes:
-        # Counted here, on the compute thread: once ``drain`` returns, a refusal is in the
-        # stats (the handler's reply may still be on its way).
-        try:
-            return self._call(kind, query, body, arrived)
-        except Refused as exc:
-            with self._lock:
-                self._counts["refused"] += 1
-            exc.counted = True
-            raise
-
-    def _call(self, kind: str, query: dict[str, Any], body: bytes, arrived: float) -> bytes:
-        if self.gate.run_due():
-            # This call overtook the step it follows; the step ran first, and its caller,
-            # who waited through it, retries (its work must not be delayed past its budget).
-            raise _busy()
-        if self.hook is not None:
-            self.hook(kind, query["call"])
-        budget = query.get("budget")
-        if budget is not None and self.clock() - arrived > budget:
-            # The caller has given up on this call (and re-sent it elsewhere): applying it
-            # now would count its gradient on a replica the caller no longer uses.
-            raise Refused(503, "late", f"the call waited past its budget of {budget} s")
-        self._expire()
-        call = query["call"]
-        if call in self._done:
-            if kind == "forward":
-                raise Refused(409, "call_done", f"call {call} already went backward here")
-            with self._lock:
-                self._counts["retries"] += 1
-            return self._done[call][0]
-        if kind == "forward":
-            return self._forward(call, query["samples"], body)
-        if kind == "backward":
-            return self._backward(call, body)
-        return self._loss(call, query["samples"], query["scale"], body)
-
-    def _decode(
-        self, codec: BoundaryCodec, direction: str, body: bytes, extras: tuple[str, ...] = ()
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        try:
-            t, got = codec.decode(body, extras)
-        except ValueError as exc:
-            raise Refused(400, "bad_boundary", str(exc)) from None
-        self._count(codec, direction, len(body), t.shape)
-        return t, got
-
-    def _encode(
-        self,
-        codec: BoundaryCodec,
-        direction: str,
-        t: torch.Tensor,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> bytes:
-        body = codec.encode(t, extras)
-        self._count(codec, direction, len(body), t.shape, sent=True)
-        return body
-
-    def _count(
-        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
-    ) -> None:
-        tokens = tokens_of(tuple(shape), self.edges.token_dims)
-        with self._lock:
-            self._traffic.add(codec.spec.name, direction, n, tokens)
-            if sent:
-                self._sent.add(codec.spec.name, direction, n, tokens)
-
-    def _forward(self, call: str, samples: int, body: bytes) -> bytes:
-        held = self._held.get(call)
-        if held is not None:
-            with self._lock:
-                self._counts["retries"] += 1
-            return held.reply
-        assert self.edges.outgoing is not None, "the tail is served by loss, not forward"
-        x, _ = self._decode(self.edges.incoming[0], "in:forward", body)
-        _check_samples(x, samples)
-        x.requires_grad_(True)
-        with torch.enable_grad():
-            out = self.stage(x)
-        reply = self._encode(self.edges.outgoing[0], "out:forward", out)
-        self._held[call] = _Held(x, out, reply, samples, self.clock())
-        while len(self._held) > self.max_calls:
-            self._held.popitem(last=False)
-            with self._lock:
-                self._counts["dropped"] += 1
-        return reply
-
-    def _backward(self, call: str, body: bytes) -> bytes:
-        held = self._held.get(call)
-        if held is None:
-            raise Refused(404, "unknown_call", f"this replica holds no forward of call {call}")
-        assert self.edges.outgoing is not None
-        g, _ = self._decode(self.edges.outgoing[1], "out:backward", body)
-        if g.shape != held.out.shape:
-            raise Refused(
-                400,
-                "bad_boundary",
-                f"boundary {self.edges.outgoing[1].spec.name}: expected gradient shape "
-                f"{list(held.out.shape)}, got {list(g.shape)}",
-            )
-        torch.autograd.backward(held.out, g)
-        assert held.inp.grad is not None
-        reply = self._encode(self.edges.incoming[1], "in:backward", held.inp.grad)
-        del self._held[call]
-        self._finish(call, reply, held.samples)
-        return reply
-
-    def _loss(self, call: str, samples: int, scale: float, body: bytes) -> bytes:
-        assert self.loss_fn is not None
-        x, extras = self._decode(self.edges.incoming[0], "in:forward", body, ("targets",))
-        _check_samples(x, samples)
-        targets = extras["targets"]
-        if targets.dim() < 1 or targets.shape[0] != x.shape[0]:
-            raise Refused(
-                400, "bad_targets", f"targets of shape {list(targets.shape)} for {samples} samples"
-            )
-        x.requires_grad_(True)
-        with torch.enable_grad():
-            loss = self.loss_fn(self.stage(x), targets)
-            if scale != 1.0:  # x * 1.0 is exact, but skipping it keeps the graph the reference's
-                loss = loss * scale
-            loss.backward()
-        assert x.grad is not None
-        reply = self._encode(
-            self.edges.incoming[1], "in:backward", x.grad, {"loss": loss.detach().float()}
-        )
-        self._finish(call, reply, samples)
-        return reply
-
-    def _finish(self, call: str, reply: bytes, samples: int) -> None:
-        self._done[call] = (reply, self.clock())
-        while len(self._done) > self.max_calls:
-            self._done.popitem(last=False)
-        self._samples += samples
-        if self._samples >= self.samples_per_step:
-            if self._samples > self.samples_per_step:
-                log.warning(
-                    "stage step over %d samples, not %d", self._samples, self.samples_per_step
-                )
-            self.gate.mark_due(self._samples)
-            self._samples = 0
-            with self._lock:
-                self._counts["steps"] += 1
-            if not self.defer_steps:
-                self.gate.run_due()
-                return
-            try:  # after this reply is sent, ahead of any call handed over from now on
-                self._pool.submit(self.gate.run_due)
-            except RuntimeError:  # shut down (stopping): the step is dropped with the service
-                pass
-
-    def _expire(self) -> None:
-        # Both tables are in arrival order: the expired calls are a prefix.
-        old = self.clock() - self.call_ttl_s
-        while self._held and next(iter(self._held.values())).at < old:
-            self._held.popitem(last=False)
-        while self._done and next(iter(self._done.values()))[1] < old:
-            self._done.popitem(last=False)
-
-    # --- observation ---------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Steps taken (idle ones apart), retries answered from the tables, calls dropped for
-        room, refusals, calls answered 503 ``syncing`` (``busy``), idle steps, the forwards
-        held now, and bytes and tokens per ``boundary:direction`` (``traffic``: received and
-        sent; ``sent``: the replies only)."""
-        with self._lock:
-            return {
-                **self._counts,
-                "idle_steps": self.gate.idle_steps,
-                "held": len(self._held),
-                "pending_samples": self._samples,
-                "traffic": self._traffic.snapshot(),
-                "sent": self._sent.snapshot(),
-            }
-
-
-def _busy() -> Refused:
-    return Refused(503, "syncing", "the stage is stepping (a stage sync may be running): retry")
-
-
-def _check_samples(x: torch.Tensor, samples: int) -> None:
-    if x.shape[0] != samples:
-        raise Refused(
-            400, "bad_samples", f"the body holds {x.shape[0]} samples, the query says {samples}"
-        )
 
 
 def _query(request: web.Request, kind: str) -> dict[str, Any]:
