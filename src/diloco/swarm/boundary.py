@@ -19,9 +19,10 @@ body that does not fit is a ``ValueError`` naming the boundary, the expected and
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -206,3 +207,42 @@ class Traffic:
             }
             for b, d in sorted(self.bytes)
         }
+
+
+class Meter:
+    """What one party (a driver, a stage replica) moved across boundaries: everything it read
+    and wrote (``traffic``), and what it sent alone (``sent``: the coordinator sums those, so a
+    byte counts once over the peers). Thread-safe."""
+
+    def __init__(self, token_dims: int) -> None:
+        self.token_dims = token_dims
+        self._lock = threading.Lock()
+        self._traffic = Traffic()
+        self._sent = Traffic()
+
+    def count(
+        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
+    ) -> None:
+        """``n`` bytes of a tensor of ``shape`` crossed ``codec``'s boundary in ``direction``."""
+        tokens = tokens_of(tuple(shape), self.token_dims)
+        with self._lock:
+            self._traffic.add(codec.spec.name, direction, n, tokens)
+            if sent:
+                self._sent.add(codec.spec.name, direction, n, tokens)
+
+    def encode(
+        self,
+        codec: BoundaryCodec,
+        direction: str,
+        t: torch.Tensor,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> bytes:
+        """``codec.encode`` of a body this party sends, counted."""
+        body = codec.encode(t, extras)
+        self.count(codec, direction, len(body), t.shape, sent=True)
+        return body
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{"traffic": ..., "sent": ...}``, each ``Traffic.snapshot``."""
+        with self._lock:
+            return {"traffic": self._traffic.snapshot(), "sent": self._sent.snapshot()}

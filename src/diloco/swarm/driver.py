@@ -41,7 +41,7 @@ import requests
 import torch
 from torch import nn
 
-from diloco.swarm.boundary import BoundaryCodec, Traffic, tokens_of
+from diloco.swarm.boundary import BoundaryCodec, Meter
 from diloco.swarm.routing import Endpoint, NoReplica, Picker, Routes
 from diloco.swarm.stage_service import PREFIX
 
@@ -131,8 +131,7 @@ class Driver:
         self._counts = {
             "steps": 0, "micro_batches": 0, "reroutes": 0, "recoveries": 0, "busy_waits": 0
         }  # fmt: skip
-        self._traffic = Traffic()
-        self._sent = Traffic()  # the bodies this driver sent: what the coordinator sums
+        self._meter = Meter(self.token_dims)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight) if max_in_flight > 1 else None
         self._step_number = 0
@@ -257,10 +256,10 @@ class Driver:
 
     def _forward(self, step: _Step, k: int, i: int, a: torch.Tensor, ep: Endpoint) -> torch.Tensor:
         fwd_in, fwd_out = self.boundaries[k - 1][0], self.boundaries[k][0]
-        body = self._send_body(fwd_in, "forward", a)
+        body = self._meter.encode(fwd_in, "forward", a)
         reply = self._post(ep, k, "forward", self._call_id(step, i, k), a.shape[0], body)
         out, _ = fwd_out.decode(reply)
-        self._count(fwd_out, "forward", len(reply), out.shape)
+        self._meter.count(fwd_out, "forward", len(reply), out.shape)
         step.holder[(k, i)] = ep
         return out
 
@@ -270,7 +269,7 @@ class Driver:
             self._forward(step, k, record.index, record.inp, ep)
         bwd_out, bwd_in = self.boundaries[k][1], self.boundaries[k - 1][1]
         call = self._call_id(step, record.index, k)
-        body = self._send_body(bwd_out, "backward", record.grad)
+        body = self._meter.encode(bwd_out, "backward", record.grad)
         try:
             reply = self._post(ep, k, "backward", call, record.samples, body)
         except UnknownCall:  # dropped or expired there: forward again, then backward
@@ -280,14 +279,14 @@ class Driver:
             except UnknownCall:  # dropped again at once: too busy to keep a call, go elsewhere
                 raise CallFailed(f"backward: replica keeps dropping call {call}") from None
         g, _ = bwd_in.decode(reply)
-        self._count(bwd_in, "backward", len(reply), g.shape)
+        self._meter.count(bwd_in, "backward", len(reply), g.shape)
         return g
 
     def _loss(self, step: _Step, record: _Record, ep: Endpoint) -> tuple[float, torch.Tensor]:
         assert record.targets is not None
         k = self.num_stages - 1
         fwd_in, bwd_in = self.boundaries[k - 1]
-        body = self._send_body(fwd_in, "forward", record.inp, {"targets": record.targets})
+        body = self._meter.encode(fwd_in, "forward", record.inp, {"targets": record.targets})
         reply = self._post(
             ep,
             k,
@@ -298,28 +297,8 @@ class Driver:
             scale=record.scale,
         )
         g, extras = bwd_in.decode(reply, ("loss",))
-        self._count(bwd_in, "backward", len(reply), g.shape)
+        self._meter.count(bwd_in, "backward", len(reply), g.shape)
         return float(extras["loss"]), g
-
-    def _send_body(
-        self,
-        codec: BoundaryCodec,
-        direction: str,
-        t: torch.Tensor,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> bytes:
-        body = codec.encode(t, extras)
-        self._count(codec, direction, len(body), t.shape, sent=True)
-        return body
-
-    def _count(
-        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
-    ) -> None:
-        tokens = tokens_of(tuple(shape), self.token_dims)
-        with self._lock:
-            self._traffic.add(codec.spec.name, direction, n, tokens)
-            if sent:
-                self._sent.add(codec.spec.name, direction, n, tokens)
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -388,8 +367,7 @@ class Driver:
         with self._lock:
             return {
                 **self._counts,
-                "traffic": self._traffic.snapshot(),
-                "sent": self._sent.snapshot(),
+                **self._meter.snapshot(),
                 "throughput": self.picker.throughput(),
             }
 

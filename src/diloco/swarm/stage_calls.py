@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.swarm.boundary import BoundaryCodec, Traffic, tokens_of
+from diloco.swarm.boundary import BoundaryCodec, Meter
 from diloco.swarm.step_gate import StepGate
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ class StageCalls:
         self._counts: dict[str, int] = {
             "steps": 0, "retries": 0, "dropped": 0, "refused": 0, "busy": 0
         }  # fmt: skip
-        self._traffic = Traffic()
-        self._sent = Traffic()  # the replies this replica sent: what the coordinator sums
+        self._meter = Meter(edges.token_dims)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
 
     def drain(self, timeout: float = 30.0) -> None:
@@ -170,28 +169,8 @@ class StageCalls:
             t, got = codec.decode(body, extras)
         except ValueError as exc:
             raise Refused(400, "bad_boundary", str(exc)) from None
-        self._count(codec, direction, len(body), t.shape)
+        self._meter.count(codec, direction, len(body), t.shape)
         return t, got
-
-    def _encode(
-        self,
-        codec: BoundaryCodec,
-        direction: str,
-        t: torch.Tensor,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> bytes:
-        body = codec.encode(t, extras)
-        self._count(codec, direction, len(body), t.shape, sent=True)
-        return body
-
-    def _count(
-        self, codec: BoundaryCodec, direction: str, n: int, shape: Any, *, sent: bool = False
-    ) -> None:
-        tokens = tokens_of(tuple(shape), self.edges.token_dims)
-        with self._lock:
-            self._traffic.add(codec.spec.name, direction, n, tokens)
-            if sent:
-                self._sent.add(codec.spec.name, direction, n, tokens)
 
     def _forward(self, call: str, samples: int, body: bytes) -> bytes:
         held = self._held.get(call)
@@ -205,7 +184,7 @@ class StageCalls:
         x.requires_grad_(True)
         with torch.enable_grad():
             out = self.stage(x)
-        reply = self._encode(self.edges.outgoing[0], "out:forward", out)
+        reply = self._meter.encode(self.edges.outgoing[0], "out:forward", out)
         self._held[call] = _Held(x, out, reply, samples, self.clock())
         while len(self._held) > self.max_calls:
             self._held.popitem(last=False)
@@ -228,7 +207,7 @@ class StageCalls:
             )
         torch.autograd.backward(held.out, g)
         assert held.inp.grad is not None
-        reply = self._encode(self.edges.incoming[1], "in:backward", held.inp.grad)
+        reply = self._meter.encode(self.edges.incoming[1], "in:backward", held.inp.grad)
         del self._held[call]
         self._finish(call, reply, held.samples)
         return reply
@@ -249,7 +228,7 @@ class StageCalls:
                 loss = loss * scale
             loss.backward()
         assert x.grad is not None
-        reply = self._encode(
+        reply = self._meter.encode(
             self.edges.incoming[1], "in:backward", x.grad, {"loss": loss.detach().float()}
         )
         self._finish(call, reply, samples)
@@ -298,8 +277,7 @@ class StageCalls:
                 "idle_steps": self.gate.idle_steps,
                 "held": len(self._held),
                 "pending_samples": self._samples,
-                "traffic": self._traffic.snapshot(),
-                "sent": self._sent.snapshot(),
+                **self._meter.snapshot(),
             }
 
 
