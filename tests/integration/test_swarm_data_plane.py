@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diloco.swarm import BoundaryCodec, Driver, Endpoint, StageCallError, StaticRoutes
+from diloco.swarm.routing import NoReplica
 from tests.helpers.swarm import (
     HIDDEN,
     NthForward,
@@ -213,3 +214,45 @@ def test_a_refused_step_raises_and_leaves_no_head_gradient() -> None:
             driver.train_step(x, y)
         assert all(p.grad is None for p in s.stages[0].parameters())
         assert wrong.suspects == {} and driver.stats()["reroutes"] == 0
+
+
+def test_a_stage_whose_only_replica_is_suspect_waits_for_it_to_come_back() -> None:
+    """One replica of the middle stage freezes in its 2nd forward past the call's timeout: the
+    driver reports it suspect and, with no other replica, waits for the routes to list one
+    rather than failing the step. The test restores it once the driver waits, then releases the
+    frozen call (refused as late): the step completes on the same replica and the run equals
+    the no-fault run; a stage that never comes back fails the step after ``replica_wait_s``."""
+    data = batches(3, 16)
+    want_losses, want_params = _no_fault_run(data)
+    freeze = NthForward(2)
+    with swarm(
+        micro_batch=4, hooks={(1, 0): freeze.for_replica(0)}, timeout_floor_s=0.5,
+        first_timeout_s=1.0,
+    ) as s:  # fmt: skip
+        waiting = threading.Event()
+        wait = s.routes.wait_for_replica
+
+        def waits(stage: int, timeout: float) -> bool:
+            waiting.set()
+            return wait(stage, timeout)
+
+        s.routes.wait_for_replica = waits  # type: ignore[method-assign]
+        step = threading.Thread(target=lambda: got.append(s.driver.train_step(*data[0])))
+        got: list[float] = []
+        step.start()
+        assert waiting.wait(30), "the driver never waited for the stage"
+        (endpoint,) = s.routes.suspects
+        s.routes.restore(endpoint)
+        freeze.release()
+        step.join(30)
+        assert not step.is_alive() and len(got) == 1
+        got += [s.driver.train_step(x, y) for x, y in data[1:]]
+        assert got == want_losses
+        params = joined(s)
+        assert all(torch.equal(params[n], want_params[n]) for n in want_params)
+        assert s.services[1][0].stats()["refused"] >= 1  # the frozen call, released late
+        # Never back: the step fails after the wait, not forever.
+        s.driver.replica_wait_s = 0.2
+        s.routes.suspect(endpoint, "test: gone")
+        with pytest.raises(NoReplica):
+            s.driver.train_step(*data[0])

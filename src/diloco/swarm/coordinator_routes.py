@@ -129,6 +129,9 @@ class CoordinatorRoutes:
     def _version_locked(self) -> int:
         return -1 if self._table is None else self._table.version
 
+    def wait_for_replica(self, stage: int, timeout: float) -> bool:
+        return self.wait(lambda: bool(self._endpoints(stage)), timeout)
+
     def wait_for(self, stages: range, timeout: float) -> bool:
         """Wait until each of ``stages`` has a live replica (at most ``timeout`` seconds)."""
         return self.wait(lambda: all(self._endpoints(k) for k in stages), timeout)

@@ -112,6 +112,7 @@ class Driver:
         driver_id: str = "driver",
         seed: int = 0,
         busy_wait_s: float = 60.0,
+        replica_wait_s: float = 60.0,
     ) -> None:
         if len(boundaries) < 1:
             raise ValueError("a swarm has at least two stages: one boundary")
@@ -123,6 +124,10 @@ class Driver:
         self.micro_batch, self.max_in_flight = micro_batch, max_in_flight
         self.token_dims, self.driver_id = token_dims, driver_id
         self.busy_wait_s = busy_wait_s
+        #: How long a call waits for a stage with no live replica left (its only replica
+        #: suspect or gone: the routes may list it again, or another may join) before the step
+        #: fails.
+        self.replica_wait_s = replica_wait_s
         self.picker = Picker(
             seed=seed, timeout_floor_s=timeout_floor_s, first_timeout_s=first_timeout_s
         )
@@ -175,7 +180,17 @@ class Driver:
         return float(sum(losses))
 
     def _pick(self, k: int) -> Endpoint:
-        return self.picker.pick(self.routes.endpoints(k), k)
+        """A replica of stage ``k``; with none live, waits up to ``replica_wait_s`` for the
+        routes to list one (``NoReplica`` past it)."""
+        try:
+            return self.picker.pick(self.routes.endpoints(k), k)
+        except NoReplica:
+            log.warning(
+                "stage %d has no live replica: waiting up to %.0f s", k, self.replica_wait_s
+            )
+            if not self.routes.wait_for_replica(k, self.replica_wait_s):
+                raise
+            return self.picker.pick(self.routes.endpoints(k), k)
 
     def _micro_batch(
         self, step: _Step, i: int, xb: torch.Tensor, yb: torch.Tensor, scale: float

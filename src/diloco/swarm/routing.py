@@ -34,6 +34,11 @@ class Routes(Protocol):
         """``endpoint`` failed a call (reset, refusal, 5xx, timeout): leave it out."""
         ...
 
+    def wait_for_replica(self, stage: int, timeout: float) -> bool:
+        """Wait until ``stage`` has a live replica (a suspect listed again, a new one joined),
+        at most ``timeout`` seconds; False when none came."""
+        ...
+
 
 class StaticRoutes:
     """A fixed table; a suspect endpoint is left out until ``restore``."""
@@ -41,11 +46,14 @@ class StaticRoutes:
     def __init__(self, table: dict[int, list[Endpoint]]) -> None:
         self._table = {k: list(v) for k, v in table.items()}
         self._suspects: dict[Endpoint, str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def endpoints(self, stage: int) -> list[Endpoint]:
         with self._lock:
-            return [e for e in self._table.get(stage, []) if e not in self._suspects]
+            return self._live(stage)
+
+    def _live(self, stage: int) -> list[Endpoint]:
+        return [e for e in self._table.get(stage, []) if e not in self._suspects]
 
     def suspect(self, endpoint: Endpoint, reason: str) -> None:
         with self._lock:
@@ -54,6 +62,11 @@ class StaticRoutes:
     def restore(self, endpoint: Endpoint) -> None:
         with self._lock:
             self._suspects.pop(endpoint, None)
+            self._lock.notify_all()
+
+    def wait_for_replica(self, stage: int, timeout: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: bool(self._live(stage)), timeout)
 
     @property
     def suspects(self) -> dict[Endpoint, str]:
