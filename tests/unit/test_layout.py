@@ -16,7 +16,7 @@ ALLOWED = {
     "server": {"core", "wire", "persistence", "edge", "server"},
     "worker": {"core", "wire", "persistence", "worker"},
     "integrations": {"core", "wire", "worker", "integrations"},
-    "demo": {"core", "wire", "server", "worker", "demo"},
+    "demo": {"core", "wire", "server", "worker", "swarm", "demo"},
     "swarm": {"core", "wire", "persistence", "edge", "worker", "swarm"},  # worker: its transport
 }
 

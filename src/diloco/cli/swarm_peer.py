@@ -5,7 +5,8 @@ pkg.module:build_stage`` (``build_stage(k, S) -> nn.Module``) and either serves 
 SIGTERM (a body or the tail) or, assigned the head, drives ``--steps`` batches from ``--data
 pkg.module:batches`` (a function returning an iterator of ``(x, y)``) and leaves. Exit status
 0 when it left cleanly. The inner optimizer is AdamW at ``--lr``; the tail's loss is
-``--loss`` (default: cross entropy).
+``--loss`` (default: cross entropy). ``--sync-every N`` turns on stage sync (``SwarmPeer``'s
+``sync_every``: DiLoCo among the stage's replicas, fp32 pseudo-gradients).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class PeerFlags:
     )
     steps: int = _flag(0, "steps a head trains, then leaves")
     loss: str | None = _flag(None, "the tail's loss, pkg.module:fn (default: cross entropy)")
+    sync_every: int | None = _flag(
+        None, "stage sync: DiLoCo among the stage's replicas every N inner steps (absent: none)",
+        metavar="N",
+    )  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -104,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         boundaries=shapes(s.boundary, s.stages), samples_per_step=s.batch,
         micro_batch=s.micro_batch or s.batch, codec=s.codec, token=s.token, stages=fits,
         host=s.host, port=s.port, heartbeat_interval=s.heartbeat_interval,
+        sync_every=s.sync_every,
     )  # fmt: skip
     peer.start()
     try:

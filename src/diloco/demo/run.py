@@ -23,10 +23,23 @@ from diloco.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
+SWARM_STEPS = 200
+"""``--swarm``'s default steps per process: a swarm step is about ten HTTP stage calls."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=4, help="DiLoCo worker processes (default 4)")
-    p.add_argument("--steps", type=int, default=1000, help="inner steps per worker (default 1000)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="DiLoCo worker processes (default 4; 2 with --swarm)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"inner steps per worker (default 1000; {SWARM_STEPS} with --swarm)",
+    )
     p.add_argument(
         "--sync-every", type=int, default=50, help="inner steps per round, H (default 50)"
     )
@@ -46,6 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--allreduce",
         action="store_true",
         help="all-reduce mode: the workers average among themselves, the server only coordinates",
+    )
+    p.add_argument(
+        "--swarm",
+        action="store_true",
+        help="also train the model as a 3-stage pipeline swarm on this machine (2 head, 2 body, "
+        "1 tail replicas as threads; stage sync every --sync-every) beside a 2-worker DiLoCo "
+        "run and the single worker, on the same steps per process; about a minute at the "
+        "defaults on a 2-core machine",
     )
 
 
@@ -143,6 +164,20 @@ class _Bars:
             bar.close()
 
 
+def settle(args: argparse.Namespace) -> str | None:
+    """Fill the defaults that depend on ``--swarm`` (``--workers`` 4 or 2, ``--steps`` 1000 or
+    ``SWARM_STEPS``) in ``args``; what is wrong with the flags, or None."""
+    if args.workers is None:
+        args.workers = 2 if args.swarm else 4
+    if args.steps is None:
+        args.steps = SWARM_STEPS if args.swarm else 1000
+    if args.swarm and (args.workers != 2 or args.allreduce):
+        return "--swarm runs beside 2 DiLoCo workers in server mode (no other --workers, no --allreduce)"
+    if args.workers < 1 or args.steps < 1 or args.sync_every < 1:
+        return "--workers, --steps and --sync-every must be >= 1"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -150,8 +185,9 @@ def run(args: argparse.Namespace) -> int:
     from diloco.demo.model import build_model, evaluate
     from diloco.server import DiLoCoServer, ServerConfig
 
-    if args.workers < 1 or args.steps < 1 or args.sync_every < 1:
-        print("error: --workers, --steps and --sync-every must be >= 1", file=sys.stderr)
+    refused = settle(args)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     cfg = {
         "workers": args.workers,
@@ -163,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "bf16": not args.no_bf16,
         "allreduce": args.allreduce,
+        "outer_lr": args.outer_lr,  # the swarm's coordinator's (the server here takes its own)
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
     if global_curve[-1][0] != status["round"] * args.sync_every:
         global_curve.append((status["round"] * args.sync_every, global_loss))
     server.stop()
-    wall = time.monotonic() - t0
+    wall = time.monotonic() - t0  # the DiLoCo run's (and the single worker's, beside it)
+    swarm = _run_swarm(args, cfg, corpus, init_loss) if args.swarm else None
     worker_metrics = [finished[r] for r in range(args.workers)]
     report = {
         "workers": args.workers,
@@ -265,8 +303,12 @@ def run(args: argparse.Namespace) -> int:
         "global_curve": global_curve,
         "baseline_curve": baseline_curve,
     }
+    report |= swarm.report() if swarm is not None else {}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    _plot(out / "loss.png", curves, names, global_curve, baseline_curve)
+    _plot(
+        out / "loss.png", curves, names, global_curve, baseline_curve,
+        swarm.curve if swarm is not None else None,
+    )  # fmt: skip
     mb = 1024 * 1024
     print(
         f"\nDiLoCo demo: {args.workers} workers x {args.steps} steps, sync every {args.sync_every} "
@@ -277,7 +319,20 @@ def run(args: argparse.Namespace) -> int:
         f"   wall time {wall:.0f} s\n"
         f"  wrote {out / 'report.json'} and {out / 'loss.png'}"
     )
+    if swarm is not None:
+        print(swarm.summary())
     return 0
+
+
+def _run_swarm(args: argparse.Namespace, cfg: dict[str, Any], corpus: Any, init_loss: float) -> Any:
+    """The pipeline swarm (``demo.swarm``) on the DiLoCo run's 2 shards, one bar a driver."""
+    from diloco.demo.swarm import run_swarm
+
+    bars = _Bars(["swarm head 0", "swarm head 1"], args.steps)
+    try:
+        return run_swarm(cfg, corpus, init_loss, bars.step)
+    finally:
+        bars.close()
 
 
 def _plot(
@@ -286,9 +341,10 @@ def _plot(
     names: list[str],
     global_curve: list[tuple[int, float]],
     baseline_curve: list[tuple[int, float]],
+    swarm_curve: list[tuple[int, float]] | None = None,
 ) -> None:
     """Left, like with like: the held-out loss of the global model and of the single worker,
-    at the same inner steps. Right, for reference: each process's training loss (a worker's
+    at the same inner steps (and the pipeline swarm's, with ``--swarm``). Right, for reference: each process's training loss (a worker's
     is on its own shard, the baseline's on all the text)."""
     import matplotlib
 
@@ -300,6 +356,9 @@ def _plot(
     held.plot(gs, gl, "o-", color="crimson", lw=2, ms=4, label="global model (DiLoCo)")
     bs, bl = zip(*baseline_curve, strict=True)
     held.plot(bs, bl, "s-", color="black", lw=1.5, ms=3, label="single worker")
+    if swarm_curve is not None:
+        ss, sl = zip(*swarm_curve, strict=True)
+        held.plot(ss, sl, "^-", color="royalblue", lw=1.5, ms=4, label="pipeline swarm (3 stages)")
     held.set_title("Held-out loss")
     for rank, points in curves.items():
         if not points:

@@ -5,8 +5,8 @@ Built so far: the data plane. ``split`` cuts an ``nn.Sequential`` into named sta
 ``stage_service`` serves one stage over HTTP, ``driver`` pushes micro-batches through the
 stages from a head replica with failover, ``routing`` picks replicas. ``SwarmPeer`` (``peer``)
 joins a coordinator (``diloco server --swarm``), builds and serves its assigned stage or drives
-the swarm from the head, with ``CoordinatorRoutes`` (the coordinator's route table). Stage sync
-among a stage's replicas is not built yet (docs/design/swarm.md).
+the swarm from the head, with ``CoordinatorRoutes`` (the coordinator's route table); with
+``sync_every`` a stage's replicas average it with DiLoCo (docs/design/swarm.md).
 """
 
 from diloco.swarm.boundary import BoundaryCodec, BoundarySpec, Compressor, Traffic
