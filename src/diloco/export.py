@@ -20,14 +20,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from diloco.loading import checkpoint_file, few_names, read_params
+from diloco.loading import few_names, read_params
 from diloco.persistence.weights import read_weights
 
 log = logging.getLogger(__name__)
 
 EXPORT_FILE = "model.safetensors"  # the name ``from_pretrained`` looks for first
 # Weight files of a model folder: not copied by an export, whose model.safetensors replaces them.
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".safetensors.index.json",
+    ".bin",
+    ".bin.index.json",
+    ".pt",
+    ".pth",
+)
 WEIGHT_FILES = frozenset({"tf_model.h5", "flax_model.msgpack"})
 
 
@@ -84,9 +91,47 @@ def exported_tensors(
     return out
 
 
+STAGE_PREFIX = "stage-"
+"""A pipeline swarm's save dir holds one folder per stage (``stage-0``, ``stage-1``, ...): each
+stage's quorums checkpoint its own parameters there, under the unsplit model's names."""
+
+
+def stage_folders(path: str | Path) -> list[Path]:
+    """The ``stage-K`` folders of a swarm's save dir, by ``K`` (none for any other path)."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    found = [
+        (int(p.name[len(STAGE_PREFIX) :]), p)
+        for p in path.iterdir()
+        if p.is_dir() and p.name.startswith(STAGE_PREFIX) and p.name[len(STAGE_PREFIX) :].isdigit()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_params(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The parameters of a checkpoint (``loading.read_params``), or, for a swarm's save dir,
+    every stage's newest checkpoint joined into one model (each stage's own round: the stages
+    sync apart). A name in two stages' checkpoints is an error."""
+    stages = stage_folders(checkpoint)
+    if not stages:
+        return read_params(checkpoint)
+    joined: dict[str, torch.Tensor] = {}
+    for folder in stages:
+        for name, tensor in read_params(folder).items():
+            if name in joined:
+                raise ValueError(
+                    f"{name!r} is in more than one stage's checkpoint under {checkpoint}"
+                )
+            joined[name] = tensor
+    log.info("joined the checkpoints of %d stages under %s", len(stages), checkpoint)
+    return joined
+
+
 def export_like(checkpoint: str | Path, like: str | Path, out: str | Path) -> Path:
     """Write ``out``, a model folder like ``like`` (the folder a run began from with
-    ``--init``) holding the checkpoint's parameters: the original's other files (config,
+    ``--init``) holding the checkpoint's parameters (a pipeline swarm's save dir: its stages'
+    joined, ``checkpoint_params``): the original's other files (config,
     tokenizer) copied, its weights replaced by one ``model.safetensors`` under the original names
     and dtypes, which ``from_pretrained`` opens. Built in a temporary folder beside ``out`` and
     renamed into place, so ``out`` is either absent or complete."""
@@ -96,7 +141,7 @@ def export_like(checkpoint: str | Path, like: str | Path, out: str | Path) -> Pa
     if out.exists():
         raise ValueError(f"{out} exists; export writes a new folder")
     original, metadata = _original(like)
-    tensors = exported_tensors(read_params(checkpoint), original)
+    tensors = exported_tensors(checkpoint_params(checkpoint), original)
     metadata.setdefault("format", "pt")  # transformers refuses a file without it
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -116,7 +161,7 @@ def export_like(checkpoint: str | Path, like: str | Path, out: str | Path) -> Pa
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %s as %s (%d tensors)", checkpoint_file(checkpoint), out, len(tensors))
+    log.info("exported %s as %s (%d tensors)", checkpoint, out, len(tensors))
     return out
 
 
@@ -136,10 +181,12 @@ class ExportConfig:
     """``diloco export``: a checkpoint as a model folder like the one the run began from."""
 
     checkpoint: str | None = _flag(
-        "a checkpoint folder (round-N), its params.safetensors, or a save dir (its newest)",
+        "a checkpoint folder (round-N), its params.safetensors, a save dir (its newest), or a "
+        "pipeline swarm's save dir (its stage-K folders' newest, joined)",
         metavar="PATH",
     )
-    """The checkpoint to export (``checkpoint_file`` says which paths are accepted)."""
+    """The checkpoint to export (``checkpoint_file`` says which paths are accepted; a swarm's
+    save dir: ``checkpoint_params``)."""
 
     like: str | None = _flag(
         "the model folder the run began from (diloco server --init): its names, dtypes, config "

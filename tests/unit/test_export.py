@@ -217,6 +217,28 @@ def test_the_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "needs --checkpoint" in capsys.readouterr().err
 
 
+def test_a_swarms_save_dir_exports_its_stages_joined(tmp_path: Path) -> None:
+    """A pipeline swarm's save dir holds a ``stage-K`` folder per stage, each stage's
+    checkpoints at its own rounds: the export joins every stage's newest one into one model
+    (the names are the unsplit model's); a name two stages hold is refused, nothing written."""
+    like = model_folder(tmp_path / "like")
+    trained = {n: t.float() + 1 for n, t in load_initial_params(like).items()}
+    save = tmp_path / "swarm"
+    stage0 = {"embed.weight": trained["embed.weight"]}
+    stage1 = {n: trained[n] for n in ("body.weight", "body.bias")}
+    save_checkpoint(save / "stage-0", 3, {"embed.weight": torch.zeros(11, 4)}, NO_OPTIMIZER, {}, 3)
+    save_checkpoint(save / "stage-0", 4, stage0, NO_OPTIMIZER, {}, keep=3)  # the newest
+    save_checkpoint(save / "stage-1", 2, stage1, NO_OPTIMIZER, {}, keep=3)  # another round
+    out = export_like(save, like, tmp_path / "out")
+    got = load_file(str(out / "model.safetensors"))
+    for name, value in trained.items():
+        torch.testing.assert_close(got[name], value.half())
+    save_checkpoint(save / "stage-1", 3, {**stage1, **stage0}, NO_OPTIMIZER, {}, keep=3)
+    with pytest.raises(ValueError, match="'embed.weight' is in more than one stage"):
+        export_like(save, like, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
 # --- a real GPT-2 (transformers installed) ------------------------------------------------------
 
 
