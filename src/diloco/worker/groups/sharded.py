@@ -228,10 +228,13 @@ class ShardState:
         plan: ShardPlan,
         whole: torch.Tensor | None,
         store: Callable[[str, torch.Tensor, bool], None],
+        keys: tuple[str, str] = ("part", "send"),
     ) -> None:
         """Rank 0's fp32 ``whole`` parameter (None on the other ranks) cut into every rank's
         box; each rank that holds one calls ``store(name, its box's values, owns)`` (a view of
-        a staging buffer, flat, valid until the next command)."""
+        a staging buffer, flat, valid until the next command). ``keys`` name the staging
+        buffers (rank 0's parts, the received box): a caller whose other buffers must stay
+        valid meanwhile passes its own."""
         held = plan.boxes[self.rank]
         if plan.plain:
             assert whole is not None
@@ -243,11 +246,11 @@ class ShardState:
             assert whole is not None
             parts = []
             for r, got in enumerate(plan.boxes):
-                part = self.staging.get(f"part{r}", width, torch.float32)
+                part = self.staging.get(f"{keys[0]}{r}", width, torch.float32)
                 if got is not None and got[0].numel:
                     part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
                 parts.append(part)
-        recv = self.staging.get("send", width, torch.float32)
+        recv = self.staging.get(keys[1], width, torch.float32)
         dist.scatter(recv, parts, group_src=0, group=self.pg)
         if held is not None and held[0].numel:
             store(plan.name, recv[: held[0].numel], held[1])

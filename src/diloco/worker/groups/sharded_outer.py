@@ -224,27 +224,12 @@ class OuterShards:
     def _set(self, kind: str, plan: ShardPlan, whole: torch.Tensor | None) -> None:
         """Rank 0's ``whole`` into every holder's box (its staging keys are not ``q_get``'s
         ``q_whole``: a parameter being read stays valid while another one is stored)."""
-        st = self._st
-        held = plan.boxes[st.rank]
-        if plan.plain:
-            assert whole is not None
-            self._held(kind, plan.name).copy_(whole.reshape(plan.shape))
-            return
-        width = plan.width
-        parts = None
-        if st.rank == 0:
-            assert whole is not None
-            whole = whole.reshape(plan.shape)
-            parts = []
-            for r, got in enumerate(plan.boxes):
-                part = st.staging.get(f"q_out{r}", width, torch.float32)
-                if got is not None and got[0].numel:
-                    part[: got[0].numel].view(got[0].shape).copy_(got[0].read(whole))
-                parts.append(part)
-        recv = st.staging.get("q_recv", width, torch.float32)
-        dist.scatter(recv, parts, group_src=0, group=st.pg)
-        if held is not None and held[0].numel:
-            self._held(kind, plan.name).view(-1).copy_(recv[: held[0].numel])
+
+        def store(name: str, values: torch.Tensor, owns: bool) -> None:
+            self._held(kind, name).view(-1).copy_(values)
+
+        shaped = None if whole is None else whole.reshape(plan.shape)
+        self._st.scatter(plan, shaped, store, keys=("q_out", "q_recv"))
 
     def _step(self, lr: float, momentum: float, nesterov: bool) -> None:
         rules = (lr, momentum, nesterov)
