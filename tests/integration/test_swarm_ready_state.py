@@ -144,4 +144,3 @@ def test_a_replica_not_holding_an_agreed_state_is_refused_and_changes_nothing(
         assert LATE not in workers and str(unsynced.worker_id) not in workers
         tampered.stop()
         unsynced.stop()
-

@@ -334,9 +334,7 @@ class DiLoCoClient:
         a ``StageAccepted``, a ``Conflict`` for another stage's table, another stage than the
         one assigned, or a state the stage did not agree on)."""
         round_, state_hash = state if state is not None else (None, None)
-        body = StageReady(
-            worker_id, stage, params, address, round=round_, state_hash=state_hash
-        )
+        body = StageReady(worker_id, stage, params, address, round=round_, state_hash=state_hash)
         return self._json("POST", f"{SWARM}/ready", body.to_json())
 
     def routes(self, version: int = -1) -> dict[str, Any]:
