@@ -46,11 +46,15 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def make_peer(
-    server: DiLoCoServer, fits: int, build: Any = build_stage, **options: Any
+    server: DiLoCoServer,
+    fits: int,
+    build: Any = build_stage,
+    kind: type[SwarmPeer] = SwarmPeer,
+    **options: Any,
 ) -> SwarmPeer:
-    """A peer that fits only stage ``fits`` (so the test knows who is who), fp32 boundaries,
-    one micro-batch a step unless ``options`` say otherwise, no heartbeat thread (the tests
-    call ``beat``)."""
+    """A peer (of class ``kind``) that fits only stage ``fits`` (so the test knows who is
+    who), fp32 boundaries, one micro-batch a step unless ``options`` say otherwise, no
+    heartbeat thread (the tests call ``beat``)."""
     settings: dict[str, Any] = {
         "num_stages": STAGES,
         "server": server.address,
@@ -65,7 +69,7 @@ def make_peer(
         "token": server.config.token,
         **options,
     }
-    return SwarmPeer(build, **settings)
+    return kind(build, **settings)
 
 
 @contextmanager

@@ -73,17 +73,41 @@ def not_swarm_mode() -> ApiError:
     )
 
 
-def unagreed_state(claim: tuple[int, str], latest: tuple[int, str] | None) -> ApiError:
-    """409 for a quorum request presenting a state the run never agreed on (all-reduce mode):
-    it could otherwise become the quorum's source and replace every replica's state."""
+QUORUM_ADVICE = (
+    "ask again presenting no state (has_state false) to receive the run's, keeping your "
+    "progress on top"
+)
+READY_ADVICE = (
+    "a replica enters the route table only holding a state its stage agreed on: join the "
+    "stage's quorums first (SwarmPeer(sync_every=H)), which hand a joiner that state"
+)
+
+
+def unagreed_state(
+    claim: tuple[int, str], latest: tuple[int, str] | None, advice: str = QUORUM_ADVICE
+) -> ApiError:
+    """409 for a request presenting a state the run never agreed on: a quorum request's
+    (all-reduce mode, stage sync: it could otherwise become the quorum's source and replace
+    every replica's state) or a swarm replica's ready (``advice`` says what to do)."""
     last = f"round {latest[0]}, hash {latest[1]}" if latest else "none yet"
     return conflict(
         "unagreed_state",
         f"the state presented (round {claim[0]}, hash {claim[1]}) is not one the run agreed on "
-        f"(the last agreed: {last}); ask again presenting no state (has_state false) to receive "
-        "the run's, keeping your progress on top",
+        f"(the last agreed: {last}); {advice}",
         round=latest[0] if latest else None,
         action="rebase",
+    )
+
+
+def state_required(worker_id: str, latest: tuple[int, str] | None) -> ApiError:
+    """409 for a swarm replica's ready that presents no state where its stage's replicas sync
+    and agreed on states: it would serve parameters the stage never agreed on."""
+    last = f"round {latest[0]}, hash {latest[1]}" if latest else "none yet"
+    return conflict(
+        "state_required",
+        f"peer {worker_id!r} presented no state, but its stage's replicas sync and agreed on "
+        f"states (the last: {last}); {READY_ADVICE}",
+        round=latest[0] if latest else None,
     )
 
 

@@ -4,9 +4,10 @@
 ``start()`` registers (saying which stages fit it, if it says), learns its stage ``k``, builds
 ONLY that stage (``build_stage(k, S)``: the full model never exists here), serves it with a
 ``StageService`` unless it is the head (head replicas are drivers and serve nothing), says it is
-ready with the stage's parameter table and its service's address (``POST /swarm/ready``: a
-table other than the stage's is refused with 409 and the peer leaves, leaving nothing in the
-route table), then heartbeats its measurements. A head peer's ``train_step(x, y)`` runs the
+ready with the stage's parameter table, its service's address and, with stage sync, the
+stage's state it holds (``POST /swarm/ready``, ``_say_ready``: a table other than the stage's,
+or a state the stage did not agree on, is refused with 409 and the peer leaves, leaving nothing
+in the route table), then heartbeats its measurements. A head peer's ``train_step(x, y)`` runs the
 ``Driver`` over ``CoordinatorRoutes``; any other peer's ``serve()`` blocks until ``stop()`` (or
 SIGTERM) and leaves. ``stop()`` deregisters and may be called any number of times.
 
@@ -149,6 +150,8 @@ class SwarmPeer:
         self._busy_wait_s = 60.0
         self.worker_id: str | None = None
         self.stage: int | None = None
+        #: Its stage service's address as its ready says it (the head's names port 0).
+        self.address: str | None = None
         self.module: nn.Module | None = None
         self.service: StageService | None = None
         self.driver: Driver | None = None
@@ -185,19 +188,11 @@ class SwarmPeer:
             if self.sync_every is not None:
                 self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
                 self.worker = self._stage_worker(opt)
-            address = self._serve_or_drive(k, opt)
-            accepted = StageAccepted.from_json(
-                self.client.stage_ready(
-                    reg.worker_id, stage=k, params=table_of(self.module), address=address
-                )
-            )
+            self.address = self._serve_or_drive(k, opt)
+            self._say_ready()
         except BaseException:
             self.stop()
             raise
-        log.info(
-            "swarm peer %s: stage %d of %d ready at %s (table version %d)",
-            self.worker_id, k, self.num_stages, address, accepted.version,
-        )  # fmt: skip
         self._beats = PeerBeats(
             self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed
         )
@@ -206,6 +201,27 @@ class SwarmPeer:
             self._idler = threading.Thread(target=self._idle_loop, name="swarm-idle", daemon=True)
             self._idler.start()
         return self
+
+    def _say_ready(self) -> StageAccepted:
+        """``POST /swarm/ready``: this peer's stage, its table, its address and, with stage
+        sync, the stage's state its worker holds (round, hash), so the coordinator lists it
+        only holding a state its stage agreed on (409 ``state_required``, ``unagreed_state``
+        otherwise; ``params_mismatch``, ``wrong_stage``). The one place a peer says ready."""
+        assert self.module is not None and self.worker_id is not None
+        assert self.stage is not None and self.address is not None
+        state = self.worker.held_state() if self.worker is not None else None
+        accepted = StageAccepted.from_json(
+            self.client.stage_ready(
+                self.worker_id, stage=self.stage, params=table_of(self.module),
+                address=self.address, state=state,
+            )
+        )  # fmt: skip
+        log.info(
+            "swarm peer %s: stage %d of %d ready at %s (table version %d%s)",
+            self.worker_id, self.stage, self.num_stages, self.address, accepted.version,
+            "" if state is None else f", round {state[0]}",
+        )  # fmt: skip
+        return accepted
 
     def _stage_worker(self, opt: torch.optim.Optimizer) -> DiLoCoWorker:
         """The stage's DiLoCo worker, started (registered again under this peer's id: the stage

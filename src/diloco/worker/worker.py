@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from diloco.wire.messages import Registered, RegisterInfo
+from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shard_exchange import HttpLink
 from diloco.worker.choose import choose_strategy, same_family
 from diloco.worker.groups.group import WorkerGroup, find_group
@@ -320,6 +321,13 @@ class DiLoCoWorker:
             raise RuntimeError("the worker has not joined a run yet: call start() first")
         with self._sigterm.syncing():
             self._strategy.sync_now()
+
+    def held_state(self) -> tuple[int, str] | None:
+        """All-reduce and swarm mode: the (round, hash) of the run's state this worker holds,
+        as its ``POST /quorum`` presents it (``QuorumSync.held``); None when it holds none it
+        can vouch for, or syncs another way (the server holds the state)."""
+        strategy = self._strategy
+        return strategy.held() if isinstance(strategy, QuorumSync) else None
 
     @property
     def sync_metrics(self) -> dict[str, float]:

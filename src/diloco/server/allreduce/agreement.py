@@ -12,6 +12,9 @@ Contract:
   that the run never agreed on and that no member reported making (one reported by a quorum
   still open, or by a minority of a discarded one, is let in: only ``acceptable`` states are a
   source, the others receive it). A round-0 state is a worker's own start. Changes nothing.
+- ``refuse_unheld``: a swarm replica's ready (``POST /swarm/ready``) where the stage agreed on
+  states: 409 ``state_required`` for none presented, 409 ``unagreed_state`` for one neither
+  agreed nor reported made by a quorum's member; round 0 gets no pass there. Changes nothing.
 - ``made_by``: which quorum's step made a state members reported; a member whose commit point
   failed after the others' passed learns from it that its contribution is in the state it
   receives (``worker/allreduce/quorum_sync.py``, "the two generals").
@@ -27,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from diloco.server.allreduce.quorum_records import FINISHED_KEPT, Ended
-from diloco.server.errors import unagreed_state
+from diloco.server.errors import READY_ADVICE, state_required, unagreed_state
 from diloco.wire.messages import QuorumAsk, QuorumOutcome
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,30 @@ class Agreement:
                 self.latest,
             )
             raise unagreed_state(claim, self.latest)
+
+    def refuse_unheld(self, worker_id: str, state: State | None) -> None:
+        """A swarm replica asks to enter the route table holding ``state`` (None: none). Where
+        the run agreed on states, it must hold one: 409 ``state_required`` for none, 409
+        ``unagreed_state`` for a state neither agreed nor reported made by a member of a
+        quorum (a joiner's first quorum may still be open when it says ready: its own report
+        is such a state). Unlike a quorum request, a round-0 state has no pass: a replica
+        serves what it holds, and a quorum would not correct it before drivers use it. With no
+        agreed state (the stage does not sync, or its first quorum has not formed) anything
+        goes."""
+        if not len(self._how):
+            return
+        if state is None:
+            log.warning("peer %s said ready holding no state of its syncing stage", worker_id)
+            raise state_required(worker_id, self.latest)
+        if state not in self._how and state not in self._made_by:
+            log.warning(
+                "peer %s said ready holding a state its stage never agreed on (round %d, hash "
+                "%s; the last agreed: %s): refused",
+                worker_id,
+                *state,
+                self.latest,
+            )
+            raise unagreed_state(state, self.latest, READY_ADVICE)
 
     # --- forming ------------------------------------------------------------------------------
 

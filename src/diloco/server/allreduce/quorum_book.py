@@ -155,6 +155,11 @@ class QuorumBook:
             raise left_out(worker, leave.reason, leave.until - now, leave.rejoin)
         self._agreement.refuse_unagreed(ask)
 
+    def refuse_unheld(self, worker_id: str, state: tuple[int, str] | None) -> None:
+        """Swarm mode: a replica of this book's stage may enter the route table only holding a
+        state the stage agreed on (``Agreement.refuse_unheld``). Changes nothing."""
+        self._agreement.refuse_unheld(worker_id, state)
+
     def pending(self) -> tuple[str, ...]:
         return self._waiting.workers()
 

@@ -122,14 +122,20 @@ class StageBook:
 
     # --- readiness, heartbeats, suspects --------------------------------------------------------
 
-    def mark_ready(self, ready: StageReady) -> int:
-        """``POST /swarm/ready`` of a registered peer: 409 ``wrong_stage`` for a stage it was
-        not assigned, 409 ``params_mismatch`` for a table other than the stage's; then in
-        the table (a ready peer was heard from, so a suspicion of it ends)."""
+    def check_ready(self, ready: StageReady) -> None:
+        """409 ``wrong_stage`` for a stage the peer was not assigned, 409 ``params_mismatch``
+        for a table other than the stage's. Changes nothing."""
         assigned = self.assigned.get(ready.worker_id)
         if assigned is None or assigned != ready.stage:
             raise wrong_stage(ready.worker_id, ready.stage, -1 if assigned is None else assigned)
         self.check_table(ready.stage, ready.params)
+
+    def mark_ready(self, ready: StageReady) -> int:
+        """``POST /swarm/ready`` of a registered peer: ``check_ready``, then in the table (a
+        ready peer was heard from, so a suspicion of it ends). The state a syncing stage's
+        replica must hold is its quorum book's to check (``StageQuorums.refuse_unheld``),
+        before this."""
+        self.check_ready(ready)
         self.tables.setdefault(ready.stage, ready.params)
         self.ready[ready.worker_id] = ready.address
         self.suspects.pop(ready.worker_id, None)

@@ -34,6 +34,7 @@ from diloco.wire.messages import (
     SaveRequested,
 )
 from diloco.wire.messages.rendezvous import PATH as RENDEZVOUS_PATH
+from diloco.wire.messages.swarm import StageReady
 
 SYNC_CODECS = ("fp32", "bf16")
 """What a stage's quorum sums, as the all-reduce mode's (``allreduce_front.ALLREDUCE_CODECS``:
@@ -136,6 +137,13 @@ class StageQuorums:
         self.comm.pop(worker_id, None)
         if stage is not None:
             self.books[stage].on_leave(worker_id)
+
+    def refuse_unheld(self, ready: StageReady) -> None:
+        """A replica of a stage whose replicas agreed on states says ready only holding one of
+        them (``QuorumBook.refuse_unheld``: 409 ``state_required``, ``unagreed_state``); a
+        stage with none (no stage sync) takes any. Run after the stage book's checks (the
+        ready's stage is the peer's). Changes nothing."""
+        self.books[ready.stage].refuse_unheld(ready.worker_id, ready.state)
 
     # --- routes (server/front.py's Quorums) -----------------------------------------------------
 

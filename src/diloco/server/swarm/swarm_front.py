@@ -1,7 +1,8 @@
 """Swarm mode's front (``ServerConfig.swarm``, ``server/front.py``'s ``Front``): the coordinator
 of a pipeline whose stages live on the peers. It holds no parameters. It keeps the registry,
 membership and health checks every mode has, and adds: a stage assigned at registration
-(``assignment.py``), ``POST /swarm/ready`` checked against the stage's table, the route table's
+(``assignment.py``), ``POST /swarm/ready`` checked against the stage's table and, where the
+stage's replicas sync, against the states its quorums agreed on, the route table's
 long poll, drivers' suspect reports (``stage_book.py``), and the peers' heartbeat measurements
 in ``/status`` and ``/metrics``; and stage sync: each stage's replicas average with DiLoCo through
 quorums of their own (``stage_quorums.py``: the all-reduce mode's quorum book, one per stage),
@@ -230,11 +231,22 @@ class SwarmFront:
         return self
 
     def stage_ready(self, ready: StageReady) -> StageAccepted:
-        """``POST /swarm/ready``: 410 for a peer not registered, then the book's checks."""
+        """``POST /swarm/ready``: 410 for a peer not registered, then the stage book's checks
+        (stage, table), then its stage's quorum book's (the state it holds, where the stage's
+        replicas agreed on states), all before anything changes."""
         if self.registry.touch(ready.worker_id) is None:
             raise unknown_worker(ready.worker_id)
+        self.book.check_ready(ready)
+        self.stage_quorums.refuse_unheld(ready)
         version = self.book.mark_ready(ready)
-        log.info("peer %s ready for stage %d at %s", ready.worker_id, ready.stage, ready.address)
+        state = ready.state
+        log.info(
+            "peer %s ready for stage %d at %s (%s)",
+            ready.worker_id,
+            ready.stage,
+            ready.address,
+            "holding no state" if state is None else f"holding round {state[0]}, hash {state[1]}",
+        )
         return StageAccepted(stage=ready.stage, version=version)
 
     async def routes(self, version: int) -> RouteTable:

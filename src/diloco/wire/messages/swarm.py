@@ -13,9 +13,11 @@ suspect since its last heartbeat.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 from urllib.parse import urlsplit
 
-from diloco.wire.messages.codec import Reply, Request, Rule, at_least, spec, text
+from diloco.wire.messages.codec import MessageError, Reply, Request, Rule, at_least, spec, text
+from diloco.wire.messages.quorums import HASH_LIMIT
 from diloco.wire.messages.registration import TABLE, Table
 
 PATH = "/swarm"
@@ -61,6 +63,27 @@ class StageReady(Request):
     ready peer fixes the stage's table, a differing one is refused (409)."""
     address: str = spec(rule=ADDRESS)
     """Its stage service's base URL, as drivers dial it (``http://10.0.0.7:8700``)."""
+    round: int | None = spec(default=None, omit=True, rule=at_least(0))
+    """Stage sync: the round of the stage's state the peer holds (its quorums' ``round``);
+    absent: it holds none it can vouch for (it does not sync)."""
+    state_hash: str | None = spec(default=None, omit=True, rule=text(HASH_LIMIT))
+    """That state's hash, as the peer's ``POST /quorum`` presents it
+    (``worker/allreduce/collective.py`` ``state_hash``); given with ``round`` or not at all. A
+    stage whose replicas agreed on states takes a ready only holding one of them (409
+    ``state_required``, ``unagreed_state``)."""
+
+    def checked(self) -> Self:
+        if (self.round is None) != (self.state_hash is None):
+            field = "state_hash" if self.state_hash is None else "round"
+            raise MessageError(field, "give 'round' and 'state_hash' together, or neither")
+        return self
+
+    @property
+    def state(self) -> tuple[int, str] | None:
+        """The (round, hash) presented; None: none."""
+        if self.round is None or self.state_hash is None:
+            return None
+        return self.round, self.state_hash
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,6 +108,16 @@ class QuorumSync:
     def round(self) -> int:
         return self._s.base_round
 
+    def held(self) -> tuple[int, str] | None:
+        """The run's state this worker holds, as its quorum requests present it: the round
+        and the hash of its snapshot and momentum (``SharedState.hash``), hashed now, so a
+        state changed since its last round is not vouched for by that round's hash; None
+        while it holds none it can vouch for (it awaits the run's). Between rounds only: a
+        round in flight changes the state under the hash."""
+        if self._needs_state or self._standing.disowned:
+            return None
+        return self._s.base_round, self._state.hash()
+
     def join(self, reply: Registered) -> None:
         """The start: one quorum round without a contribution, so this worker trains from the
         run's state (received from a member when its own differs). Waits for the quorum; a

@@ -321,12 +321,20 @@ class DiLoCoClient:
         return self._json("POST", "/heartbeat", body.to_json())
 
     def stage_ready(
-        self, worker_id: str, *, stage: int, params: Table, address: str
+        self,
+        worker_id: str,
+        *,
+        stage: int,
+        params: Table,
+        address: str,
+        state: tuple[int, str] | None = None,
     ) -> dict[str, Any]:
         """Swarm mode: the peer's stage service listens at ``address`` and holds ``params``
-        (``StageReady``; the reply is a ``StageAccepted``, a ``Conflict`` for another stage's
-        table or another stage than the one assigned)."""
-        body = StageReady(worker_id, stage, params, address)
+        and, with stage sync, the stage's ``state`` (round, hash) (``StageReady``; the reply is
+        a ``StageAccepted``, a ``Conflict`` for another stage's table, another stage than the
+        one assigned, or a state the stage did not agree on)."""
+        round_, state_hash = state if state is not None else (None, None)
+        body = StageReady(worker_id, stage, params, address, round=round_, state_hash=state_hash)
         return self._json("POST", f"{SWARM}/ready", body.to_json())
 
     def routes(self, version: int = -1) -> dict[str, Any]:
