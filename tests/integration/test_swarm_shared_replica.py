@@ -182,7 +182,7 @@ def test_a_stage_round_between_a_forward_and_its_backward_is_recomputed_over(
     Head B's whole step, the body's step and round included, runs between head A's forward on
     the body and A's backward there: A's step completes with no reroute, the body recomputes
     once, and the gradient it steps on equals the one computed by hand at the parameters the
-    round left."""
+    round left; the body's heartbeat brings the count to the coordinator's status."""
     server = make_server(
         swarm=True, stages=3, min_replicas=1, token="peer-token", **{**FAST, "join_timeout": 30.0}
     )
@@ -229,6 +229,8 @@ def test_a_stage_round_between_a_forward_and_its_backward_is_recomputed_over(
         assert not step.is_alive() and len(got) == 1
         body.service.drain()
         assert body.service.stats()["recomputes"] == 1
+        body.beat()  # the peer's heartbeat carries it; the status sums the live replicas'
+        assert server.status()["swarm"]["recomputes"] == 1
         assert head_a.stats()["reroutes"] == head_b.stats()["reroutes"] == 0
         assert body.worker.sync_metrics["rounds"] == 2 and len(seen) == 2
         want = _by_hand_at(stepped, da)
