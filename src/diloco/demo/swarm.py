@@ -8,7 +8,7 @@ every ``sync_every`` of their inner steps (DiLoCo among the replicas, fp32 pseud
 activations and gradients cross the boundaries as int8. Driver ``i`` is pinned to body replica
 ``i``, so each body replica steps exactly once per step of its driver and reaches its round at
 the end of every chunk below (a replica may serve several drivers, recomputing a forward a step
-came under: docs/design/swarm.md, "Several drivers per replica"; unpinned, the coordinator's
+came under: the data plane's invariants in docs/design/swarm.md; unpinned, the coordinator's
 routes would share the steps between the bodies unevenly, and a body's round would wait for
 the other past the chunk). Both drivers share the one tail, whose calls hold nothing between
 them (a loss call is forward and backward at once).
