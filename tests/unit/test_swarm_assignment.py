@@ -158,14 +158,14 @@ def test_the_status_sums_what_the_senders_report_per_boundary_and_direction() ->
     fwd = BoundaryTraffic(0, "forward", 68 * 100, 100)  # int8 rows of 64 + a 4-byte scale
     book.heard("a", SwarmBeat(throughput=2.0, boundaries=(fwd,), reroutes=3, recoveries=2))
     book.heard("c", SwarmBeat(throughput=4.0, boundaries=(fwd,), reroutes=1, recoveries=1))
-    book.heard("b", SwarmBeat(boundaries=(BoundaryTraffic(0, "backward", 400, 100),)))
+    book.heard("b", SwarmBeat(boundaries=(BoundaryTraffic(0, "backward", 400, 100),), recomputes=2))
     book.report(SuspectReport("a", "b", 1, "reset"))
     st = book.public()
     assert [(b.boundary, b.direction, b.bytes, b.bytes_per_token) for b in st.boundaries] == [
         (0, "backward", 400, 4.0),
         (0, "forward", 13600, 68.0),
     ]
-    assert (st.reroutes, st.recoveries, st.suspect_reports) == (4, 3, 1)
+    assert (st.reroutes, st.recoveries, st.recomputes, st.suspect_reports) == (4, 3, 2, 1)
     assert [(s.peer_id, s.stage, s.reporter, s.reason) for s in st.suspects] == [
         ("b", 1, "a", "reset")
     ]

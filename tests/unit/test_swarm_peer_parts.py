@@ -53,6 +53,7 @@ def test_the_heartbeat_carries_the_bytes_sent_per_boundary_and_direction() -> No
         },
         "reroutes": 2,
         "recoveries": 1,
+        "recomputes": 3,
     }
     beat = swarm_beat(stats, 12.5).to_json()
     assert beat == {
@@ -63,4 +64,5 @@ def test_the_heartbeat_carries_the_bytes_sent_per_boundary_and_direction() -> No
         ],
         "reroutes": 2,
         "recoveries": 1,
+        "recomputes": 3,
     }

@@ -6,9 +6,12 @@ as threads of this process: 2 head replicas (the drivers, each on its own shard 
 text, like the DiLoCo workers), 2 body replicas, 1 tail. Each stage's replicas run stage sync
 every ``sync_every`` of their inner steps (DiLoCo among the replicas, fp32 pseudo-gradients);
 activations and gradients cross the boundaries as int8. Driver ``i`` is pinned to body replica
-``i``: a replica fed by two drivers steps under one driver's held forward and fails the other's
-backward (docs/design/swarm.md, "Stage sync in the peer"). Both drivers share the one tail,
-whose calls hold nothing between them (a loss call is forward and backward at once).
+``i``, so each body replica steps exactly once per step of its driver and reaches its round at
+the end of every chunk below (a replica may serve several drivers, recomputing a forward a step
+came under: the data plane's invariants in docs/design/swarm.md; unpinned, the coordinator's
+routes would share the steps between the bodies unevenly, and a body's round would wait for
+the other past the chunk). Both drivers share the one tail, whose calls hold nothing between
+them (a loss call is forward and backward at once).
 
 The drivers go in lockstep chunks of ``sync_every`` steps; after each chunk every replica has
 finished what it was sent and its stage's round, so the stages' replicas hold the same bytes

@@ -1,6 +1,6 @@
 """A swarm peer's heartbeats: a daemon thread that tells the coordinator the peer is alive and
 what it measured (``Heartbeat.swarm``: throughput, the bytes and tokens it SENT per boundary
-and direction, reroutes and recoveries, all cumulative but the throughput).
+and direction, reroutes, recoveries and recomputes, all cumulative but the throughput).
 
 The worker's own ``Heartbeats`` reads a training session's counters (steps, stalls, DyLU),
 none of which a stage service has; this loop keeps its shape and its timeouts (the client's)
@@ -28,7 +28,8 @@ def boundary_index(name: str) -> int:
 
 def swarm_beat(stats: Mapping[str, Any], throughput: float | None) -> SwarmBeat:
     """The heartbeat's swarm part from a peer's ``stats()``: ``sent`` (``{"0->1:forward":
-    {"bytes", "tokens", ...}}``), ``reroutes`` and ``recoveries`` (a driver's; 0 otherwise)."""
+    {"bytes", "tokens", ...}}``), ``reroutes`` and ``recoveries`` (a driver's; 0 otherwise), ``recomputes`` (a
+    served replica's)."""
     sent = []
     for key, counts in sorted(stats.get("sent", {}).items()):
         name, direction = key.rsplit(":", 1)
@@ -42,6 +43,7 @@ def swarm_beat(stats: Mapping[str, Any], throughput: float | None) -> SwarmBeat:
         boundaries=tuple(sent),
         reroutes=int(stats.get("reroutes", 0)),
         recoveries=int(stats.get("recoveries", 0)),
+        recomputes=int(stats.get("recomputes", 0)),
     )
 
 

@@ -11,6 +11,16 @@ While it steps, calls are answered 503 ``syncing``. At most ``max_calls`` held f
 oldest dropped: its backward then gets 404) and finished replies, each for ``call_ttl_s`` at
 most. Autograd and the optimizer see one call at a time, and the call tables need no lock; a
 refused call changes nothing (every check comes before the first autograd operation).
+
+Several drivers may feed one replica: their micro-batches' samples add up in one count, so the
+replica steps on a mix of them (as Node0's do), and a step may fall between one driver's forward
+and its backward. Each held forward keeps the parameter version it ran at (``StepGate.version``);
+a backward whose forward is older runs that forward again from its kept input at the current
+parameters first (``recomputes`` in the stats), then backs it up: the gradient is taken at the
+parameters of the backward's time, against the output gradient the driver computed from the
+first output (Node0 and SWARM do the same). Without it autograd refuses the backward (a saved
+tensor was modified in place), or, for changes made through ``.data``, silently mixes two
+versions. One driver never sees a recompute: a replica steps only once the driver's step is in.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ class _Held:
     reply: bytes
     samples: int
     at: float
+    version: int  # ``StepGate.version`` when the forward ran
 
 
 class StageCalls:
@@ -101,7 +112,7 @@ class StageCalls:
         self._samples = 0
         self._lock = threading.Lock()  # guards the counters below, read by stats()
         self._counts: dict[str, int] = {
-            "steps": 0, "retries": 0, "dropped": 0, "refused": 0, "busy": 0
+            "steps": 0, "retries": 0, "dropped": 0, "refused": 0, "busy": 0, "recomputes": 0
         }  # fmt: skip
         self._meter = Meter(edges.token_dims)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
@@ -185,7 +196,7 @@ class StageCalls:
         with torch.enable_grad():
             out = self.stage(x)
         reply = self._meter.encode(self.edges.outgoing[0], "out:forward", out)
-        self._held[call] = _Held(x, out, reply, samples, self.clock())
+        self._held[call] = _Held(x, out, reply, samples, self.clock(), self.gate.version)
         while len(self._held) > self.max_calls:
             self._held.popitem(last=False)
             with self._lock:
@@ -205,12 +216,24 @@ class StageCalls:
                 f"boundary {self.edges.outgoing[1].spec.name}: expected gradient shape "
                 f"{list(held.out.shape)}, got {list(g.shape)}",
             )
+        if held.version != self.gate.version:
+            held = self._recompute(held)
         torch.autograd.backward(held.out, g)
         assert held.inp.grad is not None
         reply = self._meter.encode(self.edges.incoming[1], "in:backward", held.inp.grad)
         del self._held[call]
         self._finish(call, reply, held.samples)
         return reply
+
+    def _recompute(self, held: _Held) -> _Held:
+        """``held``'s forward again at the current parameters, from a fresh leaf of its kept
+        input (the first graph, never backed up, is dropped with its saved tensors)."""
+        x = held.inp.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self.stage(x)
+        with self._lock:
+            self._counts["recomputes"] += 1
+        return _Held(x, out, held.reply, held.samples, held.at, self.gate.version)
 
     def _loss(self, call: str, samples: int, scale: float, body: bytes) -> bytes:
         assert self.loss_fn is not None
@@ -268,9 +291,10 @@ class StageCalls:
 
     def stats(self) -> dict[str, Any]:
         """Steps taken (idle ones apart), retries answered from the tables, calls dropped for
-        room, refusals, calls answered 503 ``syncing`` (``busy``), idle steps, the forwards
-        held now, and bytes and tokens per ``boundary:direction`` (``traffic``: received and
-        sent; ``sent``: the replies only)."""
+        room, refusals, calls answered 503 ``syncing`` (``busy``), held forwards run again
+        because a step came between them and their backward (``recomputes``), idle steps, the
+        forwards held now, and bytes and tokens per ``boundary:direction`` (``traffic``:
+        received and sent; ``sent``: the replies only)."""
         with self._lock:
             return {
                 **self._counts,

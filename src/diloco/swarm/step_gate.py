@@ -20,6 +20,13 @@ keep the drivers from mistaking that for a dead replica:
 
 ``before_step(samples)`` is called on the compute thread just before each step with the samples
 the step holds (the peer tells its ``DiLoCoWorker`` through ``report``).
+
+``version`` counts the steps begun, idle ones included: the parameters may have changed in place
+since a held forward ran exactly when it moved (``stage_calls.py`` then recomputes that forward).
+A step is the one place they change: the optimizer's update, and everything the stage's
+``DiLoCoWorker`` does to them (a round's adoption, a joiner's resync), which runs in the
+optimizer's post-step hook, inside ``optimizer.step()`` (a streaming round's thread parks the
+training thread there too).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class StepGate:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.idle_steps = 0  # steps with no gradient (``idle_step``)
+        #: Steps begun (module docstring); read and bumped on the compute thread only.
+        self.version = 0
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The service's event loop (its handlers wait on ``wait_busy``)."""
@@ -83,6 +92,8 @@ class StepGate:
 
     def _step(self, samples: int) -> None:
         self._set_busy(True)
+        # Bumped before the step: one that raises half way may still have moved parameters.
+        self.version += 1
         began = self.clock()
         try:
             if self.before_step is not None:

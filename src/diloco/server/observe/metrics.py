@@ -126,6 +126,13 @@ SWARM_FAMILIES = (
         lambda s: s.swarm.recoveries if s.swarm else 0,
     ),
     Family(
+        "diloco_swarm_recomputes_total",
+        "counter",
+        "Held forwards the live replicas ran again because a step came before their backward "
+        "(swarm mode: several drivers per replica).",
+        lambda s: s.swarm.recomputes if s.swarm else 0,
+    ),
+    Family(
         "diloco_swarm_suspects",
         "gauge",
         "Replicas reported suspect and not heard from since (swarm mode).",

@@ -54,5 +54,6 @@ class SwarmStatus:
     boundaries: tuple[BoundaryStatus, ...] = ()
     reroutes: int = 0  # the live drivers' together
     recoveries: int = 0
+    recomputes: int = 0  # the live replicas' together: held forwards run again (several drivers)
     suspects: tuple[SuspectStatus, ...] = ()
     suspect_reports: int = 0  # received since the server started

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from diloco.server.errors import ApiError, bad_request, conflict
 from diloco.server.members.param_table import differences, mismatch
@@ -160,7 +160,7 @@ class StageBook:
         if beat is not None:
             last = self.beats.get(peer)
             if beat.throughput is None and last is not None:
-                beat = SwarmBeat(last.throughput, beat.boundaries, beat.reroutes, beat.recoveries)
+                beat = replace(beat, throughput=last.throughput)
             self.beats[peer] = beat
         self._publish()
 
@@ -244,6 +244,7 @@ class StageBook:
             ),
             reroutes=sum(b.reroutes for b in self.beats.values()),
             recoveries=sum(b.recoveries for b in self.beats.values()),
+            recomputes=sum(b.recomputes for b in self.beats.values()),
             suspects=tuple(
                 SuspectStatus(
                     p, self.assigned.get(p, -1), s.reporter, s.reason, round(now - s.at, 3)

@@ -234,6 +234,9 @@ class SwarmBeat(Request):
     """Stage calls it re-sent to another replica (a driver)."""
     recoveries: int = spec(default=0, rule=COUNT, omit=True)
     """Re-sent calls that then succeeded (a driver)."""
+    recomputes: int = spec(default=0, rule=COUNT, omit=True)
+    """Held forwards run again because the replica stepped before their backward (a replica
+    fed by several drivers)."""
 
 
 @dataclass(frozen=True)
