@@ -36,6 +36,7 @@ SCRIPTS = {
     "training.group_sync": 180,
     "training.sharded_groups": 120,
     "faults.crash_moments": 180,
+    "swarm.lanes": 180,
     "rounds.sync_round": 120,
     "codecs.error": 120,
     "training.compute_utilization": 120,
@@ -46,6 +47,7 @@ SCRIPTS = {
     "links.slow_links": 120,
     "codecs.speed": 120,
     "swarm.pipeline": 120,
+    "swarm.replicas": 120,
     "rounds.rendezvous_join": 60,
 }
 PARALLEL = 3
@@ -128,3 +130,20 @@ def test_the_smoke_list_names_every_benchmark_script() -> None:
         f"not in SCRIPTS: {sorted(on_disk - set(SCRIPTS))}; "
         f"no such script: {sorted(set(SCRIPTS) - on_disk)}"
     )
+
+
+def test_the_swarm_family_runs_as_a_module() -> None:
+    """``python -m benchmarks.swarm`` (the issue's ``benchmarks/swarm.py``) is pipeline.py's
+    main with its flags: its help is pipeline's, under the command the user typed."""
+    got = subprocess.run(
+        [sys.executable, "-m", "benchmarks.swarm", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.startswith("usage: python -m benchmarks.swarm "), got.stdout
+    assert "Pipeline swarm: the demo's character model in 3 stages" in got.stdout, got.stdout
+    assert "--timeout-floor" in got.stdout and "--smoke" in got.stdout, got.stdout
