@@ -2,8 +2,9 @@
 
 ``fp32`` and ``bf16`` (plain), ``int8`` and ``int4`` (blockwise absmax, bf16 scales), ``lowrank``
 (PowerSGD with warm start), ``topk`` (chunked top-k, few-bit values); ``ErrorFeedback`` for the
-lossy ones on the worker. Every encoded tensor is a list of wire tensors (``Part``s) that travel in one safetensors body; ``Encoded``
-holds one as a value the server's running sum adds chunk by chunk. See docs/design/codecs.md.
+lossy ones on the worker. Every encoded tensor is a list of wire tensors (``Part``s) that travel
+in one safetensors body; ``Encoded`` holds one as a value the server's running sum adds chunk by
+chunk. See docs/design/codecs.md.
 """
 
 from diloco.core.accumulate import accumulate_
