@@ -45,6 +45,7 @@ SCRIPTS = {
     "training.streaming_experiment": 120,
     "links.slow_links": 120,
     "codecs.speed": 120,
+    "codecs.topk_speed": 60,
     "swarm.pipeline": 120,
     "rounds.rendezvous_join": 60,
 }
