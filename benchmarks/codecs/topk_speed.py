@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -43,9 +44,9 @@ def build_ops(t: torch.Tensor, topk: TopKCodec) -> tuple[dict[str, Callable[[], 
     codecs.append((f"topk d={topk.density} c={topk.chunk} b={topk.bits}", topk))
     for label, codec in codecs:
         out = codec.empty_parts(n, t.device)
-        ops[f"{label} encode"] = lambda c=codec, o=out: c.encode_piece(t, o)
+        ops[f"{label} encode"] = partial(codec.encode_piece, t, out)
         codec.encode_piece(t, out)
-        ops[f"{label} add_into"] = lambda c=codec, o=out: c.add_piece_into(acc, o, 0.5, False)
+        ops[f"{label} add_into"] = partial(codec.add_piece_into, acc, out, 0.5, False)
         sizes[label] = codec.nbytes((n,)) / n
     feedback = ErrorFeedback()
     feedback.residuals["t"] = torch.zeros(n)

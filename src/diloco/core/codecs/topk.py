@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
 
 import torch
 
@@ -62,7 +61,7 @@ class TopKCodec(BlockCodec):
     name = "topk"
     lossy = True
     shaped_codes = False
-    sparse: ClassVar[bool] = True
+    sparse = True
 
     def __init__(
         self, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK, bits: int = DEFAULT_BITS
