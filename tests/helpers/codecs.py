@@ -47,7 +47,13 @@ def worker(**kw: object) -> DiLoCoWorker:
     return DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), "127.0.0.1:1", **kw)  # type: ignore[arg-type]
 
 
-_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32"}
+_DTYPES = {
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
 
 
 def in_order(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> bytes:

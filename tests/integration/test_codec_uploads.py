@@ -77,8 +77,6 @@ def codec_body(
     return in_order(wire, meta) if ordered else encode(wire, meta)
 
 
-
-
 def sums(server: DiLoCoServer) -> tuple[int, float, list[torch.Tensor]]:
     """The first unit's running sum: count, total weight and (a copy of) its tensors."""
 
@@ -114,6 +112,7 @@ def no_full_decode(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         ("int4", {}, True),
         ("lowrank", {"rank": 4}, False),
         ("lowrank", {"rank": 2, "fallback": "int4"}, True),
+        ("topk", {"density": 0.05, "chunk": 64, "bits": 2}, True),
     ],
 )
 def test_two_workers_close_a_round_to_the_mean_of_the_decoded(
@@ -424,8 +423,59 @@ def test_raw_uploads_are_refused_where_no_raw_codec_is_allowed(make_server: Serv
 def test_server_codecs_flag_is_validated() -> None:
     from diloco.server.config import ServerConfig
 
-    assert ServerConfig().allowed_codecs == ("fp32", "bf16", "int8", "int4", "lowrank")
+    assert ServerConfig().allowed_codecs == ("fp32", "bf16", "int8", "int4", "lowrank", "topk")
     assert ServerConfig(codecs=" int8 , bf16").allowed_codecs == ("int8", "bf16")
     for bad in ("", "int8,zstd", " , "):
         with pytest.raises(ValueError, match="codecs"):
             ServerConfig(codecs=bad)
+
+
+TOPK = {"density": 0.05, "chunk": 64, "bits": 2}  # "e": 78 chunks keeping 3, a last of 8 keeping 1
+
+
+def _at(name: str, k: int, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def poison(wire: dict[str, torch.Tensor]) -> None:
+        wire[name][k] = value
+
+    return poison
+
+
+def _swap_first_two(wire: dict[str, torch.Tensor]) -> None:
+    first, second = int(wire["w@idx"][0]), int(wire["w@idx"][1])
+    wire["w@idx"][0], wire["w@idx"][1] = second, first
+
+
+BAD_SPARSE: dict[str, tuple[Callable[[dict[str, torch.Tensor]], None], int, str]] = {
+    "index_past_its_chunk": (_at("w@idx", 4, 64), 400, "bad_index"),
+    "index_past_the_short_last_chunk": (_at("e@idx", 234, 8), 400, "bad_index"),
+    "repeated_index": (_at("b@idx", 1, 0), 400, "bad_index"),
+    "unsorted_indices": (_swap_first_two, 400, "bad_index"),
+    "one_index_too_many": (
+        lambda w: w.update({"w@idx": torch.cat([w["w@idx"], w["w@idx"][:1]])}),
+        400,
+        "bad_shape",
+    ),
+    "codes_truncated": (lambda w: w.update({"e": w["e"][:-1].clone()}), 400, "bad_shape"),
+    "nan_scale": (_at("e@scale", 2, float("nan")), 422, "non_finite"),
+    "negative_scale": (_at("w@scale", 0, -1.0), 400, "bad_scale"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPARSE))
+def test_bad_sparse_uploads_change_nothing(make_server: ServerFactory, case: str) -> None:
+    """Issue 30: a malformed top-k body is refused with its code before any value is added."""
+    server = make_server(model(), num_workers=2, **EXACT)
+    codec = codec_by_name("topk", **TOPK)
+    for w in "ab":
+        joined(server, w, codec)
+    accept(server, codec_body("a", 0, "a-0", codec, encode_named(codec, grads(1))))
+    before, sum_before = state(server), sums(server)
+    poison, status, code = BAD_SPARSE[case]
+    wire = encode_named(codec, grads(2))
+    poison(wire)
+    reply = assert_error(submit(server, codec_body("b", 0, "b-0", codec, wire)), status, code)
+    assert "parameter '" in reply["detail"], reply  # names the tensor
+    assert_unchanged(before, server)
+    count, total, after = sums(server)
+    assert (count, total) == sum_before[:2] == (1, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(after, sum_before[2], strict=True))

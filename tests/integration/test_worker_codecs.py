@@ -28,7 +28,8 @@ from tests.helpers.threads import in_threads
 
 CONTINUE = len(b"HTTP/1.1 100 Continue\r\n\r\n")  # an upload's interim answer
 
-LOSSY = ["int8", "int4", "lowrank"]
+TOPK = "topk:density=0.1,chunk=64,bits=4"
+LOSSY = ["int8", "int4", "lowrank", TOPK]
 
 
 @dataclass
@@ -152,7 +153,8 @@ def test_a_captured_body_opens_with_safetensors_and_names_its_codec(
         for _ in range(2):
             random_step(worker.model, worker.optimizer, gen)
     (up,) = [u for u in client.uploads if u.counted][:1]
-    assert up.metadata["codec"] == codec and up.metadata["codec"] == worker.codec_name
+    name = codec.partition(":")[0]
+    assert up.metadata["codec"] == name and up.metadata["codec"] == worker.codec_name
     tensors = safetensors.torch.load(up.body)
     params = list(worker._local.params)
     expected = [n + p.suffix for n in params for p in worker.codec.parts(worker._local.table()[n])]
@@ -210,10 +212,11 @@ def test_a_refused_upload_leaves_the_residual_and_a_rebase_keeps_it(server: DiLo
     assert_invariant(worker, client.uploads)
 
 
-def test_streaming_fragments_keep_the_invariant_per_piece() -> None:
+@pytest.mark.parametrize("codec", ["int8", TOPK])
+def test_streaming_fragments_keep_the_invariant_per_piece(codec: str) -> None:
     cfg = ServerConfig(port=0, num_workers=1, num_fragments=2)
     with DiLoCoServer(cfg) as srv:
-        worker, client = capturing_worker(srv.address, "int8", sync_every=4, num_fragments=2)
+        worker, client = capturing_worker(srv.address, codec, sync_every=4, num_fragments=2)
         gen = torch.Generator().manual_seed(4)
         with worker:
             for _ in range(12):
@@ -358,5 +361,3 @@ def test_a_retried_upload_sends_the_same_body_and_moves_the_residual_once(fault:
                     torch.testing.assert_close(t, init[n] - total[n])
         finally:
             proxy.close()
-
-

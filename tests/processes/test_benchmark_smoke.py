@@ -46,6 +46,7 @@ SCRIPTS = {
     "training.streaming_experiment": 120,
     "links.slow_links": 120,
     "codecs.speed": 120,
+    "codecs.topk_speed": 60,
     "swarm.pipeline": 120,
     "swarm.replicas": 120,
     "rounds.rendezvous_join": 60,

@@ -304,8 +304,10 @@ def test_names_with_the_separator_are_refused() -> None:
 
 
 def test_registry_names_and_errors() -> None:
-    assert codec_names() == ["fp32", "bf16", "int8", "int4", "lowrank"]
-    with pytest.raises(ValueError, match="known codecs: fp32, bf16, int8, int4, lowrank") as e:
+    assert codec_names() == ["fp32", "bf16", "int8", "int4", "lowrank", "topk"]
+    with pytest.raises(
+        ValueError, match="known codecs: fp32, bf16, int8, int4, lowrank, topk"
+    ) as e:
         codec_by_name("zstd")
     assert e.value.code == "unknown_codec"  # type: ignore[attr-defined]
     with pytest.raises(CodecError, match="block"):

@@ -21,7 +21,7 @@ from diloco.wire.layout import parse_header
 from tests.helpers.codecs import in_order
 
 BIG = {"w": (2048, 1536), "b": (1536,)}  # w: 3M elements, 12 MiB in fp32
-CODECS = [("int8", {}), ("int4", {}), ("lowrank", {"rank": 4})]
+CODECS = [("int8", {}), ("int4", {}), ("lowrank", {"rank": 4}), ("topk", {"density": 0.0156})]
 
 
 def grads(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ DTYPE_CODES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }

@@ -166,7 +166,7 @@ class WorkerSettings:
 
 
 #: The option a bare value after the colon sets (``lowrank:8`` is ``lowrank:rank=8``).
-MAIN_OPTION = {"lowrank": "rank", "int8": "block", FOUR_BIT: "block"}
+MAIN_OPTION = {"lowrank": "rank", "int8": "block", FOUR_BIT: "block", "topk": "density"}
 
 
 def parse_codec(spec: str) -> Codec:

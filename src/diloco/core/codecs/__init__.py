@@ -1,9 +1,10 @@
 """Codecs for pseudo-gradients and published updates: pure tensor maths (issue 18).
 
 ``fp32`` and ``bf16`` (plain), ``int8`` and ``int4`` (blockwise absmax, bf16 scales), ``lowrank``
-(PowerSGD with warm start); ``ErrorFeedback`` for the lossy ones on the worker. Every encoded
-tensor is a list of wire tensors (``Part``s) that travel in one safetensors body; ``Encoded``
-holds one as a value the server's running sum adds chunk by chunk. See docs/design/codecs.md.
+(PowerSGD with warm start), ``topk`` (chunked top-k, few-bit values); ``ErrorFeedback`` for the
+lossy ones on the worker. Every encoded tensor is a list of wire tensors (``Part``s) that travel
+in one safetensors body; ``Encoded`` holds one as a value the server's running sum adds chunk by
+chunk. See docs/design/codecs.md.
 """
 
 from diloco.core.accumulate import accumulate_
@@ -34,6 +35,7 @@ from diloco.core.codecs.error_feedback import ErrorFeedback
 from diloco.core.codecs.fourbit import GROUP, Fp4Codec, Int4Codec
 from diloco.core.codecs.lowrank import LowRankCodec
 from diloco.core.codecs.quant import AbsmaxQuantizer, Int8Codec
+from diloco.core.codecs.topk import TopKCodec
 
 __all__ = [
     "CHUNK",
@@ -54,6 +56,7 @@ __all__ = [
     "Int8Codec",
     "LowRankCodec",
     "Part",
+    "TopKCodec",
     "accumulate_",
     "check_name",
     "codec_by_name",

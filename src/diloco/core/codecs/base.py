@@ -64,6 +64,7 @@ class CodecError(ValueError):
     - ``"bad_parts"``: the wrong number of parts, or a name the codec does not know;
     - ``"bad_dtype"`` / ``"bad_shape"``: a part's dtype or shape differs from ``parts(shape)``;
     - ``"bad_scale"``: a negative quantization scale (never produced by an encoder);
+    - ``"bad_index"``: a sparse codec's index outside its chunk, repeated or out of order;
     - ``"non_finite"``: a scale or factor is NaN or infinite, or large enough that a decoded value
       would be (the server answers 422; every other code is a malformed body, 400).
     """

@@ -17,6 +17,7 @@ from diloco.core.codecs.elementwise import Bf16Codec, BlockCodec, Fp32Codec
 from diloco.core.codecs.fourbit import Int4Codec
 from diloco.core.codecs.lowrank import LowRankCodec
 from diloco.core.codecs.quant import Int8Codec
+from diloco.core.codecs.topk import TopKCodec
 
 FOUR_BIT = "int4"
 """The registered 4-bit codec (uniform int4 over E2M1 ``fp4``: docs/design/codecs.md)."""
@@ -27,8 +28,19 @@ CODECS: dict[str, Callable[..., Codec]] = {
     "int8": Int8Codec,
     FOUR_BIT: Int4Codec,
     "lowrank": LowRankCodec,
+    "topk": TopKCodec,
 }
 PREFIX = "codec_"
+OPTION_TYPES: dict[str, type] = {
+    "block": int,
+    "rank": int,
+    "seed": int,
+    "fallback_block": int,
+    "chunk": int,
+    "bits": int,
+    "density": float,
+}
+"""How the numeric options' metadata strings are read; any other option stays a string."""
 
 
 def codec_names() -> list[str]:
@@ -37,7 +49,8 @@ def codec_names() -> list[str]:
 
 def codec_by_name(name: str, **options: Any) -> Codec:
     """A new codec of that name; ``options`` go to its constructor (``block=128``, ``rank=8``,
-    ``fallback="bf16"``). A ``ValueError`` naming the known codecs for any other name."""
+    ``fallback="bf16"``, ``density=0.0156``). A ``ValueError`` naming the known codecs for any
+    other name."""
     if name not in CODECS:
         raise CodecError(
             "unknown_codec", f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}"
@@ -75,15 +88,15 @@ def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
     raw = {k[len(PREFIX) :]: v for k, v in metadata.items() if k.startswith(PREFIX)}
     options: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in ("block", "rank", "seed", "fallback_block"):
-            try:
-                options[key] = int(value)
-            except ValueError:
-                raise CodecError(
-                    "bad_option", f"codec option {key}={value!r} is not an integer"
-                ) from None
-        else:
+        kind = OPTION_TYPES.get(key)
+        if kind is None:
             options[key] = value
+            continue
+        try:
+            options[key] = kind(value)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise CodecError("bad_option", f"codec option {key}={value!r} is not {what}") from None
     return codec_by_name(name, **options)
 
 

@@ -38,7 +38,7 @@ from diloco.core.codecs.elementwise import BlockCodec, Fp32Codec
 
 def check_download_codec(codec: object) -> BlockCodec:
     """``codec`` itself if it can carry published updates; a ``ValueError`` otherwise."""
-    if not isinstance(codec, BlockCodec) or isinstance(codec, Fp32Codec):
+    if not isinstance(codec, BlockCodec) or isinstance(codec, Fp32Codec) or codec.sparse:
         name = getattr(codec, "name", type(codec).__name__)
         raise ValueError(
             f"codec {name!r} cannot carry a published update: a download codec must be an "

@@ -11,6 +11,11 @@ Memory: one fp32 residual per tensor, on the tensor's device, the only buffer th
 ``c`` is built in the residual itself, encoded, and the decoded value subtracted in place through
 the codec's ``add_into`` with weight -1, which needs no full-size temporary.
 
+With a decay ``beta`` (SparseLoCo's, arXiv 2508.15706) the residual is scaled before it is
+added, ``c_t = g_t + beta * e_{t-1}``: the residual then acts as a local momentum of the dropped
+part, and the invariant above no longer holds (what is dropped decays away). ``beta = 1``
+(``DECAY``, the default) is the plain rule, with the same bits as before the decay existed.
+
 A worker keeps one ``ErrorFeedback`` across rounds and saves ``state_dict`` with its state: a
 rejoin restores it, and a rebase (local progress kept on top of new global parameters) leaves it
 as it is, since the dropped part of an earlier pseudo-gradient is still owed.
@@ -25,12 +30,24 @@ import torch
 from diloco.core.codecs.base import CHUNK, Codec
 from diloco.core.codecs.elementwise import BlockCodec
 
+DECAY = 1.0
+"""The residual's default decay: none, plain error feedback."""
+
 
 class ErrorFeedback:
-    """The residuals of one worker, keyed by parameter name. Not thread-safe."""
+    """The residuals of one worker, keyed by parameter name. Not thread-safe. ``decay``: the
+    factor in ``[0, 1]`` the residual is scaled by before each compensation (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = DECAY) -> None:
+        decay = float(decay)
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay}")
+        self.decay = decay
         self.residuals: dict[str, torch.Tensor] = {}
+
+    def _decay_(self, e: torch.Tensor) -> torch.Tensor:
+        """``e *= decay`` in place (nothing at 1, so the plain rule keeps its bits)."""
+        return e if self.decay == 1.0 else e.mul_(self.decay)
 
     def _residual(self, name: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
         e = self.residuals.get(name)
@@ -41,13 +58,13 @@ class ErrorFeedback:
 
     @torch.no_grad()
     def encode(self, codec: Codec, name: str, g: torch.Tensor) -> list[torch.Tensor]:
-        """``codec.encode(g + e)`` for tensor ``name``, keeping ``e <- g + e - decode(...)``.
+        """``codec.encode(g + decay * e)`` for tensor ``name``, keeping ``e <- c - decode(...)``.
         ``g`` (the pseudo-gradient, any float dtype) is not modified."""
         if isinstance(codec, BlockCodec):
             flat = self.encode_piece(codec, name, g.shape, 0, g.reshape(-1))
             return [f.view(p.shape) for f, p in zip(flat, codec.parts(g.shape), strict=True)]
         e = self._residual(name, g.shape, g.device)
-        e.add_(g)  # c = g + e, built in place
+        self._decay_(e).add_(g)  # c = g + decay * e, built in place
         parts = codec.encode(e, name)
         codec.add_into(e, parts, -1.0)  # e = c - sent
         return parts
@@ -56,11 +73,11 @@ class ErrorFeedback:
     def commit(
         self, codec: Codec, name: str, g: torch.Tensor, parts: Sequence[torch.Tensor]
     ) -> None:
-        """``e <- g + e - decode(parts)``: what ``encode`` keeps, for ``parts`` that were encoded
-        earlier from the same ``g + e`` (a worker sends a body first and moves its residual only
-        once the server has counted it). Same bits as ``encode``'s update."""
+        """``e <- g + decay * e - decode(parts)``: what ``encode`` keeps, for ``parts`` that were
+        encoded earlier from the same ``c`` (a worker sends a body first and moves its residual
+        only once the server has counted it). Same bits as ``encode``'s update."""
         e = self._residual(name, g.shape, g.device)
-        e.add_(g)
+        self._decay_(e).add_(g)
         codec.add_into(e, parts, -1.0)
 
     @torch.no_grad()
@@ -85,7 +102,7 @@ class ErrorFeedback:
         # to the subtraction of what was sent: the residual crosses memory once, not three times.
         for a in range(0, n, CHUNK):
             b = min(n, a + CHUNK)
-            c = e[start + a : start + b]
+            c = self._decay_(e[start + a : start + b])
             c.add_(flat[a:b])
             sub = [p[s:t] for p, (s, t) in zip(parts, codec.piece_ranges(n, a, b), strict=True)]
             codec.encode_piece(c, sub)
