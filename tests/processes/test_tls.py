@@ -4,6 +4,7 @@ auth slowdown, body and header limits, response headers and TLS."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import requests
 import torch
 
+from diloco.swarm import Driver, StaticRoutes
+from diloco.swarm.routing import NoReplica
 from diloco.wire import spec_of
 from diloco.worker.transport.client import DiLoCoClient, Unreachable
 from tests.helpers.http import (
@@ -21,6 +24,7 @@ from tests.helpers.http import (
     assert_params_equal,
 )
 from tests.helpers.servers import ServerFactory, initial_params
+from tests.helpers.swarm import batches, boundaries, make_model, make_optimizer, reference, swarm
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +81,40 @@ def test_tls_with_a_private_ca(make_server: ServerFactory, self_signed: Cert) ->
     # Plain HTTP to the TLS port gets no answer from the API.
     with pytest.raises(requests.exceptions.ConnectionError):
         requests.get(f"http://{server.address}/status", headers=AUTH, timeout=TIMEOUT)
+
+
+def test_swarm_stage_services_over_tls(self_signed: Cert) -> None:
+    """A swarm peer's stage service serves HTTPS with the operator's certificate; a driver
+    given the CA trains through it exactly as over plain HTTP (fp32, one replica per stage:
+    the unsplit model's losses bit for bit); a driver without the CA gets no answer (its calls
+    fail verification, the replica is suspect, the step fails), and plain HTTP to the TLS port
+    gets no reply from the stage's routes."""
+    cert, key = self_signed
+    tls = {"tls_cert": str(cert), "tls_key": str(key)}
+    data = batches(3, 16)
+    with swarm(service_options={1: tls, 2: tls}) as s:
+        services = [sv for group in s.services.values() for sv in group]
+        assert all(sv.address.startswith("https://") for sv in services)
+        edges = boundaries(s.stages)
+        trusting = Driver(
+            s.stages[0], make_optimizer(s.stages[0]), s.routes, edges, micro_batch=16,
+            tls_ca=str(cert),
+        )  # fmt: skip
+        try:
+            assert [trusting.train_step(x, y) for x, y in data] == reference(make_model(0), data)
+        finally:
+            trusting.close()
+        head = copy.deepcopy(s.stages[0])
+        own = StaticRoutes({k: [s.endpoint(sv) for sv in g] for k, g in s.services.items()})
+        untrusting = Driver(
+            head, make_optimizer(head), own, edges, micro_batch=16, replica_wait_s=0.05
+        )
+        try:
+            with pytest.raises(NoReplica):
+                untrusting.train_step(*data[0])
+        finally:
+            untrusting.close()
+        assert "CERTIFICATE_VERIFY_FAILED" in " ".join(own.suspects.values())
+        plain = services[0].address.replace("https://", "http://")
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.post(f"{plain}/swarm/stage/forward", data=b"", timeout=TIMEOUT)

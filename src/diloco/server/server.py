@@ -19,6 +19,7 @@ from aiohttp import web
 
 from diloco.edge.connections import ConnectionTable, LimitedSite, default_max_connections
 from diloco.edge.log_limit import LogLimiter, limit_loop_errors
+from diloco.edge.tls import server_context
 from diloco.server.allreduce.allreduce_front import AllReduceFront
 from diloco.server.config import ServerConfig
 from diloco.server.front import Front
@@ -243,12 +244,7 @@ class DiLoCoServer:
             self._done.set()
 
     def _ssl_context(self) -> ssl.SSLContext | None:
-        if self.config.tls_cert is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
-        return context
+        return server_context(self.config.tls_cert, self.config.tls_key)
 
     def _request_shutdown(self, save: bool) -> None:
         """From ``/control/shutdown``, on the event loop: stop serving, saving first if asked."""

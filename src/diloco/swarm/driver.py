@@ -113,6 +113,7 @@ class Driver:
         seed: int = 0,
         busy_wait_s: float = 60.0,
         replica_wait_s: float = 60.0,
+        tls_ca: str | None = None,
     ) -> None:
         if len(boundaries) < 1:
             raise ValueError("a swarm has at least two stages: one boundary")
@@ -124,6 +125,9 @@ class Driver:
         self.micro_batch, self.max_in_flight = micro_batch, max_in_flight
         self.token_dims, self.driver_id = token_dims, driver_id
         self.busy_wait_s = busy_wait_s
+        #: A PEM bundle that verifies the stage services' certificates (``https`` endpoints
+        #: signed by a private CA); None: the system's trust store. Never unverified.
+        self.tls_ca = tls_ca
         #: How long a call waits for a stage with no live replica left (its only replica
         #: suspect or gone: the routes may list it again, or another may join) before the step
         #: fails.
@@ -350,9 +354,15 @@ class Driver:
                     data=body,
                     headers=headers,
                     timeout=(timeout, timeout),
+                    # Per request: requests lets REQUESTS_CA_BUNDLE override a session's verify.
+                    verify=self.tls_ca if self.tls_ca is not None else True,
                 )
             except requests.Timeout:
                 raise CallFailed(f"{kind} timed out after {timeout:.2f} s") from None
+            except requests.exceptions.SSLError as exc:
+                # Said in full: a certificate the driver does not trust is an operator's fix
+                # (tls_ca), not a flaky link.
+                raise CallFailed(f"{kind}: TLS failed ({str(exc)[-200:]})") from None
             except requests.ConnectionError as exc:
                 raise CallFailed(f"{kind}: connection failed ({type(exc).__name__})") from None
             wait = _busy_for(r)

@@ -39,6 +39,7 @@ from aiohttp import web
 from torch import nn
 
 from diloco.edge.connections import ConnectionTable, LimitedSite, vouch
+from diloco.edge.tls import server_context
 from diloco.swarm.stage_calls import Hook, LossFn, Refused, StageCalls, StageEdges, busy_refusal
 
 __all__ = ["PREFIX", "Hook", "LossFn", "Refused", "StageEdges", "StageService"]
@@ -75,8 +76,13 @@ class StageService(StageCalls):
         hook: Hook | None = None,
         before_step: Callable[[int], None] | None = None,
         defer_steps: bool = False,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # Built here, so a bad certificate or a key without one fails the constructor, before
+        # any thread starts (and a half-configured TLS never falls back to plain HTTP).
+        self._ssl = server_context(tls_cert, tls_key)
         super().__init__(
             stage,
             optimizer,
@@ -108,7 +114,8 @@ class StageService(StageCalls):
 
     @property
     def address(self) -> str:
-        return f"http://{self.host}:{self._port}"
+        scheme = "https" if self._ssl is not None else "http"
+        return f"{scheme}://{self.host}:{self._port}"
 
     def start(self, timeout: float = 30.0) -> StageService:
         """Serve from a thread of its own; returns once the socket is bound."""
@@ -145,6 +152,7 @@ class StageService(StageCalls):
             self.host,
             self._port,
             self.connections,
+            ssl_context=self._ssl,
             handshake_timeout=self.header_timeout_s,
         )
         await site.start()
