@@ -13,7 +13,7 @@ from diloco.core.outer import apply_outer_step, default_outer_optimizer
 from diloco.core.outer_rules import SPARSELOCO_DECAY, ef_decay, outer_momentum
 from diloco.server.config import ServerConfig
 from diloco.wire import build_layout, iter_body
-from diloco.worker.settings import WorkerSettings, parse_codec, resolve
+from diloco.worker.settings import WorkerSettings, parse_codec, resolve, to_env
 from diloco.worker.state.encoder import UploadEncoder, comm_dtype
 from diloco.worker.state.local_model import LocalModel
 
@@ -61,6 +61,8 @@ def test_what_the_rule_cannot_go_with(kw: dict, says: str) -> None:
 def test_ef_decay_is_a_worker_setting_checked_at_construction() -> None:
     assert WorkerSettings().ef_decay is None
     assert resolve({}, {"DILOCO_EF_DECAY": "0.9"}).ef_decay == 0.9
+    assert to_env(WorkerSettings(ef_decay=0.5))["DILOCO_EF_DECAY"] == "0.5"  # diloco worker
+    assert "DILOCO_EF_DECAY" not in to_env(WorkerSettings())  # unset: the rule decides
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="ef_decay must be in"):
             WorkerSettings(ef_decay=bad)
