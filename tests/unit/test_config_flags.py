@@ -30,12 +30,12 @@ SERVER_FLAGS = {
     "--dylu-base-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
     "--swarm", "--stages", "--min-replicas",
-    "--no-dashboard", "-o", "--output-dir",
+    "--no-dashboard", "-o", "--output-dir", "--outer-rule",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",
     "--tls-ca", "--dylu", "--num-fragments", "--fragment-pattern", "--overlap-steps",
-    "--merge-alpha", "--codec", "--no-error-feedback", "--save-dir",
+    "--merge-alpha", "--codec", "--no-error-feedback", "--save-dir", "--ef-decay",
 }  # fmt: skip
 
 
@@ -92,7 +92,9 @@ def test_server_flag_defaults_are_the_dataclass_defaults(clean_env: None) -> Non
     args = build_parser().parse_args(["server"])
     defaults = ServerConfig()
     parsed = flags.values(ServerConfig, args)
-    assert parsed == {name: getattr(defaults, name) for name in parsed}
+    # The fields' defaults (outer_momentum's None is resolved by the rule at construction).
+    declared = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    assert parsed == {name: declared[name] for name in parsed}
     assert ServerConfig(**parsed) == defaults
 
 
@@ -181,6 +183,7 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
         "log_level": "WARNING",
         "codec": "int8",
         "error_feedback": False,
+        "ef_decay": 0.5,
         "save_dir": "/tmp/run-ckpt",
         "enabled": False,
     }

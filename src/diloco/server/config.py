@@ -10,6 +10,7 @@ from typing import Any
 from diloco.core.codecs import codec_by_name, codec_names
 from diloco.core.codecs.downlink import check_download_codec
 from diloco.core.fragments import PATTERNS
+from diloco.core.outer_rules import OUTER_RULES, SGD, SPARSELOCO, check_rule, outer_momentum
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -59,8 +60,19 @@ class ServerConfig:
     outer_lr: float = _flag(0.7, "outer SGD learning rate")
     """Learning rate of the default outer optimizer (SGD with Nesterov momentum)."""
 
-    outer_momentum: float = _flag(0.9, "outer SGD momentum")
-    """Momentum of the default outer optimizer."""
+    outer_rule: str = _flag(
+        SGD,
+        "outer rule: sgd (momentum, Nesterov) or sparseloco (plain averaged descent; the "
+        "workers' decayed error feedback stands in for momentum)",
+        choices=OUTER_RULES,
+    )
+    """``sgd``: outer SGD with ``outer_momentum`` and ``nesterov``. ``sparseloco`` (arXiv
+    2508.15706): plain averaged descent, no momentum; registering workers are told the rule and
+    decay their error feedback (``core/outer_rules.py``). Parameter-server mode only."""
+
+    outer_momentum: float | None = _flag(None, "outer SGD momentum (default: 0.9; sparseloco: 0)")
+    """Momentum of the default outer optimizer. None: the rule's (0.9 under ``sgd``, 0 under
+    ``sparseloco``, which refuses any other); a float once constructed."""
 
     nesterov: bool = _flag(True, "plain momentum instead of Nesterov")
     """Use Nesterov momentum in the default outer optimizer."""
@@ -473,8 +485,7 @@ class ServerConfig:
             raise ValueError(f"min_workers must be in [1, num_workers], got {self.min_workers}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a finite positive number, got {self.outer_lr}")
-        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        self._check_outer_rule()
         if self.weighting not in ("equal", "samples"):
             raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
@@ -586,6 +597,26 @@ class ServerConfig:
                 f"max_connections_per_ip must be >= 1, got {self.max_connections_per_ip}"
             )
 
+    def _check_outer_rule(self) -> None:
+        """Resolve ``outer_momentum`` from the rule (``core/outer_rules.py``), refusing what
+        contradicts it."""
+        check_rule(self.outer_rule)
+        momentum = outer_momentum(self.outer_rule, self.outer_momentum)
+        if not (math.isfinite(momentum) and 0 <= momentum < 1):
+            raise ValueError(f"outer_momentum must be in [0, 1), got {momentum}")
+        object.__setattr__(self, "outer_momentum", momentum)
+        if self.outer_rule == SPARSELOCO and self.delayed_nesterov:
+            raise ValueError(
+                "outer_rule sparseloco (--outer-rule sparseloco) keeps no outer momentum; it "
+                "cannot go with delayed_nesterov (--delayed-nesterov, --dn-buffer-size)"
+            )
+
+    @property
+    def momentum(self) -> float:
+        """``outer_momentum`` as resolved at construction (never None then)."""
+        assert self.outer_momentum is not None
+        return self.outer_momentum
+
     def _check_download_codec(self) -> None:
         if self.download_codec not in DOWNLOAD_CODECS:
             raise ValueError(
@@ -628,6 +659,10 @@ class ServerConfig:
             "--save-dir": (self.save_dir is not None, none_held),
             "--from-checkpoint": (self.from_checkpoint is not None, none_held),
             "--clip-norm-factor/--trim-fraction": (self.robust, "the server averages nothing"),
+            "--outer-rule sparseloco": (
+                self.outer_rule == SPARSELOCO,
+                "its error feedback needs lossy uploads, which quorums do not average yet",
+            ),
         }
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
         if refused:
@@ -652,6 +687,10 @@ class ServerConfig:
             "--trim-fraction": (
                 self.trim_fraction > 0,
                 "a collective average has no trimmed variant",
+            ),
+            "--outer-rule sparseloco": (
+                self.outer_rule == SPARSELOCO,
+                "its error feedback needs lossy uploads, which quorums do not average yet",
             ),
         }
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]

@@ -66,6 +66,14 @@ class WorkerSettings:
     pseudo-gradient encoded on its own (to measure what error feedback buys). Raw codecs (``fp32``,
     ``bf16``) keep no residual either way."""
 
+    ef_decay: float | None = _flag(
+        None, "lossy codec: error feedback's decay in [0, 1] (default: the server's rule's)"
+    )
+    """With error feedback, the residual is scaled by this before it is added to the next
+    pseudo-gradient (``ErrorFeedback``'s ``decay``). None: the server's outer rule decides at
+    registration (``core/outer_rules.py``): 1 (plain feedback, today's bits) under ``sgd``, the
+    SparseLoCo paper's 0.95 under ``sparseloco``."""
+
     save_dir: str | None = _flag(
         None, "all-reduce mode: where this worker writes the run's checkpoints as rank 0"
     )
@@ -152,6 +160,10 @@ class WorkerSettings:
             raise ValueError(f"overlap_steps must be >= 0, got {self.overlap_steps}")
         if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
             raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
+        if self.ef_decay is not None and not (
+            math.isfinite(self.ef_decay) and 0 <= self.ef_decay <= 1
+        ):
+            raise ValueError(f"ef_decay must be in [0, 1], got {self.ef_decay}")
         if self.codec is not None:
             codec = parse_codec(self.codec)
             if self.num_fragments > 1 and isinstance(codec, LowRankCodec):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from diloco.core.outer_rules import ef_decay
 from diloco.wire.messages import Registered, RegisterInfo
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shard_exchange import HttpLink
@@ -91,6 +92,7 @@ class DiLoCoWorker:
         log_level: str | None = None,
         codec: str | None = None,
         error_feedback: bool | None = None,
+        ef_decay: float | None = None,
         save_dir: str | None = None,
         client: DiLoCoClient | None = None,
         process_group: Any = None,
@@ -118,6 +120,7 @@ class DiLoCoWorker:
                 "log_level": log_level,
                 "codec": codec,
                 "error_feedback": error_feedback,
+                "ef_decay": ef_decay,
                 "save_dir": save_dir,
             }
         )
@@ -464,4 +467,7 @@ class DiLoCoWorker:
                 "(`server_addr`, `--server` or DILOCO_SERVER), or train without DiLoCo "
                 "(DILOCO_ENABLED=0)"
             ) from None
-        return Registered.from_json(reply)
+        registered = Registered.from_json(reply)
+        # Every (re-)registration: a server restarted under another rule changes the decay.
+        self._encoder.set_decay(ef_decay(registered.outer_rule, self.settings.ef_decay))
+        return registered

@@ -184,7 +184,7 @@ class AllReduceFront:
             rendezvous=self.book.meeting_point(),
             collective_timeout=config.collective_timeout,
             weighting=config.weighting,
-            outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
+            outer=OuterStep(config.outer_lr, config.momentum, config.nesterov),
             norm_bound=config.norm_bound,
         )
 

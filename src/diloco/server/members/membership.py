@@ -112,6 +112,7 @@ class Membership:
             num_workers=self.roster.expected(),
             poll_timeout=self.config.poll_timeout,
             codecs=self.config.allowed_codecs,
+            outer_rule=self.config.outer_rule,
             recommended_sync_every=self._recommend(record),
         )
         return self.roster.told(reply, asked.last_submission_id)

@@ -149,6 +149,9 @@ class Status:
     bytes_per_second: float | None = None
     submissions: int = 0
     dn_buffered: tuple[int, ...] = ()
+    # The outer rule (``--outer-rule``: ``sgd`` or ``sparseloco``, core/outer_rules.py).
+    # A default, as above.
+    outer_rule: str = "sgd"
     # Swarm mode (server/swarm/): stages, replicas, throughput, boundary bytes, reroutes and
     # suspects; None (left out of the JSON) in the other modes.
     swarm: SwarmStatus | None = field(default=None, metadata={OMIT: True})
@@ -356,6 +359,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         bytes_per_second=round(traffic, 1) if traffic is not None else None,
         submissions=run_log.submissions,
         dn_buffered=tuple(o.buffered() for o in optimizers if isinstance(o, DelayedNesterov)),
+        outer_rule=config.outer_rule,
     )
 
 

@@ -120,12 +120,12 @@ class Coordinator:
             return DelayedNesterov(
                 params,
                 lr=config.outer_lr,
-                momentum=config.outer_momentum,
+                momentum=config.momentum,
                 buffer_size=config.dn_buffer_size or config.num_workers,
                 activation=config.dn_activation,
             )
         return default_outer_optimizer(
-            params, config.outer_lr, config.outer_momentum, config.nesterov
+            params, config.outer_lr, config.momentum, config.nesterov
         )
 
     # --- parameters and units -------------------------------------------------------------------

@@ -202,7 +202,7 @@ class SwarmFront:
             rendezvous=book.rendezvous,  # None before the server listens (``open``)
             collective_timeout=config.collective_timeout,
             weighting=config.weighting,
-            outer=OuterStep(config.outer_lr, config.outer_momentum, config.nesterov),
+            outer=OuterStep(config.outer_lr, config.momentum, config.nesterov),
             norm_bound=config.norm_bound,
             stage=stage,
             num_stages=self.book.num_stages,

@@ -158,6 +158,10 @@ class Registered(Reply):
     server has parameters)."""
     fragment_rounds: tuple[int, ...] | None = None
     """Each fragment's round; None in plain DiLoCo."""
+    outer_rule: str | None = spec(default=None, omit=True)
+    """Server mode: the outer rule, ``sgd`` or ``sparseloco`` (``core/outer_rules.py``); under
+    ``sparseloco`` a lossy codec's error feedback decays unless the worker set its decay.
+    Absent (a server before the rule): ``sgd``."""
     recommended_sync_every: int | None = spec(default=None, omit=True)
     """DyLU: the worker's ``sync_every`` from its speed relative to the fastest (absent with
     DyLU off, or without a ``sync_every`` in the registration)."""
@@ -266,6 +270,10 @@ class HeartbeatReply(Reply):
     """Always ``ok``."""
     round: int | None = None
     """The run's round."""
+    outer_rule: str | None = spec(default=None, omit=True)
+    """Server mode: the outer rule, ``sgd`` or ``sparseloco`` (``core/outer_rules.py``); under
+    ``sparseloco`` a lossy codec's error feedback decays unless the worker set its decay.
+    Absent (a server before the rule): ``sgd``."""
     recommended_sync_every: int | None = spec(default=None, omit=True)
     """DyLU: the worker's ``sync_every`` now (absent with DyLU off)."""
 

@@ -143,7 +143,8 @@ class ShardState:
         plan = self.plans[cmd["name"]]
         if op == "grad":
             owed = self.residual.get(plan.name) if cmd.get("owed") else None
-            return self._gather(plan, _DTYPES[cmd["dtype"]], grad=True, owed=owed)
+            decay = float(cmd.get("decay", 1.0))
+            return self._gather(plan, _DTYPES[cmd["dtype"]], grad=True, owed=owed, decay=decay)
         if op == "full":
             return self._gather(plan, getattr(torch, plan.dtype.removeprefix("torch.")), grad=False)
         if op == "put":
@@ -160,18 +161,25 @@ class ShardState:
 
     @torch.no_grad()
     def _gather(
-        self, plan: ShardPlan, dtype: torch.dtype, *, grad: bool, owed: torch.Tensor | None = None
+        self,
+        plan: ShardPlan,
+        dtype: torch.dtype,
+        *,
+        grad: bool,
+        owed: torch.Tensor | None = None,
+        decay: float = 1.0,
     ) -> torch.Tensor | None:
-        """Every owner's box of ``snapshot - local`` (plus ``owed``, its residual, if any; or of
+        """Every owner's box of ``snapshot - local`` (plus ``decay * owed``, its residual, if
+        any; or of
         ``local``) in ``dtype``; rank 0 gets the parameter put together, on the CPU (a staging
         buffer, valid until the next command)."""
         held = plan.boxes[self.rank]
         if plan.plain:
-            return self._own_whole(plan, dtype, grad, owed)
+            return self._own_whole(plan, dtype, grad, _decayed(owed, decay))
         width = plan.width
         send = self.staging.get("send", width, dtype)
         if held is not None and held[1]:
-            self._own_box(plan.name, held[0].numel, send, grad, owed)
+            self._own_box(plan.name, held[0].numel, send, grad, _decayed(owed, decay))
         parts = None
         if self.rank == 0:
             parts = [self.staging.get(f"part{r}", width, dtype) for r in range(self.size)]
@@ -264,3 +272,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _decayed(owed: torch.Tensor | None, decay: float) -> torch.Tensor | None:
+    """``decay * owed`` rounded to fp32 (as ``UploadEncoder`` rounds the product before the
+    sum); ``owed`` itself at 1, so plain feedback keeps its bits and makes no copy."""
+    return owed if owed is None or decay == 1.0 else owed * decay

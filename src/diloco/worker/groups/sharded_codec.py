@@ -9,8 +9,8 @@ Rank 0 encodes one parameter at a time exactly as a single process encodes the w
 (``UploadEncoder``'s arithmetic, not a copy of it):
 
 - **encode** (the upload reaches the parameter): ``grad NAME owed`` gathers
-  ``c = (snapshot - local) + e`` in fp32 from the owners; a block codec encodes it from the
-  parameter's first element (``encode_flat``), low rank encodes the whole matrix
+  ``c = (snapshot - local) + decay * e`` in fp32 from the owners; a block codec encodes it
+  from the parameter's first element (``encode_flat``), low rank encodes the whole matrix
   (``codec.encode``; its factors kept for the upload's lifetime, as ``_ModelBody`` keeps them:
   a retry sends the same ones, and the commit subtracts them);
 - **commit** (only once the server counted the body): ``c`` is gathered again (the shards do
@@ -146,7 +146,8 @@ class _ShardedBody(Body):
         staging buffer, valid until the next command); ``e`` absent before the first commit and
         without error feedback."""
         owed = self.enc.feedback is not None
-        got = self.state.command({"cmd": "grad", "name": name, "dtype": "F32", "owed": owed})
+        cmd = {"cmd": "grad", "name": name, "dtype": "F32", "owed": owed, "decay": self.enc.decay}
+        got = self.state.command(cmd)
         assert got is not None
         return got
 

@@ -7,7 +7,8 @@ keeps an ``ErrorFeedback`` residual per parameter, on the parameter's device, an
 each tensor's parts together, scales and factors first (``codec.parts`` order).
 
 **The residual moves only when the server counted the body.** An upload encodes ``c = g + e``
-(``g`` the pseudo-gradient, ``e`` the residual) without touching ``e``; once the server answers
+(``g`` the pseudo-gradient, ``e`` the residual; ``c = g + decay * e`` with a decay, ``set_decay``:
+SparseLoCo's, the product rounded before the sum in both passes) without touching ``e``; once the server answers
 that this very body counted, ``commit`` computes ``c`` again (the model has not moved: plain
 uploads are synchronous, a fragment's ``g`` waits in its send buffer) and keeps
 ``e = c - decode(encode(c))``, the same bits, since encoding is deterministic (low-rank factors
@@ -127,6 +128,22 @@ class UploadEncoder:
             return Upload(specs, lambda spec: send[spec.name], nothing)
         return _FragmentBody(self, pieces, send).upload()
 
+    @property
+    def decay(self) -> float:
+        """The residual's decay (``ErrorFeedback.decay``; 1 without error feedback)."""
+        return 1.0 if self.feedback is None else self.feedback.decay
+
+    def set_decay(self, decay: float) -> None:
+        """Scale the residual by ``decay`` (in [0, 1]) before each compensation from the next
+        upload on: told at registration (the server's outer rule, or ``ef_decay``). Taken under
+        the lock, so a streaming commit runs wholly at one decay."""
+        if not (math.isfinite(decay) and 0 <= decay <= 1):
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay}")
+        with self.lock:
+            if self.feedback is not None and self.feedback.decay != decay:
+                log.info("error feedback decay %g", decay)
+                self.feedback.decay = float(decay)
+
     # --- what the metrics and a checkpoint see ------------------------------------------------
 
     def residual_norm(self) -> float:
@@ -239,7 +256,7 @@ class UploadEncoder:
         device: torch.device,
     ) -> None:
         """``out`` (flat CPU parts of ``g.numel()`` elements) = ``block``'s encoding of
-        ``e + g`` (``e`` None: zeros), computed on ``device`` (the parameter's, where ``e``
+        ``decay * e + g`` (``e`` None: zeros), computed on ``device`` (the parameter's, where ``e``
         lives); ``g`` is a piece of a parameter (its start on a block) or a whole fragment
         piece. Neither ``e`` nor ``g`` changes."""
         n = g.numel()
@@ -249,7 +266,11 @@ class UploadEncoder:
             if c.device != device:
                 c = self._fp32("g", b - a, device).copy_(c, non_blocking=True)
             if e is not None:
-                c = torch.add(e[a:b], c, out=self._fp32("c", b - a, device))
+                scratch = self._fp32("c", b - a, device)
+                if self.decay == 1.0:
+                    c = torch.add(e[a:b], c, out=scratch)
+                else:  # the product rounded, then the sum: commit_flat's two steps, same bits
+                    c = torch.mul(e[a:b], self.decay, out=scratch).add_(c)
             sub = [o[s:t] for o, (s, t) in zip(out, block.piece_ranges(n, a, b), strict=True)]
             if c.device == sub[0].device:
                 block.encode_piece(c, sub)
@@ -259,7 +280,8 @@ class UploadEncoder:
                     o.copy_(t)
 
     def commit_flat(self, block: BlockCodec, e: torch.Tensor, g: torch.Tensor) -> float:
-        """``e = c - decode(encode(c))`` with ``c = e + g`` (flat, ``e`` updated in place): the
+        """``e = c - decode(encode(c))`` with ``c = decay * e + g`` (flat, ``e`` updated in
+        place): the
         arithmetic of ``ErrorFeedback.encode_piece``, for a range of a residual that need not
         start on a block. Returns ``||e||**2`` of the range, read while it is in cache."""
         n = g.numel()
@@ -270,6 +292,8 @@ class UploadEncoder:
             if gd.device != e.device:
                 gd = self._fp32("g", b - a, e.device).copy_(gd, non_blocking=True)
             c = e[a:b]
+            if self.decay != 1.0:
+                c.mul_(self.decay)
             c.add_(gd)
             parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, e.device))
             block.add_piece_into(c, parts, -1.0, False)
@@ -356,8 +380,9 @@ class _ModelBody(Body):
         if block is None:
             if key not in self.factors:
                 c = enc.full(key, p)
-                if e is not None:
-                    c.add_(e.to(c.device))
+                if e is not None:  # as ErrorFeedback.commit: decay * e rounded, then added
+                    owed = e.to(c.device)
+                    c.add_(owed if enc.decay == 1.0 else owed * enc.decay)
                 self.factors[key] = [t.to("cpu").contiguous() for t in enc.codec.encode(c, key)]
             return self.factors[key]
         n = p.numel()

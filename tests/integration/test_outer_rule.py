@@ -1,0 +1,136 @@
+"""The SparseLoCo outer rule through a real server (issue 30 item 2): two workers upload
+``topk`` bodies under ``--outer-rule sparseloco``, and the global parameters are the plain
+averaged descent of the decoded uploads, round after round (hand-computed from the captured
+bodies); the workers learn the rule at registration and decay their error feedback. The maths
+alone: tests/unit/test_outer_rule.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from tests.helpers.capture import CaptureClient, Captured
+from tests.helpers.threads import in_threads
+
+TOPK = "topk:density=0.1,chunk=64,bits=2"
+LR = 0.5
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def capturing_worker(address: str, **kw: object) -> tuple[DiLoCoWorker, CaptureClient]:
+    model = make_model()
+    client = CaptureClient(address)
+    worker = DiLoCoWorker(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        address,
+        heartbeat_interval=0,
+        codec=TOPK,
+        client=client,
+        sync_every=2,
+        **kw,  # type: ignore[arg-type]
+    )
+    client.worker = worker
+    return worker, client
+
+
+def test_two_topk_workers_get_the_plain_averaged_descent_of_their_decoded_uploads() -> None:
+    config = ServerConfig(port=0, num_workers=2, outer_rule="sparseloco", outer_lr=LR)
+    rounds = 3
+    with DiLoCoServer(config) as server:
+        pairs = [capturing_worker(server.address) for _ in range(2)]
+        shapes = pairs[0][0]._local.table()
+        start = {n: p.detach().clone() for n, p in pairs[0][0].model.named_parameters()}
+        published: list[dict[str, torch.Tensor]] = []
+        lock = threading.Lock()
+
+        def run(i: int) -> None:
+            worker, _ = pairs[i]
+            gen = torch.Generator().manual_seed(10 + i)
+            with worker:
+                for step in range(2 * rounds):
+                    for p in worker.model.parameters():
+                        p.grad = torch.randn(p.shape, generator=gen)
+                    worker.optimizer.step()
+                    worker.optimizer.zero_grad()
+                    if i == 0 and step % 2 == 1:  # after each sync: the round's parameters
+                        with lock:
+                            published.append(server.global_params())
+
+        in_threads(2, run)
+        status = server.status()
+    assert status["outer_rule"] == "sparseloco"
+    assert status["outer_optimizer"]["momentum"] == 0.0
+    uploads = [[u for u in client.uploads if u.counted] for _, client in pairs]
+    assert [len(u) for u in uploads] == [rounds, rounds]
+    # Hand-computed: theta_{r+1} = theta_r - lr * (dec(u_r^1) + dec(u_r^2)) / 2, exact in fp32
+    # up to the order of the sum and the division, as the server adds then divides.
+    theta = {n: t.clone() for n, t in start.items()}
+    for r in range(rounds):
+        a, b = uploads[0][r].decoded(shapes), uploads[1][r].decoded(shapes)
+        for n in theta:
+            theta[n] = theta[n] - LR * ((a[n] + b[n]) / 2)
+        for n in theta:
+            torch.testing.assert_close(published[r][n], theta[n], rtol=0, atol=1e-6)
+    # Not vacuous: every round moved the parameters (a server keeping momentum, or adding a
+    # round twice, would miss the reference above from the second round on).
+    assert all(
+        any(not torch.equal(published[r][n], published[r - 1][n]) for n in theta)
+        for r in range(1, rounds)
+    )
+    for worker, client in pairs:
+        assert worker._encoder.decay == 0.95  # the paper's, told by the rule
+        _assert_decayed_feedback(worker, [u for u in client.uploads if u.counted], shapes)
+
+
+def _assert_decayed_feedback(
+    worker: DiLoCoWorker, uploads: list[Captured], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """e_t = decay * e_{t-1} + g_t - dec(u_t): the residual left after the last upload."""
+    beta = worker._encoder.decay
+    e = {n: torch.zeros(s) for n, s in shapes.items()}
+    for up in uploads:
+        sent = up.decoded(shapes)
+        e = {n: beta * e[n] + up.true[n] - sent[n] for n in shapes}
+    fb = worker._encoder.feedback
+    assert fb is not None
+    for n in shapes:
+        torch.testing.assert_close(fb.residuals[n], e[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rule", "asked", "decay"), [("sgd", None, 1.0), ("sparseloco", 0.5, 0.5)])
+def test_the_rule_sets_the_decay_unless_the_worker_set_it(
+    rule: str, asked: float | None, decay: float
+) -> None:
+    with DiLoCoServer(ServerConfig(port=0, num_workers=1, outer_rule=rule)) as server:
+        worker, _ = capturing_worker(server.address, ef_decay=asked)
+        with worker:
+            assert worker._encoder.decay == decay
+            assert server.status()["outer_rule"] == rule
+
+
+def test_async_mode_takes_the_rule() -> None:
+    config = ServerConfig(port=0, num_workers=1, mode="async", outer_rule="sparseloco", outer_lr=LR)
+    with DiLoCoServer(config) as server:
+        worker, client = capturing_worker(server.address)
+        shapes = worker._local.table()
+        start = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        gen = torch.Generator().manual_seed(3)
+        with worker:
+            for _ in range(2):
+                for p in worker.model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen)
+                worker.optimizer.step()
+                worker.optimizer.zero_grad()
+            got = server.global_params()
+        (up,) = [u for u in client.uploads if u.counted]
+    sent = up.decoded(shapes)
+    for n in shapes:
+        torch.testing.assert_close(got[n], start[n] - LR * sent[n], rtol=0, atol=1e-6)
