@@ -25,7 +25,8 @@ PLAIN_DECAY = 1.0
 """Error feedback's decay under ``sgd``: none, every dropped value is owed in full."""
 
 SPARSELOCO_DECAY = 0.95
-"""Error feedback's decay under ``sparseloco`` when the worker sets none: the paper's ``beta``."""
+"""Error feedback's decay under ``sparseloco`` when the worker sets none (``beta``). Our
+default: not checked against the paper's tables, so a run that follows the paper sets its own."""
 
 
 def check_rule(rule: str) -> str:
