@@ -43,6 +43,7 @@ from diloco.swarm.boundary import BoundaryCodec, BoundarySpec
 from diloco.swarm.coordinator_routes import CoordinatorRoutes
 from diloco.swarm.driver import Driver
 from diloco.swarm.peer_beats import PeerBeats
+from diloco.swarm.peer_life import PeerLife
 from diloco.swarm.routing import NoReplica
 from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
@@ -149,6 +150,8 @@ class SwarmPeer:
         self._busy_wait_s = 60.0
         self.worker_id: str | None = None
         self.stage: int | None = None
+        self.address: str | None = None  # its stage service's, as said in its ready
+        self.life: PeerLife | None = None
         self.module: nn.Module | None = None
         self.service: StageService | None = None
         self.driver: Driver | None = None
@@ -185,12 +188,8 @@ class SwarmPeer:
             if self.sync_every is not None:
                 self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
                 self.worker = self._stage_worker(opt)
-            address = self._serve_or_drive(k, opt)
-            accepted = StageAccepted.from_json(
-                self.client.stage_ready(
-                    reg.worker_id, stage=k, params=table_of(self.module), address=address
-                )
-            )
+            self.address = address = self._serve_or_drive(k, opt)
+            accepted = self._say_ready()
         except BaseException:
             self.stop()
             raise
@@ -198,23 +197,40 @@ class SwarmPeer:
             "swarm peer %s: stage %d of %d ready at %s (table version %d)",
             self.worker_id, k, self.num_stages, address, accepted.version,
         )  # fmt: skip
+        self.life = PeerLife(self)
         self._beats = PeerBeats(
-            self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed
-        )
+            self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed,
+            after=self.life.after_beat,
+        )  # fmt: skip
         self._beats.start()
         if self.worker is not None and self.service is not None:
             self._idler = threading.Thread(target=self._idle_loop, name="swarm-idle", daemon=True)
             self._idler.start()
         return self
 
+    def _say_ready(self) -> StageAccepted:
+        """``POST /swarm/ready``: this peer's stage, table and address (at start, and again
+        after the coordinator forgot it: ``peer_life.py``)."""
+        assert self.worker_id is not None and self.stage is not None
+        assert self.module is not None and self.address is not None
+        accepted = StageAccepted.from_json(
+            self.client.stage_ready(
+                self.worker_id, stage=self.stage, params=table_of(self.module),
+                address=self.address,
+            )
+        )  # fmt: skip
+        if self.life is not None:
+            self.life.said_ready()
+        return accepted
+
     def _stage_worker(self, opt: torch.optim.Optimizer) -> DiLoCoWorker:
         """The stage's DiLoCo worker, started (registered again under this peer's id: the stage
         is kept; joined: a stage with an agreed state hands it over now). Its heartbeats are the
         peer's own loop, so it runs none (``heartbeat_interval=0``)."""
-        assert self.module is not None
+        assert self.module is not None and self.stage is not None
         return DiLoCoWorker(
             self.module, opt, self.server, sync_every=self.sync_every,
-            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca,
+            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca, stages=(self.stage,),
             **{**self.sync_options, "heartbeat_interval": 0.0},
         ).start()  # fmt: skip
 

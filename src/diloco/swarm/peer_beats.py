@@ -49,7 +49,9 @@ class PeerBeats:
     """Heartbeats every ``interval`` seconds from ``start`` to ``stop``. ``stats()`` gives the
     peer's counters, ``samples()`` the samples its stage processed so far (the throughput is
     their rate between two beats). ``lost`` is set when the coordinator no longer knows the
-    peer (410): it was evicted and must register again."""
+    peer (410: it restarted, or evicted the peer) until a beat goes through again;
+    ``after(lost)`` runs after each answered beat (``peer_life.py``: register again, say ready
+    again), on the thread that beat."""
 
     def __init__(
         self,
@@ -58,9 +60,10 @@ class PeerBeats:
         interval: float,
         stats: Callable[[], Mapping[str, Any]],
         samples: Callable[[], int],
+        after: Callable[[bool], None] | None = None,
     ) -> None:
         self._client, self._worker_id, self.interval = client, worker_id, interval
-        self._stats, self._samples = stats, samples
+        self._stats, self._samples, self._after = stats, samples, after
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._mark = (time.monotonic(), 0)
@@ -89,13 +92,19 @@ class PeerBeats:
     def beat(self) -> None:
         """One heartbeat now (the loop's; tests call it to report at an exact moment)."""
         beat = swarm_beat(self._stats(), self._throughput())
+        lost = False
         try:
             self._client.heartbeat(self._worker_id, swarm=beat)
+            self.lost.clear()
         except UnknownWorker:
             self.lost.set()
+            lost = True
             log.warning("swarm peer %s: the coordinator no longer knows it", self._worker_id)
         except SYNC_FAILURES as exc:
             log.warning("swarm peer %s: heartbeat failed: %s", self._worker_id, exc)
+            return  # unreachable: nothing learned (the data plane goes on)
+        if self._after is not None:
+            self._after(lost)
 
     def _loop(self) -> None:
         try:
