@@ -17,6 +17,9 @@ def test_no_move_while_every_served_stage_has_a_replica_or_none_can_spare_one() 
     assert choose_move(3, {"h": 0, "a": 1, "b": 1, "t": 2}, {}, {}) is None
     assert choose_move(3, {"h": 0, "a": 1, "b": 2}, {}, {}) is None  # stage 1 and 2 hold one
     assert choose_move(3, {"h": 0, "a": 1}, {}, {}) is None  # no stage has two
+    only = {"h": 0, "a": 1, "b": 1}
+    assert choose_move(3, only, {}, {}, movable={"h"}) is None  # a or b could, not movable
+    assert choose_move(3, only, {}, {}, movable={"b"}) == ("b", 2)
 
 
 def test_the_peer_comes_from_the_stage_with_the_most_replicas_the_slowest_then_the_id() -> None:
@@ -47,6 +50,12 @@ def test_the_book_moves_a_peer_when_a_stages_last_replica_leaves_and_tells_it_on
     book.heard("b", SwarmBeat(throughput=3.0))
     version = book.version
     assert book.rebalance() == []
+    book.ready.pop("b")  # a stage-sync worker that never served is not moved
+    book.left("t")
+    assert book.rebalance() == []
+    book.assign("t", (2,))
+    book.mark_ready(StageReady("b", 1, TABLE, "http://127.0.0.1:9001"))
+    book.mark_ready(StageReady("t", 2, TABLE, "http://127.0.0.1:9002"))
     book.left("t")
     assert book.rebalance() == [("b", 1, 2)]  # "a" fits stage 1 only
     assert book.assigned["b"] == 2 and book.moves == {"b": 2}

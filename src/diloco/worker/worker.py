@@ -269,8 +269,10 @@ class DiLoCoWorker:
         finally:
             self.client.close()
 
-    def stop(self, *, submit: bool = True) -> None:
-        """Send the remaining local steps (when ``submit``), then leave the run."""
+    def stop(self, *, submit: bool = True, leave: bool = True) -> None:
+        """Send the remaining local steps (when ``submit``), then leave the run (``leave``
+        False: keep the registration, for a swarm peer that registers again under the same id
+        for another stage; a deregistration would make its new stage empty again)."""
         if not self._started:
             return
         self._started = False
@@ -278,7 +280,7 @@ class DiLoCoWorker:
         assert self.worker_id is not None and self._strategy is not None
         try:
             self._strategy.finish(submit=submit)
-            if self._leads:
+            if self._leads and leave:
                 self.client.deregister(self.worker_id)
         except (Unreachable, ServerError) as exc:
             log.warning("worker %s: could not leave cleanly: %s", self.worker_id, exc)

@@ -67,11 +67,14 @@ def choose_move(
     assigned: Mapping[str, int],
     fits: Mapping[str, Collection[int] | None],
     throughput: Mapping[str, float | None],
+    movable: Collection[str] | None = None,
 ) -> tuple[str, int] | None:
     """A peer to move, and where, when a stage served by replicas (1..S-1) has none left while
     another stage has more than one; None when no move is due or none fits. ``assigned``:
     peer -> stage; ``fits``: what each peer said fits it (None: any); ``throughput``: what
-    each reported (None: nothing yet, which counts as the lowest).
+    each reported (None: nothing yet, which counts as the lowest); ``movable``: the peers that
+    may be moved (None: all; the coordinator's: those that served, since a plain stage-sync
+    worker cannot change its module).
 
     The head stage is never a target: its replicas are the drivers, which hold the data; with
     no head left nothing calls the others anyway. The empty stage with the lowest index is
@@ -87,7 +90,9 @@ def choose_move(
         donors = [
             p
             for p, k in assigned.items()
-            if counts[k] > 1 and target in fitting(num_stages, fits.get(p))
+            if counts[k] > 1
+            and (movable is None or p in movable)
+            and target in fitting(num_stages, fits.get(p))
         ]
         if donors:
             peer = min(

@@ -109,8 +109,14 @@ class StageBook:
         stage = self.pick(peer, fits)
         if self.assigned.get(peer) != stage:
             self.left(peer)
+        said = None if fits is None else tuple(sorted(set(fits)))
+        if self.assigned.get(peer) == stage and peer in self.fits_of:
+            # Registered again for the same stage (its stage worker asks for that stage only):
+            # what fits it is everything it said for this stage (None: any).
+            before = self.fits_of[peer]
+            said = None if before is None or said is None else tuple(sorted({*before, *said}))
+        self.fits_of[peer] = said
         self.assigned[peer] = stage
-        self.fits_of[peer] = None if fits is None else tuple(fits)
         self.moves.pop(peer, None)  # registered for its stage: nothing left to tell it
         self.ready.pop(peer, None)
         self.suspects.pop(peer, None)
@@ -135,7 +141,9 @@ class StageBook:
         made = []
         while True:
             throughput = {p: self._throughput(p) for p in self.assigned}
-            move = choose_move(self.num_stages, self.assigned, self.fits_of, throughput)
+            move = choose_move(  # only a peer that serves (said ready) can build another stage
+                self.num_stages, self.assigned, self.fits_of, throughput, movable=self.ready
+            )
             if move is None:
                 break
             peer, stage = move
