@@ -15,7 +15,7 @@ from torch import nn
 
 from diloco import DiLoCoClient, DiLoCoWorker, ServerConfig
 from diloco.server.server import DiLoCoServer
-from diloco.swarm import SwarmPeer, stage_of
+from diloco.swarm import Endpoint, SwarmPeer, stage_of
 from diloco.wire.messages import RegisterInfo
 from tests.helpers.swarm import HIDDEN, LR, loss_fn, make_model
 from tests.helpers.threads import in_threads
@@ -91,6 +91,15 @@ def route_table(server: DiLoCoServer) -> dict[int, list[str]]:
     got = requests.get(f"http://{server.address}/swarm/routes", headers=headers, timeout=10)
     got.raise_for_status()
     return {s["stage"]: [r["peer_id"] for r in s["replicas"]] for s in got.json()["stages"]}
+
+
+def leave_out(head: SwarmPeer, idle: SwarmPeer) -> None:
+    """The head's driver calls the body replica ``idle`` no more: reported suspect once the
+    head's table lists both body replicas (a later table listing it would bring it back)."""
+    routes = head.routes
+    assert routes is not None and idle.service is not None
+    assert routes.wait(lambda: len(routes.endpoints(1)) == 2 and bool(routes.endpoints(2)), 30)
+    routes.suspect(Endpoint(f"http://127.0.0.1:{idle.service.port}", head.token), "left out")
 
 
 def params_of(*modules: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,10 @@ table's order: the fastest reported replica first. ``suspect`` reports the repli
 coordinator (``POST /swarm/suspect``, one attempt) and leaves it out locally at once, until a
 table newer than the one that dropped it lists it again (it heartbeat again, or said ready
 again). The driver never waits on the coordinator: a report that fails only keeps the replica
-out here until a later table lists it.
+out here until a later table lists it. While the coordinator is unreachable (it restarts) the
+last table stays, so drivers keep training through it; a restarted coordinator's tables
+(versions from 0 again, replicas listed as they say ready again) replace it, but a stage the
+new life lists no replica of yet keeps the old life's replicas until it lists one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 
 from diloco.swarm.routing import Endpoint
 from diloco.wire.messages.codec import MessageError
-from diloco.wire.messages.swarm import RouteTable, SuspectNoted
+from diloco.wire.messages.swarm import Replica, RouteTable, SuspectNoted
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,9 @@ class CoordinatorRoutes:
         self._table: RouteTable | None = None
         self._peers: dict[str, tuple[str, int]] = {}  # address -> (peer id, stage)
         self._suspects: dict[str, int] = {}  # address -> version a listing must be newer than
+        # A restarted coordinator lists a replica once it said ready again: until then the last
+        # life's replicas of a stage it lists none of are still called (the data plane runs).
+        self._carried: dict[int, tuple[Replica, ...]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -65,17 +71,28 @@ class CoordinatorRoutes:
                     self._stop.wait(RETRY_S)
                     continue
                 if table.version != version:
-                    self.adopt(table)
+                    # The poller's answers come in order: a version below the one held is a
+                    # new server life (a restart counts from 0 again), never an old answer.
+                    self.adopt(table, new_life=0 <= table.version < version)
                 version = table.version
         finally:
             self._client.end_thread()
 
-    def adopt(self, table: RouteTable) -> None:
-        """Take ``table`` as the current one (the poller does; tests may too)."""
+    def adopt(self, table: RouteTable, *, new_life: bool = False) -> None:
+        """Take ``table`` as the current one (the poller does; tests may too). ``new_life``:
+        the coordinator restarted, so its versions count again from 0 and the suspects' marks
+        (versions of the old life) mean nothing: its listing is taken as it is."""
         with self._cond:
-            if self._table is not None and table.version < self._table.version:
+            if new_life:
+                self._suspects.clear()
+                if self._table is not None:  # kept per stage until the new life lists one
+                    self._carried = {st.stage: st.replicas for st in self._table.stages}
+            elif self._table is not None and table.version < self._table.version:
                 return  # an older answer overtaken by a newer one
             self._table = table
+            for st in table.stages:
+                if st.replicas:
+                    self._carried.pop(st.stage, None)
             listed = {}
             for stage in table.stages:
                 for r in stage.replicas:
@@ -101,10 +118,9 @@ class CoordinatorRoutes:
     def _endpoints(self, stage: int) -> list[Endpoint]:
         if self._table is None or not 0 <= stage < len(self._table.stages):
             return []
+        replicas = self._table.stages[stage].replicas or self._carried.get(stage, ())
         return [
-            Endpoint(r.address, self._token)
-            for r in self._table.stages[stage].replicas
-            if r.address not in self._suspects
+            Endpoint(r.address, self._token) for r in replicas if r.address not in self._suspects
         ]
 
     def suspect(self, endpoint: Endpoint, reason: str) -> None:

@@ -44,6 +44,7 @@ from diloco.swarm.boundary import BoundaryCodec, BoundarySpec
 from diloco.swarm.coordinator_routes import CoordinatorRoutes
 from diloco.swarm.driver import Driver
 from diloco.swarm.peer_beats import PeerBeats
+from diloco.swarm.peer_life import PeerLife, restore_stage
 from diloco.swarm.routing import NoReplica
 from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
@@ -83,7 +84,9 @@ class SwarmPeer:
     stages that fit this peer (None: any). ``sync_every``: stage sync every that many inner
     steps (None: none); ``sync_options`` are more ``DiLoCoWorker`` settings for it (default
     fp32 pseudo-gradients: ``bf16_comm=False``); ``idle_step_s``: a serving replica that has
-    not stepped for this long takes a step with no gradient (stage sync only)."""
+    not stepped for this long takes a step with no gradient (stage sync only); ``restore_dir``:
+    the save dir whose ``stage-<k>/`` a peer moved to stage ``k`` restores from (default the
+    stage sync's ``save_dir``)."""
 
     def __init__(
         self,
@@ -103,6 +106,7 @@ class SwarmPeer:
         port: int = 0,
         sync_every: int | None = None,
         sync_options: Mapping[str, Any] | None = None,
+        restore_dir: str | None = None,
         idle_step_s: float = 10.0,
         max_in_flight: int = 1,
         heartbeat_interval: float = 5.0,
@@ -144,6 +148,7 @@ class SwarmPeer:
         self.server, self.tls_ca, self.sync_every = server, tls_ca, sync_every
         self.sync_options = {"bf16_comm": False, **(sync_options or {})}
         self.idle_step_s = idle_step_s
+        self.restore_dir = restore_dir or self.sync_options.get("save_dir")
         #: The stage's DiLoCo worker (stage sync), once started.
         self.worker: DiLoCoWorker | None = None
         self._idler: threading.Thread | None = None
@@ -152,6 +157,7 @@ class SwarmPeer:
         self.stage: int | None = None
         #: Its stage service's address as its ready says it (the head's names port 0).
         self.address: str | None = None
+        self.life: PeerLife | None = None
         self.module: nn.Module | None = None
         self.service: StageService | None = None
         self.driver: Driver | None = None
@@ -182,31 +188,52 @@ class SwarmPeer:
                     f"the swarm has {reg.num_stages} stages; this peer was built for "
                     f"{self.num_stages}"
                 )
-            self.stage = k = reg.stage
-            self.module = self.build_stage(k, self.num_stages)
-            opt = self.optimizer_factory(self.module.parameters())
-            if self.sync_every is not None:
-                self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
-                self.worker = self._stage_worker(opt)
-            self.address = self._serve_or_drive(k, opt)
+            self._take_stage(reg)
             self._say_ready()
         except BaseException:
             self.stop()
             raise
+        self.life = PeerLife(self)
         self._beats = PeerBeats(
-            self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed
-        )
+            self.client, reg.worker_id, self.heartbeat_interval, self.stats, self._processed,
+            after=self.life.after_beat,
+        )  # fmt: skip
         self._beats.start()
+        self._start_idler()
+        return self
+
+    def _take_stage(self, reg: Registered, *, restore: bool = False) -> str:
+        """Build, restore (a move: ``peer_life.py``), sync and serve (or drive) the stage
+        ``reg`` assigns; the service's address."""
+        assert reg.stage is not None
+        self.stage = k = reg.stage
+        self.module = self.build_stage(k, self.num_stages)
+        if restore:
+            restore_stage(self.module, self.restore_dir, k, agreed_rounds=reg.round or 0)
+        opt = self.optimizer_factory(self.module.parameters())
+        if self.sync_every is not None:
+            self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
+            self.worker = self._stage_worker(opt)
+        self.address = self._serve_or_drive(k, opt)
+        return self.address
+
+    def _drop_stage(self) -> None:
+        """Stop serving (or driving) and syncing the stage, still registered (a move)."""
+        self._stop_work(leave=False)
+        self.service = self.driver = self.routes = self.worker = self._idler = None
+        self.module = None
+
+    def _start_idler(self) -> None:
         if self.worker is not None and self.service is not None:
             self._idler = threading.Thread(target=self._idle_loop, name="swarm-idle", daemon=True)
             self._idler.start()
-        return self
 
     def _say_ready(self) -> StageAccepted:
         """``POST /swarm/ready``: this peer's stage, its table, its address and, with stage
         sync, the stage's state its worker holds (round, hash), so the coordinator lists it
         only holding a state its stage agreed on (409 ``state_required``, ``unagreed_state``
-        otherwise; ``params_mismatch``, ``wrong_stage``). The one place a peer says ready."""
+        otherwise; ``params_mismatch``, ``wrong_stage``). The one place a peer says ready: at
+        start, after the coordinator forgot it, after a move (``peer_life.py``)."""
         assert self.module is not None and self.worker_id is not None
         assert self.stage is not None and self.address is not None
         state = self.worker.held_state() if self.worker is not None else None
@@ -221,16 +248,18 @@ class SwarmPeer:
             self.worker_id, self.stage, self.num_stages, self.address, accepted.version,
             "" if state is None else f", round {state[0]}",
         )  # fmt: skip
+        if self.life is not None:
+            self.life.said_ready()
         return accepted
 
     def _stage_worker(self, opt: torch.optim.Optimizer) -> DiLoCoWorker:
         """The stage's DiLoCo worker, started (registered again under this peer's id: the stage
         is kept; joined: a stage with an agreed state hands it over now). Its heartbeats are the
         peer's own loop, so it runs none (``heartbeat_interval=0``)."""
-        assert self.module is not None
+        assert self.module is not None and self.stage is not None
         return DiLoCoWorker(
             self.module, opt, self.server, sync_every=self.sync_every,
-            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca,
+            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca, stages=(self.stage,),
             **{**self.sync_options, "heartbeat_interval": 0.0},
         ).start()  # fmt: skip
 
@@ -313,6 +342,16 @@ class SwarmPeer:
         self._stopped.set()
         if self._beats is not None:
             self._beats.stop()
+        self._stop_work(leave=True)
+        if self.worker is None and self.worker_id is not None:
+            try:
+                self.client.deregister(self.worker_id)
+            except SYNC_FAILURES as exc:
+                log.warning("swarm peer %s: deregister failed: %s", self.worker_id, exc)
+        self.client.close()
+
+    def _stop_work(self, *, leave: bool) -> None:
+        """Stop routes, service, idle steps, driver and stage worker (deregistering: ``leave``)."""
         if self.routes is not None:
             self.routes.stop()
         if self.service is not None:
@@ -321,14 +360,8 @@ class SwarmPeer:
             self._idler.join(timeout=10)  # an idle step in flight is bounded by its round
         if self.driver is not None:
             self.driver.close()
-        if self.worker is not None:  # leaves its stage's quorums and deregisters the peer
-            self.worker.stop(submit=False)
-        elif self.worker_id is not None:
-            try:
-                self.client.deregister(self.worker_id)
-            except SYNC_FAILURES as exc:
-                log.warning("swarm peer %s: deregister failed: %s", self.worker_id, exc)
-        self.client.close()
+        if self.worker is not None:  # leaves its stage's quorums (and deregisters the peer)
+            self.worker.stop(submit=False, leave=leave)
 
     # --- observation ---------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from diloco.wire.messages.registration import BoundaryTraffic, SwarmBeat
+from diloco.wire.messages.codec import MessageError
+from diloco.wire.messages.registration import BoundaryTraffic, HeartbeatReply, SwarmBeat
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient, UnknownWorker
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class PeerBeats:
     """Heartbeats every ``interval`` seconds from ``start`` to ``stop``. ``stats()`` gives the
     peer's counters, ``samples()`` the samples its stage processed so far (the throughput is
     their rate between two beats). ``lost`` is set when the coordinator no longer knows the
-    peer (410): it was evicted and must register again."""
+    peer (410: it restarted, or evicted the peer) until a beat goes through again;
+    ``after(reply)`` (None: 410) runs after each answered beat (``peer_life.py``: register again, say ready
+    again), on the thread that beat."""
 
     def __init__(
         self,
@@ -60,9 +63,10 @@ class PeerBeats:
         interval: float,
         stats: Callable[[], Mapping[str, Any]],
         samples: Callable[[], int],
+        after: Callable[[HeartbeatReply | None], None] | None = None,
     ) -> None:
         self._client, self._worker_id, self.interval = client, worker_id, interval
-        self._stats, self._samples = stats, samples
+        self._stats, self._samples, self._after = stats, samples, after
         self._stop = threading.Event()
         self.lost = threading.Event()
         self._mark = (time.monotonic(), 0)
@@ -91,13 +95,18 @@ class PeerBeats:
     def beat(self) -> None:
         """One heartbeat now (the loop's; tests call it to report at an exact moment)."""
         beat = swarm_beat(self._stats(), self._throughput())
+        reply = None
         try:
-            self._client.heartbeat(self._worker_id, swarm=beat)
+            reply = HeartbeatReply.from_json(self._client.heartbeat(self._worker_id, swarm=beat))
+            self.lost.clear()
         except UnknownWorker:
             self.lost.set()
             log.warning("swarm peer %s: the coordinator no longer knows it", self._worker_id)
-        except SYNC_FAILURES as exc:
+        except (*SYNC_FAILURES, MessageError) as exc:
             log.warning("swarm peer %s: heartbeat failed: %s", self._worker_id, exc)
+            return  # unreachable: nothing learned (the data plane goes on)
+        if self._after is not None:
+            self._after(reply)
 
     def _loop(self) -> None:
         try:

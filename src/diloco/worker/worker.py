@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,6 +63,10 @@ class DiLoCoWorker:
     are one worker: rank 0 talks to the server, the others follow (``worker/groups/group.py``).
     ``partitioned`` says each rank owns different parameters (pipeline stages); None detects it.
 
+    ``stages`` (swarm mode): the pipeline stages this worker's model may host, said in every
+    registration (``RegisterInfo.stages``), so a registration again (the server restarted and
+    forgot it) is given the same stage (a swarm peer's stage sync sets its own).
+
     ``enabled=False`` (or ``DILOCO_ENABLED=0``) turns DiLoCo off: the loop trains alone, as if
     the worker were not there (``WorkerSettings.enabled``). SIGTERM, while the worker runs, ends
     the loop like Ctrl-C and the worker leaves the run (``worker/termination.py``).
@@ -97,6 +102,7 @@ class DiLoCoWorker:
         client: DiLoCoClient | None = None,
         process_group: Any = None,
         partitioned: bool | None = None,
+        stages: Sequence[int] | None = None,
     ) -> None:
         self.settings: WorkerSettings = resolve(
             {
@@ -134,6 +140,7 @@ class DiLoCoWorker:
             )
         self.model = model
         self.optimizer = real_optimizer(optimizer)
+        self.stages = None if stages is None else tuple(int(k) for k in stages)
         self.client = client or DiLoCoClient(
             self.settings.server_addr,
             token=self.settings.token,
@@ -266,8 +273,10 @@ class DiLoCoWorker:
         finally:
             self.client.close()
 
-    def stop(self, *, submit: bool = True) -> None:
-        """Send the remaining local steps (when ``submit``), then leave the run."""
+    def stop(self, *, submit: bool = True, leave: bool = True) -> None:
+        """Send the remaining local steps (when ``submit``), then leave the run (``leave``
+        False: keep the registration, for a swarm peer that registers again under the same id
+        for another stage; a deregistration would make its new stage empty again)."""
         if not self._started:
             return
         self._started = False
@@ -275,7 +284,7 @@ class DiLoCoWorker:
         assert self.worker_id is not None and self._strategy is not None
         try:
             self._strategy.finish(submit=submit)
-            if self._leads:
+            if self._leads and leave:
                 self.client.deregister(self.worker_id)
         except (Unreachable, ServerError) as exc:
             log.warning("worker %s: could not leave cleanly: %s", self.worker_id, exc)
@@ -446,6 +455,7 @@ class DiLoCoWorker:
             # All-reduce mode compares tables at registration: a worker whose model differs is
             # refused there, never inside a collective.
             params=tuple(self._local.table().items()),
+            stages=self.stages,
         )
         try:
             reply = self.client.register(

@@ -60,3 +60,49 @@ def choose_stage(
     if any(t is None for t in measured.values()):
         return fewest(stages)
     return min(stages, key=lambda s: (measured[s] or 0.0, count(s), s))
+
+
+def choose_move(
+    num_stages: int,
+    assigned: Mapping[str, int],
+    fits: Mapping[str, Collection[int] | None],
+    throughput: Mapping[str, float | None],
+    movable: Collection[str] | None = None,
+) -> tuple[str, int] | None:
+    """A peer to move, and where, when a stage served by replicas (1..S-1) has none left while
+    another stage has more than one; None when no move is due or none fits. ``assigned``:
+    peer -> stage; ``fits``: what each peer said fits it (None: any); ``throughput``: what
+    each reported (None: nothing yet, which counts as the lowest); ``movable``: the peers that
+    may be moved (None: all; the coordinator's: those that served, since a plain stage-sync
+    worker cannot change its module).
+
+    The head stage is never a target: its replicas are the drivers, which hold the data; with
+    no head left nothing calls the others anyway. The empty stage with the lowest index is
+    filled first. The peer comes from the stage with the most replicas, a stage other than the
+    head's preferred on a tie (a head is a driver: moving it takes a feeder of data away), then
+    the lowest throughput (the least work lost), then the id."""
+    counts: dict[int, int] = {}
+    for k in assigned.values():
+        counts[k] = counts.get(k, 0) + 1
+    for target in range(1, num_stages):
+        if counts.get(target, 0):
+            continue
+        donors = [
+            p
+            for p, k in assigned.items()
+            if counts[k] > 1
+            and (movable is None or p in movable)
+            and target in fitting(num_stages, fits.get(p))
+        ]
+        if donors:
+            peer = min(
+                donors,
+                key=lambda p: (
+                    -counts[assigned[p]],
+                    assigned[p] == 0,
+                    throughput.get(p) or 0.0,
+                    p,
+                ),
+            )
+            return peer, target
+    return None

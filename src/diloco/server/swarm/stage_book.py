@@ -33,7 +33,7 @@ from diloco.server.observe.swarm_records import (
     SwarmStatus,
 )
 from diloco.server.params.wakeup import Wakeup
-from diloco.server.swarm.assignment import choose_stage, fitting, stage_throughput
+from diloco.server.swarm.assignment import choose_move, choose_stage, fitting, stage_throughput
 from diloco.wire.messages import Table
 from diloco.wire.messages.registration import SwarmBeat
 from diloco.wire.messages.swarm import (
@@ -72,6 +72,9 @@ class StageBook:
         self.ready: dict[str, str] = {}  # peer -> its stage service's address
         self.suspects: dict[str, Suspicion] = {}
         self.beats: dict[str, SwarmBeat] = {}
+        self.fits_of: dict[str, tuple[int, ...] | None] = {}  # what each said fits it
+        #: Moves decided and not yet told: peer -> its new stage (its next heartbeat's reply).
+        self.moves: dict[str, int] = {}
         self.suspect_reports = 0
         self.version = 0
         self._table = self._build()
@@ -106,7 +109,15 @@ class StageBook:
         stage = self.pick(peer, fits)
         if self.assigned.get(peer) != stage:
             self.left(peer)
+        said = None if fits is None else tuple(sorted(set(fits)))
+        if self.assigned.get(peer) == stage and peer in self.fits_of:
+            # Registered again for the same stage (its stage worker asks for that stage only):
+            # what fits it is everything it said for this stage (None: any).
+            before = self.fits_of[peer]
+            said = None if before is None or said is None else tuple(sorted({*before, *said}))
+        self.fits_of[peer] = said
         self.assigned[peer] = stage
+        self.moves.pop(peer, None)  # registered for its stage: nothing left to tell it
         self.ready.pop(peer, None)
         self.suspects.pop(peer, None)
         self._publish()
@@ -118,7 +129,32 @@ class StageBook:
         self.ready.pop(peer, None)
         self.suspects.pop(peer, None)
         self.beats.pop(peer, None)
+        self.fits_of.pop(peer, None)
+        self.moves.pop(peer, None)
         self._publish()
+
+    def rebalance(self) -> list[tuple[str, int, int]]:
+        """After a leave: while a served stage has no replica and another has several, move
+        one (``assignment.choose_move``), recorded at once: the peer is assigned its new stage,
+        out of the table until it says ready there, and told at its next heartbeat
+        (``moves``). The moves made, as ``(peer, old stage, new stage)``."""
+        made = []
+        while True:
+            throughput = {p: self._throughput(p) for p in self.assigned}
+            move = choose_move(  # only a peer that serves (said ready) can build another stage
+                self.num_stages, self.assigned, self.fits_of, throughput, movable=self.ready
+            )
+            if move is None:
+                break
+            peer, stage = move
+            made.append((peer, self.assigned[peer], stage))
+            self.assigned[peer] = stage
+            self.ready.pop(peer, None)
+            self.suspects.pop(peer, None)
+            self.moves[peer] = stage
+        if made:
+            self._publish()
+        return made
 
     # --- readiness, heartbeats, suspects --------------------------------------------------------
 

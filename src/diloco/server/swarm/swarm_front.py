@@ -84,7 +84,8 @@ class SwarmMembers:
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         reply = self.inner.heartbeat(beat)  # 410 for a peer not registered, before the book
         self.book.heard(beat.worker_id, beat.swarm)
-        return reply
+        move = self.book.moves.pop(beat.worker_id, None)
+        return reply if move is None else replace(reply, move_to=move)
 
     def kick(self, worker_id: str) -> Kicked:
         return self.inner.kick(worker_id)
@@ -212,6 +213,10 @@ class SwarmFront:
         stage = self.book.assigned.get(worker_id)
         self.book.left(worker_id)
         self.stage_quorums.left(worker_id, stage)
+        for peer, before, after in self.book.rebalance():  # a stage's last replica left
+            self.stage_quorums.registered(peer, before, after)
+            log.warning("stage %d has no replica left: peer %s moves there from stage %d",
+                        after, peer, before)  # fmt: skip
 
     def expect(self, num_workers: int) -> None:
         pass  # nothing waits for a count of peers: each stage's replicas are counted instead

@@ -276,6 +276,9 @@ class HeartbeatReply(Reply):
     Absent (a server before the rule): ``sgd``."""
     recommended_sync_every: int | None = spec(default=None, omit=True)
     """DyLU: the worker's ``sync_every`` now (absent with DyLU off)."""
+    move_to: int | None = spec(default=None, omit=True)
+    """Swarm mode: the coordinator moved this peer to that stage (a stage's last replica left):
+    it registers again for it, builds it, restores it and says ready there (absent: stay)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,115 @@
+"""The only replica of a stage leaving (issue 29 item 6): the coordinator moves a replica of a
+stage that has two there, and the moved peer restores the stage's newest checkpoint before it
+serves; the driver's step that was waiting for the stage completes. A real in-process
+``diloco server --swarm``; peers in threads; heartbeats at the test's moments
+(``SwarmPeer.beat``)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import diloco.swarm.peer as peer_module
+from diloco.persistence.writing import save_checkpoint
+from tests.helpers.servers import ServerFactory
+from tests.helpers.swarm import batches
+from tests.helpers.swarm_peers import (
+    BATCH,
+    FAST,
+    STAGES,
+    leave_out,
+    params_of,
+    route_table,
+    together,
+)
+
+SWARM = {"swarm": True, "stages": STAGES, "min_replicas": 1, "token": "peer-token"}
+
+
+@pytest.mark.timeout(120)
+def test_a_stages_last_replica_leaving_moves_a_replica_which_restores_its_checkpoint(
+    make_server: ServerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1 with two replicas, stage 2 with one; a checkpoint of stage 2 under
+    ``restore_dir/stage-2`` (written here in the project's layout, as a stage's quorum saves).
+    Stage 2's replica leaves while the driver's next step waits for the stage. The slower body
+    replica is told at its next heartbeat (``move_to``) and moves: its stage 2 holds the
+    checkpoint's bytes when it starts serving, the waiting step completes with every
+    micro-batch (the new tail steps on a whole batch), and later steps train."""
+    server = make_server(**SWARM, **FAST)
+    restored: list[dict[str, torch.Tensor]] = []
+    real = peer_module.restore_stage
+
+    def watched(module: Any, *args: Any, **kwargs: Any) -> Any:
+        got = real(module, *args, **kwargs)
+        restored.append(params_of(module))
+        return got
+
+    monkeypatch.setattr(peer_module, "restore_stage", watched)
+    data = batches(8, BATCH)
+    body = {"stages": [1, 2], "restore_dir": str(tmp_path)}
+    with together(server, 1, 1, 2, 0, options=[body, body, {}, {}]) as started:
+        busy, idle, tail, head = started
+        assert head.routes is not None and tail.module is not None
+        leave_out(head, idle)
+        first = [head.train_step(x, y) for x, y in data[:2]]
+        for p in started:
+            p.beat()  # busy reports its throughput; idle reported none (the slower)
+        saved = {n: t + 0.01 for n, t in params_of(tail.module).items()}  # not a fresh build
+        opt: dict[str, Any] = {"state": {}, "param_groups": []}
+        save_checkpoint(tmp_path / "stage-2", 2, saved, opt, {}, keep=2)
+        tail.stop()  # stage 2's only replica leaves: the coordinator moves idle at once
+        assert server.status()["swarm"]["stages"][2]["assigned"] == [idle.worker_id]
+        assert route_table(server)[2] == []
+        waiting: list[float] = []
+        step = threading.Thread(target=lambda: waiting.append(head.train_step(*data[2])))
+        step.start()
+        idle.beat()  # move_to 2: restore, serve, ready
+        assert idle.stage == 2 and idle.life is not None and idle.life.moves == 1
+        assert len(restored) == 1 and restored[0].keys() == saved.keys()
+        assert all(torch.equal(restored[0][n], saved[n]) for n in saved)
+        step.join(60)
+        assert not step.is_alive() and len(waiting) == 1
+        assert idle.service is not None and idle.service.stats()["steps"] == 1  # a whole batch
+        assert route_table(server) == {
+            0: [head.worker_id],
+            1: [busy.worker_id],
+            2: [idle.worker_id],
+        }
+        later = [head.train_step(x, y) for x, y in data[3:]]
+        assert all(torch.isfinite(torch.tensor(first + waiting + later)))
+        assert min(later) < waiting[0], (waiting, later)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_with_agreed_rounds_and_no_checkpoint_is_not_served_by_the_moved_peer(
+    make_server: ServerFactory,
+) -> None:
+    """Stage sync, a round of every stage agreed, no checkpoint anywhere: the moved peer does
+    not serve fresh weights as the stage's; it says why (``life.unrestorable``) and the stage
+    stays empty in the route table."""
+    server = make_server(**SWARM, **{**FAST, "join_timeout": 30.0})
+    h = 2
+    body = {"stages": [1, 2]}
+    with together(
+        server, 1, 1, 2, 0, sync_every=h, idle_step_s=600.0, options=[body, body, {}, {}]
+    ) as started:
+        busy, idle, tail, head = started
+        assert head.routes is not None and idle.service is not None
+        leave_out(head, idle)
+        for x, y in batches(h, BATCH):
+            head.train_step(x, y)
+            idle.service.step_idle()
+        for p in (busy, tail):
+            p.service.drain()  # type: ignore[union-attr]
+        for p in started:
+            p.beat()
+        tail.stop()
+        idle.beat()
+        assert idle.life is not None and idle.life.moves == 0
+        assert idle.life.unrestorable is not None and "stage 2" in idle.life.unrestorable
+        assert route_table(server)[2] == [] and idle.service is None
