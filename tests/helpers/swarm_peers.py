@@ -57,7 +57,7 @@ def make_peer(
     heartbeat thread (the tests call ``beat``)."""
     settings: dict[str, Any] = {
         "num_stages": STAGES,
-        "server": server.address,
+        "server": server.url,  # its scheme too: https for a TLS coordinator
         "optimizer": adamw,
         "loss_fn": loss_fn,
         "boundaries": (HIDDEN,),

@@ -25,6 +25,7 @@ from tests.helpers.http import (
 )
 from tests.helpers.servers import ServerFactory, initial_params
 from tests.helpers.swarm import batches, boundaries, make_model, make_optimizer, reference, swarm
+from tests.helpers.swarm_peers import BATCH, FAST, STAGES, peers
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +119,23 @@ def test_swarm_stage_services_over_tls(self_signed: Cert) -> None:
         plain = services[0].address.replace("https://", "http://")
         with pytest.raises(requests.exceptions.ConnectionError):
             requests.post(f"{plain}/swarm/stage/forward", data=b"", timeout=TIMEOUT)
+
+
+def test_a_swarm_over_tls_end_to_end(make_server: ServerFactory, self_signed: Cert) -> None:
+    """A `--swarm` coordinator over HTTPS and peers whose stage services serve HTTPS
+    (`SwarmPeer(tls_cert=, tls_key=)`), every call verified with the operator's CA
+    (`tls_ca`): the ready addresses are https, and the head trains the unsplit model's losses
+    bit for bit (fp32, one replica per stage)."""
+    cert, key = self_signed
+    server = make_server(
+        token=TOKEN, swarm=True, stages=STAGES, min_replicas=1, tls_cert=str(cert),
+        tls_key=str(key), **FAST,
+    )  # fmt: skip
+    assert server.url.startswith("https://")
+    tls = {"tls_ca": str(cert), "tls_cert": str(cert), "tls_key": str(key)}
+    data = batches(2, BATCH)
+    with peers(server, 1, 2, 0, **tls) as (body, tail, head):
+        assert body.address is not None and body.address.startswith("https://")
+        assert tail.address is not None and tail.address.startswith("https://")
+        losses = [head.train_step(x, y) for x, y in data]
+    assert losses == reference(make_model(0), data)

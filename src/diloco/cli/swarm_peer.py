@@ -57,6 +57,11 @@ class PeerFlags:
     )
     steps: int = _flag(0, "steps a head trains, then leaves")
     loss: str | None = _flag(None, "the tail's loss, pkg.module:fn (default: cross entropy)")
+    tls_ca: str | None = _flag(
+        None, "a PEM bundle that verifies the coordinator's and the stage services' certificates"
+    )
+    tls_cert: str | None = _flag(None, "PEM certificate chain: serve this peer's stage over HTTPS")
+    tls_key: str | None = _flag(None, "PEM private key of --tls-cert")
     sync_every: int | None = _flag(
         None, "stage sync: DiLoCo among the stage's replicas every N inner steps (absent: none)",
         metavar="N",
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         boundaries=shapes(s.boundary, s.stages), samples_per_step=s.batch,
         micro_batch=s.micro_batch or s.batch, codec=s.codec, token=s.token, stages=fits,
         host=s.host, port=s.port, heartbeat_interval=s.heartbeat_interval,
-        sync_every=s.sync_every,
+        sync_every=s.sync_every, tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key,
     )  # fmt: skip
     peer.start()
     try:

@@ -116,6 +116,8 @@ class SwarmPeer:
         token_dims: int = 1,
         worker_id: str | None = None,
         tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
         hook: Hook | None = None,
         seed: int = 0,
     ) -> None:
@@ -146,6 +148,8 @@ class SwarmPeer:
         self.token_dims, self.hook, self.seed, self.wanted_id = token_dims, hook, seed, worker_id
         self.client = DiLoCoClient(server, token=token, tls_ca=tls_ca)
         self.server, self.tls_ca, self.sync_every = server, tls_ca, sync_every
+        # The stage service's HTTPS (its drivers verify it with their ``tls_ca``).
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.sync_options = {"bf16_comm": False, **(sync_options or {})}
         self.idle_step_s = idle_step_s
         self.restore_dir = restore_dir or self.sync_options.get("save_dir")
@@ -287,7 +291,7 @@ class SwarmPeer:
                 micro_batch=self.micro_batch, max_in_flight=self.max_in_flight,
                 timeout_floor_s=self.timeout_floor_s, first_timeout_s=self.first_timeout_s,
                 token_dims=self.token_dims, driver_id=self.worker_id, seed=self.seed,
-                busy_wait_s=self._busy_wait_s,
+                busy_wait_s=self._busy_wait_s, tls_ca=self.tls_ca,
             )  # fmt: skip
             # The head serves nothing: port 0 names its host and says no one may dial it.
             return f"http://{_url_host(self.host)}:0"
@@ -298,8 +302,10 @@ class SwarmPeer:
             samples_per_step=self.samples_per_step, token=self.token,
             loss_fn=self.loss_fn if tail else None, host=self.host, port=self.port,
             hook=self.hook, before_step=self._before_step, defer_steps=self.worker is not None,
+            tls_cert=self.tls_cert, tls_key=self.tls_key,
         ).start()  # fmt: skip
-        return f"http://{_url_host(self.host)}:{self.service.port}"
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://{_url_host(self.host)}:{self.service.port}"
 
     # --- working -------------------------------------------------------------------------------
 
