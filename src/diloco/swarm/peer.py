@@ -49,7 +49,7 @@ from diloco.swarm.routing import NoReplica
 from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
 from diloco.wire.messages.swarm import StageAccepted
-from diloco.worker.allreduce.start_state import StartState
+from diloco.worker.state.start_state import StartState
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
 from diloco.worker.worker import DiLoCoWorker
 

@@ -28,7 +28,6 @@ from diloco.core.outer_rules import ef_decay
 from diloco.wire.messages import Registered, RegisterInfo
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.shard_exchange import HttpLink
-from diloco.worker.allreduce.start_state import StartState
 from diloco.worker.choose import choose_strategy, same_family
 from diloco.worker.groups.group import WorkerGroup, find_group
 from diloco.worker.groups.group_sync import GroupSync, Lockstep
@@ -39,6 +38,7 @@ from diloco.worker.session import Session, initial_metrics
 from diloco.worker.settings import WorkerSettings, chosen_codec, off_reason, refused_codec, resolve
 from diloco.worker.state.encoder import UploadEncoder, comm_dtype
 from diloco.worker.state.local_model import LocalModel
+from diloco.worker.state.start_state import StartState
 from diloco.worker.strategy import SyncStrategy
 from diloco.worker.termination import SigtermExit, Terminated
 from diloco.worker.transport.client import Conflict, DiLoCoClient, ServerError, Unreachable

@@ -62,8 +62,8 @@ from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.allreduce.standing import Standing
-from diloco.worker.allreduce.start_state import StartState
 from diloco.worker.session import Session
+from diloco.worker.state.start_state import StartState
 from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)

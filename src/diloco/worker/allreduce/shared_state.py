@@ -24,8 +24,8 @@ from diloco.wire.messages import Registered
 from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
 from diloco.worker.allreduce.shard_exchange import WHOLE_MODEL, same_layout
-from diloco.worker.allreduce.start_state import StartState
 from diloco.worker.session import Session
+from diloco.worker.state.start_state import StartState
 
 log = logging.getLogger(__name__)
 
