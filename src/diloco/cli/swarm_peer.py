@@ -61,6 +61,9 @@ class PeerFlags:
         None, "stage sync: DiLoCo among the stage's replicas every N inner steps (absent: none)",
         metavar="N",
     )  # fmt: skip
+    idle_step_s: float = _flag(
+        10.0, "stage sync: a serving replica not called for this long takes an idle step"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         boundaries=shapes(s.boundary, s.stages), samples_per_step=s.batch,
         micro_batch=s.micro_batch or s.batch, codec=s.codec, token=s.token, stages=fits,
         host=s.host, port=s.port, heartbeat_interval=s.heartbeat_interval,
-        sync_every=s.sync_every,
+        sync_every=s.sync_every, idle_step_s=s.idle_step_s,
     )  # fmt: skip
     peer.start()
     try:

@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import torch
@@ -44,7 +41,7 @@ from diloco.swarm.boundary import BoundaryCodec, BoundarySpec
 from diloco.swarm.coordinator_routes import CoordinatorRoutes
 from diloco.swarm.driver import Driver
 from diloco.swarm.peer_beats import PeerBeats
-from diloco.swarm.peer_life import PeerLife, restore_stage
+from diloco.swarm.peer_life import PeerLife, restore_stage, serve_until_stopped
 from diloco.swarm.routing import NoReplica
 from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
@@ -325,8 +322,7 @@ class SwarmPeer:
         """A peer that is not the head: block until ``stop()`` or SIGTERM, then leave."""
         if self.service is None:
             raise RuntimeError("serve is for a started peer that is not the head")
-        with on_sigterm(self._stopped.set):
-            self._stopped.wait()
+        serve_until_stopped(self._stopped)
         self.stop()
 
     @property
@@ -405,24 +401,3 @@ def _shapes(
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-@contextmanager
-def on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM calls ``callback`` (the peer leaves cleanly) while inside; only on the main
-    thread and only where SIGTERM has its default action (as the worker's handling does)."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        log.warning("SIGTERM: the swarm peer leaves")
-        callback()
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

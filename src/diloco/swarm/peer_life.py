@@ -14,14 +14,21 @@
 A step that fails (the coordinator unreachable again) is logged and retried at the next
 heartbeat: the peer stays what it was. Heartbeat threads and tests calling ``SwarmPeer.beat``
 may both get here; one lock keeps one of them at a time.
+
+Its end: a serving peer leaves at ``stop()`` or SIGTERM (``serve_until_stopped``), also where
+its stage worker took SIGTERM first.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +38,7 @@ from diloco.persistence.folders import Checkpoint
 from diloco.persistence.reading import latest_checkpoint
 from diloco.wire.messages import HeartbeatReply, Registered, RegisterInfo
 from diloco.wire.messages.codec import MessageError
+from diloco.worker.termination import Terminated
 from diloco.worker.transport.client import SYNC_FAILURES
 
 if TYPE_CHECKING:
@@ -153,3 +161,37 @@ def restore_stage(
             p.copy_(found.params[name])
     log.info("stage %d restored from %s (round %d)", stage, found.path, found.round)
     return found
+
+
+def serve_until_stopped(stopped: threading.Event) -> None:
+    """Block until ``stopped`` is set or SIGTERM arrives; the caller then leaves. A peer with
+    stage sync started its ``DiLoCoWorker`` on the main thread, whose SIGTERM handling
+    (``worker/termination.py``) was installed first and raises ``Terminated`` here: it is
+    caught, so the peer leaves the same way as by its own handling (``stop()``: deregistered,
+    its stage's quorums no longer wait for it) and ``diloco swarm-peer`` exits 0, not 143."""
+    try:
+        with on_sigterm(stopped.set):
+            stopped.wait()
+    except Terminated:
+        log.warning("SIGTERM (taken by the stage worker): the swarm peer leaves")
+
+
+@contextmanager
+def on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM calls ``callback`` (the peer leaves cleanly) while inside; only on the main
+    thread and only where SIGTERM has its default action (as the worker's handling does)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGTERM: the swarm peer leaves")
+        callback()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
