@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import diloco.swarm.peer as peer_module
+from diloco.persistence.reading import latest_checkpoint
 from diloco.persistence.writing import save_checkpoint
 from tests.helpers.servers import ServerFactory
 from tests.helpers.swarm import batches
@@ -113,3 +114,70 @@ def test_a_stage_with_agreed_rounds_and_no_checkpoint_is_not_served_by_the_moved
         assert idle.life is not None and idle.life.moves == 0
         assert idle.life.unrestorable is not None and "stage 2" in idle.life.unrestorable
         assert route_table(server)[2] == [] and idle.service is None
+
+
+@pytest.mark.timeout(120)
+def test_a_moved_peer_with_stage_sync_starts_from_the_checkpoints_round_and_serves(
+    make_server: ServerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage sync (H = 2) with ``--save-every 1``: every stage's quorum's rank 0 saves under
+    ``save_dir/stage-<k>`` (one folder for all the peers here). Stage 2's only replica leaves
+    after its first round; the moved body replica restores the checkpoint (its parameters are
+    the checkpoint's bytes), its stage worker presents the checkpoint's round and hash (round
+    1, the stage's last agreed state) so its join's quorum forms with it as the source (no
+    resync), and its ready holding that state is accepted: the driver's waiting step completes
+    with a whole batch on the new replica, and the next stage-2 round completes (round 2)."""
+    server = make_server(**SWARM, **{**FAST, "join_timeout": 30.0, "save_every": 1})
+    restored: list[dict[str, torch.Tensor]] = []
+    real = peer_module.restore_stage
+
+    def watched(module: Any, *args: Any, **kwargs: Any) -> Any:
+        got = real(module, *args, **kwargs)
+        restored.append(params_of(module))
+        return got
+
+    monkeypatch.setattr(peer_module, "restore_stage", watched)
+    h, data = 2, batches(5, BATCH)
+    body = {"stages": [1, 2]}
+    sync = {"save_dir": str(tmp_path)}
+    with together(
+        server, 1, 1, 2, 0, sync_every=h, idle_step_s=600.0, sync_options=sync,
+        options=[body, body, {}, {}],
+    ) as started:  # fmt: skip
+        busy, idle, tail, head = started
+        assert head.routes is not None and idle.service is not None and tail.worker is not None
+        leave_out(head, idle)
+        for x, y in data[:h]:
+            head.train_step(x, y)
+            idle.service.step_idle()
+        for p in (busy, tail):
+            p.service.drain()  # type: ignore[union-attr]
+        agreed = tail.worker.held_state()
+        assert agreed is not None and agreed[0] == 1
+        saved = latest_checkpoint(tmp_path / "stage-2")
+        assert saved is not None and saved.round == 1
+        for p in started:
+            p.beat()
+        tail.stop()  # stage 2's only replica leaves: the coordinator moves idle at once
+        assert server.status()["swarm"]["stages"][2]["assigned"] == [idle.worker_id]
+        waiting: list[float] = []
+        step = threading.Thread(target=lambda: waiting.append(head.train_step(*data[h])))
+        step.start()
+        idle.beat()  # move_to 2: restore, join from round 1, serve, ready
+        assert idle.stage == 2 and idle.life is not None and idle.life.moves == 1
+        assert idle.life.unrestorable is None
+        assert len(restored) == 1 and restored[0].keys() == saved.params.keys()
+        assert all(torch.equal(restored[0][n], saved.params[n]) for n in saved.params)
+        moved = idle.worker
+        assert moved is not None and moved.sync_metrics["rebases"] == 0  # the source itself
+        step.join(60)
+        assert not step.is_alive() and len(waiting) == 1
+        assert idle.service is not None and idle.service.stats()["steps"] == 1  # a whole batch
+        assert route_table(server)[2] == [idle.worker_id]
+        assert moved.base_round == 1 and moved.local_step == 1
+        head.train_step(*data[h + 1])  # stage 2's second inner step: its round 2
+        idle.service.drain()
+        assert moved.base_round == 2 and moved.sync_metrics["rounds"] == 1  # (joins not counted)
+        assert server.status()["swarm"]["stages"][2]["round"] == 2
+        later = latest_checkpoint(tmp_path / "stage-2")
+        assert later is not None and later.round == 2

@@ -74,8 +74,8 @@ class Tampering(SwarmPeer):
     """A replica whose stage state changes after its join (a broken receive, a bad disk, an
     edit): it no longer holds what its stage agreed on when it says ready."""
 
-    def _stage_worker(self, opt: torch.optim.Optimizer) -> Any:
-        worker = super()._stage_worker(opt)
+    def _stage_worker(self, opt: torch.optim.Optimizer, start: Any) -> Any:
+        worker = super()._stage_worker(opt, start)
         strategy = worker._strategy
         assert isinstance(strategy, QuorumSync)
         with torch.no_grad():

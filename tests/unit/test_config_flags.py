@@ -147,8 +147,9 @@ def test_unknown_flag_metadata_is_an_error() -> None:
 def test_worker_keywords_are_the_settings_fields() -> None:
     params = inspect.signature(DiLoCoWorker.__init__).parameters
     # process_group and partitioned describe the process, stages a swarm peer's place in its
-    # pipeline, not the run: no DILOCO_* variable
+    # pipeline, start_state a checkpoint's tensors, not the run: no DILOCO_* variable
     excluded = ("self", "model", "optimizer", "client", "process_group", "partitioned", "stages")
+    excluded += ("start_state",)
     keywords = {n: p for n, p in params.items() if n not in excluded}
     assert set(keywords) == {f.name for f in dataclasses.fields(WorkerSettings)}
     # None means "not given": the DILOCO_* variable, then the WorkerSettings default, applies.

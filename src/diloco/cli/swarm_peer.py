@@ -66,6 +66,9 @@ class PeerFlags:
         None, "stage sync: DiLoCo among the stage's replicas every N inner steps (absent: none)",
         metavar="N",
     )  # fmt: skip
+    idle_step_s: float = _flag(
+        10.0, "stage sync: a serving replica not called for this long takes an idle step"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         boundaries=shapes(s.boundary, s.stages), samples_per_step=s.batch,
         micro_batch=s.micro_batch or s.batch, codec=s.codec, token=s.token, stages=fits,
         host=s.host, port=s.port, heartbeat_interval=s.heartbeat_interval,
-        sync_every=s.sync_every, tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key,
+        sync_every=s.sync_every, idle_step_s=s.idle_step_s, tls_ca=s.tls_ca,
+        tls_cert=s.tls_cert, tls_key=s.tls_key,
     )  # fmt: skip
     peer.start()
     try:

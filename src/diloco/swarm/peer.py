@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import torch
@@ -44,11 +41,12 @@ from diloco.swarm.boundary import BoundaryCodec, BoundarySpec
 from diloco.swarm.coordinator_routes import CoordinatorRoutes
 from diloco.swarm.driver import Driver
 from diloco.swarm.peer_beats import PeerBeats
-from diloco.swarm.peer_life import PeerLife, restore_stage
+from diloco.swarm.peer_life import PeerLife, restore_stage, serve_until_stopped
 from diloco.swarm.routing import NoReplica
 from diloco.swarm.stage_service import Hook, LossFn, StageEdges, StageService
 from diloco.wire.messages import Registered, RegisterInfo, Table
 from diloco.wire.messages.swarm import StageAccepted
+from diloco.worker.state.start_state import StartState
 from diloco.worker.transport.client import SYNC_FAILURES, DiLoCoClient
 from diloco.worker.worker import DiLoCoWorker
 
@@ -130,11 +128,8 @@ class SwarmPeer:
         if samples_per_step < 1 or micro_batch < 1 or max_in_flight < 1:
             raise ValueError("samples_per_step, micro_batch and max_in_flight must be >= 1")
         shapes = _shapes(boundaries, num_stages)
-        self.build_stage, self.num_stages, self.optimizer_factory = (
-            build_stage,
-            num_stages,
-            optimizer,
-        )
+        self.build_stage, self.num_stages = build_stage, num_stages
+        self.optimizer_factory = optimizer
         self.loss_fn, self.samples_per_step, self.micro_batch = (
             loss_fn,
             samples_per_step,
@@ -212,12 +207,14 @@ class SwarmPeer:
         assert reg.stage is not None
         self.stage = k = reg.stage
         self.module = self.build_stage(k, self.num_stages)
+        found = None
         if restore:
-            restore_stage(self.module, self.restore_dir, k, agreed_rounds=reg.round or 0)
+            found = restore_stage(self.module, self.restore_dir, k, agreed_rounds=reg.round or 0)
         opt = self.optimizer_factory(self.module.parameters())
         if self.sync_every is not None:
             self._busy_wait_s = reg.collective_timeout or self._busy_wait_s
-            self.worker = self._stage_worker(opt)
+            start = None if found is None else StartState.of_checkpoint(found)
+            self.worker = self._stage_worker(opt, start)
         self.address = self._serve_or_drive(k, opt)
         return self.address
 
@@ -256,14 +253,14 @@ class SwarmPeer:
             self.life.said_ready()
         return accepted
 
-    def _stage_worker(self, opt: torch.optim.Optimizer) -> DiLoCoWorker:
-        """The stage's DiLoCo worker, started (registered again under this peer's id: the stage
-        is kept; joined: a stage with an agreed state hands it over now). Its heartbeats are the
-        peer's own loop, so it runs none (``heartbeat_interval=0``)."""
+    def _stage_worker(self, opt: torch.optim.Optimizer, start: StartState | None) -> DiLoCoWorker:
+        """The stage's DiLoCo worker, started under this peer's id (the stage kept), joined from
+        ``start`` (a restored checkpoint's state) or from the stage's agreed state. Its
+        heartbeats are the peer's own loop, so it runs none (``heartbeat_interval=0``)."""
         assert self.module is not None and self.stage is not None
         return DiLoCoWorker(
-            self.module, opt, self.server, sync_every=self.sync_every,
-            worker_id=self.worker_id, token=self.token, tls_ca=self.tls_ca, stages=(self.stage,),
+            self.module, opt, self.server, sync_every=self.sync_every, worker_id=self.worker_id,
+            token=self.token, tls_ca=self.tls_ca, stages=(self.stage,), start_state=start,
             **{**self.sync_options, "heartbeat_interval": 0.0},
         ).start()  # fmt: skip
 
@@ -331,8 +328,7 @@ class SwarmPeer:
         """A peer that is not the head: block until ``stop()`` or SIGTERM, then leave."""
         if self.service is None:
             raise RuntimeError("serve is for a started peer that is not the head")
-        with on_sigterm(self._stopped.set):
-            self._stopped.wait()
+        serve_until_stopped(self._stopped)
         self.stop()
 
     @property
@@ -411,24 +407,3 @@ def _shapes(
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-@contextmanager
-def on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM calls ``callback`` (the peer leaves cleanly) while inside; only on the main
-    thread and only where SIGTERM has its default action (as the worker's handling does)."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        log.warning("SIGTERM: the swarm peer leaves")
-        callback()
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -14,22 +14,31 @@
 A step that fails (the coordinator unreachable again) is logged and retried at the next
 heartbeat: the peer stays what it was. Heartbeat threads and tests calling ``SwarmPeer.beat``
 may both get here; one lock keeps one of them at a time.
+
+Its end: a serving peer leaves at ``stop()`` or SIGTERM (``serve_until_stopped``), also where
+its stage worker took SIGTERM first.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from diloco.persistence.folders import Checkpoint
 from diloco.persistence.reading import latest_checkpoint
 from diloco.wire.messages import HeartbeatReply, Registered, RegisterInfo
 from diloco.wire.messages.codec import MessageError
+from diloco.worker.termination import Terminated
 from diloco.worker.transport.client import SYNC_FAILURES
 
 if TYPE_CHECKING:
@@ -100,8 +109,10 @@ class PeerLife:
     def _move(self, stage: int) -> None:
         """The coordinator moved the peer to ``stage`` (its last replica left): stop serving the
         old one (still registered), register again for the new one, build it, restore it from
-        its newest checkpoint, serve it and say ready. A stage with agreed rounds and no
-        checkpoint is not served (``Unrestorable``: logged; the stage stays empty)."""
+        its newest checkpoint (with stage sync, its worker starts from the checkpoint's round,
+        snapshot and momentum: ``StartState``), serve it and say ready. A stage with agreed
+        rounds and no usable checkpoint is not served (``Unrestorable``, or the checkpoint's
+        ValueError: logged; the stage stays empty)."""
         peer = self.peer
         assert peer.worker_id is not None
         log.warning("swarm peer %s: moved from stage %s to stage %d",
@@ -112,16 +123,8 @@ class PeerLife:
         )
         reg = Registered.from_json(peer.client.register(peer.worker_id, info=info))
         try:
-            agreed = reg.round or 0
-            if peer.sync_every is not None and agreed > 0:
-                # Its stage worker's join would present round 0, which the stage's quorums do
-                # not take once they agreed rounds: it would wait for ever (not built yet).
-                raise Unrestorable(
-                    f"stage {stage} agreed {agreed} round(s): a stage worker cannot yet start "
-                    "from a checkpoint's round, so the stage is not served"
-                )
             peer._take_stage(reg, restore=True)
-        except Unrestorable as exc:
+        except (Unrestorable, ValueError) as exc:
             self.unrestorable = str(exc)
             log.error("swarm peer %s: %s", peer.worker_id, exc)
             return
@@ -137,9 +140,9 @@ class Unrestorable(RuntimeError):
 
 def restore_stage(
     module: nn.Module, restore_dir: str | None, stage: int, *, agreed_rounds: int
-) -> int | None:
-    """Load the newest checkpoint under ``<restore_dir>/stage-<stage>/`` into ``module``; its
-    round (None: none found, which only a stage that never agreed a round may go on with:
+) -> Checkpoint | None:
+    """Load the newest checkpoint under ``<restore_dir>/stage-<stage>/`` into ``module``, and
+    return it (None: none found, which only a stage that never agreed a round may go on with:
     ``Unrestorable`` otherwise). A checkpoint missing a parameter of the module is an error."""
     folder = None if restore_dir is None else Path(restore_dir) / f"stage-{stage}"
     found = None if folder is None else latest_checkpoint(folder)
@@ -157,4 +160,38 @@ def restore_stage(
                 raise ValueError(f"{found.path} holds no {name!r} of stage {stage}")
             p.copy_(found.params[name])
     log.info("stage %d restored from %s (round %d)", stage, found.path, found.round)
-    return found.round
+    return found
+
+
+def serve_until_stopped(stopped: threading.Event) -> None:
+    """Block until ``stopped`` is set or SIGTERM arrives; the caller then leaves. A peer with
+    stage sync started its ``DiLoCoWorker`` on the main thread, whose SIGTERM handling
+    (``worker/termination.py``) was installed first and raises ``Terminated`` here: it is
+    caught, so the peer leaves the same way as by its own handling (``stop()``: deregistered,
+    its stage's quorums no longer wait for it) and ``diloco swarm-peer`` exits 0, not 143."""
+    try:
+        with on_sigterm(stopped.set):
+            stopped.wait()
+    except Terminated:
+        log.warning("SIGTERM (taken by the stage worker): the swarm peer leaves")
+
+
+@contextmanager
+def on_sigterm(callback: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM calls ``callback`` (the peer leaves cleanly) while inside; only on the main
+    thread and only where SIGTERM has its default action (as the worker's handling does)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.warning("SIGTERM: the swarm peer leaves")
+        callback()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -38,6 +38,7 @@ from diloco.worker.session import Session, initial_metrics
 from diloco.worker.settings import WorkerSettings, chosen_codec, off_reason, refused_codec, resolve
 from diloco.worker.state.encoder import UploadEncoder, comm_dtype
 from diloco.worker.state.local_model import LocalModel
+from diloco.worker.state.start_state import StartState
 from diloco.worker.strategy import SyncStrategy
 from diloco.worker.termination import SigtermExit, Terminated
 from diloco.worker.transport.client import Conflict, DiLoCoClient, ServerError, Unreachable
@@ -66,6 +67,9 @@ class DiLoCoWorker:
     ``stages`` (swarm mode): the pipeline stages this worker's model may host, said in every
     registration (``RegisterInfo.stages``), so a registration again (the server restarted and
     forgot it) is given the same stage (a swarm peer's stage sync sets its own).
+    ``start_state`` (all-reduce and swarm mode, the whole model, no worker group): the run's
+    state to start from (a checkpoint's round, snapshot and momentum; ``StartState``) instead
+    of the model's parameters at round 0.
 
     ``enabled=False`` (or ``DILOCO_ENABLED=0``) turns DiLoCo off: the loop trains alone, as if
     the worker were not there (``WorkerSettings.enabled``). SIGTERM, while the worker runs, ends
@@ -103,6 +107,7 @@ class DiLoCoWorker:
         process_group: Any = None,
         partitioned: bool | None = None,
         stages: Sequence[int] | None = None,
+        start_state: StartState | None = None,
     ) -> None:
         self.settings: WorkerSettings = resolve(
             {
@@ -141,6 +146,7 @@ class DiLoCoWorker:
         self.model = model
         self.optimizer = real_optimizer(optimizer)
         self.stages = None if stages is None else tuple(int(k) for k in stages)
+        self._start_state = start_state
         self.client = client or DiLoCoClient(
             self.settings.server_addr,
             token=self.settings.token,
@@ -157,6 +163,10 @@ class DiLoCoWorker:
         # builds it here, and ranks that disagree fail here, before anything is sent.
         # An off worker builds no group: forming one is a collective.
         pg = find_group(process_group) if self.enabled else None
+        if start_state is not None and (self.settings.num_fragments > 1 or pg is not None):
+            raise ValueError(
+                "start_state is the whole model's: not with num_fragments > 1 or a worker group"
+            )
         self._group = (
             None
             if pg is None
@@ -423,6 +433,10 @@ class DiLoCoWorker:
         else:
             same_family(self._allreduce, reply)
         if initial:
+            if self._start_state is not None:
+                if not isinstance(self._strategy, QuorumSync):
+                    raise ValueError("start_state needs a server in all-reduce or swarm mode")
+                self._strategy.start_from(self._start_state)
             self._strategy.join(reply)
             log.info("worker %s joined at round %d", s.worker_id, s.base_round)
             return

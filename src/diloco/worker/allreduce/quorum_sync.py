@@ -63,6 +63,7 @@ from diloco.worker.allreduce.payload import Payload
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.allreduce.standing import Standing
 from diloco.worker.session import Session
+from diloco.worker.state.start_state import StartState
 from diloco.worker.transport.client import SYNC_FAILURES, Conflict, UnknownWorker
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,15 @@ class QuorumSync:
         if self._needs_state or self._standing.disowned:
             return None
         return self._s.base_round, self._state.hash()
+
+    def start_from(self, start: StartState) -> None:
+        """Before the join: hold ``start`` (a checkpoint's round, snapshot and momentum) as
+        the run's state, the model taking its parameters, so the join presents it as a member
+        that lived through that round would (``start_state.py``)."""
+        self._state.start_from(start)
+        self._s.local.adopt_all()
+        self._s.base_round = start.round
+        self._hash = self._state.hash()
 
     def join(self, reply: Registered) -> None:
         """The start: one quorum round without a contribution, so this worker trains from the

@@ -25,6 +25,7 @@ from diloco.worker.allreduce.average_checks import Averaged
 from diloco.worker.allreduce.collective import QuorumCollective, broadcast, state_hash
 from diloco.worker.allreduce.shard_exchange import WHOLE_MODEL, same_layout
 from diloco.worker.session import Session
+from diloco.worker.state.start_state import StartState
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class SharedState:
     def hash(self) -> str:
         """The fingerprint a quorum compares (``collective.state_hash``)."""
         return state_hash(self.tensors())
+
+    def start_from(self, start: StartState) -> None:
+        """Hold ``start``'s snapshot and momentum (``StartState.load``)."""
+        start.load(self.snapshot, self.momentum)
 
     def broadcast(self, quorum: QuorumCollective, src: int) -> None:
         """Rank ``src``'s state into every member's (a joiner's resync)."""
