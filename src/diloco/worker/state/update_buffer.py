@@ -36,7 +36,7 @@ from diloco.core.codecs.sparse_update import (
     check_update,
     spans,
 )
-from diloco.wire import CODE_OF_DTYPE, Layout, WireError, byte_view, tensor_views
+from diloco.wire import CODE_OF_DTYPE, Layout, TensorSpec, WireError, byte_view, tensor_views
 from diloco.wire.checksum import checksum
 
 UPDATE_KIND = "update"
@@ -111,9 +111,10 @@ class UpdateBuffer:
                 raise WireError("bad_update", f"sparse update of {name!r}: {exc}") from None
 
     def apply(self, snapshot: Mapping[str, torch.Tensor], payload: torch.Tensor) -> bool:
-        """Add the landed update to ``snapshot`` (flat-viewable fp32 CPU tensors, views into
-        ``payload``, the snapshot's whole memory), then compare ``payload``'s checksum with the
-        round's. False on a mismatch (the snapshot then holds neither round's parameters)."""
+        """Apply the landed update to ``snapshot`` (a quantized one added, a sparse one's values
+        copied; flat-viewable fp32 CPU tensors, views into ``payload``, the snapshot's whole
+        memory), then compare ``payload``'s checksum with the round's. False on a mismatch (the
+        snapshot then holds neither round's parameters)."""
         layout, codec = self._layout, self._codec
         assert layout is not None and self._payload is not None
         views = tensor_views(layout, self._payload[: layout.payload_size])
@@ -132,25 +133,25 @@ _SUFFIXES = (COUNT, INDEX, "")
 
 
 def _check_sparse_header(layout: Layout, table: Mapping[str, tuple[int, ...]]) -> None:
-    """Every parameter's three parts and nothing else: int32 counts, one per span; uint16
-    indices and fp32 values, as many of each, at most the parameter's size."""
-    expected = {name + s for name in table for s in _SUFFIXES}
+    """Every parameter's three parts and nothing else (``WireError`` ``bad_update``)."""
     specs = {spec.name: spec for spec in layout.specs}
-    wrong = sorted(set(specs) ^ expected)
-    for name, shape in table.items():
-        if wrong:
-            break
-        n = math.prod(shape)
-        count, idx, value = (specs[name + s] for s in _SUFFIXES)
-        m = idx.shape[0] if len(idx.shape) == 1 else -1
-        if (
-            (count.dtype, count.shape) != ("I32", (spans(n),))
-            or (idx.dtype, value.dtype) != ("U16", "F32")
-            or not 0 <= m <= n
-            or value.shape != idx.shape
-        ):
-            wrong = [name]
+    wrong = sorted(set(specs) ^ {name + s for name in table for s in _SUFFIXES})
+    if not wrong:
+        wrong = [name for name, shape in table.items() if not _fits(specs, name, math.prod(shape))]
     if wrong:
         raise WireError(
             "bad_update", f"sparse update body does not fit the model's parameters: {wrong[:3]}"
         )
+
+
+def _fits(specs: Mapping[str, TensorSpec], name: str, n: int) -> bool:
+    """int32 counts, one per span; uint16 indices and fp32 values, as many of each, at most the
+    parameter's ``n`` elements."""
+    count, idx, value = (specs[name + s] for s in _SUFFIXES)
+    return (
+        (count.dtype, count.shape) == ("I32", (spans(n),))
+        and (idx.dtype, value.dtype) == ("U16", "F32")
+        and len(idx.shape) == 1
+        and idx.shape[0] <= n
+        and value.shape == idx.shape
+    )
