@@ -4,15 +4,20 @@ it changed with their new values, and after every such download hold exactly the
 download serves; a parameter where the two uploads cancel stays unchanged; a joiner gets full
 parameters; the bytes per round are at least 20x below the dense download's at SparseLoCo's
 density. Also: a malformed update is answered by a full download that changes nothing first, a
-round whose update would not be smaller goes as full parameters, and the refusals at start.
+round whose update would not be smaller goes as full parameters, only a replica exactly one
+round behind is served the update (a re-joiner and one two rounds behind get full parameters),
+and the refusals at start.
 The maths alone: tests/unit/test_sparse_update.py."""
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 from typing import Any
 
 import pytest
+import requests
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
@@ -193,3 +198,47 @@ def test_configurations_the_sparse_downlink_cannot_serve_are_refused() -> None:
         ServerConfig(download_codec="sparse", outer_rule="sparseloco", num_fragments=2)
     assert ServerConfig(download_codec="sparse", outer_momentum=0.0).sparse_download
     assert not ServerConfig(download_codec="sparse", outer_rule="sparseloco").keeps_true_copy
+
+
+def metadata(address: str, query: str) -> dict[str, str]:
+    resp = requests.get(f"http://{address}/global_params?{query}", timeout=10)
+    assert resp.status_code == 200, resp.text
+    (n,) = struct.unpack("<Q", resp.content[:8])
+    meta: dict[str, str] = json.loads(resp.content[8 : 8 + n])["__metadata__"]
+    return meta
+
+
+def test_only_a_replica_one_round_behind_gets_the_update_and_a_rejoiner_gets_full() -> None:
+    with DiLoCoServer(sparse_config(num_workers=1)) as srv:
+        model = torch.nn.Linear(256, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(4)
+        address = srv.address
+        with DiLoCoWorker(model, opt, address, sync_every=1, heartbeat_interval=0, codec=TOPK) as w:
+            for step in range(4):
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()  # step 2: the upload is refused as unknown, the worker re-joins
+                w.report(samples=1)
+                if step != 2:  # (the re-join keeps its progress for the next upload)
+                    assert_bitwise(model, published(address)[1])
+                if step == 1:  # the server forgets the worker, as after an eviction
+                    client = DiLoCoClient(address, retries=1, backoff=0.01)
+                    assert w.worker_id is not None
+                    client.deregister(w.worker_id)
+                    client.close()
+            m = dict(w.sync_metrics)
+        assert m["reconnections"] == 1 and m["checksum_mismatches"] == 0
+        assert m["full_downloads"] == 2  # the join's and the re-join's
+        assert m["update_downloads"] >= 2
+        now = srv.status()["round"]
+        update = metadata(srv.address, f"min_round={now}&have_round={now - 1}")
+        assert (update["kind"], update["codec"], update["base_round"]) == (
+            "update",
+            "sparse",
+            str(now - 1),
+        )
+        for query in (f"min_round={now}&have_round={now - 2}", f"min_round={now}"):
+            full = metadata(srv.address, query)  # two rounds behind, or a joiner
+            assert full["kind"] == "global_params" and full["download_codec"] == "sparse"
+            assert full["checksum"] == update["checksum"]
