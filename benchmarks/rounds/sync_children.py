@@ -31,7 +31,8 @@ RAW_CODECS = ("fp32", "bf16")
 class Comm:
     """How a round travels: the workers' upload codec (a ``DiLoCoWorker(codec=...)`` spec such as
     ``int8`` or ``int4:block=32``) and the server's ``download_codec`` (``fp32``: full
-    parameters every round; ``bf16``, ``int8``, ``int4``: each round as a compressed update)."""
+    parameters every round; ``bf16``, ``int8``, ``int4``: each round as a compressed update;
+    ``sparse``: as the positions it changed, with their new values)."""
 
     up: str
     down: str
@@ -47,6 +48,11 @@ class Comm:
     @property
     def lossy_down(self) -> bool:
         return self.down != "fp32"
+
+    @property
+    def true_copy(self) -> bool:
+        """The server keeps one more fp32 copy (a compressed downlink; not the sparse one)."""
+        return self.down not in ("fp32", "sparse")
 
 
 def parse_comm(spec: str) -> Comm:
@@ -83,7 +89,7 @@ def estimate_bytes(n: int, model_bytes: int, comm: Comm | None = None) -> int:
     snapshot (plus an fp32 error-feedback residual with a lossy upload codec), with the
     interpreter and torch (~300 MB per process) on top."""
     overhead = 300 * 2**20
-    server = 4 + (1 if comm is not None and comm.lossy_down else 0)
+    server = 4 + (1 if comm is not None and comm.true_copy else 0)
     worker = 2.2 + (1 if comm is not None and comm.lossy_up else 0)
     return int(server * model_bytes + overhead + n * (worker * model_bytes + overhead))
 

@@ -26,7 +26,9 @@ For a model of P fp32 parameters (a stack of square bias-free ``nn.Linear`` laye
 Communication configurations (``--comm UP/DOWN ...``, default ``bf16/fp32``, today's rounds):
 the workers' upload codec (``DiLoCoWorker(codec=UP)``: fp32, bf16, int8, int4, int4:block=32,
 lowrank:8, ...) and the server's ``download_codec`` (DOWN: fp32 sends full parameters every
-round; bf16, int8, int4 publish each round as a compressed update). For each worker count the
+round; bf16, int8, int4 publish each round as a compressed update; sparse, under plain averaged
+descent (``--outer-rule sparseloco``, implied), as the positions it changed with their new
+values, docs/design/codecs.md "The sparse update"). For each worker count the
 configurations run back to back, each on a fresh server from the same initial parameters, so
 that the machine's load and drift touch them as alike as a run allows; each gets its own
 raw-socket limit for the bytes it moved. The bytes reported are measured: each worker's counters around its sync and
@@ -193,8 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         help="communication configurations, each measured on a fresh server for every worker "
         "count: the workers' upload codec (fp32, bf16, int8, int4, int4:block=32, lowrank:8, ...) "
-        "/ the server's download codec (fp32, bf16, int8, int4); e.g. --comm bf16/fp32 int8/int8 "
-        "(default: bf16/fp32, today's rounds)",
+        "/ the server's download codec (fp32, bf16, int8, int4, sparse); e.g. --comm bf16/fp32 "
+        "int8/int8 topk/sparse (default: bf16/fp32, today's rounds)",
+    )
+    ap.add_argument(
+        "--outer-rule",
+        choices=("sgd", "sparseloco"),
+        help="the server's outer rule for every configuration (default: the server's, sgd; "
+        "sparseloco where the download codec is sparse, which needs it)",
     )
     ap.add_argument("--max-dim", type=int, default=2048, help="widest square layer (default 2048)")
     ap.add_argument("--server-threads", type=int, default=2, help="torch threads of the server")

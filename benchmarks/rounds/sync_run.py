@@ -46,6 +46,9 @@ class DiLoCoRun(SessionRun):
 
     def _server_config(self) -> dict[str, Any]:
         codec = self.comm.down
+        rule = getattr(self.args, "outer_rule", None) or (
+            "sparseloco" if codec == "sparse" else None
+        )
         return {
             "num_workers": self.n,
             "initial_params": self.params_path,
@@ -59,6 +62,8 @@ class DiLoCoRun(SessionRun):
             # Named only when compressed, so that a --server-src checkout from before codecs
             # still runs.
             **({"download_codec": codec} if codec != "fp32" else {}),
+            # The sparse downlink needs plain averaged descent; --outer-rule sets it for all.
+            **({"outer_rule": rule} if rule is not None else {}),
         }
 
     def _start(self) -> None:

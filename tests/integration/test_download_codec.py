@@ -371,7 +371,7 @@ def test_a_checkpoint_without_true_restores_true_as_published(
 
 
 def test_configurations_a_lossy_downlink_cannot_serve_are_refused() -> None:
-    assert DOWNLOAD_CODECS == ("fp32", "bf16", "int8", "int4")
+    assert DOWNLOAD_CODECS == ("fp32", "bf16", "int8", "int4", "sparse")
     with pytest.raises(ValueError, match=r"--download-codec.*needs sync mode.*async"):
         ServerConfig(download_codec="int8", mode="async")
     with pytest.raises(ValueError, match=r"--download-codec.*fragments"):

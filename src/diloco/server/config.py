@@ -9,6 +9,7 @@ from typing import Any
 
 from diloco.core.codecs import codec_by_name, codec_names
 from diloco.core.codecs.downlink import check_download_codec
+from diloco.core.codecs.sparse_update import SPARSE_UPDATE
 from diloco.core.fragments import PATTERNS
 from diloco.core.outer_rules import OUTER_RULES, SGD, SPARSELOCO, check_rule, outer_momentum
 
@@ -27,8 +28,9 @@ def _carries_updates(name: str) -> bool:
     return True
 
 
-#: ``fp32`` (full parameters every round) and the codecs that can carry a published update.
-DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)))
+#: ``fp32`` (full parameters every round), the codecs that can carry a published update, and
+#: ``sparse`` (plain averaged descent's changed positions, ``core/codecs/sparse_update.py``).
+DOWNLOAD_CODECS = ("fp32", *(n for n in codec_names() if _carries_updates(n)), SPARSE_UPDATE)
 
 # Sections of ``diloco server --help``.
 _ASYNC = "async mode (arXiv 2401.09135)"
@@ -302,7 +304,10 @@ class ServerConfig:
     ``int4``: a worker that holds the previous round downloads the round's change, quantized
     with the server's error feedback, and applies it with the same arithmetic as the server, so
     every replica stays bit-identical to ``GET /global_params`` (docs/design/codecs.md).
-    The server then keeps one more fp32 copy of the model. Sync mode only, without fragments."""
+    The server then keeps one more fp32 copy of the model. ``sparse``: under plain averaged
+    descent (``outer_rule="sparseloco"`` or ``outer_momentum=0``) a worker downloads the
+    positions the round changed with their new values, copied as they are (no true copy; full
+    parameters for a round where that is not smaller). Sync mode only, without fragments."""
 
     max_initial_bytes: int = 64 * 1024**3
     """Largest parameter upload accepted before the model is known."""
@@ -440,8 +445,19 @@ class ServerConfig:
 
     @property
     def lossy_download(self) -> bool:
-        """Rounds are published as updates (``download_codec`` other than ``fp32``)."""
+        """Rounds are published as updates (``download_codec`` other than ``fp32``; ``sparse``
+        included, though it loses nothing)."""
         return self.download_codec != "fp32"
+
+    @property
+    def sparse_download(self) -> bool:
+        """Rounds are published as sparse updates (``download_codec="sparse"``)."""
+        return self.download_codec == SPARSE_UPDATE
+
+    @property
+    def keeps_true_copy(self) -> bool:
+        """The outer step has a copy of its own (a lossy download codec other than sparse)."""
+        return self.lossy_download and not self.sparse_download
 
     @property
     def norm_bound(self) -> float:
@@ -639,6 +655,13 @@ class ServerConfig:
                 "the whole model; "
                 "streaming fragments are downloaded piece by piece as full values: drop "
                 "--num-fragments or use --download-codec fp32"
+            )
+        # Delayed Nesterov needs async mode, refused above.
+        if self.sparse_download and self.momentum > 0:
+            raise ValueError(
+                "download_codec='sparse' (--download-codec sparse) needs plain averaged descent, "
+                "whose step leaves every parameter its round's uploads did not touch unchanged: "
+                "use --outer-rule sparseloco (or --outer-momentum 0)"
             )
 
     def _check_swarm(self) -> None:

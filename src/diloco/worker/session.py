@@ -143,7 +143,17 @@ class Session:
                         return False
                     continue
                 if receiver.update:
-                    if not self.local.apply_update():
+                    try:
+                        applied = self.local.apply_update()
+                    except WireError as exc:  # a malformed sparse update: nothing changed
+                        if exc.code != "bad_update":
+                            raise
+                        log.warning(
+                            "worker %s: %s; downloading full parameters", self.worker_id, exc
+                        )
+                        have, min_round = None, got.round
+                        continue
+                    if not applied:
                         self.metrics["checksum_mismatches"] += 1
                         log.warning(
                             "worker %s: round %d's checksum differs from the parameters its "

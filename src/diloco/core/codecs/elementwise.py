@@ -29,8 +29,8 @@ class BlockCodec(Codec):
     """Whether the part named like the parameter holds one code per element, and so takes the
     parameter's shape (a captured body then reads naturally); packed codes stay flat."""
     sparse: bool = False
-    """Whether it keeps a subset of the elements (``topk``): not a download codec yet (a sparse
-    downlink is issue 30's item 3)."""
+    """Whether it keeps a subset of the elements (``topk``): not a download codec (its rounds go
+    down as ``--download-codec sparse``, ``sparse_update.py``)."""
 
     def flat_parts(self, n: int) -> list[Part]:
         """``parts`` of a flat tensor of ``n`` elements (each part flat as well)."""

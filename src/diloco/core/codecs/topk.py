@@ -25,8 +25,9 @@ and writes them back, so the scratch is the kept elements of one ``CHUNK`` (abou
 SparseLoCo's density) and no full-size temporary exists. Pieces (``BlockCodec``) are ranges
 aligned to ``chunk``, a power of two so that it divides the worker's ``PIECE`` of 2**20.
 
-Not built here (later parts of issue 30): the SparseLoCo outer rule, a sparse downlink
-(``sparse`` keeps this codec out of ``check_download_codec``), quantized all-reduce.
+Elsewhere: the SparseLoCo outer rule (``core/outer_rules.py``) and the sparse downlink
+(``sparse_update.py``; ``sparse`` keeps this codec itself out of ``check_download_codec``). Not
+built yet (issue 30): quantized all-reduce.
 """
 
 from __future__ import annotations

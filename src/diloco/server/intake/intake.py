@@ -111,7 +111,7 @@ class Intake:
                 )
             store = await asyncio.to_thread(ParamStore.from_tensors, tensors)
             if (
-                self.config.lossy_download
+                self.config.keeps_true_copy
             ):  # the outer step's own copy (server/params/update_bodies.py)
                 await asyncio.to_thread(store.keep_true)
             if self.model.fragmenting is not None:

@@ -38,8 +38,9 @@ class Downloads:
         a published round >= ``min_round()``, or the 202 reply when none came within
         ``poll_timeout``. The snapshot's ``sent`` counts the bytes once they are sent.
 
-        With a lossy download codec, a worker that says it holds round ``have_round`` gets the kept
-        update when it leads from there to the published round (server/params/update_bodies.py);
+        With a download codec other than fp32, a worker that says it holds round ``have_round``
+        gets the kept update when it leads from there to the published round
+        (server/params/update_bodies.py, server/params/sparse_bodies.py);
         anyone else (a joiner, a worker that missed a round) gets full parameters."""
         # A worker waiting (503) for another's initial upload has joined as well as one served.
         self.registry.fetching(worker_id)
@@ -50,7 +51,7 @@ class Downloads:
         wanted = min_round()
         if not await self.wait_published(fragment, wanted, self.config.poll_timeout):
             return Pending(round=self.published_round(fragment), fragment=fragment)
-        downlink = self.model.downlink
+        downlink = self.model.updates  # compressed or sparse
         snap = None
         if downlink is not None and fragment is None and have_round is not None:
             snap = await downlink.open_update(have_round)

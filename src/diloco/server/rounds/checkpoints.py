@@ -203,7 +203,7 @@ class Checkpoints:
         pass to ``apply_outer_step``."""
         store = self.model.require_store()
         units = self.model.units
-        downlink = self.model.downlink
+        downlink, sparse = self.model.downlink, self.model.sparse
         new_round = store.round + 1
         rounds = [u.published_round for u in units]
         rounds[unit.index] = unit_round
@@ -213,6 +213,8 @@ class Checkpoints:
             outer_step(progress)
             if downlink is not None:
                 downlink.encode(new_round)  # the published payload follows the true copy
+            if sparse is not None:  # the positions the sum touched, with their new values
+                sparse.encode(new_round, unit.names, unit.sum.sums)
             if durable:
                 self._write_quietly(new_round, rounds)
 
@@ -224,11 +226,11 @@ class Checkpoints:
         # A round that is to be durable is not streamed while it is written: its first byte
         # leaves only once its checkpoint is on disk, so no worker drops progress for a result
         # a crash could take back (a worker adopts a streamed round as its bytes land). With a
-        # lossy downlink the payload is written after the step (by the update), so it is
-        # published when done.
+        # lossy downlink the payload is written after the step (by the update), and a sparse
+        # update is built from the step's result, so the round is published when done.
         await store.update(
             step,
             new_round=new_round,
             on_publish=publish,
-            stream=len(units) == 1 and not durable and downlink is None,
+            stream=len(units) == 1 and not durable and downlink is None and sparse is None,
         )

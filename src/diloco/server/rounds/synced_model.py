@@ -23,6 +23,7 @@ from diloco.server.members.fragmenting import (
     asked_fragmenting,
     configured_fragmenting,
 )
+from diloco.server.params.sparse_bodies import SparseDownlink
 from diloco.server.params.store import ParamStore
 from diloco.server.params.update_bodies import Downlink
 from diloco.server.rounds.aggregator import Aggregator
@@ -49,6 +50,9 @@ class Model:
         self.num_workers = config.num_workers
         #: With a lossy download codec: the true copy's encoder (server/params/update_bodies.py).
         self.downlink: Downlink | None = None
+        #: With ``download_codec="sparse"``: the sparse update's builder
+        #: (server/params/sparse_bodies.py).
+        self.sparse: SparseDownlink | None = None
 
     def adopt(self, store: ParamStore, true: dict[str, torch.Tensor] | None = None) -> None:
         """Serve ``store``; with a lossy download codec its outer step gets a true copy (equal
@@ -56,10 +60,17 @@ class Model:
         self.store = store
         store.on_new_buffer = self._repoint
         store.download_codec = self.config.download_codec
-        if self.config.lossy_download:
+        if self.config.sparse_download:
+            self.sparse = SparseDownlink(store)
+        elif self.config.lossy_download:
             codec = check_download_codec(codec_by_name(self.config.download_codec))
             self.downlink = Downlink(codec, store, true)
         store.refresh_header()
+
+    @property
+    def updates(self) -> Downlink | SparseDownlink | None:
+        """What serves a round as an update of the previous one, if anything does."""
+        return self.downlink if self.downlink is not None else self.sparse
 
     def _repoint(self) -> None:
         for unit in self.units:

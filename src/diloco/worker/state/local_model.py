@@ -173,8 +173,10 @@ class LocalModel:
 
     def apply_update(self) -> bool:
         """Add the landed update to the snapshot and check the round's checksum. False on a
-        mismatch: the snapshot is then dirty, and only a full download may follow."""
+        mismatch: the snapshot is then dirty, and only a full download may follow. A malformed
+        sparse update is a ``WireError`` (``bad_update``) before anything changes."""
         assert self._payload is not None
+        self._updates.check(self.table())
         self.snapshot_dirty = True
         if not self._updates.apply(self.snapshot, self._payload):
             return False
