@@ -182,3 +182,20 @@ def test_bad_stage_sync_settings_are_refused_before_anything_runs(field: str, va
             loss_fn=nn.functional.cross_entropy, boundaries=(HIDDEN,), samples_per_step=1,
             **{field: value},
         )  # fmt: skip
+
+
+def test_a_peer_binding_every_interface_announces_the_address_it_is_given(
+    make_server: ServerFactory,
+) -> None:
+    """``host="0.0.0.0"`` binds every interface, which no driver can dial: without
+    ``announce`` the peer is refused before it registers (nothing in the run); with it, its
+    ready names the announced address and a head trains through it."""
+    server = swarm_server(make_server)
+    with pytest.raises(ValueError, match="announce"):
+        make_peer(server, 1, host="0.0.0.0")
+    assert route_table(server) == {0: [], 1: [], 2: []}
+    with peers(server, 1, 2, 0, host="0.0.0.0", announce="127.0.0.1") as (body, tail, head):
+        assert body.address is not None and body.address.startswith("http://127.0.0.1:")
+        assert body.service is not None and body.service.host == "0.0.0.0"
+        x, y = batches(1, BATCH)[0]
+        assert head.train_step(x, y) == reference(make_model(0), [(x, y)])[0]

@@ -49,7 +49,10 @@ class PeerFlags:
     micro_batch: int = _flag(0, "samples a micro-batch (default: the whole batch)")
     codec: str = _flag("int8", "activations' codec", choices=("fp32", "bf16", "int8", "int4"))
     lr: float = _flag(1e-3, "the stage's AdamW learning rate")
-    host: str = _flag("127.0.0.1", "the address the stage service binds and announces")
+    host: str = _flag("127.0.0.1", "the address the stage service binds (and announces)")
+    announce: str | None = _flag(
+        None, "the address drivers dial, when it is not --host (required with --host 0.0.0.0)"
+    )
     port: int = _flag(0, "the stage service's port (0: any free one)")
     heartbeat_interval: float = _flag(5.0, "seconds between heartbeats")
     data: str | None = _flag(
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=lambda params: torch.optim.AdamW(params, lr=s.lr), loss_fn=loss_fn,
         boundaries=shapes(s.boundary, s.stages), samples_per_step=s.batch,
         micro_batch=s.micro_batch or s.batch, codec=s.codec, token=s.token, stages=fits,
-        host=s.host, port=s.port, heartbeat_interval=s.heartbeat_interval,
+        host=s.host, port=s.port, announce=s.announce, heartbeat_interval=s.heartbeat_interval,
         sync_every=s.sync_every, idle_step_s=s.idle_step_s, tls_ca=s.tls_ca,
         tls_cert=s.tls_cert, tls_key=s.tls_key,
     )  # fmt: skip

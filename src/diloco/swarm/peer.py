@@ -84,7 +84,8 @@ class SwarmPeer:
     fp32 pseudo-gradients: ``bf16_comm=False``); ``idle_step_s``: a serving replica that has
     not stepped for this long takes a step with no gradient (stage sync only); ``restore_dir``:
     the save dir whose ``stage-<k>/`` a peer moved to stage ``k`` restores from (default the
-    stage sync's ``save_dir``)."""
+    stage sync's ``save_dir``); ``announce``: the host drivers dial, said in the ready (default
+    ``host``; required when ``host`` binds every interface, which no one can dial)."""
 
     def __init__(
         self,
@@ -102,6 +103,7 @@ class SwarmPeer:
         stages: Sequence[int] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        announce: str | None = None,
         sync_every: int | None = None,
         sync_options: Mapping[str, Any] | None = None,
         restore_dir: str | None = None,
@@ -137,7 +139,13 @@ class SwarmPeer:
         )
         self.edges = boundary_codecs(shapes, codec)  # a bad codec or shape fails here, not later
         self.token, self.fits = token, tuple(stages) if stages is not None else None
+        if announce is None and host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"host {host!r} binds every interface, which no driver can dial: give announce "
+                "(diloco swarm-peer --announce), the address the other machines reach this one at"
+            )
         self.host, self.port, self.max_in_flight = host, port, max_in_flight
+        self.announce = announce or host
         self.heartbeat_interval, self.route_wait_s = heartbeat_interval, route_wait_s
         self.timeout_floor_s, self.first_timeout_s = timeout_floor_s, first_timeout_s
         self.token_dims, self.hook, self.seed, self.wanted_id = token_dims, hook, seed, worker_id
@@ -291,7 +299,7 @@ class SwarmPeer:
                 busy_wait_s=self._busy_wait_s, tls_ca=self.tls_ca,
             )  # fmt: skip
             # The head serves nothing: port 0 names its host and says no one may dial it.
-            return f"http://{_url_host(self.host)}:0"
+            return f"http://{_url_host(self.announce)}:0"
         tail = k == self.num_stages - 1
         self.service = StageService(
             self.module, opt,
@@ -302,7 +310,7 @@ class SwarmPeer:
             tls_cert=self.tls_cert, tls_key=self.tls_key,
         ).start()  # fmt: skip
         scheme = "https" if self.tls_cert else "http"
-        return f"{scheme}://{_url_host(self.host)}:{self.service.port}"
+        return f"{scheme}://{_url_host(self.announce)}:{self.service.port}"
 
     # --- working -------------------------------------------------------------------------------
 
