@@ -55,7 +55,7 @@ members registered (``quorum_comm``). int8 and int4 travel as blockwise codes wi
 error feedback, reduced shard by shard in fp32 and requantized (worker/allreduce/quantized.py)."""
 LOSSY_REFUSED = (
     "the all-reduce mode averages fp32, bf16, int8 or int4 (blockwise codes, reduced shard by "
-    "shard); the other lossy codecs (topk, lowrank, fp4) are not built for its collectives: "
+    "shard); the other lossy codecs (topk, lowrank) are not built for its collectives: "
     "run the server without --allreduce to use them"
 )
 """Why another lossy codec is refused in this mode: the mode, not ``--codecs``, is the cause."""
