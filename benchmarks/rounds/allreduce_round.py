@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "--allreduce-codecs",
         nargs="*",
         default=[],
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "topk"],
         help="also all-reduce with these quantized collectives",
     )
     ap.add_argument("--no-server-mode", action="store_true", help="all-reduce mode only")

@@ -12,7 +12,7 @@ from diloco.worker.choose import SHARDED_QUANTIZED, _quorum_sync
 from diloco.worker.settings import WorkerSettings
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "topk"])
 def test_a_sharded_group_whole_model_round_refuses_a_quantized_codec(codec: str) -> None:
     settings = WorkerSettings(codec=codec, sync_every=4)
     parts: Any = object()  # a sharded group's per-shard state: the refusal comes first

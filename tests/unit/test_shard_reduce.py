@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.core.codecs import Int4Codec, Int8Codec
+from diloco.core.codecs import Int4Codec, Int8Codec, TopKCodec
 from diloco.core.codecs.shard_reduce import (
     decode_slot,
     payload_bytes,
@@ -159,3 +159,28 @@ def test_the_relative_error_bound_holds_for_int8_and_int4() -> None:
         quantize_feedback_(codec, c, torch.zeros(slot_bytes(codec, 8192), dtype=torch.uint8))
         ratio = float(c.norm() / x.norm())
         assert 0 < ratio <= relative_error(codec), codec.name
+
+
+def test_topk_slots_hold_scales_indices_codes_and_sum_in_rank_order_by_hand() -> None:
+    """topk with chunks of 4 keeping 2 at 2 bits (levels -3s, -s, s, 3s): the slot's three
+    parts each start at 8 bytes, and two members' decoded parts sum as they are (no
+    requantization: every rank decodes every member's slot)."""
+    codec = TopKCodec(density=0.5, chunk=4, bits=2)
+    assert slot_bytes(codec, 4) == 24  # 2 bytes of scale, 4 of indices at 8, 1 of codes at 16
+    # Member 0 keeps 3.0 and 0.875: s = 1; (0.875 / 1 + 3) / 2 = 1.9375 -> code 2 -> 1.0.
+    slot0, e0 = quantize_topk([0.875, -0.125, 0.25, 3.0], codec)
+    assert e0.tolist() == [-0.125, -0.125, 0.25, 0.0]
+    # Member 1 keeps 1.5 and 0.5: s = 0.5, exact.
+    slot1, e1 = quantize_topk([0.5, 1.5, 0.0, 0.0], codec)
+    assert e1.tolist() == [0.0, 0.0, 0.0, 0.0]
+    total = torch.empty(4)
+    reduce_slots(codec, [slot0, slot1], total)
+    assert total.tolist() == [1.5, 1.5, 0.0, 3.0]
+    assert relative_error(codec) == pytest.approx(2**0.5 / 3 * (1 + 2**-7))
+
+
+def quantize_topk(c: list[float], codec: TopKCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.tensor(c)
+    slot = torch.zeros(slot_bytes(codec, x.numel()), dtype=torch.uint8)
+    quantize_feedback_(codec, x, slot)
+    return slot, x

@@ -86,7 +86,7 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
 
 SHARDED_QUANTIZED = (
     "a sharded worker group averages its whole model shard by shard, in fp32 or bf16: the "
-    "int8/int4 collectives of the all-reduce mode average a plain member's buffers (use "
+    "int8/int4/topk collectives of the all-reduce mode average a plain member's buffers (use "
     "codec='bf16', or streaming fragments, num_fragments > 1)"
 )
 

@@ -49,14 +49,16 @@ from diloco.wire.messages.rendezvous import PATH as RENDEZVOUS_PATH
 
 log = logging.getLogger(__name__)
 
-ALLREDUCE_CODECS = ("fp32", "bf16", "int8", "int4")
+ALLREDUCE_CODECS = ("fp32", "bf16", "int8", "int4", "topk")
 """What a quorum's all-reduce carries, narrowest last: a quorum's ``comm`` is the widest its
 members registered (``quorum_comm``). int8 and int4 travel as blockwise codes with each member's
-error feedback, reduced shard by shard in fp32 and requantized (worker/allreduce/quantized.py)."""
+error feedback, reduced shard by shard in fp32 and requantized; topk as each member's sparse
+parts, all-gathered and summed (worker/allreduce/quantized.py)."""
+ENCODED = ("int8", "int4", "topk")
+"""The codecs whose collectives decode what every member encoded: their default options only."""
 LOSSY_REFUSED = (
-    "the all-reduce mode averages fp32, bf16, int8 or int4 (blockwise codes, reduced shard by "
-    "shard); the other lossy codecs (topk, lowrank) are not built for its collectives: "
-    "run the server without --allreduce to use them"
+    "the all-reduce mode averages fp32, bf16, int8, int4 or topk; lowrank is not built for its "
+    "collectives: run the server without --allreduce to use it"
 )
 """Why another lossy codec is refused in this mode: the mode, not ``--codecs``, is the cause."""
 
@@ -157,15 +159,15 @@ class AllReduceFront:
 
     def admit(self, info: RegisterInfo) -> Callable[[str], None]:
         """A registration's table and codec checked (400 ``missing_params_table``, 409
-        ``params_mismatch``, 422 ``codec_refused`` for a lossy codec other than int8 and int4, or
-        one of those with other than its default options), and its fragmenting, before
+        ``params_mismatch``, 422 ``codec_refused`` for lowrank, or int8, int4 or topk with other
+        than their default options), and its fragmenting, before
         anything changes."""
         table = self.table.check(info.params)
         comm = registered_codec(info.codec, ALLREDUCE_CODECS, LOSSY_REFUSED) or "fp32"
-        if info.codec is not None and comm in ("int8", "int4"):
+        if info.codec is not None and comm in ENCODED:
             default = parse_codec({"codec": comm}).options()
             if parse_codec(info.codec).options() != default:
-                # Every member must cut the same blocks: the quorum's codes are decoded as one.
+                # Every member must cut the same blocks or chunks: the codes are decoded as one.
                 raise codec_refused(
                     f"{comm} with options {parse_codec(info.codec).options()}",
                     ALLREDUCE_CODECS,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.core.codecs import AbsmaxQuantizer
+from diloco.core.codecs import BlockCodec
 from diloco.core.codecs.shard_reduce import relative_error
 from diloco.core.robust import Verdict, global_norm, judge
 from diloco.wire.messages import Assignment
@@ -115,7 +115,7 @@ class Quantized:
     """What a quantized average needs of the member: the codec, the residuals it owes for these
     tensors and the buffers for its new ones (``quantized.Residuals``)."""
 
-    codec: AbsmaxQuantizer
+    codec: BlockCodec
     residual: list[torch.Tensor]
     pending: list[torch.Tensor]
 
@@ -130,7 +130,11 @@ def _checked_quantized(
 ) -> Averaged:
     flats = flat_views(tensors)
     codec = q.codec
-    check_tables(quorum, f"checked {codec.name} {codec.block} {bucket_bytes};" + table_of(tensors))
+    check_tables(
+        quorum,
+        f"checked {codec.name} {sorted(codec.options().items())} {bucket_bytes};"
+        + table_of(tensors),
+    )
     finite, norm = measure(quorum, flats)
     verdict = judge(*exchange(quorum, finite, norm, weight), norm_bound, MAX_WEIGHT)
     admitted = quorum.rank not in verdict.excluded
@@ -150,9 +154,11 @@ def _checked_quantized(
         send_residual=admitted,
         bucket_bytes=bucket_bytes,
     )
-    # Each member's codes are within relative_error of its contribution, and the shard's sum
-    # within it again after the requantization (the triangle inequality, twice).
-    bound = (verdict.bound + owed) * (1 + relative_error(codec)) ** 2
+    # Each member's decoded codes are within relative_error of its contribution, and the shard's
+    # sum within it again after the requantization (the triangle inequality, twice; once for
+    # topk, whose decoded parts are summed as they are).
+    times = 1 if codec.sparse else 2
+    bound = (verdict.bound + owed) * (1 + relative_error(codec)) ** times
     got = moved.norm
     return Averaged(verdict, got, got <= bound * 1.01 + TINY, moved)
 

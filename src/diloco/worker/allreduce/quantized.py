@@ -1,5 +1,6 @@
-"""The quantized all-reduce of a quorum (``comm`` ``int8`` or ``int4``; docs/design/allreduce.md,
-"Quantized all-reduce"), and the error-feedback residuals each member keeps for it.
+"""The quantized all-reduce of a quorum (``comm`` ``int8``, ``int4`` or ``topk``;
+docs/design/allreduce.md, "Quantized all-reduce"), and the error-feedback residuals each member
+keeps for it.
 
 One bucket at a time (``BUCKET_BYTES`` of fp32, as the dense path): every member quantizes its
 contribution ``scale * acc + e`` (``e``: the residual it owes) blockwise into one slot per shard;
@@ -7,7 +8,8 @@ one all-to-all hands each rank every member's slot of its shard (the reduce-scat
 sums them in fp32 in rank order and requantizes the sum (``core.codecs.shard_reduce``); one
 all-gather hands every rank every requantized shard, and every rank decodes the same bytes, so
 every replica ends bit-identical. gloo's all-to-all was measured beside its all-gather and
-all-reduce (docs/design/allreduce.md).
+all-reduce (docs/design/allreduce.md). ``topk`` (sparse) is not reduce-scattered: each member's
+encoded bucket is all-gathered whole, and every rank sums the N decoded slots in rank order.
 
 Error feedback: what a member's codes dropped, plus what the requantization of the shard it
 reduced dropped, is its next residual (``Residuals.pending``), adopted only once the round
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from diloco.core.codecs import AbsmaxQuantizer, Int4Codec, Int8Codec
+from diloco.core.codecs import BlockCodec, Int4Codec, Int8Codec, TopKCodec
 from diloco.core.codecs.shard_reduce import (
     decode_slot,
     quantize_feedback_,
@@ -36,8 +38,12 @@ from diloco.core.codecs.shard_reduce import (
 )
 from diloco.worker.allreduce.collective import BUCKET_BYTES, QuorumCollective
 
-QUANTIZED: dict[str, Callable[[], AbsmaxQuantizer]] = {"int8": Int8Codec, "int4": Int4Codec}
-"""The quorum ``comm`` values that travel quantized, and their codecs (default blocks)."""
+QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
+    "int8": Int8Codec,
+    "int4": Int4Codec,
+    "topk": TopKCodec,
+}
+"""The quorum ``comm`` values that travel encoded, and their codecs (default options)."""
 
 
 @dataclass
@@ -111,7 +117,7 @@ def quantized_reduce(
     quorum: QuorumCollective,
     flats: list[torch.Tensor],
     scale: float,
-    codec: AbsmaxQuantizer,
+    codec: BlockCodec,
     residual: list[torch.Tensor],
     pending: list[torch.Tensor],
     *,
@@ -135,6 +141,19 @@ def quantized_reduce(
                 torch.mul(flats[i][a : a + t], scale, out=b[o : o + t])
             if send_residual:
                 b[o : o + t].add_(residual[i][a : a + t])
+        if codec.sparse:
+            slot = slot_bytes(codec, n)
+            out = torch.empty(slot, dtype=torch.uint8)
+            quantize_feedback_(codec, b, out)  # b keeps what the codes dropped
+            _keep_residual(b, pieces, residual, pending, send_residual)
+            got = torch.empty(size * slot, dtype=torch.uint8)
+            quorum.collective("sparse all-gather", _all_gather(got, out, size, quorum.timeout))
+            reduce_slots(codec, [got[r * slot : (r + 1) * slot] for r in range(size)], b)
+            squares += _write_back(b, pieces, flats)
+            sent += (size - 1) * slot
+            received += (size - 1) * slot
+            payload += size * slot
+            continue
         bounds = shard_bounds(n, size, codec.align)
         slot = slot_bytes(codec, max(hi - lo for lo, hi in bounds))
         out = torch.empty(size * slot, dtype=torch.uint8)
@@ -148,18 +167,11 @@ def quantized_reduce(
         mine = out[:slot]  # the own slots were sent: room for the requantized shard
         quantize_feedback_(codec, total, mine)
         b[lo:hi].add_(total)  # the requantization's residual is the shard owner's to repay
-        for i, a, t, o in pieces:
-            if send_residual:
-                pending[i][a : a + t].copy_(b[o : o + t])
-            else:
-                torch.add(residual[i][a : a + t], b[o : o + t], out=pending[i][a : a + t])
+        _keep_residual(b, pieces, residual, pending, send_residual)
         quorum.collective("quantized all-gather", _all_gather(got, mine, size, quorum.timeout))
         for j, (lo, hi) in enumerate(bounds):
             decode_slot(codec, got[j * slot : (j + 1) * slot], b[lo:hi])
-        for i, a, t, o in pieces:
-            own = flats[i][a : a + t]
-            own.copy_(b[o : o + t])
-            squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
+        squares += _write_back(b, pieces, flats)
         sent += 2 * (size - 1) * slot
         received += 2 * (size - 1) * slot
         payload += size * slot
@@ -190,6 +202,34 @@ def count_bytes(
     ring = 2 * (size - 1) * payload // size
     metrics["collective_sent"] += ring
     metrics["collective_received"] += ring
+
+
+def _keep_residual(
+    b: torch.Tensor,
+    pieces: list[tuple[int, int, int, int]],
+    residual: list[torch.Tensor],
+    pending: list[torch.Tensor],
+    sent: bool,
+) -> None:
+    """``pending`` = what the bucket ``b`` holds now (what this member's codes dropped), plus
+    the old residual where it was not sent (a member left out keeps owing it)."""
+    for i, a, t, o in pieces:
+        if sent:
+            pending[i][a : a + t].copy_(b[o : o + t])
+        else:
+            torch.add(residual[i][a : a + t], b[o : o + t], out=pending[i][a : a + t])
+
+
+def _write_back(
+    b: torch.Tensor, pieces: list[tuple[int, int, int, int]], flats: list[torch.Tensor]
+) -> float:
+    """The averaged bucket into the tensors; the sum of squares of what was written."""
+    squares = 0.0
+    for i, a, t, o in pieces:
+        own = flats[i][a : a + t]
+        own.copy_(b[o : o + t])
+        squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
+    return squares
 
 
 def _buckets(
