@@ -110,8 +110,9 @@ def run_streaming(
     **kw: Any,
 ) -> list[dict[str, Any]]:
     """``n`` workers in threads, ``PERIODS * EVERY`` seeded SGD steps each; per worker its final
-    parameters (taken before it leaves), metrics, and the state it held after each step at which
-    no round was in flight (all-reduce mode only). ``tamper(rank, step, worker)`` runs before
+    parameters (taken before it leaves), metrics, the state it held after each step at which
+    no round was in flight (all-reduce mode only), and the keys of its quantized quorums'
+    residuals (``QuorumSync.residuals``). ``tamper(rank, step, worker)`` runs before
     each step."""
     states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(n)]
 
@@ -139,7 +140,11 @@ def run_streaming(
     for rank, (params, metrics, w) in enumerate(done):
         if hasattr(w._strategy, "_state"):  # after leaving: the round that was in flight ended
             states[rank][w.base_round] = held(w)
-        out.append({"params": params, "metrics": metrics, "states": states[rank]})
+        residuals = getattr(w._strategy, "residuals", None)
+        keys = [] if residuals is None else list(residuals.held)
+        out.append(
+            {"params": params, "metrics": metrics, "states": states[rank], "residual_keys": keys}
+        )
     return out
 
 

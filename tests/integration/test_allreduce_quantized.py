@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
-from tests.helpers.allreduce import run_workers
+from tests.helpers.allreduce import PERIODS, run_streaming, run_workers
 
 ROUNDS = 3
 
@@ -71,3 +71,32 @@ def test_quantized_quorums_keep_replicas_identical_after_every_round(n: int, cod
             == m["collective_received"]
             == ROUNDS * (2 * (n - 1) * 4 * 131 // n)
         )
+
+
+@pytest.mark.timeout(240)
+def test_streaming_fragments_keep_one_residual_per_fragment_and_identical_replicas() -> None:
+    """int8 with two strided fragments overlapped with training: every worker holds the same
+    state after every round, and each worker keeps one residual per fragment, keyed by the
+    round's fragment (``round mod P``) before the buffer's table (tables of equal fragments
+    would coincide)."""
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        results = run_streaming(
+            srv.address,
+            2,
+            codec="int8",
+            num_fragments=2,
+            fragment_pattern="strided",
+            overlap_steps=1,
+            merge_alpha=0.5,
+        )
+    common = set.intersection(*(set(r["states"]) for r in results))
+    assert len(common) >= PERIODS * 2 - 1
+    for r in common:
+        for a, b in zip(results[0]["states"][r], results[1]["states"][r], strict=True):
+            assert torch.equal(a, b), r
+    for r in results:
+        m = r["metrics"]
+        assert m["failed_syncs"] == 0 and m["discarded_rounds"] == 0
+        assert 0 < m["collective_sent"] == m["collective_received"]
+        keys = sorted(r["residual_keys"])
+        assert [k.split(";")[0] for k in keys] == ["0", "1"]

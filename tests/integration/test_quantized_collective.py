@@ -127,5 +127,50 @@ def test_residuals_move_only_at_commit_and_go_when_forgotten() -> None:
     res.commit()
     assert torch.equal(res.of("k", flats)[0], torch.full((4,), 0.5))
     assert res.of("k", flats)[0] is not held  # the old buffer is reused as the next pending
+    res.begin("k", flats)[0].fill_(2.0)  # a round that failed before its commit point...
+    res.discard()  # ...then a round that fills nothing (a dense quorum) and steps
+    res.commit()
+    assert torch.equal(res.of("k", flats)[0], torch.full((4,), 0.5))
     res.forget()
     assert res.held == {} and res.norm("k") == 0.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("make", [Int8Codec, TopKCodec], ids=["int8", "topk"])
+def test_the_checks_leave_a_nan_member_out_of_a_quantized_average(
+    make: type[BlockCodec],
+) -> None:
+    """Member 1's pseudo-gradient holds a NaN: every member's verdict leaves it out, it sends
+    zeros and keeps its residual unsent (its new one is the old one, plus the requantization's
+    share of the shard it reduced: none for topk), and the others' average is finite and the
+    same bits on every rank."""
+    with RendezvousHost(timeout=10.0) as host:
+
+        def member(rank: int) -> tuple[list[torch.Tensor], Averaged, list[torch.Tensor]]:
+            tensors = contribution(rank, 0)
+            if rank == 1:
+                tensors[0][7] = float("nan")
+            flats = [t.view(-1) for t in tensors]
+            residuals = Residuals()
+            for e in residuals.of("k", flats):
+                e.fill_(0.25)  # owed from an earlier round
+            pending = residuals.begin("k", flats)
+            quantized = Quantized(make(), residuals.of("k", flats), pending)
+            with QuorumCollective.build(host.meeting(rank), f"nan-{make.name}", rank, 3, 10.0) as q:
+                got = checked_average(
+                    q, tensors, 1.0, norm_bound=1e9, bucket_bytes=BUCKET, quantized=quantized
+                )
+            return tensors, got, pending
+
+        results = in_threads(3, member, timeout=60)
+    for tensors, got, _ in results:
+        assert got.verdict.excluded == (1,) and got.sound
+        assert all(bool(torch.isfinite(t).all()) for t in tensors)
+        for a, b in zip(tensors, results[0][0], strict=True):
+            assert torch.equal(a, b)
+    left_out = torch.cat(results[1][2])
+    if make is TopKCodec:
+        assert torch.equal(left_out, torch.full_like(left_out, 0.25))
+    else:
+        assert bool(torch.isfinite(left_out).all())
+        assert float((left_out - 0.25).abs().max()) < 0.1  # only its shard's requantization

@@ -26,7 +26,8 @@ SparseLoCo's density) and no full-size temporary exists. Pieces (``BlockCodec``)
 aligned to ``chunk``, a power of two so that it divides the worker's ``PIECE`` of 2**20.
 
 Not built here (later parts of issue 30): the SparseLoCo outer rule, a sparse downlink
-(``sparse`` keeps this codec out of ``check_download_codec``), quantized all-reduce.
+(``sparse`` keeps this codec out of ``check_download_codec``). The all-reduce mode all-gathers
+members' encoded buckets (``core/codecs/shard_reduce.py``, ``worker/allreduce/quantized.py``).
 """
 
 from __future__ import annotations

@@ -53,15 +53,18 @@ class Residuals:
 
     Rules: a round's new residuals (``pending``) replace the old ones only at ``commit`` (the
     round passed its commit point and stepped); a discarded round, a quorum whose admitted
-    weights sum to 0 and a member left out by the checks keep the old ones (the left-out member
-    sent none of it: still owed); a rebase keeps them (the residual is owed to the run, whatever
-    the state the progress sits on); ``forget`` drops them where the member takes the run's
+    weights sum to 0, a member left out by the checks (it sent none of it: still owed) and a
+    dense round keep the old ones; a rebase keeps them (the residual is owed to the run,
+    whatever the state the progress sits on); ``forget`` drops them where the member takes the run's
     state wholesale (a rejoin after exclusions, or a state made by a quorum whose commit point
     failed here, which may or may not hold this member's last contribution): at most one
     round's quantization error is lost. Not saved with the worker's checkpoint."""
 
     held: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: tuple[str, list[torch.Tensor]] | None = None
+    filling: bool = False
+    """``pending`` belongs to the round in progress (``begin``), not to an earlier one that
+    failed: only then may ``commit`` adopt it."""
 
     def of(self, key: str, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The residuals for ``flats`` under ``key`` (zeros the first time, or when the
@@ -74,6 +77,7 @@ class Residuals:
 
     def begin(self, key: str, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Buffers for this round's new residuals (reused between rounds)."""
+        self.filling = True
         if self.pending is not None and self.pending[0] == key:
             buffers = self.pending[1]
             if [b.numel() for b in buffers] == [f.numel() for f in flats]:
@@ -82,9 +86,15 @@ class Residuals:
         self.pending = (key, buffers)
         return buffers
 
+    def discard(self) -> None:
+        """A round starts: whatever ``pending`` holds is an earlier round's, never adopted (a
+        dense round after a failed quantized one must not commit it)."""
+        self.filling = False
+
     def commit(self) -> None:
         """The round that filled ``pending`` stepped on every member: its residuals are owed."""
-        if self.pending is not None:
+        if self.pending is not None and self.filling:
+            self.filling = False
             key, buffers = self.pending
             old = self.held.get(key)
             self.held[key] = buffers

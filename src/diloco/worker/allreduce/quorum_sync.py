@@ -304,6 +304,7 @@ class QuorumSync:
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
         make = QUANTIZED.get(q.comm)
+        self.residuals.discard()  # a dense round neither sends nor moves the residuals
         with _stage("average"):
             if self._state.streamed:  # a sharded group's: the tensors are on its shards
                 if make is not None:
