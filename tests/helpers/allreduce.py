@@ -43,11 +43,13 @@ def _train(
     samples: Callable[[int], int],
     before_step: Hook | None = None,
     after_step: Hook | None = None,
+    per_rank: Callable[[int], dict[str, Any]] | None = None,
     **kw: Any,
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, float], DiLoCoWorker]]:
     """``n`` workers in threads, ``steps`` seeded SGD steps each (``sync_every=EVERY``), each
     step reporting ``samples(rank)``; per worker its final parameters and metrics (taken before
-    it leaves) and the worker itself (left)."""
+    it leaves) and the worker itself (left). ``per_rank(rank)``: worker settings of that rank's
+    own, beside ``kw``."""
 
     def run(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, float], DiLoCoWorker]:
         model = make_model(seeds[rank] if seeds else 0)
@@ -62,6 +64,7 @@ def _train(
             bf16_comm=bf16,
             worker_id=f"w{rank}",
             **kw,
+            **(per_rank(rank) if per_rank is not None else {}),
         ) as w:
             for step in range(steps):
                 if before_step is not None:

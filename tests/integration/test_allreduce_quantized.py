@@ -100,3 +100,29 @@ def test_streaming_fragments_keep_one_residual_per_fragment_and_identical_replic
         assert 0 < m["collective_sent"] == m["collective_received"]
         keys = sorted(r["residual_keys"])
         assert [k.split(";")[0] for k in keys] == ["0", "1"]
+
+
+@pytest.mark.timeout(240)
+def test_a_mixed_quorum_averages_with_the_widest_codec_on_every_member() -> None:
+    """w0 registers int4, w1 int8: the quorum's comm is int8 and both members run the int8
+    collective (the int4 member too), so both send int8 slots and end bit-identical."""
+    seen: dict[int, list[list[torch.Tensor]]] = {}
+    lock = threading.Lock()
+
+    def record(rank: int, r: int, w: DiLoCoWorker) -> None:
+        with lock:
+            seen.setdefault(w.base_round, []).append(
+                [t.clone() for t in w._local.snapshot.values()]
+            )
+
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        mixed = run_workers(
+            srv.address, 2, ROUNDS, after_sync=record,
+            per_rank=lambda rank: {"codec": ("int4", "int8")[rank]},
+        )  # fmt: skip
+    int8, _ = run(2, "int8")
+    for states in seen.values():
+        for a, b in zip(states[0], states[1], strict=True):
+            assert torch.equal(a, b)
+    for (_, m), (_, ref) in zip(mixed, int8, strict=True):
+        assert m["collective_sent"] == ref["collective_sent"] > 0  # int8 slots, not int4's
