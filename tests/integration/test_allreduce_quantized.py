@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.worker.allreduce.collective import QuorumCollective, QuorumFailed
 from tests.helpers.allreduce import PERIODS, run_streaming, run_workers
 
 ROUNDS = 3
@@ -126,3 +127,32 @@ def test_a_mixed_quorum_averages_with_the_widest_codec_on_every_member() -> None
             assert torch.equal(a, b)
     for (_, m), (_, ref) in zip(mixed, int8, strict=True):
         assert m["collective_sent"] == ref["collective_sent"] > 0  # int8 slots, not int4's
+
+
+@pytest.mark.timeout(240)
+def test_a_round_discarded_inside_the_quantized_collective_changes_no_residual(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1's group breaks at round 2's all-gather (after the all-to-all moved every slot and
+    each member computed its new residual): the round is discarded on both, and the repeat
+    sends the same contributions with the same residuals, so the run ends bit for bit where the
+    fault-free run ends. A residual adopted before the commit point would change the bits."""
+    clean, _ = run(2, "int8")
+    original = QuorumCollective.collective
+    calls: list[int] = []
+
+    def collective(self: QuorumCollective, what: str, start: Any) -> None:
+        if what == "quantized all-gather" and self.rank == 1:
+            calls.append(1)
+            if len(calls) == 2:
+                self.close()
+                raise QuorumFailed(self.quorum_id, "all-gather failed: injected")
+        original(self, what, start)
+
+    monkeypatch.setattr(QuorumCollective, "collective", collective)
+    faulty, _ = run(2, "int8")
+    assert sum(m["discarded_rounds"] for _, m in faulty) == 2  # on both members
+    for (params, m), (ref, _) in zip(faulty, clean, strict=True):
+        assert m["rounds"] == ROUNDS
+        for k in ref:
+            assert torch.equal(params[k], ref[k]), k
