@@ -13,9 +13,9 @@ import torch
 
 from diloco.core.codecs import BlockCodec, Int4Codec, Int8Codec, TopKCodec
 from diloco.core.codecs.shard_reduce import relative_error, shard_bounds, slot_bytes
-from diloco.worker.allreduce.average_checks import Averaged, Quantized, checked_average
+from diloco.worker.allreduce.average_checks import Averaged, checked_average
 from diloco.worker.allreduce.collective import QuorumCollective
-from diloco.worker.allreduce.quantized import Residuals
+from diloco.worker.allreduce.quantized import Quantized, Residuals
 from tests.helpers.rendezvous_host import RendezvousHost
 from tests.helpers.threads import in_threads
 

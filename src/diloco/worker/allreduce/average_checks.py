@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.core.codecs import BlockCodec
 from diloco.core.codecs.shard_reduce import relative_error
 from diloco.core.robust import Verdict, global_norm, judge
 from diloco.wire.messages import Assignment
@@ -31,7 +30,7 @@ from diloco.worker.allreduce.collective import (
     reduce_scaled,
     table_of,
 )
-from diloco.worker.allreduce.quantized import Moved, quantized_reduce
+from diloco.worker.allreduce.quantized import Moved, Quantized, quantized_reduce
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +107,6 @@ def checked_average(
         return Averaged(verdict, 0.0, True)
     # The result's norm was taken bucket by bucket during the all-reduce (no further pass).
     return Averaged(verdict, got, got <= verdict.bound * (1 + slack(dtype, quorum.size)) + TINY)
-
-
-@dataclass(frozen=True)
-class Quantized:
-    """What a quantized average needs of the member: the codec, the residuals it owes for these
-    tensors and the buffers for its new ones (``quantized.Residuals``)."""
-
-    codec: BlockCodec
-    residual: list[torch.Tensor]
-    pending: list[torch.Tensor]
 
 
 def _checked_quantized(

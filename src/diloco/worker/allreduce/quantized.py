@@ -36,7 +36,7 @@ from diloco.core.codecs.shard_reduce import (
     shard_bounds,
     slot_bytes,
 )
-from diloco.worker.allreduce.collective import BUCKET_BYTES, QuorumCollective
+from diloco.worker.allreduce.collective import BUCKET_BYTES, QuorumCollective, table_of
 
 QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
     "int8": Int8Codec,
@@ -44,6 +44,16 @@ QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
     "topk": TopKCodec,
 }
 """The quorum ``comm`` values that travel encoded, and their codecs (default options)."""
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What a quantized average needs of the member: the codec, the residuals it owes for these
+    tensors and the buffers for its new ones (``Residuals.for_round``)."""
+
+    codec: BlockCodec
+    residual: list[torch.Tensor]
+    pending: list[torch.Tensor]
 
 
 @dataclass
@@ -85,6 +95,19 @@ class Residuals:
         buffers = [torch.empty(f.numel(), dtype=torch.float32, device=f.device) for f in flats]
         self.pending = (key, buffers)
         return buffers
+
+    def for_round(self, comm: str, share: int, tensors: Sequence[torch.Tensor]) -> Quantized | None:
+        """A round starts averaging ``tensors``, share ``share`` of the model (a streaming
+        fragment's index, else 0), in ``comm``: what its quantized average needs (residuals keyed
+        by the share and the tensors' table: equal fragments' tables may coincide), or None for a
+        dense ``comm``."""
+        self.discard()
+        make = QUANTIZED.get(comm)
+        if make is None:
+            return None
+        flats = [t.view(-1) for t in tensors]
+        key = f"{share};{table_of(tensors)}"
+        return Quantized(make(), self.of(key, flats), self.begin(key, flats))
 
     def discard(self) -> None:
         """A round starts: whatever ``pending`` holds is an earlier round's, never adopted (a

@@ -51,13 +51,12 @@ import torch
 
 from diloco.core import rebase_, to_progress_
 from diloco.wire.messages import Assignment, Pending, Registered, quorum_reply
-from diloco.worker.allreduce.average_checks import Quantized, checked_average, name_excluded
+from diloco.worker.allreduce.average_checks import checked_average, name_excluded
 from diloco.worker.allreduce.collective import (
     QuorumCollective,
     QuorumFailed,
     compare,
     state_hash,
-    table_of,
 )
 from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
@@ -303,25 +302,16 @@ class QuorumSync:
         """The quorum's checked average of ``tensors`` in place (``checked_average``), agreed at
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
-        make = QUANTIZED.get(q.comm)
         self.residuals.discard()  # a dense round neither sends nor moves the residuals
         with _stage("average"):
             if self._state.streamed:  # a sharded group's: the tensors are on its shards
-                if make is not None:
-                    raise QuorumFailed(
-                        q.quorum_id, f"a sharded group cannot average with {q.comm} codes"
-                    )
+                if q.comm in QUANTIZED:  # refused at its join (worker/choose.py)
+                    raise QuorumFailed(q.quorum_id, f"a sharded group cannot average {q.comm}")
                 averaged, sample, numel = self._state.streamed_average(quorum, weight, comm, SAMPLE)
             else:
-                quantized = None
-                if make is not None:
-                    flats = [t.view(-1) for t in tensors]
-                    # One residual per share of the model: streaming fragments are told apart
-                    # by the round's fragment (tables of equal fragments may coincide).
-                    key = f"{q.round % self._s.settings.num_fragments};{table_of(tensors)}"
-                    quantized = Quantized(
-                        make(), self.residuals.of(key, flats), self.residuals.begin(key, flats)
-                    )
+                # One residual per share of the model: a streaming fragment is the round's.
+                share = q.round % self._s.settings.num_fragments
+                quantized = self.residuals.for_round(q.comm, share, tensors)
                 averaged = checked_average(
                     quorum,
                     tensors,
