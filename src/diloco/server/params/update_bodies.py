@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.core.codecs import BlockCodec, check_name, codec_metadata
+from diloco.core.codecs import BlockCodec, Workspace, check_name, codec_metadata
 from diloco.core.codecs.downlink import encode_update
 from diloco.server.params.publication import PayloadBuffer
 from diloco.server.params.store import ParamStore, Snapshot
@@ -88,6 +88,7 @@ class Downlink:
         self._layout = build_layout(self._specs)  # offsets; the header changes every round
         #: The latest round's update; None before the first round after a start.
         self.current: UpdateBody | None = None
+        self._work = Workspace()  # ``encode`` runs under the tensor lock: one call at a time
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +112,7 @@ class Downlink:
         true, published = store.named(), store.published()
         for spec in store.specs:
             parts = [views[spec.name + p.suffix].view(-1) for p in codec.parts(spec.shape)]
-            encode_update(codec, true[spec.name], published[spec.name], out=parts)
+            encode_update(codec, true[spec.name], published[spec.name], parts, self._work)
         value = checksum([byte_view(store.payload)])
         store.note_checksum(value)
         meta = {

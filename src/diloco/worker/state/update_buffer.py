@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from diloco.core.codecs import BlockCodec, CodecError, codec_from_metadata
+from diloco.core.codecs import BlockCodec, CodecError, Workspace, codec_from_metadata
 from diloco.core.codecs.downlink import apply_update, check_download_codec
 from diloco.wire import CODE_OF_DTYPE, Layout, WireError, byte_view, tensor_views
 from diloco.wire.checksum import checksum
@@ -45,6 +45,7 @@ class UpdateBuffer:
         self._payload: torch.Tensor | None = None
         self._layout: Layout | None = None
         self._codec: BlockCodec | None = None
+        self._work = Workspace()  # apply runs in the sync thread only
 
     def into(self, layout: Layout, table: Mapping[str, tuple[int, ...]]) -> memoryview:
         """Check an update's header against the model's parameter table (every parameter's
@@ -81,6 +82,7 @@ class UpdateBuffer:
         assert layout is not None and codec is not None and self._payload is not None
         views = tensor_views(layout, self._payload[: layout.payload_size])
         for name, t in snapshot.items():
-            apply_update(codec, t, [views[name + p.suffix] for p in codec.parts(tuple(t.shape))])
+            parts = [views[name + p.suffix] for p in codec.parts(tuple(t.shape))]
+            apply_update(codec, t, parts, self._work)
         expected = layout.metadata.get("checksum", "")
         return checksum([byte_view(payload)]) == expected
