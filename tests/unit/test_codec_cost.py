@@ -1,8 +1,12 @@
 """What made lossy rounds cheaper (issue 30 item 5) keeps every bit: top-k's two-stage selection
-picks a top k, a reused ``Workspace`` gives the bits of fresh scratch, and a counted upload
-commits from the parts it sent (no second encoding) with the residual of encoding again."""
+picks a top k, a reused ``Workspace`` gives the bits of fresh scratch, a counted upload commits
+from the parts it sent (no second encoding) with the residual of encoding again, and the
+checksum computed beside the work is the checksum of the finished buffer."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from diloco.core.codecs import BlockCodec, Workspace
 from diloco.core.codecs.downlink import apply_update, encode_update
 from diloco.core.codecs.topk import group_size, top_positions
 from diloco.core.pseudo_gradient import PIECE
+from diloco.wire.checksum import checksum, checksum_behind
 from diloco.worker.settings import parse_codec
 from diloco.worker.state.encoder import Upload, UploadEncoder, comm_dtype
 from diloco.worker.state.local_model import LocalModel
@@ -175,3 +180,39 @@ def test_a_counted_upload_encodes_once_and_commits_the_bits_of_encoding_again(sp
             for p, q in zip(local.params.values(), ref_local.params.values(), strict=True):
                 p.add_(0.01)
                 q.add_(0.01)
+
+
+# --- the checksum beside the work ---------------------------------------------------------------
+
+
+def test_the_checksum_behind_the_work_is_the_checksum_of_the_whole_buffer() -> None:
+    data = bytearray(torch.randint(0, 256, (100_003,), dtype=torch.uint8).numpy().tobytes())
+    view = memoryview(data)
+    ends = (0, 7, 4096, 4096, 50_000, 99_999)
+    stretches = list(zip((0, *ends[:-1]), ends, strict=True))
+
+    def work() -> Iterator[int]:  # finishes each stretch just before yielding its end
+        for a, b in stretches:
+            data[a:b] = bytes(reversed(data[a:b]))
+            yield b
+
+    want = bytearray(data)
+    for a, b in stretches:
+        want[a:b] = bytes(reversed(want[a:b]))
+    assert checksum_behind(view, work()) == checksum([bytes(want)])
+
+
+def test_the_checksum_behind_refuses_offsets_that_go_back_and_lets_errors_through() -> None:
+    view = memoryview(bytearray(64))
+    with pytest.raises(ValueError, match="offset 3 after 10"):
+        checksum_behind(view, iter([10, 3]))
+    with pytest.raises(ValueError, match="offset 65"):
+        checksum_behind(view, iter([65]))
+
+    def broken() -> Iterator[int]:
+        yield 8
+        raise RuntimeError("the apply failed")
+
+    with pytest.raises(RuntimeError, match="the apply failed"):
+        checksum_behind(view, broken())
+    assert not [t for t in threading.enumerate() if t.name == "checksum"]

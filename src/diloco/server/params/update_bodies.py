@@ -35,7 +35,7 @@ is made and the old one goes when that download ends).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,7 @@ from diloco.core.codecs.downlink import encode_update
 from diloco.server.params.publication import PayloadBuffer
 from diloco.server.params.store import ParamStore, Snapshot
 from diloco.wire import CODE_OF_DTYPE, TensorSpec, build_layout, byte_view, tensor_views
-from diloco.wire.checksum import checksum
+from diloco.wire.checksum import checksum_behind
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +110,16 @@ class Downlink:
             buffer = PayloadBuffer(torch.empty(self._layout.payload_size, dtype=torch.uint8))
         views = tensor_views(self._layout, buffer.payload)
         true, published = store.named(), store.published()
-        for spec in store.specs:
-            parts = [views[spec.name + p.suffix].view(-1) for p in codec.parts(spec.shape)]
-            encode_update(codec, true[spec.name], published[spec.name], parts, self._work)
-        value = checksum([byte_view(store.payload)])
+        base = store.payload.data_ptr()
+
+        def encoded() -> Iterator[int]:  # payload order: the checksum follows behind
+            for spec in sorted(store.specs, key=lambda s: published[s.name].data_ptr()):
+                parts = [views[spec.name + p.suffix].view(-1) for p in codec.parts(spec.shape)]
+                t = published[spec.name]
+                encode_update(codec, true[spec.name], t, parts, self._work)
+                yield t.data_ptr() - base + t.numel() * t.element_size()
+
+        value = checksum_behind(byte_view(store.payload), encoded())
         store.note_checksum(value)
         meta = {
             "kind": "update",

@@ -15,14 +15,14 @@ then downloads full parameters, which overwrite it, and counts the mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from diloco.core.codecs import BlockCodec, CodecError, Workspace, codec_from_metadata
 from diloco.core.codecs.downlink import apply_update, check_download_codec
 from diloco.wire import CODE_OF_DTYPE, Layout, WireError, byte_view, tensor_views
-from diloco.wire.checksum import checksum
+from diloco.wire.checksum import checksum_behind
 
 UPDATE_KIND = "update"
 """``__metadata__["kind"]`` of an update body (a full download's is ``global_params``)."""
@@ -81,8 +81,13 @@ class UpdateBuffer:
         layout, codec = self._layout, self._codec
         assert layout is not None and codec is not None and self._payload is not None
         views = tensor_views(layout, self._payload[: layout.payload_size])
-        for name, t in snapshot.items():
-            parts = [views[name + p.suffix] for p in codec.parts(tuple(t.shape))]
-            apply_update(codec, t, parts, self._work)
+        base = payload.data_ptr()
+
+        def applied() -> Iterator[int]:  # in payload order: the checksum follows behind
+            for name, t in sorted(snapshot.items(), key=lambda item: item[1].data_ptr()):
+                parts = [views[name + p.suffix] for p in codec.parts(tuple(t.shape))]
+                apply_update(codec, t, parts, self._work)
+                yield t.data_ptr() - base + t.numel() * t.element_size()
+
         expected = layout.metadata.get("checksum", "")
-        return checksum([byte_view(payload)]) == expected
+        return checksum_behind(byte_view(payload), applied()) == expected
