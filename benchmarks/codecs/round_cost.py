@@ -9,10 +9,16 @@ perturbed local model, one torch thread (a benchmark worker's). Per configuratio
   pseudo-gradient, the compensation ``g + e``, the encoding into the reused host buffer);
 - ``worker commit``: ``Upload.commit`` (error feedback's residual update once counted);
 - ``server check``: ``check_part`` of every part (what the server does before adding);
-- ``server add``: ``add_into`` a zeroed fp32 sum (``first``: the first upload of a round);
-- ``server downlink``: ``encode_update`` of every parameter and the checksum (lossy downlink
-  only; with ``fp32`` the checksum runs beside the downloads, off the round's path);
-- ``worker apply``: ``apply_update`` into the snapshot and its checksum (lossy downlink only).
+- ``server add``: ``WeightedSum.add`` of the body as the round's first upload;
+- ``server downlink``: ``encode_update`` of every parameter and the payload's checksum, as
+  ``Downlink.encode`` does them (lossy downlink only; with ``fp32`` the checksum runs beside the
+  downloads, off the round's path);
+- ``worker apply``: ``apply_update`` into the snapshot and its checksum, as ``UpdateBuffer.apply``
+  does them (lossy downlink only).
+
+The two downlink steps mirror what the library under test does (a workspace and the checksum
+beside the work where it has them), so a run with ``PYTHONPATH`` on an older ``src/`` measures
+the code before.
 
 Not timed here: the outer step (the same for every codec) and the bytes on the wire (the
 sync-round benchmark's job). Each step is the median of ``--repeats`` turns, the steps taking
@@ -29,18 +35,21 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import importlib
 import io
 import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import machine_info, print_table
-from diloco.core.codecs import BlockCodec
+from diloco.core.accumulate import WeightedSum
+from diloco.core.codecs import BlockCodec, Encoded
 from diloco.core.codecs.downlink import apply_update, encode_update
 from diloco.wire import byte_view
 from diloco.wire.checksum import checksum
@@ -56,6 +65,41 @@ STEPS = (
     "server downlink",
     "worker apply",
 )
+
+
+def _optional(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+Workspace = _optional("diloco.core.workspace", "Workspace")
+checksum_behind = _optional("diloco.wire.checksum", "checksum_behind")
+
+
+def _views(payload: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, p in like.items():
+        out[name] = payload[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    return out
+
+
+def _end(t: torch.Tensor, payload: torch.Tensor) -> int:
+    """Byte offset in ``payload`` where view ``t`` ends."""
+    return t.data_ptr() - payload.data_ptr() + t.numel() * t.element_size()
+
+
+def _checksum(payload: torch.Tensor, work: Iterator[int]) -> None:
+    """The library's checksum of a payload finished by ``work``: beside it where the code under
+    test does that (``checksum_behind``), after it otherwise."""
+    if checksum_behind is not None:
+        checksum_behind(byte_view(payload), work)
+        return
+    for _ in work:
+        pass
+    checksum([byte_view(payload)])
 
 
 def _timed(it: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
@@ -95,17 +139,24 @@ class Round:
         metrics: dict[str, float] = {}
         self.local = LocalModel(model, comm_dtype(self.codec), metrics)
         gen = torch.Generator().manual_seed(1)
-        self.local.snapshot = {
-            n: (p.detach() + torch.randn(p.shape, generator=gen) * 1e-3).contiguous()
-            for n, p in self.local.params.items()
-        }
+        params = self.local.params
+        # The snapshot and the published parameters as views of one payload each, as the
+        # worker's snapshot and the server's ParamStore hold them (their checksums read those).
+        self.snap_payload = torch.cat([p.detach().reshape(-1) for p in params.values()])
+        self.snap_payload.add_(torch.randn(self.snap_payload.shape, generator=gen), alpha=1e-3)
+        self.local.snapshot = _views(self.snap_payload, params)
         self.enc = UploadEncoder(self.codec, self.local, metrics)
         self.sent: dict[str, list[torch.Tensor]] = {}
         self.upload = self.enc.model_upload()
-        self.sum = {n: torch.empty(p.shape) for n, p in self.local.params.items()}
+        self.sum = WeightedSum([p.shape for p in params.values()])
         self.true = {n: s + 1e-4 for n, s in self.local.snapshot.items()}
-        self.published = {n: s.clone() for n, s in self.local.snapshot.items()}
+        self.pub_payload = self.snap_payload.clone()
+        self.published = _views(self.pub_payload, params)
         self.update: dict[str, list[torch.Tensor]] = {}
+        # What the library under test has (a before/after run may predate them): the server's
+        # downlink and a worker's update buffer each keep a Workspace and checksum beside the work.
+        self.server_work = None if Workspace is None else Workspace()
+        self.worker_work = None if Workspace is None else Workspace()
 
     def body(self) -> float:
         """Seconds in the library's calls (the copies kept for the server's steps are not
@@ -140,22 +191,45 @@ class Round:
                 self.codec.check_part(p.shape, i, t)
 
     def add(self) -> None:
+        """A round's first upload into the server's running sum (``WeightedSum``)."""
+        entries: list[Any] = []
         for name, p in self.local.params.items():
-            self.codec.add_into(self.sum[name], self._parts(name, p), 1.0, first=True)
+            parts = self._parts(name, p)
+            if self.enc.raw:
+                entries.append(parts[0].view(self.codec.parts(p.shape)[0].dtype).view(p.shape))
+            else:
+                entries.append(Encoded.of(self.codec, parts, tuple(p.shape)))
+        self.sum.reset()
+        self.sum.add(entries, 1.0)
 
     def downlink(self) -> None:
+        """``Downlink.encode``: every parameter's update, then the published payload's checksum."""
         if self.down is None:
             return
-        for name, t in self.true.items():
-            self.update[name] = encode_update(self.down, t, self.published[name])
-        checksum([byte_view(t) for t in self.published.values()])
+        down, work = self.down, self.server_work
+
+        def encoded() -> Iterator[int]:
+            for name, t in self.true.items():
+                pub = self.published[name]
+                args = () if work is None else (None, work)
+                self.update[name] = encode_update(down, t, pub, *args)
+                yield _end(pub, self.pub_payload)
+
+        _checksum(self.pub_payload, encoded())
 
     def apply(self) -> None:
+        """``UpdateBuffer.apply``: every parameter's update, then the snapshot's checksum."""
         if self.down is None:
             return
-        for name, parts in self.update.items():
-            apply_update(self.down, self.local.snapshot[name], parts)
-        checksum([byte_view(t) for t in self.local.snapshot.values()])
+        down, work = self.down, self.worker_work
+
+        def applied() -> Iterator[int]:
+            for name, parts in self.update.items():
+                snap = self.local.snapshot[name]
+                apply_update(down, snap, parts, *(() if work is None else (work,)))
+                yield _end(snap, self.snap_payload)
+
+        _checksum(self.snap_payload, applied())
 
     def steps(self) -> dict[str, Callable[[], float | None]]:
         return dict(

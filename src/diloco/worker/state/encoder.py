@@ -14,8 +14,11 @@ uploads are synchronous, a fragment's ``g`` waits in its send buffer) and keeps
 are kept from the upload instead: a second power iteration would give others). So a retried
 body is the same bytes, and a refused, cut or unanswered upload leaves ``e`` as it was: its
 progress stays in the model and goes with the next upload, compensated by the same ``e``.
-Memory: the residual, two pieces of fp32 scratch, and one parameter's (or fragment piece's)
-encoded parts, since its scales go out before its codes.
+A whole-model body keeps each parameter's parts for the upload's lifetime: a retry sends them
+again and the commit subtracts them instead of encoding ``c`` a second time (the same bits).
+Memory: the residual, two pieces of fp32 scratch, the codecs' scratch (a ``Workspace`` per
+encoding thread), and the body's encoded parts (a fragment's: one piece's), since scales go out
+before codes.
 
 Without error feedback (``error_feedback=False``, to measure what it buys) a lossy codec encodes
 each round's ``g`` on its own and keeps no residual: the commit is a no-op. Low rank still keeps
