@@ -104,7 +104,8 @@ def _checksum(payload: torch.Tensor, work: Iterator[int]) -> None:
 
 def _timed(it: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
     """A generator's items, copied, and the seconds its ``next`` calls took."""
-    out, spent = [], 0.0
+    out: list[torch.Tensor] = []
+    spent = 0.0
     items = iter(it)
     while True:
         start = time.perf_counter()

@@ -6,7 +6,7 @@ A codec's chunk of scratch (about 9 MB for int8 and int4: two fp32 and one int8 
 allocator hands blocks that large back to the system when they are freed, so each call pays
 about 2,300 page faults before its first pass. A worker's lossy round makes about a hundred
 such calls each way and a server one per parameter per upload; reused, the buffers stay mapped
-and warm in cache (benchmarks/codecs/round_cost.py, docs/benchmarks.md "Lossy rounds").
+and warm in cache (docs/benchmarks.md, "Lossy rounds: where the time goes").
 """
 
 from __future__ import annotations
