@@ -171,16 +171,19 @@ def _worker_body(
             out.put(("prepared", idx, {"round": r}))  # idle from here until the round starts
             barrier.wait(barrier_timeout)
             stamps.clear()
-            prof = None
+            prof, prof_path = None, ""
             if cprofile is not None and idx == 0 and r >= cprofile[0]:  # measured rounds only
-                prof = cProfile.Profile()
+                prof, prof_path = (
+                    cProfile.Profile(),
+                    os.path.join(cprofile[1], f"worker0-round{r}.prof"),
+                )
                 prof.enable()
             t0, c0 = time.monotonic(), time.process_time()
             worker.force_sync()
             t1, c1 = time.monotonic(), time.process_time()
             if prof is not None:
                 prof.disable()
-                prof.dump_stats(os.path.join(cprofile[1], f"worker0-round{r}.prof"))
+                prof.dump_stats(prof_path)
             finished.wait(barrier_timeout)
             after = worker.sync_metrics
             total = checksum(model)  # equal sums: every worker adopted the same parameters
