@@ -12,6 +12,8 @@ checks a list of them in a child, so that the parent still never imports torch o
 
 from __future__ import annotations
 
+import cProfile
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,6 +142,7 @@ def _worker_body(
     barrier: Any,
     finished: Any,
     barrier_timeout: float,
+    cprofile: tuple[int, str] | None = None,
 ) -> None:
     import torch
 
@@ -174,9 +177,19 @@ def _worker_body(
             out.put(("prepared", idx, {"round": r}))  # idle from here until the round starts
             barrier.wait(barrier_timeout)
             stamps.clear()
+            prof, prof_path = None, ""
+            if cprofile is not None and idx == 0 and r >= cprofile[0]:  # measured rounds only
+                prof, prof_path = (
+                    cProfile.Profile(),
+                    os.path.join(cprofile[1], f"worker0-round{r}.prof"),
+                )
+                prof.enable()
             t0, c0 = time.monotonic(), time.process_time()
             worker.force_sync()
             t1, c1 = time.monotonic(), time.process_time()
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(prof_path)
             finished.wait(barrier_timeout)
             after = worker.sync_metrics
             total = checksum(model)  # equal sums: every worker adopted the same parameters

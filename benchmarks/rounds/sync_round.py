@@ -55,6 +55,7 @@ Usage (from the repository root; ``./dev bench`` runs the first)::
     .venv/bin/python -m benchmarks.rounds.sync_round --params 5e6 --workers 1 2 --json out.json
     .venv/bin/python -m benchmarks.rounds.sync_round --workers 4 --comm bf16/fp32 int8/int8 int4/int8
     .venv/bin/python -m benchmarks.rounds.sync_round --smoke      # seconds: 1 worker, 2 rounds
+    .venv/bin/python -m benchmarks.rounds.sync_round --workers 1 --comm int4/int4 --cprofile out/
 
 MB below means 10**6 bytes. The targets printed next to the figures: 4 workers within 2x the
 loopback limit (efficiency >= 0.5); server peak RSS <= 4.5x the fp32 model size; worker peak RSS
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import shutil
 import sys
 import tempfile
@@ -239,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="record the server and worker 0 with py-spy during the measured rounds",
     )
+    ap.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="cProfile worker 0's force_sync in each measured round (DIR/worker0-roundR.prof; "
+        "the sync thread only: what the worker's own CPU goes to)",
+    )
     smoke.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.cprofile:
+        os.makedirs(args.cprofile, exist_ok=True)
     if args.smoke:  # a 100k-parameter model, one worker, one warm-up and one measured round
         args.params, args.workers, args.rounds, args.warmup = 1e5, [1], 1, 1
     if args.rounds < 1 or args.warmup < 0:

@@ -87,6 +87,7 @@ class DiLoCoRun(SessionRun):
                 s.barrier,
                 s.finished,
                 self.setup_timeout + args.round_timeout,  # the first wait spans setup
+                (args.warmup, args.cprofile) if getattr(args, "cprofile", None) else None,
             ),
             "worker",
         )

@@ -47,6 +47,7 @@ SCRIPTS = {
     "links.slow_links": 120,
     "codecs.speed": 120,
     "codecs.topk_speed": 60,
+    "codecs.round_cost": 60,
     "swarm.pipeline": 120,
     "swarm.replicas": 120,
     "rounds.rendezvous_join": 60,

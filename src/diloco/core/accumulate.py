@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from diloco.core.workspace import Workspace
+
 CHUNK = 1 << 20  # elements added at a time (bf16 ones go through an fp32 scratch of this size)
 
 
@@ -17,8 +19,16 @@ class AddsInto(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...
 
-    def add_into(self, acc: torch.Tensor, weight: float = 1.0, *, first: bool = False) -> None:
-        """``acc += weight * value`` (``acc = weight * value`` when ``first``)."""
+    def add_into(
+        self,
+        acc: torch.Tensor,
+        weight: float = 1.0,
+        *,
+        first: bool = False,
+        work: Workspace | None = None,
+    ) -> None:
+        """``acc += weight * value`` (``acc = weight * value`` when ``first``), with ``work``'s
+        scratch (reused from one contribution to the next)."""
         ...
 
 
@@ -35,6 +45,7 @@ class WeightedSum:
     def __init__(self, shapes: Sequence[torch.Size | tuple[int, ...]]) -> None:
         self.sums = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         self._scratch = torch.empty(CHUNK, dtype=torch.float32)
+        self._work = Workspace()  # encoded entries' decode scratch: adds never overlap
         self.total_weight = 0.0
         self.count = 0
 
@@ -72,7 +83,7 @@ class WeightedSum:
         for i in indices:
             entry = tensors[i]
             if not isinstance(entry, torch.Tensor):
-                entry.add_into(self.sums[i], weight, first=first)
+                entry.add_into(self.sums[i], weight, first=first, work=self._work)
                 if on_piece is not None:
                     on_piece(i, self.sums[i].numel())
                 continue

@@ -14,6 +14,7 @@ from diloco.core.codecs.base import (
     Codec,
     CodecError,
     Part,
+    Workspace,
     check_name,
     wire_names,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "LowRankCodec",
     "Part",
     "TopKCodec",
+    "Workspace",
     "accumulate_",
     "check_name",
     "codec_by_name",

@@ -13,7 +13,8 @@ Contract shared by every codec (each method says its own):
 - ``encode`` then ``add_into`` is the whole data path; ``decode`` is ``add_into`` into a fresh
   tensor with weight 1, so decoding and accumulating share their arithmetic bit for bit;
 - a codec holds no scratch between calls: one instance may serve several threads, except the
-  low-rank codec, whose warm-start state changes on every ``encode``.
+  low-rank codec, whose warm-start state changes on every ``encode``. A caller that encodes or
+  decodes again and again passes its own ``Workspace`` to the piecewise calls instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+from diloco.core.workspace import Workspace
 
 SEP = "@"
 """Separator between a parameter's name and a part's suffix on the wire."""
@@ -129,13 +132,15 @@ class Codec:
         weight: float = 1.0,
         *,
         first: bool = False,
+        work: Workspace | None = None,
     ) -> None:
         """``acc += weight * decode(parts)`` in place (``acc = ...`` when ``first``), in chunks of
         about ``CHUNK`` elements and with scratch of that size only, never a full-size temporary:
         the server's memory stays flat in the number of workers. ``acc`` is a contiguous fp32
         tensor with the encoded tensor's shape (or its flat view). Same bits as
         ``accumulate_(acc, decode(parts, acc.shape), weight, first)``. Parts are not checked here:
-        call ``check`` first on anything that came from the network."""
+        call ``check`` first on anything that came from the network. ``work``: the caller's
+        reused scratch (``core.workspace``; None: allocated for this call)."""
         raise NotImplementedError
 
     @torch.no_grad()

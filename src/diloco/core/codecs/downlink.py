@@ -34,6 +34,7 @@ import torch
 
 from diloco.core.codecs.base import CHUNK
 from diloco.core.codecs.elementwise import BlockCodec, Fp32Codec
+from diloco.core.workspace import Workspace, scratch
 
 
 def check_download_codec(codec: object) -> BlockCodec:
@@ -53,31 +54,39 @@ def encode_update(
     true: torch.Tensor,
     published: torch.Tensor,
     out: Sequence[torch.Tensor] | None = None,
+    work: Workspace | None = None,
 ) -> list[torch.Tensor]:
     """Encode ``true - published`` (flat fp32 pieces of the same range, see
     ``BlockCodec.piece_ranges``; CPU) and add what was encoded to ``published`` in place.
 
     Returns the flat parts (written into ``out`` when given). Works a chunk at a time with one
-    chunk of scratch, so the update never exists at full size. ``true`` is not modified."""
+    chunk of scratch (``work``'s, reused, when given), so the update never exists at full size.
+    ``true`` is not modified."""
     true = true.reshape(-1)
     published = published.reshape(-1)
     n = true.numel()
     if published.numel() != n:
         raise ValueError(f"true has {n} elements, published {published.numel()}")
     parts = codec.empty_parts(n, true.device) if out is None else list(out)
-    scratch = torch.empty(min(n, CHUNK), dtype=torch.float32, device=true.device)
+    buf = scratch(work, "downlink", torch.float32, min(n, CHUNK), true.device)
     for a in range(0, n, CHUNK):
         b = min(n, a + CHUNK)
-        u = scratch[: b - a]
+        u = buf[: b - a]
         torch.sub(true[a:b], published[a:b], out=u)
         sub = [p[s:t] for p, (s, t) in zip(parts, codec.piece_ranges(n, a, b), strict=True)]
-        codec.encode_piece(u, sub)
-        codec.add_piece_into(published[a:b], sub, 1.0, False)
+        codec.encode_piece(u, sub, work)
+        codec.add_piece_into(published[a:b], sub, 1.0, False, work)
     return parts
 
 
 @torch.no_grad()
-def apply_update(codec: BlockCodec, published: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+def apply_update(
+    codec: BlockCodec,
+    published: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    work: Workspace | None = None,
+) -> None:
     """``published += decode(parts)`` in place: a replica's side of ``encode_update``, with the
-    same arithmetic (a flat fp32 CPU tensor, or a piece of one, and its flat parts)."""
-    codec.add_piece_into(published.reshape(-1), [p.reshape(-1) for p in parts], 1.0, False)
+    same arithmetic (a flat fp32 CPU tensor, or a piece of one, and its flat parts; ``work``:
+    reused scratch)."""
+    codec.add_piece_into(published.reshape(-1), [p.reshape(-1) for p in parts], 1.0, False, work)

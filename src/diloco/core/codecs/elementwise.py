@@ -18,6 +18,7 @@ import torch
 from diloco.core.accumulate import accumulate_
 from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, numel_of
 from diloco.core.finite import max_abs
+from diloco.core.workspace import Workspace, scratch
 
 
 class BlockCodec(Codec):
@@ -61,17 +62,26 @@ class BlockCodec(Codec):
         return [(b.numel, b.numel + p.numel) for b, p in zip(before, inside, strict=True)]
 
     def encode_piece(
-        self, piece: torch.Tensor, out: Sequence[torch.Tensor] | None = None
+        self,
+        piece: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+        work: Workspace | None = None,
     ) -> list[torch.Tensor]:
         """The flat parts of a flat fp32 piece (see ``piece_ranges``), written into ``out`` when
-        given (flat tensors matching ``flat_parts(piece.numel())``: a worker reuses them)."""
+        given (flat tensors matching ``flat_parts(piece.numel())``: a worker reuses them).
+        ``work``: the caller's reused scratch (None: allocated for this call)."""
         raise NotImplementedError
 
     def add_piece_into(
-        self, acc: torch.Tensor, parts: Sequence[torch.Tensor], weight: float, first: bool
+        self,
+        acc: torch.Tensor,
+        parts: Sequence[torch.Tensor],
+        weight: float,
+        first: bool,
+        work: Workspace | None = None,
     ) -> None:
         """``add_into`` on a flat piece: ``acc`` is the piece's flat fp32 accumulator, ``parts``
-        the flat part ranges ``piece_ranges`` names."""
+        the flat part ranges ``piece_ranges`` names; ``work`` as in ``encode_piece``."""
         raise NotImplementedError
 
     def empty_parts(self, n: int, device: torch.device) -> list[torch.Tensor]:
@@ -91,8 +101,9 @@ class BlockCodec(Codec):
         weight: float = 1.0,
         *,
         first: bool = False,
+        work: Workspace | None = None,
     ) -> None:
-        self.add_piece_into(acc.view(-1), [p.reshape(-1) for p in parts], weight, first)
+        self.add_piece_into(acc.view(-1), [p.reshape(-1) for p in parts], weight, first, work)
 
     @torch.no_grad()
     def decode_piece(self, parts: Sequence[torch.Tensor], n: int) -> torch.Tensor:
@@ -113,7 +124,10 @@ class CastCodec(BlockCodec):
 
     @torch.no_grad()
     def encode_piece(
-        self, piece: torch.Tensor, out: Sequence[torch.Tensor] | None = None
+        self,
+        piece: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+        work: Workspace | None = None,
     ) -> list[torch.Tensor]:
         (dst,) = self.empty_parts(piece.numel(), piece.device) if out is None else out
         return [dst.copy_(piece)]
@@ -131,7 +145,12 @@ class Fp32Codec(CastCodec):
 
     @torch.no_grad()
     def add_piece_into(
-        self, acc: torch.Tensor, parts: Sequence[torch.Tensor], weight: float, first: bool
+        self,
+        acc: torch.Tensor,
+        parts: Sequence[torch.Tensor],
+        weight: float,
+        first: bool,
+        work: Workspace | None = None,
     ) -> None:
         accumulate_(acc, parts[0], weight, first)  # fp32 needs no scratch: no full temporary
 
@@ -147,14 +166,19 @@ class Bf16Codec(CastCodec):
 
     @torch.no_grad()
     def add_piece_into(
-        self, acc: torch.Tensor, parts: Sequence[torch.Tensor], weight: float, first: bool
+        self,
+        acc: torch.Tensor,
+        parts: Sequence[torch.Tensor],
+        weight: float,
+        first: bool,
+        work: Workspace | None = None,
     ) -> None:
         codes = parts[0]
         # A mixed-dtype add_ would make a full fp32 copy of its input; a chunk of scratch does not.
-        scratch = torch.empty(min(CHUNK, acc.numel()), dtype=torch.float32, device=acc.device)
+        buf = scratch(work, "bf16", torch.float32, min(CHUNK, acc.numel()), acc.device)
         for at in range(0, acc.numel(), CHUNK):
             piece = codes[at : at + CHUNK]
-            s = scratch[: piece.numel()]
+            s = buf[: piece.numel()]
             s.copy_(piece)
             accumulate_(acc[at : at + piece.numel()], s, weight, first)
 

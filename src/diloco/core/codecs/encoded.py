@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.core.codecs.base import Codec, numel_of
+from diloco.core.workspace import Workspace
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,10 +35,18 @@ class Encoded:
         """Elements of the tensor the parts stand for (not of the parts)."""
         return numel_of(self.shape)
 
-    def add_into(self, acc: torch.Tensor, weight: float = 1.0, *, first: bool = False) -> None:
+    def add_into(
+        self,
+        acc: torch.Tensor,
+        weight: float = 1.0,
+        *,
+        first: bool = False,
+        work: Workspace | None = None,
+    ) -> None:
         """``acc += weight * decoded`` (``acc = ...`` when ``first``), chunk by chunk with no
-        full-size temporary: ``Codec.add_into``. ``acc`` has ``shape`` (or is its flat view)."""
-        self.codec.add_into(acc, self.parts, weight, first=first)
+        full-size temporary: ``Codec.add_into`` (``work``: reused scratch). ``acc`` has
+        ``shape`` (or is its flat view)."""
+        self.codec.add_into(acc, self.parts, weight, first=first, work=work)
 
     def check(self) -> None:
         """``Codec.check`` on the parts: a ``CodecError`` for a wrong layout or for values that

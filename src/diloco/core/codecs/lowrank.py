@@ -31,6 +31,7 @@ from diloco.core.accumulate import accumulate_
 from diloco.core.codecs.base import CHUNK, Codec, CodecError, Part, numel_of
 from diloco.core.codecs.elementwise import BlockCodec
 from diloco.core.finite import FP32_MAX, max_abs
+from diloco.core.workspace import Workspace
 
 Q_SUFFIX = "@q"
 
@@ -126,12 +127,13 @@ class LowRankCodec(Codec):
         weight: float = 1.0,
         *,
         first: bool = False,
+        work: Workspace | None = None,
     ) -> None:
         """``P Q^T`` a block of rows at a time (``CHUNK`` elements of scratch), each block one
         matrix product, so decoding and accumulating share their bits."""
         mat = self.matrix_shape(acc.shape)
         if mat is None:
-            self.fallback.add_into(acc, parts, weight, first=first)
+            self.fallback.add_into(acc, parts, weight, first=first, work=work)
             return
         n, m = mat
         p, q = parts

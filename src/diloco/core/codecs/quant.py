@@ -31,6 +31,7 @@ import torch
 from diloco.core.accumulate import accumulate_
 from diloco.core.codecs.base import CHUNK, CodecError, Part
 from diloco.core.codecs.elementwise import BlockCodec
+from diloco.core.workspace import Workspace, scratch
 
 SCALE = "@scale"
 FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -52,16 +53,16 @@ class _Scratch:
     bits: torch.Tensor  # int32 bits of the scales while rounding them to bf16
 
     @classmethod
-    def make(cls, n: int, block: int, device: torch.device) -> _Scratch:
+    def make(cls, n: int, block: int, device: torch.device, work: Workspace | None) -> _Scratch:
         m = min(n, CHUNK)
         nb = _ceil_div(m, block)
         f32 = torch.float32
         return cls(
-            f1=torch.empty(m, dtype=f32, device=device),
-            f2=torch.empty(m, dtype=f32, device=device),
-            i8=torch.empty(m, dtype=torch.int8, device=device),
-            per_block=torch.empty(nb, dtype=f32, device=device),
-            bits=torch.empty(nb, dtype=torch.int32, device=device),
+            f1=scratch(work, "q.f1", f32, m, device),
+            f2=scratch(work, "q.f2", f32, m, device),
+            i8=scratch(work, "q.i8", torch.int8, m, device),
+            per_block=scratch(work, "q.block", f32, nb, device),
+            bits=scratch(work, "q.bits", torch.int32, nb, device),
         )
 
 
@@ -150,13 +151,16 @@ class AbsmaxQuantizer(BlockCodec):
 
     @torch.no_grad()
     def encode_piece(
-        self, piece: torch.Tensor, out: Sequence[torch.Tensor] | None = None
+        self,
+        piece: torch.Tensor,
+        out: Sequence[torch.Tensor] | None = None,
+        work: Workspace | None = None,
     ) -> list[torch.Tensor]:
         if piece.dtype != torch.float32:
             piece = piece.float()  # the bit tricks below read fp32 bits
         n = piece.numel()
         scales, codes = self.empty_parts(n, piece.device) if out is None else out
-        w = _Scratch.make(n, self.block, piece.device)
+        w = _Scratch.make(n, self.block, piece.device, work)
         for a, b, (sa, sb), (ca, cb) in self._chunks(n):
             self._encode_chunk(piece[a:b], scales[sa:sb], codes[ca:cb], w)
         return [scales, codes]
@@ -188,11 +192,16 @@ class AbsmaxQuantizer(BlockCodec):
 
     @torch.no_grad()
     def add_piece_into(
-        self, acc: torch.Tensor, parts: Sequence[torch.Tensor], weight: float, first: bool
+        self,
+        acc: torch.Tensor,
+        parts: Sequence[torch.Tensor],
+        weight: float,
+        first: bool,
+        work: Workspace | None = None,
     ) -> None:
         scales, codes = parts
         n = acc.numel()
-        w = _Scratch.make(n, self.block, acc.device)
+        w = _Scratch.make(n, self.block, acc.device, work)
         for a, b, (sa, sb), (ca, cb) in self._chunks(n):
             m = b - a
             y = w.f2[:m]

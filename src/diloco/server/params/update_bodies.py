@@ -35,17 +35,17 @@ is made and the old one goes when that download ends).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from diloco.core.codecs import BlockCodec, check_name, codec_metadata
+from diloco.core.codecs import BlockCodec, Workspace, check_name, codec_metadata
 from diloco.core.codecs.downlink import encode_update
 from diloco.server.params.publication import PayloadBuffer
 from diloco.server.params.store import ParamStore, Snapshot
 from diloco.wire import CODE_OF_DTYPE, TensorSpec, build_layout, byte_view, tensor_views
-from diloco.wire.checksum import checksum
+from diloco.wire.checksum import checksum_behind
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class Downlink:
         self._layout = build_layout(self._specs)  # offsets; the header changes every round
         #: The latest round's update; None before the first round after a start.
         self.current: UpdateBody | None = None
+        self._work = Workspace()  # ``encode`` runs under the tensor lock: one call at a time
 
     @property
     def nbytes(self) -> int:
@@ -109,10 +110,16 @@ class Downlink:
             buffer = PayloadBuffer(torch.empty(self._layout.payload_size, dtype=torch.uint8))
         views = tensor_views(self._layout, buffer.payload)
         true, published = store.named(), store.published()
-        for spec in store.specs:
-            parts = [views[spec.name + p.suffix].view(-1) for p in codec.parts(spec.shape)]
-            encode_update(codec, true[spec.name], published[spec.name], out=parts)
-        value = checksum([byte_view(store.payload)])
+        base = store.payload.data_ptr()
+
+        def encoded() -> Iterator[int]:  # payload order: the checksum follows behind
+            for spec in sorted(store.specs, key=lambda s: published[s.name].data_ptr()):
+                parts = [views[spec.name + p.suffix].view(-1) for p in codec.parts(spec.shape)]
+                t = published[spec.name]
+                encode_update(codec, true[spec.name], t, parts, self._work)
+                yield t.data_ptr() - base + t.numel() * t.element_size()
+
+        value = checksum_behind(byte_view(store.payload), encoded())
         store.note_checksum(value)
         meta = {
             "kind": "update",

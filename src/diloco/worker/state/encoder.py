@@ -15,8 +15,11 @@ uploads are synchronous, a fragment's ``g`` waits in its send buffer) and keeps
 are kept from the upload instead: a second power iteration would give others). So a retried
 body is the same bytes, and a refused, cut or unanswered upload leaves ``e`` as it was: its
 progress stays in the model and goes with the next upload, compensated by the same ``e``.
-Memory: the residual, two pieces of fp32 scratch, and one parameter's (or fragment piece's)
-encoded parts, since its scales go out before its codes.
+A whole-model body keeps each parameter's parts for the upload's lifetime: a retry sends them
+again and the commit subtracts them instead of encoding ``c`` a second time (the same bits).
+Memory: the residual, two pieces of fp32 scratch, the codecs' scratch (a ``Workspace`` per
+encoding thread), and the body's encoded parts (a fragment's: one piece's), since scales go out
+before codes.
 
 Without error feedback (``error_feedback=False``, to measure what it buys) a lossy codec encodes
 each round's ``g`` on its own and keeps no residual: the commit is a no-op. Low rank still keeps
@@ -44,6 +47,7 @@ from diloco.core.codecs import (
     ErrorFeedback,
     Fp32Codec,
     LowRankCodec,
+    Workspace,
     check_name,
     codec_metadata,
 )
@@ -59,6 +63,8 @@ RESIDUAL = "residual/"
 """Key prefix of the residuals in ``state_dict`` (then the parameter's name)."""
 CODEC_STATE = "codec/"
 """Key prefix of the codec's own state (low rank's warm-start ``Q``) in ``state_dict``."""
+SENT = "sent/"
+"""Scratch key prefix of a parameter's kept parts (``_ModelBody.sent``), then its name."""
 
 
 def comm_dtype(codec: Codec) -> str:
@@ -103,6 +109,7 @@ class UploadEncoder:
         self.model_body: Callable[[UploadEncoder], Upload] | None = None
         self._squares: dict[str, float] = {}  # squared residual norm per committed tensor
         self._scratch: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
+        self._workspaces = threading.local()  # the codecs' scratch, one per encoding thread
 
     def check_names(self) -> None:
         """A ``ValueError`` for a parameter name a codec part's name could collide with."""
@@ -223,6 +230,14 @@ class UploadEncoder:
     ) -> list[torch.Tensor]:
         return self._buffer(key, [(p.dtype, p.numel) for p in block.flat_parts(n)], device)
 
+    def workspace(self) -> Workspace:
+        """The calling thread's reused codec scratch (``Workspace``): a body is encoded in the
+        sync or sender thread, committed there or on the sender thread."""
+        work: Workspace | None = getattr(self._workspaces, "work", None)
+        if work is None:
+            work = self._workspaces.work = Workspace()
+        return work
+
     def _fp32(self, key: str, n: int, device: torch.device) -> torch.Tensor:
         return self._buffer(key, [(torch.float32, n)], device)[0]
 
@@ -272,20 +287,31 @@ class UploadEncoder:
                 else:  # the product rounded, then the sum: commit_flat's two steps, same bits
                     c = torch.mul(e[a:b], self.decay, out=scratch).add_(c)
             sub = [o[s:t] for o, (s, t) in zip(out, block.piece_ranges(n, a, b), strict=True)]
+            work = self.workspace()
             if c.device == sub[0].device:
-                block.encode_piece(c, sub)
+                block.encode_piece(c, sub, work)
             else:  # encoded on the GPU, a byte or less per element crosses to the host
-                parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, device))
+                parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, device), work)
                 for o, t in zip(sub, parts, strict=True):
                     o.copy_(t)
 
-    def commit_flat(self, block: BlockCodec, e: torch.Tensor, g: torch.Tensor) -> float:
+    def commit_flat(
+        self,
+        block: BlockCodec,
+        e: torch.Tensor,
+        g: torch.Tensor,
+        sent: list[torch.Tensor] | None = None,
+    ) -> float:
         """``e = c - decode(encode(c))`` with ``c = decay * e + g`` (flat, ``e`` updated in
         place): the
         arithmetic of ``ErrorFeedback.encode_piece``, for a range of a residual that need not
-        start on a block. Returns ``||e||**2`` of the range, read while it is in cache."""
+        start on a block. ``sent``: the flat parts ``encode_flat`` wrote for this very ``e`` and
+        ``g`` (an upload keeps them), so ``encode(c)`` is not computed a second time: encoding
+        is deterministic and ``c`` has the same bits, so the residual has them too. Returns
+        ``||e||**2`` of the range, read while it is in cache."""
         n = g.numel()
         total = torch.zeros((), dtype=torch.float32, device=e.device)
+        work = self.workspace()
         for a in range(0, n, PIECE):
             b = min(n, a + PIECE)
             gd = g[a:b]
@@ -295,10 +321,30 @@ class UploadEncoder:
             if self.decay != 1.0:
                 c.mul_(self.decay)
             c.add_(gd)
-            parts = block.encode_piece(c, self.parts_buffer("dev", block, b - a, e.device))
-            block.add_piece_into(c, parts, -1.0, False)
+            if sent is None:
+                dev = self.parts_buffer("dev", block, b - a, e.device)
+                parts = block.encode_piece(c, dev, work)
+            else:
+                parts = self._on(e.device, block, b - a, sent, block.piece_ranges(n, a, b))
+            block.add_piece_into(c, parts, -1.0, False, work)
             total += torch.linalg.vector_norm(c).square()
         return float(total)
+
+    def _on(
+        self,
+        device: torch.device,
+        block: BlockCodec,
+        n: int,
+        flat: list[torch.Tensor],
+        ranges: list[tuple[int, int]],
+    ) -> list[torch.Tensor]:
+        """The ``ranges`` of the flat parts ``flat`` on ``device`` (a GPU: copied into reused
+        scratch, a byte or less per element)."""
+        sub = [f[s:t] for f, (s, t) in zip(flat, ranges, strict=True)]
+        if sub[0].device == device:
+            return sub
+        dev = self.parts_buffer("dev", block, n, device)
+        return [d.copy_(t, non_blocking=True) for d, t in zip(dev, sub, strict=True)]
 
     def owed(self, name: str) -> torch.Tensor | None:
         """The residual of parameter ``name`` as it stands, to read only (it moves at the commit);
@@ -325,6 +371,10 @@ class UploadEncoder:
 
 def nothing() -> None:
     pass
+
+
+def _ranges(flat: list[torch.Tensor], ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [f[s:t] for f, (s, t) in zip(flat, ranges, strict=True)]
 
 
 class Body:
@@ -371,6 +421,11 @@ class _ModelBody(Body):
         # Low-rank factors, encoded once per upload: a retry must send the same ones, and the
         # commit subtracts them.
         self.factors: dict[str, list[torch.Tensor]] = {}
+        # Each parameter's flat parts as sent, kept for the upload's lifetime in buffers reused
+        # across rounds (the body's compressed size in all): a retry sends them again and the
+        # commit subtracts them, so a counted upload encodes once, not twice (for topk, whose
+        # selection is most of a round's CPU, that halves the worker's codec time).
+        self.sent: dict[str, list[torch.Tensor]] = {}
 
     def encode(self, key: str) -> list[torch.Tensor]:
         enc, p = self.enc, self.params[key]
@@ -386,11 +441,15 @@ class _ModelBody(Body):
                 self.factors[key] = [t.to("cpu").contiguous() for t in enc.codec.encode(c, key)]
             return self.factors[key]
         n = p.numel()
-        host = enc.parts_buffer("host", block, n, torch.device("cpu"))
-        flat_e = None if e is None else e.to(p.device).view(-1)
-        for a, b, g in enc.pieces(key, p):
-            sub = [h[s:t] for h, (s, t) in zip(host, block.piece_ranges(n, a, b), strict=True)]
-            enc.encode_flat(block, None if flat_e is None else flat_e[a:b], g, sub, g.device)
+        host = self.sent.get(key)
+        if host is None:
+            host = enc.parts_buffer(SENT + key, block, n, torch.device("cpu"))
+            flat_e = None if e is None else e.to(p.device).view(-1)
+            for a, b, g in enc.pieces(key, p):
+                ranges = block.piece_ranges(n, a, b)
+                sub = [h[s:t] for h, (s, t) in zip(host, ranges, strict=True)]
+                enc.encode_flat(block, None if flat_e is None else flat_e[a:b], g, sub, g.device)
+            self.sent[key] = host
         return [h.view(part.shape) for h, part in zip(host, enc.codec.parts(shape), strict=True)]
 
     def commit(self) -> None:
@@ -408,9 +467,15 @@ class _ModelBody(Body):
                     )
                     squares[name] = float(torch.linalg.vector_norm(e)) ** 2
                     continue
-                flat = e.view(-1)
+                flat, sent, n = e.view(-1), self.sent.get(name), p.numel()
                 squares[name] = sum(
-                    enc.commit_flat(block, flat[a:b], g) for a, b, g in enc.pieces(name, p)
+                    enc.commit_flat(
+                        block,
+                        flat[a:b],
+                        g,
+                        None if sent is None else _ranges(sent, block.piece_ranges(n, a, b)),
+                    )
+                    for a, b, g in enc.pieces(name, p)
                 )
             enc.committed(squares)
 

@@ -22,11 +22,11 @@ positions, counts that do not add up, non-finite values) before anything is appl
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from diloco.core.codecs import BlockCodec, CodecError, codec_from_metadata
+from diloco.core.codecs import BlockCodec, CodecError, Workspace, codec_from_metadata
 from diloco.core.codecs.downlink import apply_update, check_download_codec
 from diloco.core.codecs.sparse_update import (
     COUNT,
@@ -37,7 +37,7 @@ from diloco.core.codecs.sparse_update import (
     spans,
 )
 from diloco.wire import CODE_OF_DTYPE, Layout, TensorSpec, WireError, byte_view, tensor_views
-from diloco.wire.checksum import checksum
+from diloco.wire.checksum import checksum_behind
 
 UPDATE_KIND = "update"
 """``__metadata__["kind"]`` of an update body (a full download's is ``global_params``)."""
@@ -60,6 +60,7 @@ class UpdateBuffer:
         self._payload: torch.Tensor | None = None
         self._layout: Layout | None = None
         self._codec: BlockCodec | None = None  # the held update's codec; None: sparse
+        self._work = Workspace()  # apply runs in the sync thread only
 
     def into(self, layout: Layout, table: Mapping[str, tuple[int, ...]]) -> memoryview:
         """Check an update's header against the model's parameter table (every parameter's
@@ -118,14 +119,19 @@ class UpdateBuffer:
         layout, codec = self._layout, self._codec
         assert layout is not None and self._payload is not None
         views = tensor_views(layout, self._payload[: layout.payload_size])
-        for name, t in snapshot.items():
-            if codec is None:  # sparse: the new values, copied by index (checked by ``check``)
-                apply_changes(t, *(views[name + s] for s in _SUFFIXES))
-            else:
-                parts = [views[name + p.suffix] for p in codec.parts(tuple(t.shape))]
-                apply_update(codec, t, parts)
+        base = payload.data_ptr()
+
+        def applied() -> Iterator[int]:  # in payload order: the checksum follows behind
+            for name, t in sorted(snapshot.items(), key=lambda item: item[1].data_ptr()):
+                if codec is None:  # sparse: the new values, copied by index (``check`` ran)
+                    apply_changes(t, *(views[name + s] for s in _SUFFIXES))
+                else:
+                    parts = [views[name + p.suffix] for p in codec.parts(tuple(t.shape))]
+                    apply_update(codec, t, parts, self._work)
+                yield t.data_ptr() - base + t.numel() * t.element_size()
+
         expected = layout.metadata.get("checksum", "")
-        return checksum([byte_view(payload)]) == expected
+        return checksum_behind(byte_view(payload), applied()) == expected
 
 
 _SUFFIXES = (COUNT, INDEX, "")
