@@ -24,7 +24,9 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def capturing_worker(address: str, **kw: object) -> tuple[DiLoCoWorker, CaptureClient]:
+def capturing_worker(
+    address: str, sync_every: int = 2, **kw: object
+) -> tuple[DiLoCoWorker, CaptureClient]:
     model = make_model()
     client = CaptureClient(address)
     worker = DiLoCoWorker(
@@ -34,7 +36,7 @@ def capturing_worker(address: str, **kw: object) -> tuple[DiLoCoWorker, CaptureC
         heartbeat_interval=0,
         codec=TOPK,
         client=client,
-        sync_every=2,
+        sync_every=sync_every,
         **kw,  # type: ignore[arg-type]
     )
     client.worker = worker
@@ -134,3 +136,57 @@ def test_async_mode_takes_the_rule() -> None:
     sent = up.decoded(shapes)
     for n in shapes:
         torch.testing.assert_close(got[n], start[n] - LR * sent[n], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["none", "inverse_sqrt"])
+def test_async_workers_at_different_speeds_get_the_weighted_plain_descent(weighting: str) -> None:
+    """Async mode, two ``topk`` workers syncing every 2 and every 3 steps: each upload is
+    applied alone as ``theta -= lr * weight * dec(u)`` (``weight`` the server's staleness
+    weight, as the reply names it), in the order the server applied them, with no momentum;
+    each worker's residual decays as under sync."""
+    config = ServerConfig(
+        port=0,
+        num_workers=2,
+        mode="async",
+        outer_rule="sparseloco",
+        outer_lr=LR,
+        staleness_weighting=weighting,
+    )
+    with DiLoCoServer(config) as server:
+        pairs = [capturing_worker(server.address, sync_every=2 + i) for i in range(2)]
+        shapes = pairs[0][0]._local.table()
+        start = {n: p.detach().clone() for n, p in pairs[0][0].model.named_parameters()}
+
+        def run(i: int) -> None:
+            worker, _ = pairs[i]
+            gen = torch.Generator().manual_seed(30 + i)
+            with worker:
+                for _ in range(12):
+                    for p in worker.model.parameters():
+                        p.grad = torch.randn(p.shape, generator=gen)
+                    worker.optimizer.step()
+                    worker.optimizer.zero_grad()
+
+        in_threads(2, run)
+        got, status = server.global_params(), server.status()
+    assert status["outer_rule"] == "sparseloco" and status["round"] == 10
+    applied = []
+    for worker, client in pairs:
+        assert all(u.counted for u in client.uploads)
+        applied += [u for u in client.uploads if u.reply is not None]
+        assert worker._encoder.decay == 0.95
+        _assert_decayed_feedback(worker, client.uploads, shapes)
+    assert [len(c.uploads) for _, c in pairs] == [6, 4]
+    applied.sort(key=lambda u: int(u.reply["round"]))  # type: ignore[index]
+    assert [int(u.reply["round"]) for u in applied] == list(range(10))  # type: ignore[index]
+    theta = {n: t.clone() for n, t in start.items()}
+    for up in applied:
+        assert up.reply is not None
+        weight = float(up.reply["weight"])
+        stale = int(up.reply["staleness"])
+        assert weight == (1.0 if weighting == "none" else pytest.approx((1 + stale) ** -0.5))
+        for n, t in up.decoded(shapes).items():
+            theta[n] = theta[n] - LR * (t * weight)
+    for n in theta:
+        assert not torch.equal(got[n], start[n]), n
+        torch.testing.assert_close(got[n], theta[n], rtol=0, atol=1e-5)
