@@ -24,7 +24,9 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def capturing_worker(address: str, **kw: object) -> tuple[DiLoCoWorker, CaptureClient]:
+def capturing_worker(
+    address: str, sync_every: int = 2, **kw: object
+) -> tuple[DiLoCoWorker, CaptureClient]:
     model = make_model()
     client = CaptureClient(address)
     worker = DiLoCoWorker(
@@ -34,7 +36,7 @@ def capturing_worker(address: str, **kw: object) -> tuple[DiLoCoWorker, CaptureC
         heartbeat_interval=0,
         codec=TOPK,
         client=client,
-        sync_every=2,
+        sync_every=sync_every,
         **kw,  # type: ignore[arg-type]
     )
     client.worker = worker
@@ -134,3 +136,106 @@ def test_async_mode_takes_the_rule() -> None:
     sent = up.decoded(shapes)
     for n in shapes:
         torch.testing.assert_close(got[n], start[n] - LR * sent[n], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["none", "inverse_sqrt"])
+def test_async_workers_at_different_speeds_get_the_weighted_plain_descent(weighting: str) -> None:
+    """Async mode, two ``topk`` workers syncing every 2 and every 3 steps: each upload is
+    applied alone as ``theta -= lr * weight * dec(u)`` (``weight`` the server's staleness
+    weight, as the reply names it), in the order the server applied them, with no momentum;
+    each worker's residual decays as under sync."""
+    config = ServerConfig(
+        port=0,
+        num_workers=2,
+        mode="async",
+        outer_rule="sparseloco",
+        outer_lr=LR,
+        staleness_weighting=weighting,
+    )
+    with DiLoCoServer(config) as server:
+        pairs = [capturing_worker(server.address, sync_every=2 + i) for i in range(2)]
+        shapes = pairs[0][0]._local.table()
+        start = {n: p.detach().clone() for n, p in pairs[0][0].model.named_parameters()}
+
+        def run(i: int) -> None:
+            worker, _ = pairs[i]
+            gen = torch.Generator().manual_seed(30 + i)
+            with worker:
+                for _ in range(12):
+                    for p in worker.model.parameters():
+                        p.grad = torch.randn(p.shape, generator=gen)
+                    worker.optimizer.step()
+                    worker.optimizer.zero_grad()
+
+        in_threads(2, run)
+        got, status = server.global_params(), server.status()
+    assert status["outer_rule"] == "sparseloco" and status["round"] == 10
+    applied = []
+    for worker, client in pairs:
+        assert all(u.counted for u in client.uploads)
+        applied += [u for u in client.uploads if u.reply is not None]
+        assert worker._encoder.decay == 0.95
+        _assert_decayed_feedback(worker, client.uploads, shapes)
+    assert [len(c.uploads) for _, c in pairs] == [6, 4]
+    applied.sort(key=lambda u: int(u.reply["round"]))  # type: ignore[index]
+    assert [int(u.reply["round"]) for u in applied] == list(range(10))  # type: ignore[index]
+    theta = {n: t.clone() for n, t in start.items()}
+    for up in applied:
+        assert up.reply is not None
+        weight = float(up.reply["weight"])
+        stale = int(up.reply["staleness"])
+        assert weight == (1.0 if weighting == "none" else pytest.approx((1 + stale) ** -0.5))
+        for n, t in up.decoded(shapes).items():
+            theta[n] = theta[n] - LR * (t * weight)
+    for n in theta:
+        assert not torch.equal(got[n], start[n]), n
+        torch.testing.assert_close(got[n], theta[n], rtol=0, atol=1e-5)
+
+
+def test_streaming_fragments_take_the_rule_piece_by_piece() -> None:
+    """Two ``topk`` workers streaming two fragments: each fragment round moves its pieces by
+    ``-lr * mean(dec)`` of the two workers' decoded pieces and nothing else, and each worker's
+    residual decays only over the range each upload compensated."""
+    config = ServerConfig(
+        port=0, num_workers=2, num_fragments=2, outer_rule="sparseloco", outer_lr=LR
+    )
+    with DiLoCoServer(config) as server:
+        pairs = [capturing_worker(server.address, sync_every=4, num_fragments=2) for _ in range(2)]
+        shapes = pairs[0][0]._local.table()
+        start = {n: p.detach().clone() for n, p in pairs[0][0].model.named_parameters()}
+
+        def run(i: int) -> None:
+            worker, _ = pairs[i]
+            gen = torch.Generator().manual_seed(40 + i)
+            worker.start()
+            for _ in range(12):  # six fragment rounds, each closed within its due step (tau 0)
+                for p in worker.model.parameters():
+                    p.grad = torch.randn(p.shape, generator=gen)
+                worker.optimizer.step()
+                worker.optimizer.zero_grad()
+            worker.stop(submit=False)  # no exit upload: every round had both workers
+
+        in_threads(2, run)
+        got = server.global_params()
+    theta = {n: t.clone().view(-1) for n, t in start.items()}
+    for worker, client in pairs:
+        assert all(u.counted for u in client.uploads) and len(client.uploads) == 6
+        assert {u.fragment for u in client.uploads} == {0, 1}
+        plan = {p.wire_name: p for frag in worker._strategy.plan for p in frag}  # type: ignore[attr-defined]
+        beta = worker._encoder.decay
+        assert beta == 0.95
+        e = {n: torch.zeros(s).view(-1) for n, s in shapes.items()}
+        for up in client.uploads:
+            pieces = {w: (plan[w].numel,) for w in up.true}
+            for w, sent in up.decoded(pieces).items():
+                p = plan[w]
+                theta[p.param][p.start : p.stop] -= LR * (sent / 2)
+                span = e[p.param][p.start : p.stop]
+                span.copy_(beta * span + up.true[w] - sent)
+        fb = worker._encoder.feedback
+        assert fb is not None
+        for n in shapes:
+            torch.testing.assert_close(fb.residuals[n].view(-1), e[n], rtol=1e-5, atol=1e-6)
+    for n in theta:
+        assert not torch.equal(got[n], start[n]), n
+        torch.testing.assert_close(got[n].view(-1), theta[n], rtol=0, atol=1e-5)

@@ -296,3 +296,50 @@ def test_a_retried_upload_sends_the_same_body_and_moves_the_residual_once(fault:
                     torch.testing.assert_close(t, init[n] - total[n])
         finally:
             proxy.close()
+
+
+# --- async mode: two workers at different speeds --------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["int8", TOPK])
+def test_async_workers_at_different_speeds_keep_the_invariant_and_move_the_model(
+    codec: str,
+) -> None:
+    """An async server, two workers syncing every 2 and every 3 steps (so their uploads
+    interleave and arrive stale): every upload is accepted and applied as the next version
+    (the server's parameters are the outer Nesterov step replayed on the decoded uploads in
+    the order the server applied them), the parameters are finite and moved, and each worker's
+    sent plus residual is the sum of its true pseudo-gradients."""
+    init = {n: p.detach().clone() for n, p in make_model().named_parameters()}
+    cfg = ServerConfig(port=0, num_workers=2, mode="async")
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        pairs = [capturing_worker(srv.address, codec, sync_every=2 + i) for i in range(2)]
+
+        def run(i: int) -> None:
+            worker, _ = pairs[i]
+            gen = torch.Generator().manual_seed(20 + i)
+            with worker:
+                for _ in range(12):
+                    random_step(worker.model, worker.optimizer, gen)
+
+        in_threads(2, run, timeout=60)
+        got, status = srv.global_params(), srv.status()
+    shapes = pairs[0][0]._local.table()
+    applied: list[tuple[int, Captured]] = []
+    for worker, client in pairs:
+        assert client.uploads and all(u.counted for u in client.uploads)
+        assert_invariant(worker, client.uploads)
+        assert worker.sync_metrics["residual_norm"] > 0
+        applied += [(int(u.reply["round"]), u) for u in client.uploads if u.reply is not None]
+    assert [len(c.uploads) for _, c in pairs] == [6, 4]  # 12 steps / 2, 12 / 3: the final ones
+    assert sorted(r for r, _ in applied) == list(range(10))  # each one version, none lost
+    assert status["round"] == 10
+    model = {n: t.clone().requires_grad_() for n, t in init.items()}
+    outer = torch.optim.SGD(model.values(), lr=cfg.outer_lr, momentum=0.9, nesterov=True)
+    for _, up in sorted(applied, key=lambda x: x[0]):
+        for n, t in up.decoded(shapes).items():
+            model[n].grad = t
+        outer.step()
+    for n, t in got.items():
+        assert bool(torch.isfinite(t).all()) and not torch.equal(t, init[n]), n
+        torch.testing.assert_close(t, model[n].detach(), rtol=1e-5, atol=1e-5)

@@ -18,6 +18,9 @@ from tests.programs import shard_codec_ranks as scr
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
+# Chunks of 64 across shards cut at row 8 of the 16x6 weight (element 48): rank 0 encodes
+# each parameter whole, so a chunk that two owners share is still one chunk.
+TOPK = "topk:density=0.1,chunk=64,bits=4"
 
 
 def whole_residual(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -48,8 +51,8 @@ def _run(tmp_path: Path, codec: str, mesh: tuple[int, ...]) -> tuple[Any, list[l
 
 @pytest.mark.parametrize(
     ("codec", "mesh"),
-    [("int8", (2,)), ("int8", (2, 1)), ("lowrank:rank=2", (2,))],
-    ids=["int8-fsdp", "int8-hsdp", "lowrank-fsdp"],
+    [("int8", (2,)), ("int8", (2, 1)), ("lowrank:rank=2", (2,)), (TOPK, (2,))],
+    ids=["int8-fsdp", "int8-hsdp", "lowrank-fsdp", "topk-fsdp"],
 )
 def test_two_sharded_groups_with_a_lossy_codec_match_the_reference(
     tmp_path: Path, codec: str, mesh: tuple[int, ...]

@@ -27,15 +27,14 @@ def _server(num_workers: int) -> DiLoCoServer:
 
 
 def _two_ddp_groups(
-    config: ServerConfig, tmp_path: Path
+    config: ServerConfig, tmp_path: Path, codec: str | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Two DDP groups of two ranks (``group_ranks.ddp_rank``, no faults) through a server run
-    with ``config``; its status and parameters once both groups have left (none in all-reduce
-    mode)."""
+    """Two DDP groups of two ranks (``group_ranks.ddp_rank``, no faults, uploads in ``codec``)
+    through a server run with ``config``; its status and parameters once both groups have left
+    (none in all-reduce mode)."""
     with DiLoCoServer(config) as server:
-        groups = [
-            ranks.spawn(gr.ddp_rank, (server.address, g, str(tmp_path), False)) for g in range(2)
-        ]
+        args = (str(tmp_path), False, codec)
+        groups = [ranks.spawn(gr.ddp_rank, (server.address, g, *args)) for g in range(2)]
         for ctx in groups:
             ranks.join(ctx, timeout=90)
         return server.status(), ({} if config.allreduce else server.global_params())
@@ -86,6 +85,33 @@ def test_pipeline_split_group_matches_unsplit_model(tmp_path: Path) -> None:
         for name, value in records[-1]["params"].items():  # each rank got its own back
             assert torch.equal(value, got[name]), (r, name)
     assert [x["outcome"] for x in stages[0]] == [x["outcome"] for x in stages[1]]
+
+
+def test_two_ddp_groups_with_topk_uploads_match_the_reference_with_that_codec(
+    tmp_path: Path,
+) -> None:
+    """Sparse top-k uploads from DDP groups: rank 0 encodes the group's one upload per round
+    with error feedback, the ranks stay bit-identical after every step (residual norm
+    included), every rank ends on the server's parameters, and those equal two single-process
+    workers sending ``topk`` with error feedback on their ranks' mean gradient, rank 0's
+    residual norm the reference's."""
+    codec = "topk:density=0.1,chunk=64,bits=4"
+    status, got = _two_ddp_groups(ServerConfig(port=0, num_workers=2), tmp_path, codec)
+    residuals: list[dict[str, torch.Tensor]] = []
+    expected = ranks.reference_groups(2, codec, residuals)
+    assert status["round"] == ranks.ROUNDS and status["registrations"] == 2
+    assert status["submissions"] == 2 * ranks.ROUNDS  # one upload per group per round
+    for g in range(2):
+        r0, r1 = (torch.load(tmp_path / f"g{g}r{r}.pt") for r in range(2))
+        _assert_ranks_identical(r0, r1)
+        syncs = r0[ranks.SYNC_EVERY :: ranks.SYNC_EVERY]
+        assert [s["outcome"] for s in syncs] == ["adopted"] * ranks.ROUNDS
+        norm = sum(float(e.square().sum()) for e in residuals[g].values()) ** 0.5
+        assert norm > 0 and syncs[-1]["metrics"]["residual_norm"] == pytest.approx(norm, rel=1e-4)
+        for name, value in r0[-1]["params"].items():
+            assert torch.equal(value, got[name]), (g, name)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("codec", [None, "int8"], ids=["fp32", "int8"])
@@ -201,4 +227,3 @@ def test_two_ddp_groups_in_allreduce_mode_match_the_server_mode_reference(tmp_pa
     expected = ranks.reference_groups(2)
     for name in expected:
         torch.testing.assert_close(final[0][name], expected[name])
-

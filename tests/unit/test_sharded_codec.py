@@ -67,7 +67,9 @@ def _step(models: list[torch.nn.Module], seed: int) -> None:
                 getattr(m, name).sub_(step)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "lowrank:rank=2"])
+@pytest.mark.parametrize(
+    "codec", ["int8", "int4", "lowrank:rank=2", "topk:density=0.1,chunk=64,bits=2"]
+)
 @pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no-feedback"])
 def test_the_sharded_body_is_the_plain_workers(codec: str, feedback: bool) -> None:
     """Three rounds, the second upload refused (no commit): every round the same bytes, and
