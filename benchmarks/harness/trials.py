@@ -170,6 +170,9 @@ def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
     steps = lost = 0
     ctx["start"].wait()
     with worker:
+        # The join's download (full parameters): kept apart, so that a round's download is
+        # the worker's bytes down less this, over its rounds.
+        joined = worker.sync_metrics["bytes_down"]
         last_round = -1
         while budget.take():
             if lossy and worker.base_round != last_round:
@@ -198,7 +201,12 @@ def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
             steps += 1
             if delay:
                 time.sleep(delay)
-    ctx["results"][rank] = {"steps": steps, "lost_uploads": lost, **worker.sync_metrics}
+    ctx["results"][rank] = {
+        "steps": steps,
+        "lost_uploads": lost,
+        "join_bytes_down": joined,
+        **worker.sync_metrics,
+    }
 
 
 def run_trial(trial: Trial) -> dict[str, Any]:
@@ -268,6 +276,7 @@ def run_trial(trial: Trial) -> dict[str, Any]:
         "wall_s": wall,
         "updates": status["updates"],
         "bytes_up": status["bytes_in"],
+        "bytes_down": status["bytes_out"],
         "staleness": status["staleness"],
         "workers": results,
         "steps": sum(r["steps"] for r in results),
