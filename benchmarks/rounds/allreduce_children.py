@@ -157,7 +157,7 @@ def _worker_body(
     address: str,
     shape: ModelShape,
     mode: str,
-    bf16: bool,
+    comm: str,
     total_rounds: int,
     barrier: Any,
     finished: Any,
@@ -198,7 +198,7 @@ def _worker_body(
         optimizer,
         address,
         sync_every=10**9,
-        bf16_comm=bf16,
+        codec=comm,
         worker_id=f"bench-{idx:02d}",
         heartbeat_interval=heartbeat,
     ) as worker:

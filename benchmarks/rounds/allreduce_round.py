@@ -10,7 +10,15 @@ configurations run back to back, each on a fresh server and fresh worker process
 * ``allreduce bf16``: ``ServerConfig(num_workers=N, allreduce=True)``, the same workers with
   ``bf16_comm=True``: they average their pseudo-gradients in bf16 with gloo on a process group
   per quorum and each applies the outer Nesterov step;
-* ``allreduce fp32`` (``--allreduce-fp32``): the same with ``bf16_comm=False``.
+* ``allreduce fp32`` (``--allreduce-fp32``): the same with ``bf16_comm=False``;
+* ``allreduce int8`` / ``allreduce int4`` (``--allreduce-codecs int8 int4``): the workers name
+  ``codec="int8"`` (``"int4"``): the quorum reduce-scatters blockwise codes with gloo's
+  all-to-all, sums each shard in fp32, requantizes and all-gathers it, with each member's
+  error feedback (docs/design/allreduce.md, "Quantized all-reduce").
+
+Bytes between the members: each worker's ``sync_metrics`` ``collective_sent`` and
+``collective_received`` (a quantized quorum's slots of scales and codes as moved; a dense one's
+as a ring all-reduce moves them, 2(N-1)/N of the payload each way).
 
 A round (as ``sync_round``'s): every worker perturbs its weights (standing in for local
 training, outside the round), all meet at a barrier with the parent, and each times
@@ -49,6 +57,8 @@ Usage (from the repository root; MB = 10**6 bytes)::
     .venv/bin/python -m benchmarks.rounds.allreduce_round --params 5e6 --workers 2 4 --kill
     .venv/bin/python -m benchmarks.rounds.allreduce_round --params 100e6 --workers 2 4 8 \\
         --allreduce-fp32 --direct --json benchmarks/results/allreduce_round_100M.json
+    .venv/bin/python -m benchmarks.rounds.allreduce_round --params 20e6 --workers 2 4 \\
+        --no-server-mode --allreduce-fp32 --allreduce-codecs int8 int4
     .venv/bin/python -m benchmarks.rounds.allreduce_round --smoke   # seconds: N=2 (--kill: a kill)
 
 ``--src DIR`` runs the children from another copy of the code, e.g. a snapshot of a commit
@@ -139,6 +149,7 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
             "bytes through server per round: in / out (store in / out)",
             "server /status body bytes in / out",
             "payload averaged per worker MB",
+            "sent / received per worker MB",
             "server peak RSS MB (x model)",
             "worker peak RSS MB (x model)",
             "worker peak above torch base (x model)",
@@ -160,6 +171,10 @@ def print_round_tables(results: list[dict[str, Any]], model_bytes: int) -> None:
                 f"{_kb(d['server_status_bytes']['in'])} / {_kb(d['server_status_bytes']['out'])}",
                 fmt_mb(d["collective_bytes_per_worker"])
                 if d["collective_bytes_per_worker"]
+                else "-",
+                f"{fmt_mb(d['collective_sent_per_worker'])} / "
+                f"{fmt_mb(d['collective_received_per_worker'])}"
+                if d.get("collective_sent_per_worker")
                 else "-",
                 times_model(d["server"]["maxrss"], model_bytes),
                 times_model(d["worker"]["maxrss"], model_bytes),
@@ -245,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(ap)
     ap.add_argument("--allreduce-fp32", action="store_true", help="also all-reduce in fp32")
+    ap.add_argument(
+        "--allreduce-codecs",
+        nargs="*",
+        default=[],
+        choices=["int8", "int4", "topk"],
+        help="also all-reduce with these quantized collectives",
+    )
     ap.add_argument("--no-server-mode", action="store_true", help="all-reduce mode only")
     ap.add_argument(
         "--direct",
@@ -256,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:  # both modes at N=2, one measured round (with --kill: one kill run of 2)
         args.params, args.workers, args.rounds, args.warmup = 1e5, [2], 1, 1
+        args.allreduce_codecs = ["int8"]
         args.kill_workers, args.kill_round, args.kill_after = 2, 1, 1
         args.kill_repeats, args.kill_heartbeat_interval = 1, 0.5
     if args.rounds < 1 or args.warmup < 0:
@@ -267,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     configs.append(Config("allreduce", True))
     if args.allreduce_fp32:
         configs.append(Config("allreduce", False))
+    for codec in args.allreduce_codecs:
+        configs.append(Config("allreduce", True, codec=codec))
     if args.direct and not args.no_server_mode:
         configs.insert(1, Config("server", True, proxied=False))
     code = use_src(args.src)
@@ -368,6 +393,14 @@ def check_smoke(results: list[dict[str, Any]], kills: list[dict[str, Any]]) -> N
         smoke.require(d["server_bytes"]["total"] > 0, f"{d['config']}: bytes counted")
         if d["mode"] == "allreduce":
             smoke.require(d["collective_bytes_per_worker"] > 0, "the workers averaged a payload")
+            smoke.require(d["collective_sent_per_worker"] > 0, f"{d['config']}: bytes sent")
+    quantized = [d for d in results if d["comm"] == "int8"]
+    smoke.require(len(quantized) == 1, "the int8 collectives ran")
+    dense = [d for d in results if d["config"] == "allreduce bf16"][0]
+    smoke.require(
+        quantized[0]["collective_sent_per_worker"] < dense["collective_sent_per_worker"],
+        "int8 sends fewer bytes than bf16",
+    )
     for k in kills:
         smoke.require(not k["not_inside"], "every worker reached the all-reduce")
         for s in k["survivors"]:

@@ -34,18 +34,25 @@ class Config:
     mode: str  # "server" or "allreduce"
     bf16: bool
     proxied: bool = True
+    codec: str | None = None  # the workers' codec when not bf16/fp32 ("int8", "int4")
+
+    @property
+    def comm(self) -> str:
+        return self.codec or ("bf16" if self.bf16 else "fp32")
 
     @property
     def label(self) -> str:
-        comm = "bf16" if self.bf16 else "fp32"
-        return f"{self.mode} {comm}" + ("" if self.proxied else " (direct)")
+        return f"{self.mode} {self.comm}" + ("" if self.proxied else " (direct)")
 
 
 def estimate_bytes(n: int, model_bytes: int, cfg: Config) -> int:
     """Expected peak of a configuration: server mode, the server ~4.5 models and each worker ~3;
-    all-reduce mode, a small server and each worker ~4 models; an interpreter each."""
+    all-reduce mode, a small server and each worker ~4 models (~6 with int8/int4: the
+    error-feedback residual and the round's new one); an interpreter each."""
     if cfg.mode == "server":
         return int(4.5 * model_bytes + OVERHEAD + n * (3 * model_bytes + OVERHEAD))
+    if cfg.codec is not None:  # the residual and the round's new one: 2 models more
+        return int(OVERHEAD + n * (6.2 * model_bytes + OVERHEAD))
     return int(OVERHEAD + n * (4.2 * model_bytes + OVERHEAD))
 
 
@@ -126,7 +133,7 @@ class ConfigRun(SessionRun):
             address = f"127.0.0.1:{self.proxy.ports['http']}"
         self.ready = s.start_members(
             worker_main,
-            lambda i: (address, self.shape, cfg.mode, cfg.bf16, *self.pace_of(i)),
+            lambda i: (address, self.shape, cfg.mode, cfg.comm, *self.pace_of(i)),
             "worker",
         )
 
@@ -170,6 +177,9 @@ class ConfigRun(SessionRun):
             "worker_client_bytes_down": [d.get("bytes_down", 0) for d in deltas],
             # All-reduce mode (from 3237867 on): the payload each worker averaged.
             "worker_collective_bytes": [d.get("collective_bytes", 0) for d in deltas],
+            # From issue 30 on: each worker's bytes to and from the other members.
+            "worker_collective_sent": [d.get("collective_sent", 0) for d in deltas],
+            "worker_collective_received": [d.get("collective_received", 0) for d in deltas],
             "worker_rounds": [d["rounds"] for d in deltas],
             "discarded": sum(d.get("discarded_rounds", 0) for d in deltas),
             "failed_syncs": sum(d["failed_syncs"] for d in deltas),
@@ -195,7 +205,7 @@ class ConfigRun(SessionRun):
         return {
             "config": self.cfg.label,
             "mode": self.cfg.mode,
-            "comm": "bf16" if self.cfg.bf16 else "fp32",
+            "comm": self.cfg.comm,
             "proxied": proxied,
             "workers": n,
             "rounds": self.rounds,
@@ -223,6 +233,12 @@ class ConfigRun(SessionRun):
             ),
             "collective_bytes_per_worker": int(
                 med(lambda r: statistics.median(r["worker_collective_bytes"]))
+            ),
+            "collective_sent_per_worker": int(
+                med(lambda r: statistics.median(r["worker_collective_sent"]))
+            ),
+            "collective_received_per_worker": int(
+                med(lambda r: statistics.median(r["worker_collective_received"]))
             ),
             "server_status_bytes": {
                 "in": int(med(lambda r: r["server_status_bytes_in"])),

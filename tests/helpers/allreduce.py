@@ -43,11 +43,13 @@ def _train(
     samples: Callable[[int], int],
     before_step: Hook | None = None,
     after_step: Hook | None = None,
+    per_rank: Callable[[int], dict[str, Any]] | None = None,
     **kw: Any,
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, float], DiLoCoWorker]]:
     """``n`` workers in threads, ``steps`` seeded SGD steps each (``sync_every=EVERY``), each
     step reporting ``samples(rank)``; per worker its final parameters and metrics (taken before
-    it leaves) and the worker itself (left)."""
+    it leaves) and the worker itself (left). ``per_rank(rank)``: worker settings of that rank's
+    own, beside ``kw``."""
 
     def run(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, float], DiLoCoWorker]:
         model = make_model(seeds[rank] if seeds else 0)
@@ -62,6 +64,7 @@ def _train(
             bf16_comm=bf16,
             worker_id=f"w{rank}",
             **kw,
+            **(per_rank(rank) if per_rank is not None else {}),
         ) as w:
             for step in range(steps):
                 if before_step is not None:
@@ -110,8 +113,9 @@ def run_streaming(
     **kw: Any,
 ) -> list[dict[str, Any]]:
     """``n`` workers in threads, ``PERIODS * EVERY`` seeded SGD steps each; per worker its final
-    parameters (taken before it leaves), metrics, and the state it held after each step at which
-    no round was in flight (all-reduce mode only). ``tamper(rank, step, worker)`` runs before
+    parameters (taken before it leaves), metrics, the state it held after each step at which
+    no round was in flight (all-reduce mode only), and the keys of its quantized quorums'
+    residuals (``QuorumSync.residuals``). ``tamper(rank, step, worker)`` runs before
     each step."""
     states: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(n)]
 
@@ -139,7 +143,11 @@ def run_streaming(
     for rank, (params, metrics, w) in enumerate(done):
         if hasattr(w._strategy, "_state"):  # after leaving: the round that was in flight ended
             states[rank][w.base_round] = held(w)
-        out.append({"params": params, "metrics": metrics, "states": states[rank]})
+        residuals = getattr(w._strategy, "residuals", None)
+        keys = [] if residuals is None else list(residuals.held)
+        out.append(
+            {"params": params, "metrics": metrics, "states": states[rank], "residual_keys": keys}
+        )
     return out
 
 

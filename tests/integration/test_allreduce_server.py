@@ -98,13 +98,53 @@ def test_a_different_or_missing_table_is_refused_and_changes_nothing(
     assert [w["worker_id"] for w in server.status()["workers"]] == ["w-a"]
 
 
-def test_a_lossy_codec_is_refused_naming_the_mode_as_the_cause(make_server: ServerFactory) -> None:
+@pytest.mark.parametrize(
+    ("codec", "why"),
+    [
+        ({"codec": "lowrank"}, "not built for its collectives"),
+        ({"codec": "int8", "codec_block": "128"}, "collectives use {'block': '64'}"),
+        ({"codec": "topk", "codec_density": "0.05"}, "collectives use {'density': '0.0156'"),
+    ],
+)
+def test_a_lossy_codec_the_collectives_lack_is_refused_naming_the_mode(
+    make_server: ServerFactory, codec: dict[str, str], why: str
+) -> None:
+    """lowrank has no collective here, and int8, int4 and topk only their default options
+    (every member must cut the same blocks or chunks): 422 at registration, nothing
+    registered."""
     server = make_server(allreduce=True, **FAST)
-    body = {"worker_id": "w-a", "info": {"params": TABLE, "codec": {"codec": "int8"}}}
+    body = {"worker_id": "w-a", "info": {"params": TABLE, "codec": codec}}
     reply = assert_error(post_json(server, "/register", body), 422, "codec_refused")
-    assert "all-reduce mode sums" in reply["detail"] and "--codecs" not in reply["detail"]
-    assert reply["allowed"] == ["fp32", "bf16"]
+    assert why in reply["detail"] and "--codecs" not in reply["detail"]
+    assert reply["allowed"] == ["fp32", "bf16", "int8", "int4", "topk"]
     assert server.status()["workers"] == []
+
+
+@pytest.mark.parametrize(
+    ("codecs", "comm"),
+    [
+        (("int8", "int8"), "int8"),
+        (("int4", "int4"), "int4"),
+        (("int8", "int4"), "int8"),
+        (("int4", "bf16"), "bf16"),
+        (("int8", None), "fp32"),
+        (("topk", "topk"), "topk"),
+        (("topk", "int4"), "int4"),
+    ],
+)
+def test_a_quorums_comm_is_the_widest_its_members_registered(
+    make_server: ServerFactory, codecs: tuple[str | None, str | None], comm: str
+) -> None:
+    """fp32 > bf16 > int8 > int4 > topk; a member that names no codec counts as fp32."""
+    server = make_server(allreduce=True, num_workers=2, **FAST)
+    for worker, codec in zip(("w-a", "w-b"), codecs, strict=True):
+        info: dict[str, Any] = {"params": TABLE}
+        if codec is not None:
+            info["codec"] = {"codec": codec}
+        resp = post_json(server, "/register", {"worker_id": worker, "info": info})
+        assert resp.status_code == 200, resp.text
+    qa, qb = both_ask(server, ("w-a", 0, "h0"), ("w-b", 0, "h0"))
+    assert qa["comm"] == qb["comm"] == comm
 
 
 def test_two_concurrent_asks_get_one_quorum_and_outcomes_complete_the_round(

@@ -22,6 +22,7 @@ from __future__ import annotations
 from diloco.wire.messages import Registered
 from diloco.worker.allreduce.fragment_rounds import FragmentRounds
 from diloco.worker.allreduce.group_rounds import GroupedFragmentRounds
+from diloco.worker.allreduce.quantized import QUANTIZED
 from diloco.worker.allreduce.quorum_sync import QuorumSync
 from diloco.worker.allreduce.sharded_fragments import SHARDED_OVERLAP, ShardedFragmentRounds
 from diloco.worker.allreduce.sharded_whole import ShardedWhole, StreamedState
@@ -34,7 +35,7 @@ from diloco.worker.groups.sharded_outer import OuterShards
 from diloco.worker.server_mode.plain import PlainSync, Submit
 from diloco.worker.server_mode.streaming import StreamingSync
 from diloco.worker.session import Session
-from diloco.worker.settings import WorkerSettings
+from diloco.worker.settings import WorkerSettings, chosen_codec
 from diloco.worker.strategy import SyncStrategy
 
 
@@ -83,6 +84,13 @@ def same_family(joined_allreduce: bool, reply: Registered) -> None:
         )
 
 
+SHARDED_QUANTIZED = (
+    "a sharded worker group averages its whole model shard by shard, in fp32 or bf16: the "
+    "int8/int4/topk collectives of the all-reduce mode average a plain member's buffers (use "
+    "codec='bf16', or streaming fragments, num_fragments > 1)"
+)
+
+
 def _quorum_sync(
     settings: WorkerSettings,
     session: Session,
@@ -102,6 +110,12 @@ def _quorum_sync(
         )
     if parts is not None and settings.num_fragments > 1 and settings.overlap_steps > 0:
         raise ValueError(SHARDED_OVERLAP)
+    if (
+        parts is not None
+        and settings.num_fragments == 1
+        and chosen_codec(settings).name in QUANTIZED
+    ):
+        raise ValueError(SHARDED_QUANTIZED)
     if parts is not None:  # a sharded group: the state stays on its shards
         sharded = StreamedState(session, RunRules.of(reply), parts, parts.positions)
         if settings.num_fragments == 1:

@@ -35,8 +35,11 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
     member died or timed out) and were repeated, ``excluded_rounds`` rounds whose checks left
     this worker's contribution out (its steps are counted in ``dropped_steps``), and
     ``collective_bytes`` the payload this
-    worker averaged with its quorums (the pseudo-gradient in the communication dtype, per
-    round; a ring all-reduce moves about 2(N-1)/N of it each way on the wire)."""
+    worker averaged with its quorums (the pseudo-gradient in the communication dtype, or its
+    int8/int4 slots of scales and codes, per round), ``collective_sent`` and
+    ``collective_received`` its bytes to and from the other members (a quantized quorum's as
+    moved; a dense one's as a ring all-reduce moves them, 2(N-1)/N of the payload each way:
+    ``worker/allreduce/quantized.count_bytes``)."""
     return {
         "rounds": 0,
         "bytes_up": 0,
@@ -64,6 +67,8 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
         "discarded_rounds": 0,
         "excluded_rounds": 0,
         "collective_bytes": 0,
+        "collective_sent": 0,
+        "collective_received": 0,
     }
 
 

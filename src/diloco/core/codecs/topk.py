@@ -25,9 +25,10 @@ and writes them back, so the scratch is the kept elements of one ``CHUNK`` (abou
 SparseLoCo's density) and no full-size temporary exists. Pieces (``BlockCodec``) are ranges
 aligned to ``chunk``, a power of two so that it divides the worker's ``PIECE`` of 2**20.
 
-Elsewhere: the SparseLoCo outer rule (``core/outer_rules.py``) and the sparse downlink
-(``sparse_update.py``; ``sparse`` keeps this codec itself out of ``check_download_codec``). Not
-built yet (issue 30): quantized all-reduce.
+Elsewhere: the SparseLoCo outer rule (``core/outer_rules.py``), the sparse downlink
+(``sparse_update.py``; ``sparse`` keeps this codec itself out of ``check_download_codec``), and
+the all-reduce mode, which all-gathers members' encoded buckets (``core/codecs/shard_reduce.py``,
+``worker/allreduce/quantized.py``).
 """
 
 from __future__ import annotations

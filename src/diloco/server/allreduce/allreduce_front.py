@@ -24,7 +24,7 @@ from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.run_table import RunTable
 from diloco.server.config import ServerConfig
 from diloco.server.errors import allreduce_mode, not_swarm_mode
-from diloco.server.members.codec_choice import registered_codec
+from diloco.server.members.codec_choice import codec_refused, parse_codec, registered_codec
 from diloco.server.members.fragmenting import asked_fragmenting, configured_fragmenting
 from diloco.server.members.membership import Membership
 from diloco.server.members.registry import WorkerRegistry
@@ -49,16 +49,27 @@ from diloco.wire.messages.rendezvous import PATH as RENDEZVOUS_PATH
 
 log = logging.getLogger(__name__)
 
-ALLREDUCE_CODECS = ("fp32", "bf16")
-"""What a quorum's all-reduce carries. Quantized codes cannot be summed as they are (each
-worker's blocks have their own scales), and decoding before the sum would need every member
-to quantize identically: the lossy codecs stay with the server mode."""
+ALLREDUCE_CODECS = ("fp32", "bf16", "int8", "int4", "topk")
+"""What a quorum's all-reduce carries, narrowest last: a quorum's ``comm`` is the widest its
+members registered (``quorum_comm``). int8 and int4 travel as blockwise codes with each member's
+error feedback, reduced shard by shard in fp32 and requantized; topk as each member's sparse
+parts, all-gathered and summed (worker/allreduce/quantized.py)."""
+ENCODED = ("int8", "int4", "topk")
+"""The codecs whose collectives decode what every member encoded: their default options only."""
 LOSSY_REFUSED = (
-    "the all-reduce mode sums the members' tensors, and quantized codes with per-worker scales "
-    "cannot be summed: use fp32 or bf16 communication here, or run the server without "
-    "--allreduce to use a lossy codec"
+    "the all-reduce mode averages fp32, bf16, int8, int4 or topk; lowrank is not built for its "
+    "collectives: run the server without --allreduce to use it"
 )
-"""Why a lossy codec is refused in this mode: the mode, not ``--codecs``, is the cause."""
+"""Why another lossy codec is refused in this mode: the mode, not ``--codecs``, is the cause."""
+
+
+def quorum_comm(registered: list[str]) -> str:
+    """The widest codec among the members' (``ALLREDUCE_CODECS``' order; fp32 for a member
+    that named none): one encoding per collective, and no member's contribution narrowed past
+    what it asked for."""
+    return min(registered, key=ALLREDUCE_CODECS.index, default="fp32")
+
+
 TABLE_LIMIT = 1024 * 1024
 """A registration here carries the parameter table: a name and shape per tensor."""
 
@@ -84,7 +95,7 @@ class AllReduceFront:
         self.membership = Membership(config, self.registry, clock, self, lambda: None)
         self.table = RunTable()
         self.fragmenting = configured_fragmenting(config)
-        self._comm: dict[str, str] = {}  # worker id -> "fp32" or "bf16", from its registration
+        self._comm: dict[str, str] = {}  # worker id -> its ALLREDUCE_CODECS name, registered
         self.book = QuorumBook(
             instance=uuid.uuid4().hex[:12],
             live=self.registry.ids,
@@ -148,10 +159,20 @@ class AllReduceFront:
 
     def admit(self, info: RegisterInfo) -> Callable[[str], None]:
         """A registration's table and codec checked (400 ``missing_params_table``, 409
-        ``params_mismatch``, 422 ``codec_refused`` for a lossy codec), and its fragmenting, before
+        ``params_mismatch``, 422 ``codec_refused`` for lowrank, or int8, int4 or topk with other
+        than their default options), and its fragmenting, before
         anything changes."""
         table = self.table.check(info.params)
         comm = registered_codec(info.codec, ALLREDUCE_CODECS, LOSSY_REFUSED) or "fp32"
+        if info.codec is not None and comm in ENCODED:
+            default = parse_codec({"codec": comm}).options()
+            if parse_codec(info.codec).options() != default:
+                # Every member must cut the same blocks or chunks: the codes are decoded as one.
+                raise codec_refused(
+                    f"{comm} with options {parse_codec(info.codec).options()}",
+                    ALLREDUCE_CODECS,
+                    f"the all-reduce mode's {comm} collectives use {default}",
+                )
         asked = asked_fragmenting(info.fragmenting, self.config, self.fragmenting)
 
         def counts(worker_id: str) -> None:
@@ -228,9 +249,8 @@ class AllReduceFront:
         reply = await self.book.wait(ticket, self.config.poll_timeout)
         if reply is None:
             return None
-        # bf16 when every member sends bf16, else fp32: one dtype per collective.
-        both = all(self._comm.get(m) == "bf16" for m in reply.members)
-        return replace(reply, comm="bf16" if both else "fp32")
+        comm = quorum_comm([self._comm.get(m, "fp32") for m in reply.members])
+        return replace(reply, comm=comm)
 
     def outcome(self, outcome: QuorumOutcome) -> OutcomeRecorded:
         reply = self.book.report(outcome)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.core.codecs.shard_reduce import relative_error
 from diloco.core.robust import Verdict, global_norm, judge
 from diloco.wire.messages import Assignment
 from diloco.wire.messages.uploads import MAX_WEIGHT
@@ -29,6 +30,7 @@ from diloco.worker.allreduce.collective import (
     reduce_scaled,
     table_of,
 )
+from diloco.worker.allreduce.quantized import Moved, Quantized, quantized_reduce
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class Averaged:
     sound: bool
     """The average is finite and its norm within the bound the admitted members' stated norms
     allow (``verdict.bound``, with ``slack``); True when no member was admitted."""
+    moved: Moved | None = None
+    """A quantized all-reduce's norm and bytes (None for the dense one)."""
 
     @property
     def total(self) -> float:
@@ -58,6 +62,7 @@ def checked_average(
     *,
     norm_bound: float,
     bucket_bytes: int = BUCKET_BYTES,
+    quantized: Quantized | None = None,
 ) -> Averaged:
     """``average`` that no faulty member can spoil (docs/design/allreduce.md, "Checks"). A
     collective: every member calls it with its own tensors and ``weight``.
@@ -74,7 +79,14 @@ def checked_average(
 
     Raises ``ValueError`` on every rank together if the members' tables, ``dtype`` or
     ``bucket_bytes`` differ. On ``QuorumFailed`` the tensors hold a mix of averaged and own
-    values, as with ``average``."""
+    values, as with ``average``.
+
+    ``quantized``: the average travels as the quorum's int8 or int4 codes with this member's
+    error feedback (``quantized.quantized_reduce``; ``dtype`` is then unused); an admitted
+    member adds the residual it owes, and the result's bound adds the residuals' norms (one
+    more tiny all-reduce) and the two quantizations' relative error."""
+    if quantized is not None:
+        return _checked_quantized(quorum, tensors, weight, norm_bound, bucket_bytes, quantized)
     if not dtype.is_floating_point:
         raise ValueError(f"the communication dtype must be floating point, not {dtype}")
     flats = flat_views(tensors)
@@ -95,6 +107,56 @@ def checked_average(
         return Averaged(verdict, 0.0, True)
     # The result's norm was taken bucket by bucket during the all-reduce (no further pass).
     return Averaged(verdict, got, got <= verdict.bound * (1 + slack(dtype, quorum.size)) + TINY)
+
+
+def _checked_quantized(
+    quorum: QuorumCollective,
+    tensors: Sequence[torch.Tensor],
+    weight: float,
+    norm_bound: float,
+    bucket_bytes: int,
+    q: Quantized,
+) -> Averaged:
+    flats = flat_views(tensors)
+    codec = q.codec
+    check_tables(
+        quorum,
+        f"checked {codec.name} {sorted(codec.options().items())} {bucket_bytes};"
+        + table_of(tensors),
+    )
+    finite, norm = measure(quorum, flats)
+    verdict = judge(*exchange(quorum, finite, norm, weight), norm_bound, MAX_WEIGHT)
+    admitted = quorum.rank not in verdict.excluded
+    owed = _residual_sum(quorum, global_norm(q.residual) if admitted else 0.0)
+    total = verdict.total
+    if total == 0:
+        for flat in flats:
+            flat.zero_()
+        return Averaged(verdict, 0.0, True)
+    moved = quantized_reduce(
+        quorum,
+        flats,
+        verdict.weights[quorum.rank] / total if admitted else 0.0,
+        codec,
+        q.residual,
+        q.pending,
+        send_residual=admitted,
+        bucket_bytes=bucket_bytes,
+    )
+    # Each member's decoded codes are within relative_error of its contribution, and the shard's
+    # sum within it again after the requantization (the triangle inequality, twice; once for
+    # topk, whose decoded parts are summed as they are).
+    times = 1 if codec.sparse else 2
+    bound = (verdict.bound + owed) * (1 + relative_error(codec)) ** times
+    got = moved.norm
+    return Averaged(verdict, got, got <= bound * 1.01 + TINY, moved)
+
+
+def _residual_sum(quorum: QuorumCollective, mine: float) -> float:
+    """The sum of the members' residual norms (each rank adds its own; one tiny all-reduce)."""
+    t = torch.tensor([mine], dtype=torch.float64, device=quorum.device)
+    quorum.collective("residual norms", allreduce_work(t, quorum.timeout))
+    return float(t.item())
 
 
 def slack(dtype: torch.dtype, size: int) -> float:

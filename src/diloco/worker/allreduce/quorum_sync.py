@@ -60,6 +60,7 @@ from diloco.worker.allreduce.collective import (
 )
 from diloco.worker.allreduce.http_store import HttpMeeting
 from diloco.worker.allreduce.payload import Payload
+from diloco.worker.allreduce.quantized import QUANTIZED, Residuals, count_bytes
 from diloco.worker.allreduce.shared_state import SharedState
 from diloco.worker.allreduce.standing import Standing
 from diloco.worker.session import Session
@@ -73,7 +74,7 @@ SAMPLE = 1009
 parameter's shape lines up with it)."""
 
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""What a quorum's all-reduce carries (``Assignment.comm``)."""
+"""What a quorum's all-reduce carries (``Assignment.comm``) when not quantized (``QUANTIZED``)."""
 
 MAX_QUORUM_TRIES = 5
 """Quorums tried in one sync before training goes on locally (each failed one is discarded)."""
@@ -97,6 +98,8 @@ class QuorumSync:
         self._leaving = threading.Event()  # no more quorums once set
         # The members left out of the round in progress (worker ids), for its report.
         self._excluded: tuple[str, ...] = ()
+        # The error feedback of quantized quorums (``quantized.Residuals``: its rules).
+        self.residuals = Residuals()
         self._s.base_round = 0
 
     # --- SyncStrategy -------------------------------------------------------------------------
@@ -291,6 +294,7 @@ class QuorumSync:
             # so the new hashes agree; the server compares them, and a member whose hash is not
             # the majority's is sent the state at its next quorum.
             if total > 0:
+                self.residuals.commit()  # passed the commit point and steps: owed from now on
                 payload.step(q)
                 s.base_round = q.round + 1
             if left_out:
@@ -308,22 +312,30 @@ class QuorumSync:
         """The quorum's checked average of ``tensors`` in place (``checked_average``), agreed at
         the commit point: the admitted weights' sum, and whether this worker was left out."""
         comm = COMM_DTYPES.get(q.comm, torch.float32)
+        self.residuals.discard()  # a dense round neither sends nor moves the residuals
         with _stage("average"):
             if self._state.streamed:  # a sharded group's: the tensors are on its shards
+                if q.comm in QUANTIZED:  # refused at its join (worker/choose.py)
+                    raise QuorumFailed(q.quorum_id, f"a sharded group cannot average {q.comm}")
                 averaged, sample, numel = self._state.streamed_average(quorum, weight, comm, SAMPLE)
             else:
+                # One residual per share of the model: a streaming fragment is the round's.
+                share = q.round % self._s.settings.num_fragments
+                quantized = self.residuals.for_round(q.comm, share, tensors)
                 averaged = checked_average(
-                    quorum, tensors, weight, comm, norm_bound=self._state.rules.norm_bound
+                    quorum,
+                    tensors,
+                    weight,
+                    comm,
+                    norm_bound=self._state.rules.norm_bound,
+                    quantized=quantized,
                 )
                 sample = [t.reshape(-1)[::SAMPLE] for t in tensors]
                 numel = sum(t.numel() for t in tensors)
         self._excluded, left_out = name_excluded(self._s.worker_id, q, averaged)
         if left_out:
             self._s.metrics["excluded_rounds"] += 1
-        # The payload averaged (on the wire a ring all-reduce moves about 2(N-1)/N of it each
-        # way); the HTTP bytes stay in bytes_up/bytes_down.
-        itemsize = torch.empty((), dtype=comm).element_size()
-        self._s.metrics["collective_bytes"] += numel * itemsize
+        count_bytes(self._s.metrics, quorum.size, averaged.total, averaged.moved, numel, comm)
         # The commit point: this tiny collective succeeds only once every member holds the
         # complete average; nothing has changed anywhere before it. It compares a sample of the
         # average (every SAMPLE-th element): a full CRC would cost 0.1 s per 100M parameters,
@@ -378,11 +390,13 @@ class QuorumSync:
         uncertain, self._uncertain = self._uncertain, None
         if self._standing.restarting:
             self._payload.take_state()  # its progress, excluded too often, is dropped
+            self.residuals.forget()
         elif uncertain is not None and uncertain[0] == q.made_by:
             # The state received was made by the quorum whose commit point failed here: this
             # worker's pseudo-gradient is in it, so its progress up to then must not count
             # again (rebasing it would).
             self._payload.settle_counted(q, uncertain[1])
+            self.residuals.forget()
         else:
             local.each_param(rebase_)
         self._needs_state = False

@@ -1,0 +1,302 @@
+"""The quantized all-reduce of a quorum (``comm`` ``int8``, ``int4`` or ``topk``;
+docs/design/allreduce.md, "Quantized all-reduce"), and the error-feedback residuals each member
+keeps for it.
+
+One bucket at a time (``BUCKET_BYTES`` of fp32, as the dense path): every member quantizes its
+contribution ``scale * acc + e`` (``e``: the residual it owes) blockwise into one slot per shard;
+one all-to-all hands each rank every member's slot of its shard (the reduce-scatter); the rank
+sums them in fp32 in rank order and requantizes the sum (``core.codecs.shard_reduce``); one
+all-gather hands every rank every requantized shard, and every rank decodes the same bytes, so
+every replica ends bit-identical. gloo's all-to-all was measured beside its all-gather and
+all-reduce (docs/design/allreduce.md). ``topk`` (sparse) is not reduce-scattered: each member's
+encoded bucket is all-gathered whole, and every rank sums the N decoded slots in rank order.
+
+Error feedback: what a member's codes dropped, plus what the requantization of the shard it
+reduced dropped, is its next residual (``Residuals.pending``), adopted only once the round
+passed its commit point (``commit``): a discarded round leaves the residual as it was, so the
+repeat sends the same. Rules for a member resynced or left out are ``Residuals``'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.core.codecs import BlockCodec, Int4Codec, Int8Codec, TopKCodec
+from diloco.core.codecs.shard_reduce import (
+    decode_slot,
+    quantize_feedback_,
+    reduce_slots,
+    shard_bounds,
+    slot_bytes,
+)
+from diloco.worker.allreduce.collective import BUCKET_BYTES, QuorumCollective, table_of
+
+QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
+    "int8": Int8Codec,
+    "int4": Int4Codec,
+    "topk": TopKCodec,
+}
+"""The quorum ``comm`` values that travel encoded, and their codecs (default options)."""
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What a quantized average needs of the member: the codec, the residuals it owes for these
+    tensors and the buffers for its new ones (``Residuals.for_round``)."""
+
+    codec: BlockCodec
+    residual: list[torch.Tensor]
+    pending: list[torch.Tensor]
+
+
+@dataclass
+class Residuals:
+    """A member's error-feedback residuals for the quantized all-reduce, fp32 flat tensors keyed
+    by the share of the model a round averages (the whole model, or one streaming fragment).
+
+    Rules: a round's new residuals (``pending``) replace the old ones only at ``commit`` (the
+    round passed its commit point and stepped); a discarded round, a quorum whose admitted
+    weights sum to 0, a member left out by the checks (it sent none of it: still owed) and a
+    dense round keep the old ones; a rebase keeps them (the residual is owed to the run,
+    whatever the state the progress sits on); ``forget`` drops them where the member takes the run's
+    state wholesale (a rejoin after exclusions, or a state made by a quorum whose commit point
+    failed here, which may or may not hold this member's last contribution): at most one
+    round's quantization error is lost. Not saved with the worker's checkpoint."""
+
+    held: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    pending: tuple[str, list[torch.Tensor]] | None = None
+    filling: bool = False
+    """``pending`` belongs to the round in progress (``begin``), not to an earlier one that
+    failed: only then may ``commit`` adopt it."""
+
+    def of(self, key: str, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The residuals for ``flats`` under ``key`` (zeros the first time, or when the
+        shapes changed)."""
+        held = self.held.get(key)
+        if held is None or [h.numel() for h in held] != [f.numel() for f in flats]:
+            held = [torch.zeros(f.numel(), dtype=torch.float32, device=f.device) for f in flats]
+            self.held[key] = held
+        return held
+
+    def begin(self, key: str, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Buffers for this round's new residuals (reused between rounds)."""
+        self.filling = True
+        if self.pending is not None and self.pending[0] == key:
+            buffers = self.pending[1]
+            if [b.numel() for b in buffers] == [f.numel() for f in flats]:
+                return buffers
+        buffers = [torch.empty(f.numel(), dtype=torch.float32, device=f.device) for f in flats]
+        self.pending = (key, buffers)
+        return buffers
+
+    def for_round(self, comm: str, share: int, tensors: Sequence[torch.Tensor]) -> Quantized | None:
+        """A round starts averaging ``tensors``, share ``share`` of the model (a streaming
+        fragment's index, else 0), in ``comm``: what its quantized average needs (residuals keyed
+        by the share and the tensors' table: equal fragments' tables may coincide), or None for a
+        dense ``comm``."""
+        self.discard()
+        make = QUANTIZED.get(comm)
+        if make is None:
+            return None
+        flats = [t.view(-1) for t in tensors]
+        key = f"{share};{table_of(tensors)}"
+        return Quantized(make(), self.of(key, flats), self.begin(key, flats))
+
+    def discard(self) -> None:
+        """A round starts: whatever ``pending`` holds is an earlier round's, never adopted (a
+        dense round after a failed quantized one must not commit it)."""
+        self.filling = False
+
+    def commit(self) -> None:
+        """The round that filled ``pending`` stepped on every member: its residuals are owed."""
+        if self.pending is not None and self.filling:
+            self.filling = False
+            key, buffers = self.pending
+            old = self.held.get(key)
+            self.held[key] = buffers
+            self.pending = None if old is None else (key, old)  # the old buffers are reused
+
+    def forget(self) -> None:
+        self.held.clear()
+        self.pending = None
+
+    def norm(self, key: str) -> float:
+        return math.sqrt(
+            sum(float(torch.linalg.vector_norm(e)) ** 2 for e in self.held.get(key, []))
+        )
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What a quantized all-reduce did on this member."""
+
+    norm: float
+    """The L2 norm of the average written back (fp64 sum of fp32 norms)."""
+    sent: int
+    """Bytes this member sent to the others (slots of scales and codes, padding included)."""
+    received: int
+    payload: int
+    """Bytes of the quantized contribution: every shard's slot, once."""
+
+
+def quantized_reduce(
+    quorum: QuorumCollective,
+    flats: list[torch.Tensor],
+    scale: float,
+    codec: BlockCodec,
+    residual: list[torch.Tensor],
+    pending: list[torch.Tensor],
+    *,
+    send_residual: bool,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> Moved:
+    """The sum over the quorum of each rank's ``scale * flats + residual`` (without the residual
+    when not ``send_residual``: a member the checks left out sends zeros), quantized as the
+    module docstring says, written back into ``flats`` identically on every rank. ``pending``
+    receives this member's new residuals (``residual`` itself is not written). A collective."""
+    size, rank = quorum.size, quorum.rank
+    squares, sent, received, payload = 0.0, 0, 0, 0
+    capacity = max(codec.align, bucket_bytes // 4 // codec.align * codec.align)
+    buf = torch.empty(min(capacity, sum(f.numel() for f in flats)), dtype=torch.float32)
+    for n, pieces in _buckets(flats, capacity):
+        b = buf[:n]
+        for i, a, t, o in pieces:
+            if scale == 0.0:
+                b[o : o + t].zero_()  # 0 * NaN is NaN: a member left out sends zeros
+            else:
+                torch.mul(flats[i][a : a + t], scale, out=b[o : o + t])
+            if send_residual:
+                b[o : o + t].add_(residual[i][a : a + t])
+        if codec.sparse:
+            slot = slot_bytes(codec, n)
+            out = torch.empty(slot, dtype=torch.uint8)
+            quantize_feedback_(codec, b, out)  # b keeps what the codes dropped
+            _keep_residual(b, pieces, residual, pending, send_residual)
+            got = torch.empty(size * slot, dtype=torch.uint8)
+            quorum.collective("sparse all-gather", _all_gather(got, out, size, quorum.timeout))
+            reduce_slots(codec, [got[r * slot : (r + 1) * slot] for r in range(size)], b)
+            squares += _write_back(b, pieces, flats)
+            sent += (size - 1) * slot
+            received += (size - 1) * slot
+            payload += size * slot
+            continue
+        bounds = shard_bounds(n, size, codec.align)
+        slot = slot_bytes(codec, max(hi - lo for lo, hi in bounds))
+        out = torch.empty(size * slot, dtype=torch.uint8)
+        for j, (lo, hi) in enumerate(bounds):
+            quantize_feedback_(codec, b[lo:hi], out[j * slot : (j + 1) * slot])
+        got = torch.empty_like(out)
+        quorum.collective("quantized reduce-scatter", _all_to_all(got, out, quorum.timeout))
+        lo, hi = bounds[rank]
+        total = torch.empty(hi - lo, dtype=torch.float32)
+        reduce_slots(codec, [got[r * slot : (r + 1) * slot] for r in range(size)], total)
+        mine = out[:slot]  # the own slots were sent: room for the requantized shard
+        quantize_feedback_(codec, total, mine)
+        b[lo:hi].add_(total)  # the requantization's residual is the shard owner's to repay
+        _keep_residual(b, pieces, residual, pending, send_residual)
+        quorum.collective("quantized all-gather", _all_gather(got, mine, size, quorum.timeout))
+        for j, (lo, hi) in enumerate(bounds):
+            decode_slot(codec, got[j * slot : (j + 1) * slot], b[lo:hi])
+        squares += _write_back(b, pieces, flats)
+        sent += 2 * (size - 1) * slot
+        received += 2 * (size - 1) * slot
+        payload += size * slot
+    return Moved(math.sqrt(squares), sent, received, payload)
+
+
+def count_bytes(
+    metrics: dict[str, Any], size: int, total: float, moved: Moved | None, numel: int,
+    comm: torch.dtype,
+) -> None:  # fmt: skip
+    """A round's bytes into the worker's ``sync_metrics``: ``collective_bytes``, the payload
+    averaged (in ``comm``, or the quantized slots); ``collective_sent`` and
+    ``collective_received``, this member's bytes to and from the others: a quantized average's
+    slots as they were moved (scales, codes and padding, one all-to-all and one all-gather:
+    ``(N-1)`` slots each way in each), a dense one's as a ring all-reduce moves them
+    (``2 (N-1) / N`` of the payload each way). Nothing when the admitted weights summed to 0
+    (``total``; a join's round): no tensor moved then. The HTTP bytes stay in ``bytes_up`` and
+    ``bytes_down``."""
+    if total == 0:
+        return
+    if moved is not None:
+        metrics["collective_bytes"] += moved.payload
+        metrics["collective_sent"] += moved.sent
+        metrics["collective_received"] += moved.received
+        return
+    payload = numel * torch.empty((), dtype=comm).element_size()
+    metrics["collective_bytes"] += payload
+    ring = 2 * (size - 1) * payload // size
+    metrics["collective_sent"] += ring
+    metrics["collective_received"] += ring
+
+
+def _keep_residual(
+    b: torch.Tensor,
+    pieces: list[tuple[int, int, int, int]],
+    residual: list[torch.Tensor],
+    pending: list[torch.Tensor],
+    sent: bool,
+) -> None:
+    """``pending`` = what the bucket ``b`` holds now (what this member's codes dropped), plus
+    the old residual where it was not sent (a member left out keeps owing it)."""
+    for i, a, t, o in pieces:
+        if sent:
+            pending[i][a : a + t].copy_(b[o : o + t])
+        else:
+            torch.add(residual[i][a : a + t], b[o : o + t], out=pending[i][a : a + t])
+
+
+def _write_back(
+    b: torch.Tensor, pieces: list[tuple[int, int, int, int]], flats: list[torch.Tensor]
+) -> float:
+    """The averaged bucket into the tensors; the sum of squares of what was written."""
+    squares = 0.0
+    for i, a, t, o in pieces:
+        own = flats[i][a : a + t]
+        own.copy_(b[o : o + t])
+        squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
+    return squares
+
+
+def _buckets(
+    flats: Sequence[torch.Tensor], capacity: int
+) -> Iterator[tuple[int, list[tuple[int, int, int, int]]]]:
+    """(elements, [(tensor index, start, count, offset in the bucket)]) over the flat tensors
+    in order, at most ``capacity`` elements a bucket."""
+    pieces: list[tuple[int, int, int, int]] = []
+    used = 0
+    for i, flat in enumerate(flats):
+        start = 0
+        while start < flat.numel():
+            take = min(capacity - used, flat.numel() - start)
+            pieces.append((i, start, take, used))
+            used += take
+            start += take
+            if used == capacity:
+                yield used, pieces
+                pieces, used = [], 0
+    if pieces:
+        yield used, pieces
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, timeout: float) -> Callable[[Any], Any]:
+    options = dist.AllToAllOptions()
+    options.timeout = timedelta(seconds=timeout)
+    return lambda backend: backend.alltoall_base(out, inp, [], [], options)
+
+
+def _all_gather(
+    out: torch.Tensor, mine: torch.Tensor, size: int, timeout: float
+) -> Callable[[Any], Any]:
+    options = dist.distributed_c10d.AllgatherOptions()
+    options.timeout = timedelta(seconds=timeout)
+    slot = mine.numel()
+    outs = [out[j * slot : (j + 1) * slot] for j in range(size)]
+    return lambda backend: backend.allgather([outs], [mine], options)
