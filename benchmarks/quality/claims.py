@@ -217,6 +217,14 @@ def claim_n(r: Results) -> Row:
     return "loss vs fp32: " + "; ".join(parts), REPRODUCED if ok else NOT_REPRODUCED, ""
 
 
+def claim_o(r: Results) -> Row:
+    res = r["allreduce_codecs"]
+    ref, int8 = names(res)[:2]
+    diffs, up_x = paired(res, int8, ref), per_round(res, ref, "up") / per_round(res, int8, "up")
+    text = f"int8 vs fp32 all-reduce: {fmt(diffs, signed=True)} at ÷{up_x:.1f} bytes sent"
+    return text, REPRODUCED if _mean(diffs) <= MATCH else NOT_REPRODUCED, ""
+
+
 def claim_k(r: Results) -> Row:
     res = r["dropped"]
     ref, lost = names(res)[:2]
@@ -360,6 +368,13 @@ CLAIMS: list[tuple[str, str, str, str, Callable[[Results], Row]]] = [
         "SparseLoCo (arXiv 2508.15706): 1-3% density, 2 bits, beats fp32 DiLoCo at 512M; "
         "Covenant-72B at 1.56%, 146x below fp32",
         claim_n,
+    ),
+    (
+        "o",
+        "allreduce_codecs",
+        "int8 all-reduce (error feedback on each member) matches fp32 all-reduce (issue 30)",
+        "PCCL, INTELLECT-1: int8 ring all-reduce",
+        claim_o,
     ),
 ]
 

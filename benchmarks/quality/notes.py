@@ -23,7 +23,8 @@ and one `DiLoCoWorker` per worker, each a thread training its own copy of the mo
 pseudo-gradients over HTTP and adopting the server's parameters (`benchmarks/harness/trials.py`).
 Only the baselines without a server (AdamW on one worker, data-parallel) are single models.
 Papers: DiLoCo (arXiv 2311.08105), asynchronous Local-SGD with Delayed Nesterov and DyLU (arXiv
-2401.09135), Streaming DiLoCo (arXiv 2501.18512).
+2401.09135), Streaming DiLoCo (arXiv 2501.18512); claims n and o are issue 30's targets for
+SparseLoCo's recipe (arXiv 2508.15706) and quantized all-reduce, not a paper's table.
 """
 
 PROTOCOL = """
@@ -79,6 +80,31 @@ worker uploaded in one sync.
     "codecs": """
 The downlink stays fp32 (full parameters), so only the uplink varies; MB sent is what the server
 received.
+""",
+    "sparse": """
+Bytes are per worker per round, as the system counted them: up, what the server received over
+the rounds and workers (the whole body: safetensors header, indices, scales and codes); down,
+what each worker downloaded less its joining download (full parameters once per run, whatever
+the downlink). `topk` options: density 0.0156 (1/64), chunks of 1024 elements, 2-bit values
+(`benchmarks/quality/experiments.py`, `TOPK`, says why 1024 and not the paper's 4096). Under the
+SparseLoCo rule the workers decay their error feedback by 0.95 (the server's rule tells them)
+and the outer step is the plain mean of the decoded uploads times the outer lr, chosen on seed 0
+from the sweep below (`sparse_lr`) before the three seeds ran. The sparse downlink needs that
+rule (momentum moves every parameter every round), so there is no Nesterov row with it; its
+replicas are checked bit for bit against the server every round (the round's checksum).
+""",
+    "sparse_lr": """
+Seed 0 only, run before the three seeds of `sparse` and used to choose its outer lr; not used for
+the verdict. The last row is `topk` with the paper's chunk of 4096 under Nesterov.
+""",
+    "allreduce_codecs": """
+All-reduce mode runs the same worker threads against a server that only hosts the rendezvous
+(`benchmarks/harness/allreduce_trials.py`): every worker loads the pretrained start itself, the
+workers average their pseudo-gradients in gloo collectives and each runs outer Nesterov (lr 0.7,
+momentum 0.9) on its replica; the curve and the final model are rank 0's replica (every replica
+holds the same bits, tested in `tests/integration/test_allreduce_quantized.py`). Bytes are the
+collectives' per member per round: kB up what a member sent to the others, kB down what it
+received (fp32: a ring's 2(M-1)/M of the 4-byte payload each way).
 """,
     "dropped": """
 **Mechanism.** A sync round of this server waits for every expected worker, so an upload cannot

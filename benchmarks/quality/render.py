@@ -152,7 +152,7 @@ def bytes_table(res: dict[str, Any]) -> list[str]:
 
 
 # Experiments whose table is not ``experiment_table``.
-TABLES = {"sparse": bytes_table, "sparse_lr": bytes_table}
+TABLES = {"sparse": bytes_table, "sparse_lr": bytes_table, "allreduce_codecs": bytes_table}
 
 
 def section(res: dict[str, Any], docs_dir: Path, letters: str) -> list[str]:

@@ -90,7 +90,10 @@ def up_per_round(row: dict[str, Any]) -> float:
 
 def down_per_round(row: dict[str, Any]) -> float:
     """Bytes one worker downloaded per round, its joining download (full parameters, once per
-    run whatever the downlink) left out: mean over the workers of (bytes down - join) / rounds."""
+    run whatever the downlink) left out: mean over the workers of (bytes down - join) / rounds.
+    All-reduce rows (``collective``): what the collectives brought each member, per round."""
+    if row.get("collective"):
+        return float(row["bytes_down"]) / (row["updates"] * row["config"]["workers"])
     per = [(w["bytes_down"] - w["join_bytes_down"]) / w["rounds"] for w in row["workers"]]
     return statistics.mean(per)
 

@@ -89,3 +89,35 @@ def test_claim_n_rule_is_the_printed_one() -> None:
     text = next(c[2] for c in CLAIMS if c[0] == "n")
     assert f"{UP_RATIO}x fewer upload" in text and f"{DOWN_RATIO}x fewer download" in text
     assert "At Nx fewer bytes" in RULES and f"at most {MATCH} nats" in RULES
+
+
+def test_claim_o_holds_within_match_of_fp32_all_reduce() -> None:
+    """Claim o: int8 all-reduce's mean paired difference from fp32 all-reduce at most MATCH;
+    its bytes are the collectives' (``collective`` rows: sent and received over rounds and
+    members)."""
+    from benchmarks.quality.claims import MATCH, NOT_REPRODUCED, REPRODUCED, claim_o
+    from benchmarks.quality.stats import down_per_round, up_per_round
+
+    def row(name: str, seed: int, loss: float, sent: int) -> dict:
+        return {
+            "name": name,
+            "seed": seed,
+            "eval_loss": loss,
+            "updates": 10,
+            "collective": True,
+            "bytes_up": 2 * 10 * sent,
+            "bytes_down": 2 * 10 * sent,
+            "config": {"workers": 2},
+        }
+
+    def results(diff: float) -> dict:
+        rows = []
+        for seed in (0, 1, 2):
+            rows += [row("fp32 all-reduce", seed, 2.0, 4000), row("int8", seed, 2.0 + diff, 1000)]
+        return {"allreduce_codecs": {"rows": rows}}
+
+    ours, verdict, _ = claim_o(results(MATCH * 0.9))
+    assert verdict == REPRODUCED and "÷4.0 bytes sent" in ours, ours
+    assert claim_o(results(MATCH * 1.1))[1] == NOT_REPRODUCED
+    one = row("int8", 0, 2.0, 1000)
+    assert up_per_round(one) == down_per_round(one) == 1000
