@@ -277,8 +277,8 @@ def codecs(s: Scale) -> list[Config]:
 # elements, so at 4096 a chunk would be a whole matrix (a per-tensor top-k); at 1024 each has
 # 4 to 16, for about 5% more bytes (a bf16 scale per 16 kept values instead of per 64).
 TOPK = "topk:density=0.0156,chunk=1024,bits=2"
-# The SparseLoCo rule's outer lr: 4 = M. The M workers' kept positions barely overlap, so the
-# mean divides a value only one worker sent by M; lr M lands it at its size. Chosen on seed 0
+# The SparseLoCo rule's outer lr: 4 = M. Where only one of the M workers kept a position (most
+# positions: their supports overlap little), the mean divides its value by M; lr M undoes that. Chosen on seed 0
 # from sparse_lr, the best of 0.7 to 16 there (docs/quality.md has the sweep).
 SPARSELOCO_LR = 4.0
 SPARSELOCO_LRS = (0.7, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -311,7 +311,8 @@ def sparse(s: Scale) -> list[Config]:
 
 def sparse_lr(s: Scale) -> list[Config]:
     """Claim n's settings tried on seed 0 (not used for its verdict): the SparseLoCo rule's outer
-    lr, and `topk` with the paper's chunk of 4096 under Nesterov."""
+    lr, `topk` with the paper's chunk of 4096 under Nesterov, and fp32 and `topk` under the
+    SparseLoCo rule with four times the rounds (H a quarter of the default, same steps)."""
     topk = {"codec": TOPK}
     out = [plain(s, "fp32", worker={"codec": "fp32"})]
     out += [
@@ -320,6 +321,10 @@ def sparse_lr(s: Scale) -> list[Config]:
     ]
     chunk4096 = {"codec": TOPK.replace("chunk=1024", "chunk=4096")}
     out.append(plain(s, "topk chunk 4096 + EF, Nesterov", worker=chunk4096))
+    h = max(s.sync_every // 4, 1)
+    out.append(plain(s, f"fp32, H={h}", sync_every=h, worker={"codec": "fp32"}))
+    name = f"topk + EF, SparseLoCo rule, H={h}"
+    out.append(plain(s, name, sync_every=h, server=sparseloco(), worker=topk))
     return out
 
 

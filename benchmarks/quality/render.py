@@ -192,7 +192,9 @@ def render(results_dir: Path, docs_dir: Path) -> Path:
         "(pretrain and evaluation included; a run shared by several experiments counted once), "
         "on the machine that produced them (the published figures: this project's 2-core Intel "
         "Xeon, idle, 2026-11-26 18:10-18:53 UTC; the first run, with other jobs on the cores "
-        "at load 3 to 9, took 48 min). The issue's target was about 30 min.",
+        "at load 3 to 9, took 48 min). The issue's target was about 30 min. Claims n and o "
+        "(`sparse`, `sparse_lr`, `allreduce_codecs`) ran later on the same machine, shared "
+        "with other jobs (load 5 to 9), 2026-11-27 15:28-15:42 UTC.",
         "",
     ]
     lines += [PROTOCOL.strip(), "", "## Setup", "", *setup_table(results), ""]
