@@ -1,6 +1,7 @@
-"""The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
-through the real server and workers, its results file has the expected shape, and the docs page
-renders with one claims row per claim a-m. No loss value is asserted: at this size a figure could
+"""The quality suite (benchmarks/quality/, issue 20) without its runs: the one-GPU profile
+builds and steps on CPU, and claims n and o judge by the rules the page prints, on made-up
+results. The fast run of every experiment through the real server and workers is
+tests/processes/test_quality_suite.py. No measured loss is asserted: at this size a figure could
 fail by chance."""
 
 from __future__ import annotations
