@@ -144,10 +144,15 @@ class CurveWatcher(threading.Thread):
             self.snap()
 
 
-def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
-    """One worker thread: train from the server's parameters until the budget is spent."""
+def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
+    """One worker thread: train from the server's parameters until the budget is spent.
+    Optional ``ctx`` keys (all-reduce mode, ``allreduce_trials``): ``own_init`` (load
+    ``trial.init`` before joining), ``after_step(rank, worker, model)`` and ``final`` (a list
+    that gets each rank's parameters after it leaves)."""
     corpus: Corpus = ctx["corpus"]
     model = ctx["model_fn"](trial.seed).to(trial.device)
+    if ctx.get("own_init") and trial.init is not None:
+        model.load_state_dict(trial.init)  # all-reduce mode: no server holds the start
     opt = torch.optim.AdamW(model.parameters(), lr=trial.lr)
     gen = torch.Generator().manual_seed(trial.seed * 1000 + rank)
     drop_rng = random.Random(f"drop-{trial.seed}-{rank}")
@@ -170,6 +175,9 @@ def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
     steps = lost = 0
     ctx["start"].wait()
     with worker:
+        # The join's download (full parameters): kept apart, so that a round's download is
+        # the worker's bytes down less this, over its rounds.
+        joined = worker.sync_metrics["bytes_down"]
         last_round = -1
         while budget.take():
             if lossy and worker.base_round != last_round:
@@ -196,9 +204,20 @@ def _worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
             opt.step()
             opt.zero_grad()
             steps += 1
+            if "after_step" in ctx:
+                ctx["after_step"](rank, worker, model)
             if delay:
                 time.sleep(delay)
-    ctx["results"][rank] = {"steps": steps, "lost_uploads": lost, **worker.sync_metrics}
+    ctx["results"][rank] = {
+        "steps": steps,
+        "lost_uploads": lost,
+        "join_bytes_down": joined,
+        **worker.sync_metrics,
+    }
+    if "final" in ctx:  # all-reduce mode: the replica is the model (every rank's is the same)
+        ctx["final"][rank] = {
+            n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
+        }
 
 
 def run_trial(trial: Trial) -> dict[str, Any]:
@@ -230,7 +249,7 @@ def run_trial(trial: Trial) -> dict[str, Any]:
 
     def work(rank: int) -> None:
         try:
-            _worker_loop(trial, rank, ctx)
+            worker_loop(trial, rank, ctx)
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
             ctx["start"].abort()
@@ -268,12 +287,13 @@ def run_trial(trial: Trial) -> dict[str, Any]:
         "wall_s": wall,
         "updates": status["updates"],
         "bytes_up": status["bytes_in"],
+        "bytes_down": status["bytes_out"],
         "staleness": status["staleness"],
         "workers": results,
         "steps": sum(r["steps"] for r in results),
     }
     if watcher is not None:
-        row["curve"] = _evaluate_curve(trial, watcher.points, model, corpus)
+        row["curve"] = evaluate_curve(trial, watcher.points, model, corpus)
     return row
 
 
@@ -290,7 +310,7 @@ def _settle(server: DiLoCoServer, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _evaluate_curve(
+def evaluate_curve(
     trial: Trial, points: list[dict[str, Any]], model: torch.nn.Module, corpus: Corpus
 ) -> list[dict[str, Any]]:
     """Eval loss of every recorded global model. Inner steps per worker: in sync mode exactly

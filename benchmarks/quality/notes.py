@@ -23,7 +23,8 @@ and one `DiLoCoWorker` per worker, each a thread training its own copy of the mo
 pseudo-gradients over HTTP and adopting the server's parameters (`benchmarks/harness/trials.py`).
 Only the baselines without a server (AdamW on one worker, data-parallel) are single models.
 Papers: DiLoCo (arXiv 2311.08105), asynchronous Local-SGD with Delayed Nesterov and DyLU (arXiv
-2401.09135), Streaming DiLoCo (arXiv 2501.18512).
+2401.09135), Streaming DiLoCo (arXiv 2501.18512); claims n and o are issue 30's targets for
+SparseLoCo's recipe (arXiv 2508.15706) and quantized all-reduce, not a paper's table.
 """
 
 PROTOCOL = """
@@ -79,6 +80,35 @@ worker uploaded in one sync.
     "codecs": """
 The downlink stays fp32 (full parameters), so only the uplink varies; MB sent is what the server
 received.
+""",
+    "sparse": """
+Bytes are per worker per round, as the system counted them: up, what the server received over
+the rounds and workers (the whole body: safetensors header, indices, scales and codes); down,
+what each worker downloaded less its joining download (full parameters once per run, whatever
+the downlink). `topk` options: density 0.0156 (1/64), chunks of 1024 elements, 2-bit values
+(`benchmarks/quality/experiments.py`, `TOPK`, says why 1024 and not the paper's 4096). Under the
+SparseLoCo rule the workers decay their error feedback by 0.95 (the server's rule tells them)
+and the outer step is the plain mean of the decoded uploads times the outer lr, chosen on seed 0
+from the sweep in the second table (`sparse_lr`) before the three seeds ran. The sparse downlink needs that
+rule (momentum moves every parameter every round), so there is no Nesterov row with it; its
+replicas are checked bit for bit against the server every round (the round's checksum), and its
+losses are those of the row above in every seed (the plot draws one curve over the other).
+""",
+    "sparse_lr": """
+Seed 0 only, not used for the verdict. The outer-lr rows ran before the three seeds of `sparse`
+and chose its outer lr. The chunk-4096 row is `topk` with the paper's chunk under Nesterov, to
+compare with `sparse`'s Nesterov row (chunk 1024, same seed). The two H=5 rows ran after `sparse`
+to test the first believed reason above (four times the rounds for the same steps): compare
+them with each other, not with the first row.
+""",
+    "allreduce_codecs": """
+All-reduce mode runs the same worker threads against a server that only hosts the rendezvous
+(`benchmarks/harness/allreduce_trials.py`): every worker loads the pretrained start itself, the
+workers average their pseudo-gradients in gloo collectives and each runs outer Nesterov (lr 0.7,
+momentum 0.9) on its replica; the curve and the final model are rank 0's replica (every replica
+holds the same bits, tested in `tests/integration/test_allreduce_quantized.py`). Bytes are the
+collectives' per member per round: kB up what a member sent to the others, kB down what it
+received (fp32: a ring's 2(M-1)/M of the 4-byte payload each way).
 """,
     "dropped": """
 **Mechanism.** A sync round of this server waits for every expected worker, so an upload cannot
@@ -162,6 +192,24 @@ favours DiLoCo, within about one spread). Both used the same inner learning rate
 a larger batch usually takes a larger one). Believed reason: DiLoCo's outer Nesterov step helps even
 with one worker at this scale (claim e: M = 1 DiLoCo beats AdamW by about 13% perplexity), which
 offsets what DiLoCo loses to infrequent averaging.
+""",
+    "n": """
+*Why not reproduced.* All three parts of the rule fail here, for different reasons. **Loss**
+(`topk` about 0.44 above fp32 under Nesterov, 0.20 under the SparseLoCo rule). Believed reason:
+the run has 15 rounds, each sending 1/64 of every worker's corrected pseudo-gradient, so most of
+the run's work is still in the workers' residuals when it ends; SparseLoCo's runs have thousands
+of outer steps. Tested once, on seed 0 only (`sparse_lr`, the H=5 rows: 60 rounds for the same
+steps): there `topk` under the SparseLoCo rule ended below fp32 at H=5 and close to fp32 at H=20,
+at four times the upload bytes of its H=20 run (the ratio per round is unchanged). **Upload
+bytes** (÷42, not ÷50): at 137k parameters the body's safetensors header (the names, dtypes,
+shapes and offsets of three parts per parameter tensor, 29 tensors) weighs more than the kept
+values; measured apart from the suite with `diloco.wire.encode` on this model, the header is
+about 7.9 kB of a 13.0 kB body, so the payload alone is about 107x below fp32's. At 100M
+parameters the header would be negligible. **Download bytes** (÷10, not ÷20): with M = 4
+workers, up to 4 x 1.56% = 6.25% of the positions change
+each round, at 6 bytes each (a uint16 position and the fp32 value) against 4 per parameter for
+full parameters, so 4 / (6 x 0.0625) = 10.7x is the ceiling before headers at this M; 20x needs
+overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update": 21.5x at N = 2).
 """,
 }
 

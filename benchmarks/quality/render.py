@@ -21,11 +21,21 @@ from benchmarks.quality.experiments import EXPERIMENTS  # noqa: E402
 from benchmarks.quality.notes import EXPERIMENT_NOTES, GPU, INTRO, PROTOCOL, REASONS  # noqa: E402
 from benchmarks.quality.plots import plot_experiment  # noqa: E402
 from benchmarks.quality.protocol import Profile  # noqa: E402
-from benchmarks.quality.stats import Results, fmt, fmt_ppl, load, names, paired, rows, values  # noqa: E402
+from benchmarks.quality.stats import (  # noqa: E402
+    Results,
+    fmt,
+    fmt_ppl,
+    load,
+    names,
+    paired,
+    per_round,
+    rows,
+    values,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).
-EXTRA = {"async": ["async_slow"]}
+EXTRA = {"async": ["async_slow"], "sparse": ["sparse_lr"]}
 
 
 def suite_time(results: Results) -> float:
@@ -119,6 +129,32 @@ def experiment_table(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def bytes_table(res: dict[str, Any]) -> list[str]:
+    """Claim n's: final loss and paired difference from the reference, and the bytes one worker
+    sent and received per round (the join's download left out) with their ratios to the
+    reference's."""
+    ref = names(res)[0]
+    up0, down0 = per_round(res, ref, "up"), per_round(res, ref, "down")
+    out = [
+        "| configuration | eval loss | vs first row (paired) | kB up per round | ÷ up | "
+        "kB down per round | ÷ down | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in names(res):
+        up, down = per_round(res, n, "up"), per_round(res, n, "down")
+        diff = "reference" if n == ref else fmt(paired(res, n, ref), signed=True)
+        out.append(
+            f"| {n} | {fmt(list(values(res, n).values()))} | {diff} | {up / 1e3:.1f} | "
+            f"{up0 / up:.1f} | {down / 1e3:.1f} | {down0 / down:.1f} | "
+            f"{fmt([r['wall_s'] for r in rows(res, n)], 1)} |"
+        )
+    return out
+
+
+# Experiments whose table is not ``experiment_table``.
+TABLES = {"sparse": bytes_table, "sparse_lr": bytes_table, "allreduce_codecs": bytes_table}
+
+
 def section(res: dict[str, Any], docs_dir: Path, letters: str) -> list[str]:
     """One experiment's description, table and plot."""
     exp = res["experiment"]
@@ -127,7 +163,7 @@ def section(res: dict[str, Any], docs_dir: Path, letters: str) -> list[str]:
     doc = (known.configs.__doc__ or "") if known else res["doc"]
     lines = [f"### `{exp}`", "", " ".join(doc.split()), ""]
     lines += [f"Compared at {res['what']}. Command: `{res['command']}`.", ""]
-    lines += [*experiment_table(res), ""]
+    lines += [*TABLES.get(exp, experiment_table)(res), ""]
     png = docs_dir / "quality" / f"{exp}.png"
     clipped = plot_experiment(res, png, f"{exp} (claim {letters})")
     lines += [f"![{exp}](quality/{exp}.png)", ""]
@@ -156,7 +192,9 @@ def render(results_dir: Path, docs_dir: Path) -> Path:
         "(pretrain and evaluation included; a run shared by several experiments counted once), "
         "on the machine that produced them (the published figures: this project's 2-core Intel "
         "Xeon, idle, 2026-11-26 18:10-18:53 UTC; the first run, with other jobs on the cores "
-        "at load 3 to 9, took 48 min). The issue's target was about 30 min.",
+        "at load 3 to 9, took 48 min). The issue's target was about 30 min. Claims n and o "
+        "(`sparse`, `sparse_lr`, `allreduce_codecs`) ran later on the same machine, shared "
+        "with other jobs (load 5 to 9), 2026-11-27 15:28-15:42 UTC.",
         "",
     ]
     lines += [PROTOCOL.strip(), "", "## Setup", "", *setup_table(results), ""]

@@ -80,3 +80,25 @@ def curve_at(row: dict[str, Any], fraction: float) -> float:
         if point["steps_per_worker"] >= fraction * last:
             return float(point["eval_loss"])
     return float(curve[-1]["eval_loss"])
+
+
+def up_per_round(row: dict[str, Any]) -> float:
+    """Bytes one worker uploaded per outer update: what the server received over updates and
+    workers."""
+    return float(row["bytes_up"]) / (row["updates"] * row["config"]["workers"])
+
+
+def down_per_round(row: dict[str, Any]) -> float:
+    """Bytes one worker downloaded per round, its joining download (full parameters, once per
+    run whatever the downlink) left out: mean over the workers of (bytes down - join) / rounds.
+    All-reduce rows (``collective``): what the collectives brought each member, per round."""
+    if row.get("collective"):
+        return float(row["bytes_down"]) / (row["updates"] * row["config"]["workers"])
+    per = [(w["bytes_down"] - w["join_bytes_down"]) / w["rounds"] for w in row["workers"]]
+    return statistics.mean(per)
+
+
+def per_round(result: dict[str, Any], name: str, direction: str) -> float:
+    """Mean over seeds of ``up_per_round`` (``direction`` "up") or ``down_per_round``."""
+    of = up_per_round if direction == "up" else down_per_round
+    return statistics.mean(of(r) for r in rows(result, name))

@@ -1,6 +1,7 @@
-"""The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
-through the real server and workers, its results file has the expected shape, and the docs page
-renders with one claims row per claim a-m. No loss value is asserted: at this size a figure could
+"""The quality suite (benchmarks/quality/, issue 20) without its runs: the one-GPU profile
+builds and steps on CPU, and claims n and o judge by the rules the page prints, on made-up
+results. The fast run of every experiment through the real server and workers is
+tests/processes/test_quality_suite.py. No measured loss is asserted: at this size a figure could
 fail by chance."""
 
 from __future__ import annotations
@@ -33,3 +34,91 @@ def test_gpu_profile_builds_and_steps_on_cpu(tmp_path: Path) -> None:
     finally:
         torch.set_num_threads(threads)
     assert math.isfinite(row["eval_loss"]) and len(row["curve"]) == 2
+
+
+def _sparse_row(name: str, seed: int, loss: float, up: int, down: int) -> dict:
+    """A ``sparse`` row of two workers and 10 rounds: ``up``/``down`` bytes per worker per round,
+    each worker's join a 1000-byte download."""
+    workers = [{"rounds": 10, "join_bytes_down": 1000, "bytes_down": 1000 + 10 * down}] * 2
+    return {
+        "name": name,
+        "seed": seed,
+        "eval_loss": loss,
+        "updates": 10,
+        "bytes_up": 2 * 10 * up,
+        "config": {"workers": 2},
+        "workers": workers,
+    }
+
+
+def _sparse_results(loss: float, up: int, down: int) -> dict:
+    """fp32 at 5000 bytes each way per round, the three top-k rows at ``loss`` above it, ``up``
+    bytes up and (sparse downlink only) ``down`` bytes down."""
+    rows = []
+    for seed in (0, 1):
+        rows += [
+            _sparse_row("fp32", seed, 2.0, 5000, 5000),
+            _sparse_row("topk + EF, Nesterov", seed, 2.0 + loss, up, 5000),
+            _sparse_row("topk + EF, SparseLoCo rule", seed, 2.0 + loss, up, 5000),
+            _sparse_row("topk + EF, SparseLoCo rule, sparse downlink", seed, 2.0 + loss, up, down),
+        ]
+    return {"sparse": {"experiment": "sparse", "rows": rows}}
+
+
+def test_claim_n_rule_is_the_printed_one() -> None:
+    """Claim n holds only when every top-k row is within MATCH of fp32 at UP_RATIO times fewer
+    upload bytes per round and the sparse downlink at DOWN_RATIO times fewer download bytes
+    (the join's download left out); the claim and the rules on the page name those figures."""
+    from benchmarks.quality.claims import (
+        CLAIMS,
+        DOWN_RATIO,
+        MATCH,
+        NOT_REPRODUCED,
+        REPRODUCED,
+        RULES,
+        UP_RATIO,
+        claim_n,
+    )
+
+    up_ok, down_ok = 5000 // UP_RATIO, 5000 // DOWN_RATIO
+    ours, verdict, _ = claim_n(_sparse_results(MATCH / 2, up_ok, down_ok))
+    assert verdict == REPRODUCED, ours
+    assert f"÷{UP_RATIO:.1f} up" in ours and f"÷{DOWN_RATIO:.1f} down" in ours, ours
+    assert claim_n(_sparse_results(MATCH * 1.5, up_ok, down_ok))[1] == NOT_REPRODUCED
+    assert claim_n(_sparse_results(MATCH / 2, up_ok + 10, down_ok))[1] == NOT_REPRODUCED
+    assert claim_n(_sparse_results(MATCH / 2, up_ok, down_ok + 10))[1] == NOT_REPRODUCED
+    text = next(c[2] for c in CLAIMS if c[0] == "n")
+    assert f"{UP_RATIO}x fewer upload" in text and f"{DOWN_RATIO}x fewer download" in text
+    assert "At Nx fewer bytes" in RULES and f"at most {MATCH} nats" in RULES
+
+
+def test_claim_o_holds_within_match_of_fp32_all_reduce() -> None:
+    """Claim o: int8 all-reduce's mean paired difference from fp32 all-reduce at most MATCH;
+    its bytes are the collectives' (``collective`` rows: sent and received over rounds and
+    members)."""
+    from benchmarks.quality.claims import MATCH, NOT_REPRODUCED, REPRODUCED, claim_o
+    from benchmarks.quality.stats import down_per_round, up_per_round
+
+    def row(name: str, seed: int, loss: float, sent: int) -> dict:
+        return {
+            "name": name,
+            "seed": seed,
+            "eval_loss": loss,
+            "updates": 10,
+            "collective": True,
+            "bytes_up": 2 * 10 * sent,
+            "bytes_down": 2 * 10 * sent,
+            "config": {"workers": 2},
+        }
+
+    def results(diff: float) -> dict:
+        rows = []
+        for seed in (0, 1, 2):
+            rows += [row("fp32 all-reduce", seed, 2.0, 4000), row("int8", seed, 2.0 + diff, 1000)]
+        return {"allreduce_codecs": {"rows": rows}}
+
+    ours, verdict, _ = claim_o(results(MATCH * 0.9))
+    assert verdict == REPRODUCED and "÷4.0 bytes sent" in ours, ours
+    assert claim_o(results(MATCH * 1.1))[1] == NOT_REPRODUCED
+    one = row("int8", 0, 2.0, 1000)
+    assert up_per_round(one) == down_per_round(one) == 1000

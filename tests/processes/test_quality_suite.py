@@ -1,6 +1,6 @@
 """The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
 through the real server and workers, its results file has the expected shape, and the docs page
-renders with one claims row per claim a-m. No loss value is asserted: at this size a figure could
+renders with one claims row per claim a-o. No loss value is asserted: at this size a figure could
 fail by chance."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from benchmarks.quality.experiments import EXPERIMENTS, FAST
+from benchmarks.quality.stats import down_per_round, up_per_round
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
@@ -47,6 +48,21 @@ def check_result(name: str, result: dict) -> None:
         assert sent == sorted(sent), (name, row["name"], sent)
 
 
+def check_sparse(result: dict) -> None:
+    """Claim n's rows measure both directions: every worker's joining download apart from its
+    rounds', and with the sparse downlink the rounds came down as updates, fewer bytes than
+    full parameters."""
+    by_name = {r["name"]: r for r in result["rows"]}
+    for row in by_name.values():
+        for w in row["workers"]:
+            assert 0 < w["join_bytes_down"] < w["bytes_down"] and w["rounds"] > 0, row["name"]
+    fp32, sparse = by_name["fp32"], by_name["topk + EF, SparseLoCo rule, sparse downlink"]
+    assert all(w["update_downloads"] == w["rounds"] for w in sparse["workers"])
+    assert all(w["update_downloads"] == 0 for w in fp32["workers"])
+    assert down_per_round(sparse) < down_per_round(fp32) / 5
+    assert up_per_round(sparse) < up_per_round(fp32) / 20
+
+
 @pytest.mark.timeout(180)
 def test_every_experiment_runs_fast_and_renders(tmp_path: Path) -> None:
     out, docs = tmp_path / "results", tmp_path / "docs"
@@ -63,10 +79,11 @@ def test_every_experiment_runs_fast_and_renders(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for name in EXPERIMENTS:
         check_result(name, json.loads((out / f"{name}.json").read_text()))
+    check_sparse(json.loads((out / "sparse.json").read_text()))
     page = (docs / "quality.md").read_text()
     claim_rows = [line for line in page.splitlines() if line.startswith("| ") and ". " in line]
     letters = [line[2] for line in claim_rows if line[3:5] == ". "]
-    assert letters == list("abcdefghijklm"), letters
+    assert letters == list("abcdefghijklmno"), letters
     assert "fast-setting results" in page
     for name in EXPERIMENTS:
         png = docs / "quality" / f"{name}.png"
