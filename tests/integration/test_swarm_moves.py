@@ -37,10 +37,12 @@ def test_a_stages_last_replica_leaving_moves_a_replica_which_restores_its_checkp
 ) -> None:
     """Stage 1 with two replicas, stage 2 with one; a checkpoint of stage 2 under
     ``restore_dir/stage-2`` (written here in the project's layout, as a stage's quorum saves).
-    Stage 2's replica leaves while the driver's next step waits for the stage. The slower body
-    replica is told at its next heartbeat (``move_to``) and moves: its stage 2 holds the
-    checkpoint's bytes when it starts serving, the waiting step completes with every
-    micro-batch (the new tail steps on a whole batch), and later steps train."""
+    Stage 2's replica leaves while the driver's next step waits for the stage. A body replica
+    is told at its next heartbeat (``move_to``; which one is the policy's, unit-tested in
+    ``tests/unit/test_swarm_moves.py``: its throughput ranking depends on the beats' timing)
+    and moves: its stage 2 holds the checkpoint's bytes when it starts serving, the waiting
+    step completes with every micro-batch (the new tail steps on a whole batch), and later
+    steps train."""
     server = make_server(**SWARM, **FAST)
     restored: list[dict[str, torch.Tensor]] = []
     real = peer_module.restore_stage
@@ -63,23 +65,26 @@ def test_a_stages_last_replica_leaving_moves_a_replica_which_restores_its_checkp
         saved = {n: t + 0.01 for n, t in params_of(tail.module).items()}  # not a fresh build
         opt: dict[str, Any] = {"state": {}, "param_groups": []}
         save_checkpoint(tmp_path / "stage-2", 2, saved, opt, {}, keep=2)
-        tail.stop()  # stage 2's only replica leaves: the coordinator moves idle at once
-        assert server.status()["swarm"]["stages"][2]["assigned"] == [idle.worker_id]
+        tail.stop()  # stage 2's only replica leaves: the coordinator moves a body at once
+        (chosen,) = server.status()["swarm"]["stages"][2]["assigned"]
+        moved, stays = (idle, busy) if chosen == idle.worker_id else (busy, idle)
+        assert chosen == moved.worker_id
         assert route_table(server)[2] == []
         waiting: list[float] = []
         step = threading.Thread(target=lambda: waiting.append(head.train_step(*data[2])))
         step.start()
-        idle.beat()  # move_to 2: restore, serve, ready
-        assert idle.stage == 2 and idle.life is not None and idle.life.moves == 1
+        moved.beat()  # move_to 2: restore, serve, ready
+        assert moved.stage == 2 and moved.life is not None and moved.life.moves == 1
         assert len(restored) == 1 and restored[0].keys() == saved.keys()
         assert all(torch.equal(restored[0][n], saved[n]) for n in saved)
+        stays.beat()  # a replica left out earlier is listed again after its heartbeat
         step.join(60)
         assert not step.is_alive() and len(waiting) == 1
-        assert idle.service is not None and idle.service.stats()["steps"] == 1  # a whole batch
+        assert moved.service is not None and moved.service.stats()["steps"] == 1  # whole batch
         assert route_table(server) == {
             0: [head.worker_id],
-            1: [busy.worker_id],
-            2: [idle.worker_id],
+            1: [stays.worker_id],
+            2: [moved.worker_id],
         }
         later = [head.train_step(x, y) for x, y in data[3:]]
         assert all(torch.isfinite(torch.tensor(first + waiting + later)))
