@@ -19,8 +19,8 @@ their definitions:
 * strict (``strict``): steps x step time / wall, where the step time is that of a training step
   alone (``optimizer.step()`` and the sleep, no worker attached), the mean of
   ``CALIBRATION_STEPS`` steps each worker times on a copy of its model before its worker starts,
-  the workers calibrating at once as they then train at once. Whatever the sync adds to a step
-  counts as idle.
+  once every worker is set up, the workers calibrating at once as they then train at once.
+  Whatever the sync adds to a step counts as idle.
 
 Everything else (a blocking sync; a streaming worker's copy of a fragment, its merge and any
 stall waiting for an exchange still out) is time the GPU would stand idle. ``gpu`` in the JSON is
@@ -148,6 +148,9 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-2
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            # All set up first: a worker still building its model (randn of every parameter)
+            # would slow the others' steps alone and inflate the strict figure.
+            start.wait(600)
             alone[i] = step_alone(model, args.step_time)
             began = [0.0]
             trained = [0.0]  # seconds in optimizer.step() alone and in the sleep
