@@ -17,8 +17,11 @@ same bytes through the same proxies with plain sockets (N clients upload, then e
 download), measured beside the rounds.
 
 ``--comm UP/DOWN``: the workers' codec (``DiLoCoWorker(codec=UP)``: fp32, bf16, int8, int4,
-lowrank:R) and the server's download codec (``ServerConfig(download_codec=DOWN)``: fp32, bf16,
-int8, int4; anything but fp32 publishes each round as a compressed update). ``bf16/fp32`` is
+lowrank:R, topk:density=D,chunk=C,bits=B) and the server's download codec
+(``ServerConfig(download_codec=DOWN)``: fp32, bf16, int8, int4, sparse; anything but fp32
+publishes each round as a compressed update). ``sparse`` (the positions the round changed, with
+their new values) needs plain averaged descent, so it implies ``outer_rule="sparseloco"``, as
+in ``rounds/sync_round``; every other config runs under the server's default rule (Nesterov). ``bf16/fp32`` is
 what a worker sends and gets by default. The bytes the wire time moves are each config's own,
 read from the workers' ``sync_metrics`` after a measured round (``last_bytes_up`` and
 ``last_bytes_down``: safetensors headers and payloads) and checked against the payload the model
@@ -28,6 +31,8 @@ apply) shows: each row's phases, timed around the library's calls, say where the
 
     .venv/bin/python -m benchmarks.links.slow_links --params 25e6 --workers 4 --rate 50 --slots 1 2 4
     .venv/bin/python -m benchmarks.links.slow_links --slots 4 --comm bf16/fp32 int8/int8 int4/int8
+    .venv/bin/python -m benchmarks.links.slow_links --slots 4 --comm bf16/fp32 \
+        topk:density=0.0156,chunk=4096,bits=2/sparse topk:density=0.0156,chunk=4096,bits=2/int8
     .venv/bin/python -m benchmarks.links.slow_links --smoke
 
 MB = 10**6 bytes.
@@ -54,6 +59,8 @@ BASELINE = "bf16/fp32"
 """What a worker sends (bf16 pseudo-gradients) and gets (fp32 parameters) by default."""
 SIZE_TOLERANCE = 0.05
 """Measured bytes (headers included) may exceed the model's payload by this fraction."""
+SPARSE = "sparse"
+"""The download codec whose size depends on the round (the union of the uploads' supports)."""
 
 
 # --- DiLoCo rounds ----------------------------------------------------------------------------
@@ -69,7 +76,9 @@ def parse_comm(spec: str) -> tuple[str, str]:
 
 def expected_bytes(params: float, up: str, down: str) -> tuple[int, int]:
     """Payload bytes one worker sends and gets per round with codec ``up`` and download codec
-    ``down``, from the model's shapes and the codecs' parts (no headers)."""
+    ``down``, from the model's shapes and the codecs' parts (no headers). For ``sparse`` the
+    download's size is the round's (its changed positions): the fp32 parameters' size, which
+    bounds it, is returned."""
     from diloco.core.codecs import codec_by_name
     from diloco.worker.settings import parse_codec
 
@@ -78,7 +87,7 @@ def expected_bytes(params: float, up: str, down: str) -> tuple[int, int]:
     def nbytes(codec: Any) -> int:
         return sum(part.numel * part.dtype.itemsize for s in shapes for part in codec.parts(s))
 
-    return nbytes(parse_codec(up)), nbytes(codec_by_name(down))
+    return nbytes(parse_codec(up)), nbytes(codec_by_name("fp32" if down == SPARSE else down))
 
 
 def diloco_rounds(
@@ -111,6 +120,8 @@ def diloco_rounds(
             upload_slots=slots,
             heartbeat_timeout=0,
             download_codec=download_codec,
+            # The sparse update needs plain averaged descent (ServerConfig refuses it otherwise).
+            outer_rule="sparseloco" if download_codec == SPARSE else "sgd",
         ),
         initial_params=initial,
     ).start()
@@ -194,11 +205,14 @@ def diloco_rounds(
 
 def check_sizes(run: dict[str, Any], expected: tuple[int, int], comm: str, rounds: int) -> None:
     """Every worker moved the same bytes each round, within ``SIZE_TOLERANCE`` above the model's
-    payload; with a compressed downlink every round came as an update."""
+    payload (a sparse download: more than nothing, less than the fp32 parameters); with a
+    compressed downlink every round came as an update."""
+    sparse = comm.endswith("/" + SPARSE)
     for i, per_round in run["sizes"].items():
         for up, down in per_round:
             for what, got, want in (("up", up, expected[0]), ("down", down, expected[1])):
-                if not want <= got <= want * (1 + SIZE_TOLERANCE):
+                low = 1 if sparse and what == "down" else want
+                if not low <= got <= want * (1 + SIZE_TOLERANCE):
                     raise RuntimeError(
                         f"{comm}: worker {i} moved {got} bytes {what} in a round, the model's "
                         f"payload is {want} (more than {SIZE_TOLERANCE:.0%} apart)"
@@ -239,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     smoke.add_flag(ap)
     args = ap.parse_args(argv)
-    if args.smoke:  # 1M parameters, 2 workers, 1 slot, one measured round, bf16/fp32 and int8/int8
+    if args.smoke:  # 1M parameters, 2 workers, 1 slot, one measured round, three configs
         args.params, args.workers, args.slots, args.rounds = 1e6, 2, [1], 1
-        args.comm = [parse_comm(BASELINE), parse_comm("int8/int8")]
+        args.comm = [parse_comm(c) for c in (BASELINE, "int8/int8", "topk/sparse")]
 
     import torch
 
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 "comm": comm,
                 "codec": up_codec,
                 "download_codec": down_codec,
+                "outer_rule": "sparseloco" if down_codec == SPARSE else "sgd (Nesterov)",
                 "workers": args.workers,
                 "slots": slots,
                 "round_s": round_s,
@@ -403,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_smoke(results: list[dict[str, Any]]) -> None:
     """Every row ran rounds that moved bytes (``check_sizes`` held them to the payload) and
     took at least about their wire time, which was measured."""
-    smoke.require(len(results) == 2, "both configurations ran")
+    smoke.require(len(results) == 3, "the three configurations ran")
     for r in results:
         smoke.require(math.isfinite(r["round_s"]) and r["round_s"] > 0, f"{r['comm']}: a round")
         smoke.require(r["wire_s"] > 0 and r["up_bytes"] > 0, f"{r['comm']}: the wire time")

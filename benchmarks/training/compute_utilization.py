@@ -8,20 +8,33 @@ shaping proxy (``slow_links.Links``: token buckets of RATE MB/s per worker and d
 server and the workers run in this process (threads: the sleep and torch's kernels release the
 GIL).
 
-Utilization = training time / wall time over ``--rounds`` rounds after a warm-up round, per
-worker, where training time is the time in the sleep plus the time in ``optimizer.step()`` itself
-(timed by an optimizer pre-hook and a post-hook registered before the worker's, so the sync the
-worker runs in its own post-hook is excluded). Everything else (a blocking sync; a streaming
-worker's copy of a fragment, its merge and any stall waiting for an exchange still out) is time
-the GPU would stand idle. ``gpu`` in the JSON is the stricter steps x step_time / wall.
+Two utilizations over ``--rounds`` rounds after a warm-up round, per worker, both printed with
+their definitions:
+
+* lenient (``utilization``): training time / wall time, where training time is the time in the
+  sleep plus the time in ``optimizer.step()`` itself inside the loop (timed by an optimizer
+  pre-hook and a post-hook registered before the worker's, so the sync the worker runs in its own
+  post-hook is excluded). A step that the sync's CPU work (a background encode) slows counts as
+  training, slowed;
+* strict (``strict``): steps x step time / wall, where the step time is that of a training step
+  alone (``optimizer.step()`` and the sleep, no worker attached), the mean of
+  ``CALIBRATION_STEPS`` steps each worker times on a copy of its model before its worker starts,
+  once every worker is set up, the workers calibrating at once as they then train at once.
+  Whatever the sync adds to a step counts as idle.
+
+Everything else (a blocking sync; a streaming worker's copy of a fragment, its merge and any
+stall waiting for an exchange still out) is time the GPU would stand idle. ``gpu`` in the JSON is
+steps x ``--step-time`` / wall (the sleep alone).
 
 Configurations (``--configs``) are ``MODE:UP/DOWN``: MODE ``block`` (plain DiLoCo, the sync blocks
 the step that ends a round) or ``stream`` (``--fragments`` fragments, one exchange in flight,
 overlapped with ``--overlap`` steps of training, tau; by default the smallest spacing between two
 fragments' sync steps, the largest tau that never makes the next fragment wait for the previous
 one); UP the workers' upload codec; DOWN the server's ``download_codec`` (lossy downloads are for
-plain DiLoCo only: streaming downloads its fragments in fp32). MB up and down per round are the
-bytes of the syncs (exchanges) that ended in the measured rounds, per worker.
+plain DiLoCo only: streaming downloads its fragments in fp32; ``sparse`` implies the server's
+``outer_rule="sparseloco"``, which it needs). UP may carry options, as in
+``stream:topk:density=0.0156,chunk=4096,bits=2/fp32``. MB up and down per round are the bytes of
+the syncs (exchanges) that ended in the measured rounds, per worker.
 
 Streaming hides the link only while a round's exchanges fit into a round of training: it needs
 (MB up + 4 x params / 1e6 MB down) / rate below the round's compute time (fp32 downloads, one
@@ -30,6 +43,8 @@ exchange in flight). At 25M parameters and 5 s rounds that holds at 50 and 100 M
 
     .venv/bin/python -m benchmarks.training.compute_utilization --params 25e6 --workers 2 \\
         --sync-every 50 --step-time 0.1 --rates 100 50 --rounds 4
+    .venv/bin/python -m benchmarks.training.compute_utilization --rates 50 12.5 --configs \
+        stream:int4/fp32 stream:topk:density=0.0156,chunk=4096,bits=2/fp32
     .venv/bin/python -m benchmarks.training.compute_utilization --smoke
 
 MB = 10**6 bytes.
@@ -47,8 +62,9 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.model import build_model, width_shape
-from benchmarks.harness.report import print_table, write_json
+from benchmarks.harness.report import write_json
 from benchmarks.harness.shaped_links import MB, Links
+from benchmarks.training.utilization_figures import report, step_alone
 
 DEFAULT_CONFIGS = [
     "block:bf16/fp32",
@@ -56,6 +72,7 @@ DEFAULT_CONFIGS = [
     "block:int4/int8",
     "stream:int8/fp32",
     "stream:int4/fp32",
+    "stream:topk:density=0.0156,chunk=4096,bits=2/fp32",
 ]
 
 
@@ -110,6 +127,8 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
             heartbeat_timeout=0,
             stuck_timeout=0,
             **(streaming if cfg.streaming else {}),
+            # The sparse update needs plain averaged descent (ServerConfig refuses it otherwise).
+            outer_rule="sparseloco" if cfg.down == "sparse" else "sgd",
         ),
         initial_params=initial,
     ).start()
@@ -120,6 +139,7 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
     errors: list[BaseException] = []
     # Per worker, at the end of each round: (time, training and sleep seconds so far, metrics).
     marks: list[list[tuple[float, float, float, dict[str, float]]]] = [[] for _ in range(n)]
+    alone = [0.0] * n  # per worker: the step time of a step alone, s (the strict figure)
 
     def worker(i: int) -> None:
         try:
@@ -128,6 +148,10 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-2
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            # All set up first: a worker still building its model (randn of every parameter)
+            # would slow the others' steps alone and inflate the strict figure.
+            start.wait(600)
+            alone[i] = step_alone(model, args.step_time)
             began = [0.0]
             trained = [0.0]  # seconds in optimizer.step() alone and in the sleep
             slept = [0.0]
@@ -208,6 +232,9 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
         per_worker.append(
             {
                 "utilization": (tr1 - tr0) / wall,
+                "strict": steps * alone[i] / wall,
+                "step_alone_ms": 1e3 * alone[i],
+                "step_in_loop_ms": 1e3 * (tr1 - tr0) / steps,
                 "gpu": steps * args.step_time / wall,
                 "optimizer_step_ms": 1e3 * ((tr1 - tr0) - (sl1 - sl0)) / steps,
                 "sleep_overshoot_ms": 1e3 * ((sl1 - sl0) / steps - args.step_time),
@@ -243,6 +270,10 @@ def run_config(cfg: Config, rate: float, args: argparse.Namespace) -> dict[str, 
         "rate_mb_s": rate,
         "utilization": statistics.mean(w["utilization"] for w in per_worker),
         "utilization_min": min(w["utilization"] for w in per_worker),
+        "strict": statistics.mean(w["strict"] for w in per_worker),
+        "strict_min": min(w["strict"] for w in per_worker),
+        "step_alone_ms": statistics.mean(w["step_alone_ms"] for w in per_worker),
+        "step_in_loop_ms": statistics.mean(w["step_in_loop_ms"] for w in per_worker),
         "gpu": statistics.mean(w["gpu"] for w in per_worker),
         "round_s": statistics.median(rounds),
         "compute_round_s": period * args.step_time,
@@ -283,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:  # 1M parameters, rounds of 8 x 10 ms steps, blocking and streaming
         args.params, args.workers, args.sync_every, args.step_time = 1e6, 2, 8, 0.01
         args.rates, args.rounds, args.fragments = [100.0], 1, 2
-        args.configs = [parse_config("block:bf16/fp32"), parse_config("stream:int8/fp32")]
+        specs = ("block:bf16/fp32", "stream:int8/fp32", "stream:topk/fp32", "block:topk/sparse")
+        args.configs = [parse_config(c) for c in specs]
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("diloco").setLevel(args.log_level.upper())
 
@@ -303,58 +335,25 @@ def main(argv: list[str] | None = None) -> int:
             r = run_config(cfg, rate, args)
             results.append(r)
             print(
-                f"  {rate:g} MB/s {cfg.spec:<17} utilization {r['utilization']:6.1%} "
-                f"(min {r['utilization_min']:.1%}); round {r['round_s']:.2f} s; up "
+                f"  {rate:g} MB/s {cfg.spec:<17} utilization lenient {r['utilization']:6.1%} "
+                f"(min {r['utilization_min']:.1%}), strict {r['strict']:6.1%} (min "
+                f"{r['strict_min']:.1%}; step alone {r['step_alone_ms']:.0f} ms, in the loop "
+                f"{r['step_in_loop_ms']:.0f} ms); round {r['round_s']:.2f} s; up "
                 f"{r['mb_up_per_round']:.1f} MB, down {r['mb_down_per_round']:.1f} MB per worker "
                 f"and round; in the sync hook {r['sync_s_per_round']:.2f} s per round (waiting "
                 f"{r['stall_s_per_round']:.2f} s); optimizer step {r['optimizer_step_ms']:.0f} ms",
                 flush=True,
             )
     print()
-    print_table(
-        [
-            "link MB/s",
-            "configuration",
-            "utilization",
-            "sleep / wall",
-            "round s",
-            "sync s / round",
-            "MB up / round",
-            "MB down / round",
-        ],
-        [
-            [
-                f"{r['rate_mb_s']:g}",
-                r["config"],
-                f"{r['utilization']:.1%}",
-                f"{r['gpu']:.1%}",
-                f"{r['round_s']:.2f}",
-                f"{r['sync_s_per_round']:.2f}",
-                f"{r['mb_up_per_round']:.1f}",
-                f"{r['mb_down_per_round']:.1f}",
-            ]
-            for r in results
-        ],
-    )
-    print()
-    reference = DEFAULT_CONFIGS[0]
-    for rate in args.rates:
-        rows = [r for r in results if r["rate_mb_s"] == rate]
-        best = max(rows, key=lambda r: r["utilization"])
-        ref = next((r for r in rows if r["config"] == reference), None)
-        ref_txt = f"; {reference}: {ref['utilization']:.1%}" if ref else ""
-        verdict = "reaches" if best["utilization"] >= args.target else "misses"
-        print(
-            f"{rate:g} MB/s: best {best['config']} {best['utilization']:.1%} ({verdict} "
-            f"{args.target:.0%}){ref_txt}"
-        )
+    report(results, args.rates, reference=DEFAULT_CONFIGS[0], target=args.target)
     if args.json:
         out = {"args": {**vars(args), "configs": [c.spec for c in args.configs]}}
         write_json(args.json, {**out, "model_params": model_params, "results": results})
     if args.smoke:
-        smoke.require(len(results) == 2, "both configurations ran")
+        smoke.require(len(results) == len(args.configs), "every configuration ran")
         for r in results:
             smoke.require(0 < r["utilization"] <= 1.0, f"{r['config']}: a utilization")
+            smoke.require(0 < r["strict"] <= 1.0, f"{r['config']}: a strict utilization")
             smoke.require(r["round_s"] > 0 and r["mb_up_per_round"] > 0, "rounds moved bytes")
         smoke.passed("compute_utilization")
     return 0
