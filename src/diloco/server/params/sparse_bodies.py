@@ -35,7 +35,7 @@ from diloco.core.codecs import check_name
 from diloco.core.codecs.sparse_update import SPARSE_UPDATE, encode_changes, parts
 from diloco.server.params.publication import PayloadBuffer
 from diloco.server.params.store import ParamStore, Snapshot
-from diloco.server.params.update_bodies import UpdateBody
+from diloco.server.params.update_bodies import UpdateBody, open_kept
 from diloco.wire import CODE_OF_DTYPE, TensorSpec, build_layout, byte_view, tensor_views
 from diloco.wire.checksum import checksum
 
@@ -100,10 +100,4 @@ class SparseDownlink:
     async def open_update(self, have_round: int) -> Snapshot | None:
         """Pin the kept update when it takes a replica holding round ``have_round`` to the
         published round; None otherwise (the caller then serves full parameters)."""
-        store = self.store
-        await store.settled()
-        body = self.current  # no await from here to the pin: one round's body
-        if body is None or body.base_round != have_round or body.round != store.round:
-            return None
-        body.buffer.readers += 1
-        return Snapshot(body.round, body.header, byte_view(body.buffer.payload), body.buffer)
+        return await open_kept(self.store, lambda: self.current, have_round)

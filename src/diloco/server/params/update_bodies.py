@@ -35,7 +35,7 @@ is made and the old one goes when that download ends).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +58,20 @@ class UpdateBody:
     base_round: int
     header: bytes
     buffer: PayloadBuffer
+
+
+async def open_kept(
+    store: ParamStore, kept: Callable[[], UpdateBody | None], have_round: int
+) -> Snapshot | None:
+    """The kept update (``kept()``, read after the store settled) pinned for a replica holding
+    ``have_round``, when it takes that replica to the published round; None otherwise. Both
+    downlinks (quantized, sparse) serve their kept body through it."""
+    await store.settled()
+    body = kept()  # no await from here to the pin: one round's body
+    if body is None or body.base_round != have_round or body.round != store.round:
+        return None
+    body.buffer.readers += 1
+    return Snapshot(body.round, body.header, byte_view(body.buffer.payload), body.buffer)
 
 
 class Downlink:
@@ -135,10 +149,4 @@ class Downlink:
     async def open_update(self, have_round: int) -> Snapshot | None:
         """Pin the kept update when it takes a replica holding round ``have_round`` to the
         published round; None otherwise (the caller then serves full parameters)."""
-        store = self.store
-        await store.settled()
-        body = self.current  # no await from here to the pin: one round's body
-        if body is None or body.base_round != have_round or body.round != store.round:
-            return None
-        body.buffer.readers += 1
-        return Snapshot(body.round, body.header, byte_view(body.buffer.payload), body.buffer)
+        return await open_kept(self.store, lambda: self.current, have_round)
