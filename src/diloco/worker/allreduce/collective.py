@@ -355,20 +355,36 @@ def _packed(
     if total == 0:
         return
     buffer = torch.empty(min(capacity, total), dtype=dtype, device=device)
-    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for used, plan in bucket_plan(flats, capacity):
+        yield (
+            buffer[:used],
+            [
+                (flats[i][start : start + take], buffer[at : at + take])
+                for i, start, take, at in plan
+            ],
+        )
+
+
+def bucket_plan(
+    flats: Sequence[torch.Tensor], capacity: int
+) -> Iterator[tuple[int, list[tuple[int, int, int, int]]]]:
+    """(elements, [(tensor index, start, count, offset in the bucket)]) over the flat tensors
+    in order, at most ``capacity`` elements a bucket: small tensors share a bucket, large ones
+    are split across several (the plain and the quantized collectives' one packing rule)."""
+    pieces: list[tuple[int, int, int, int]] = []
     used = 0
-    for flat in flats:
+    for i, flat in enumerate(flats):
         start = 0
         while start < flat.numel():
             take = min(capacity - used, flat.numel() - start)
-            pieces.append((flat[start : start + take], buffer[used : used + take]))
+            pieces.append((i, start, take, used))
             used += take
             start += take
             if used == capacity:
-                yield buffer, pieces
+                yield used, pieces
                 pieces, used = [], 0
     if pieces:
-        yield buffer[:used], pieces
+        yield used, pieces
 
 
 def _scaled_copy(part: torch.Tensor, own: torch.Tensor, scale: float) -> None:

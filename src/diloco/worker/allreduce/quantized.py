@@ -20,7 +20,7 @@ repeat sends the same. Rules for a member resynced or left out are ``Residuals``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -36,7 +36,12 @@ from diloco.core.codecs.shard_reduce import (
     shard_bounds,
     slot_bytes,
 )
-from diloco.worker.allreduce.collective import BUCKET_BYTES, QuorumCollective, table_of
+from diloco.worker.allreduce.collective import (
+    BUCKET_BYTES,
+    QuorumCollective,
+    bucket_plan,
+    table_of,
+)
 
 QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
     "int8": Int8Codec,
@@ -165,7 +170,7 @@ def quantized_reduce(
     squares, sent, received, payload = 0.0, 0, 0, 0
     capacity = max(codec.align, bucket_bytes // 4 // codec.align * codec.align)
     buf = torch.empty(min(capacity, sum(f.numel() for f in flats)), dtype=torch.float32)
-    for n, pieces in _buckets(flats, capacity):
+    for n, pieces in bucket_plan(flats, capacity):
         b = buf[:n]
         for i, a, t, o in pieces:
             if scale == 0.0:
@@ -263,27 +268,6 @@ def _write_back(
         own.copy_(b[o : o + t])
         squares += float(torch.linalg.vector_norm(own, dtype=torch.float32)) ** 2
     return squares
-
-
-def _buckets(
-    flats: Sequence[torch.Tensor], capacity: int
-) -> Iterator[tuple[int, list[tuple[int, int, int, int]]]]:
-    """(elements, [(tensor index, start, count, offset in the bucket)]) over the flat tensors
-    in order, at most ``capacity`` elements a bucket."""
-    pieces: list[tuple[int, int, int, int]] = []
-    used = 0
-    for i, flat in enumerate(flats):
-        start = 0
-        while start < flat.numel():
-            take = min(capacity - used, flat.numel() - start)
-            pieces.append((i, start, take, used))
-            used += take
-            start += take
-            if used == capacity:
-                yield used, pieces
-                pieces, used = [], 0
-    if pieces:
-        yield used, pieces
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, timeout: float) -> Callable[[Any], Any]:
