@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import torch
 
-from diloco.server.allreduce.quorum_book import QuorumBook
+from diloco.server.allreduce.quorum_book import QuorumBook, resume_grace
 from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.run_table import RunTable
 from diloco.server.config import ServerConfig
@@ -106,12 +106,7 @@ class AllReduceFront:
             collective_timeout=config.collective_timeout,
             poll_margin=config.poll_timeout,
             save_every=config.save_every,
-            # As the server mode holds a resumed round for the heartbeat timeout; and at least
-            # as long as a member of the quorum open when the server died may be held by its
-            # join (twice the collective timeout plus a second, worker/allreduce/connect.py):
-            # else the first worker back goes on alone and its rounds are lost when a majority
-            # returns with an older state (seen under chaos, issue 26).
-            resume_grace=max(config.heartbeat_timeout, 2 * config.collective_timeout + 1.0),
+            resume_grace=resume_grace(config.heartbeat_timeout, config.collective_timeout),
             heartbeat_of=self._heartbeat_of,
         )
         #: The keys each quorum meets at, while the server runs (``open``).

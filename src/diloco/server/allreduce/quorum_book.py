@@ -68,6 +68,16 @@ from diloco.wire.messages import (
 log = logging.getLogger(__name__)
 
 
+def resume_grace(heartbeat_timeout: float, collective_timeout: float) -> float:
+    """How long a server started into a run under way holds its first quorum for the members
+    to come back: as the server mode holds a resumed round (the heartbeat timeout), and at
+    least as long as a member of the quorum open when the server died may be held by its join
+    (twice the collective timeout plus a second, worker/allreduce/connect.py); else the first
+    worker back goes on alone and its rounds are lost when a majority returns with an older
+    state (seen under chaos, issue 26)."""
+    return max(heartbeat_timeout, 2 * collective_timeout + 1.0)
+
+
 class QuorumBook:
     """The quorums of one server life (``instance``). ``live()``: the registered workers."""
 

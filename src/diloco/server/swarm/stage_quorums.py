@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from diloco.server.allreduce.quorum_book import QuorumBook
+from diloco.server.allreduce.quorum_book import QuorumBook, resume_grace
 from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.suspects import HeartbeatOf
 from diloco.server.config import ServerConfig
@@ -78,8 +78,7 @@ class StageQuorums:
                 collective_timeout=config.collective_timeout,
                 poll_margin=config.poll_timeout,
                 save_every=config.save_every,
-                # As the all-reduce front's: its members come back before any goes on alone.
-                resume_grace=max(config.heartbeat_timeout, 2 * config.collective_timeout + 1.0),
+                resume_grace=resume_grace(config.heartbeat_timeout, config.collective_timeout),
                 heartbeat_of=heartbeat_of,
             )
             for k in range(config.stages)
