@@ -31,9 +31,25 @@ from tests.helpers.swarm_peers import (
 SWARM = {"swarm": True, "stages": STAGES, "min_replicas": 1, "token": "peer-token"}
 
 
+@pytest.fixture
+def restored(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, torch.Tensor]]:
+    """The parameters of every stage module a moved peer restored, as restored (before it
+    trains)."""
+    got: list[dict[str, torch.Tensor]] = []
+    real = peer_module.restore_stage
+
+    def watched(module: Any, *args: Any, **kwargs: Any) -> Any:
+        found = real(module, *args, **kwargs)
+        got.append(params_of(module))
+        return found
+
+    monkeypatch.setattr(peer_module, "restore_stage", watched)
+    return got
+
+
 @pytest.mark.timeout(120)
 def test_a_stages_last_replica_leaving_moves_a_replica_which_restores_its_checkpoint(
-    make_server: ServerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_server: ServerFactory, tmp_path: Path, restored: list[dict[str, torch.Tensor]]
 ) -> None:
     """Stage 1 with two replicas, stage 2 with one; a checkpoint of stage 2 under
     ``restore_dir/stage-2`` (written here in the project's layout, as a stage's quorum saves).
@@ -44,15 +60,6 @@ def test_a_stages_last_replica_leaving_moves_a_replica_which_restores_its_checkp
     step completes with every micro-batch (the new tail steps on a whole batch), and later
     steps train."""
     server = make_server(**SWARM, **FAST)
-    restored: list[dict[str, torch.Tensor]] = []
-    real = peer_module.restore_stage
-
-    def watched(module: Any, *args: Any, **kwargs: Any) -> Any:
-        got = real(module, *args, **kwargs)
-        restored.append(params_of(module))
-        return got
-
-    monkeypatch.setattr(peer_module, "restore_stage", watched)
     data = batches(8, BATCH)
     body = {"stages": [1, 2], "restore_dir": str(tmp_path)}
     with together(server, 1, 1, 2, 0, options=[body, body, {}, {}]) as started:
@@ -123,7 +130,7 @@ def test_a_stage_with_agreed_rounds_and_no_checkpoint_is_not_served_by_the_moved
 
 @pytest.mark.timeout(120)
 def test_a_moved_peer_with_stage_sync_starts_from_the_checkpoints_round_and_serves(
-    make_server: ServerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_server: ServerFactory, tmp_path: Path, restored: list[dict[str, torch.Tensor]]
 ) -> None:
     """Stage sync (H = 2) with ``--save-every 1``: every stage's quorum's rank 0 saves under
     ``save_dir/stage-<k>`` (one folder for all the peers here). Stage 2's only replica leaves
@@ -133,15 +140,6 @@ def test_a_moved_peer_with_stage_sync_starts_from_the_checkpoints_round_and_serv
     resync), and its ready holding that state is accepted: the driver's waiting step completes
     with a whole batch on the new replica, and the next stage-2 round completes (round 2)."""
     server = make_server(**SWARM, **{**FAST, "join_timeout": 30.0, "save_every": 1})
-    restored: list[dict[str, torch.Tensor]] = []
-    real = peer_module.restore_stage
-
-    def watched(module: Any, *args: Any, **kwargs: Any) -> Any:
-        got = real(module, *args, **kwargs)
-        restored.append(params_of(module))
-        return got
-
-    monkeypatch.setattr(peer_module, "restore_stage", watched)
     h, data = 2, batches(5, BATCH)
     body = {"stages": [1, 2]}
     sync = {"save_dir": str(tmp_path)}
