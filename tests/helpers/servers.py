@@ -1,4 +1,5 @@
-"""The initial parameters of a test server and the type of the fixture that starts servers."""
+"""The initial parameters of a test server, the type of the fixture that starts servers, and
+what a server publishes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from diloco.server.server import DiLoCoServer
+from diloco.worker.transport.client import DiLoCoClient
 
 
 def initial_params() -> dict[str, torch.Tensor]:
@@ -15,3 +17,12 @@ def initial_params() -> dict[str, torch.Tensor]:
 
 
 ServerFactory = Callable[..., DiLoCoServer]
+
+
+def published(address: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """What ``GET /global_params`` serves now (the bytes every replica must hold)."""
+    client = DiLoCoClient(address, retries=1, backoff=0.01, connect_timeout=2, read_timeout=10)
+    try:
+        return client.get_global_params()
+    finally:
+        client.close()

@@ -24,6 +24,7 @@ from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.server.params.sparse_bodies import SparseDownlink
 from diloco.wire import parse_header, tensor_views
 from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.servers import published
 from tests.helpers.threads import in_threads
 
 TOPK = "topk:density=0.0156,chunk=4096,bits=2"
@@ -41,14 +42,6 @@ class Net(torch.nn.Module):
         torch.manual_seed(0)
         self.fc = torch.nn.Linear(1024, 1024)
         self.cancel = torch.nn.Parameter(torch.zeros(4096))
-
-
-def published(address: str) -> tuple[int, dict[str, torch.Tensor]]:
-    client = DiLoCoClient(address, retries=1, backoff=0.01, connect_timeout=2, read_timeout=10)
-    try:
-        return client.get_global_params()
-    finally:
-        client.close()
 
 
 def assert_bitwise(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:

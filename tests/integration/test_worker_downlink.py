@@ -14,6 +14,7 @@ import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.servers import published
 from tests.helpers.threads import in_threads
 
 ROUNDS = 4
@@ -23,15 +24,6 @@ EVERY = 3
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def published(address: str) -> tuple[int, dict[str, torch.Tensor]]:
-    """What ``GET /global_params`` serves now (the bytes every replica must hold)."""
-    client = DiLoCoClient(address, retries=1, backoff=0.01, connect_timeout=2, read_timeout=10)
-    try:
-        return client.get_global_params()
-    finally:
-        client.close()
 
 
 def assert_bitwise(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
