@@ -15,7 +15,17 @@ from benchmarks.harness.report import above_base, fmt_mb, ok, print_table, sprea
 TARGET_EFFICIENCY = 0.5  # for 4 workers: round time within 2x the loopback limit
 TARGET_SERVER_X = 4.5
 TARGET_WORKER_X = 3.0
+# A lossy codec's worker also holds its error-feedback residual (one fp32 copy of the model),
+# so issue 30 sets its target half a model higher than the plain rounds'.
+TARGET_WORKER_LOSSY_X = 3.5
 BASE_COMM = "bf16/fp32"  # today's rounds: the row the others' bytes and times are set against
+
+
+def worker_target_x(comm: str) -> float:
+    """The worker's peak-memory target for a configuration ``up/down``: lossy uploads keep a
+    residual, so they are held to ``TARGET_WORKER_LOSSY_X``."""
+    up = comm.split("/", 1)[0]
+    return TARGET_WORKER_X if up in ("bf16", "fp32", "raw") else TARGET_WORKER_LOSSY_X
 
 
 def paired_efficiency(d: dict[str, Any], lb: dict[str, Any]) -> float:
@@ -46,7 +56,7 @@ def _main_row(res: dict[str, Any], model_bytes: int) -> list[str]:
         fmt_mb(d["download_bytes_per_worker"]),
         f"{fmt_mb(d['server_bytes_in_per_round'])} / {fmt_mb(d['server_bytes_out_per_round'])}",
         _marked_peak(d["server"]["maxrss"], model_bytes, TARGET_SERVER_X),
-        _marked_peak(d["worker"]["maxrss"], model_bytes, TARGET_WORKER_X),
+        _marked_peak(d["worker"]["maxrss"], model_bytes, worker_target_x(d["comm"])),
     ]
 
 
@@ -131,7 +141,7 @@ def _comm_row(res: dict[str, Any], model_bytes: int) -> list[str]:
         f"{mb(d['server_bytes_in_per_round'])} / {mb(d['server_bytes_out_per_round'])}",
         f"{d['update_downloads']}/{d['worker_syncs']}",
         _marked_peak(d["server"]["maxrss"], model_bytes, TARGET_SERVER_X),
-        _marked_peak(d["worker"]["maxrss"], model_bytes, TARGET_WORKER_X),
+        _marked_peak(d["worker"]["maxrss"], model_bytes, worker_target_x(d["comm"])),
         _ratio(vs.get("bytes_up")),
         _ratio(vs.get("bytes_down")),
         _ratio(vs.get("round_s")),
