@@ -14,7 +14,7 @@ import torch
 from diloco.core.codecs import BlockCodec, Int4Codec, Int8Codec, TopKCodec
 from diloco.core.codecs.shard_reduce import relative_error, shard_bounds, slot_bytes
 from diloco.worker.allreduce.average_checks import Averaged, checked_average
-from diloco.worker.allreduce.collective import QuorumCollective
+from diloco.worker.allreduce.collective import QuorumCollective, table_of
 from diloco.worker.allreduce.quantized import Quantized, Residuals
 from tests.helpers.rendezvous_host import RendezvousHost
 from tests.helpers.threads import in_threads
@@ -118,6 +118,63 @@ def norm_of(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.norm()) ** 2 for t in tensors))
 
 
+def hand_contribution(rank: int) -> list[torch.Tensor]:
+    """One 128-element tensor (two int8 blocks, one shard each): member 0 fills block 0, member
+    1 block 1, each with an absmax of 254 so that, at weight 1/2, the block's scale is exactly 1
+    and its codes are its values rounded half to even."""
+    t = torch.zeros(128)
+    t[64 * rank : 64 * rank + 3] = torch.tensor(
+        [254.0, 0.5, 1.5] if rank == 0 else [254.0, 1.5, 0.5]
+    )
+    return [t]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("decay", "second", "owed"),
+    [
+        # c = x/2 + e: round 1 [127, .25, .75] -> codes [127, 0, 1], e [0, .25, -.25]; round 2
+        # plain [127, .5, .5] -> [127, 0, 0], e [0, .5, .5]; decayed by 1/2 [127, .375, .625]
+        # -> [127, 0, 1], e [0, .375, -.375]. Member 1 the same with its two values swapped.
+        (1.0, [127.0, 0.0, 0.0], [0.0, 0.5, 0.5]),
+        (0.5, [127.0, 0.0, 1.0], [0.0, 0.375, -0.375]),
+    ],
+)
+def test_the_worker_decay_scales_the_quorum_residual_by_hand(
+    decay: float, second: list[float], owed: list[float]
+) -> None:
+    """Two members, two int8 rounds with the same pseudo-gradients through ``Residuals`` with a
+    decay (the worker's ``ef_decay``, or its outer rule's): each member sends ``x / 2 + decay *
+    e``; the averages and the residuals are the hand-computed ones above (the requantized sums
+    are exact: scale 1)."""
+    with RendezvousHost(timeout=10.0) as host:
+
+        def member(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            residuals, averages = Residuals(), []
+            for r in range(2):
+                tensors = hand_contribution(rank)
+                quantized = residuals.for_round("int8", 0, tensors, decay)
+                assert quantized is not None and quantized.decay == decay
+                with QuorumCollective.build(host.meeting(rank), f"decay-{r}", rank, 2, 10.0) as q:
+                    got = checked_average(q, tensors, 1.0, norm_bound=1e9, quantized=quantized)
+                assert got.sound
+                residuals.commit()
+                averages.append(tensors[0].clone())
+            return averages, residuals.of(f"0;{table_of([torch.zeros(128)])}", [torch.zeros(128)])
+
+        results = in_threads(2, member, timeout=60)
+    first = torch.zeros(128)
+    first[:3], first[64:67] = torch.tensor([127.0, 0.0, 1.0]), torch.tensor([127.0, 1.0, 0.0])
+    then = torch.zeros(128)
+    then[:3], then[64:67] = torch.tensor(second), torch.tensor([second[0], *second[:0:-1]])
+    for rank, (averages, (residual,)) in enumerate(results):
+        assert torch.equal(averages[0], first) and torch.equal(averages[1], then), rank
+        want = torch.zeros(128)
+        mine = owed if rank == 0 else [owed[0], *owed[:0:-1]]
+        want[64 * rank : 64 * rank + 3] = torch.tensor(mine)
+        assert torch.equal(residual, want), rank
+
+
 def test_residuals_move_only_at_commit_and_go_when_forgotten() -> None:
     flats = [torch.ones(4)]
     res = Residuals()
@@ -141,8 +198,9 @@ def test_the_checks_leave_a_nan_member_out_of_a_quantized_average(
     make: type[BlockCodec],
 ) -> None:
     """Member 1's pseudo-gradient holds a NaN: every member's verdict leaves it out, it sends
-    zeros and keeps its residual unsent (its new one is the old one, plus the requantization's
-    share of the shard it reduced: none for topk), and the others' average is finite and the
+    zeros and keeps its residual unsent and undecayed (the decay, 1/2 here, scales only a residual
+    sent: its new one is the old one, plus the requantization's share of the shard it reduced:
+    none for topk), and the others' average is finite and the
     same bits on every rank."""
     with RendezvousHost(timeout=10.0) as host:
 
@@ -155,7 +213,7 @@ def test_the_checks_leave_a_nan_member_out_of_a_quantized_average(
             for e in residuals.of("k", flats):
                 e.fill_(0.25)  # owed from an earlier round
             pending = residuals.begin("k", flats)
-            quantized = Quantized(make(), residuals.of("k", flats), pending)
+            quantized = Quantized(make(), residuals.of("k", flats), pending, decay=0.5)
             with QuorumCollective.build(host.meeting(rank), f"nan-{make.name}", rank, 3, 10.0) as q:
                 got = checked_average(
                     q, tensors, 1.0, norm_bound=1e9, bucket_bytes=BUCKET, quantized=quantized

@@ -46,7 +46,6 @@ def test_sparseloco_with_an_outer_momentum_is_refused_naming_both() -> None:
     [
         ({"outer_rule": "adam"}, "outer_rule must be one of sgd, sparseloco"),
         ({"mode": "async", "delayed_nesterov": True}, "delayed_nesterov"),
-        ({"allreduce": True}, "--allreduce (allreduce=True) cannot go with --outer-rule"),
         ({"swarm": True}, "--swarm (swarm=True) cannot go with --outer-rule"),
     ],
 )

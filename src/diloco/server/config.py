@@ -70,7 +70,8 @@ class ServerConfig:
     )
     """``sgd``: outer SGD with ``outer_momentum`` and ``nesterov``. ``sparseloco`` (arXiv
     2508.15706): plain averaged descent, no momentum; registering workers are told the rule and
-    decay their error feedback (``core/outer_rules.py``). Parameter-server mode only."""
+    decay their error feedback (``core/outer_rules.py``). Parameter-server and all-reduce mode
+    (the quorums' members step with momentum 0 and decay their quorum residuals); not swarm."""
 
     outer_momentum: float | None = _flag(None, "outer SGD momentum (default: 0.9; sparseloco: 0)")
     """Momentum of the default outer optimizer. None: the rule's (0.9 under ``sgd``, 0 under
@@ -710,10 +711,6 @@ class ServerConfig:
             "--trim-fraction": (
                 self.trim_fraction > 0,
                 "a collective average has no trimmed variant",
-            ),
-            "--outer-rule sparseloco": (
-                self.outer_rule == SPARSELOCO,
-                "its error feedback needs lossy uploads, which quorums do not average yet",
             ),
         }
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]

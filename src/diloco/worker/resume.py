@@ -8,7 +8,8 @@ as after a lost connection), so no local step is lost or counted twice when the 
 on, and none is lost when it did. Two files go into the checkpoint folder: the counters as JSON
 and the snapshot as safetensors (fp32, one copy of the model); a worker with a lossy codec adds a
 third, its error-feedback residual and the codec's own state (low rank's warm-start ``Q``), also
-safetensors, so what its codec dropped from earlier uploads is still sent after a restart. In a
+safetensors, so what its codec dropped from earlier uploads is still sent after a restart (in
+all-reduce mode the same file holds the quorum residuals, ``allreduce/quantized.py``). In a
 worker group the state is rank 0's: every rank calls ``gather`` before a checkpoint and
 ``start_resumed`` to resume.
 
@@ -87,8 +88,9 @@ def _shards(worker: DiLoCoWorker) -> Any:
 
 def codec_state(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
     """CPU copies of the error-feedback residual and the codec's state (empty for fp32 and
-    bf16): ``UploadEncoder.state_dict``."""
-    return worker._encoder.state_dict()
+    bf16): ``UploadEncoder.state_dict``; in all-reduce mode also the quorum residuals
+    (``Session.saved_feedback``, keys of their own)."""
+    return {**worker._encoder.state_dict(), **worker._session.saved_feedback()}
 
 
 def save(worker: DiLoCoWorker, folder: str) -> WorkerState:
@@ -233,6 +235,7 @@ def start_resumed(
             progress = _progress(params, snapshot)
             if codec:
                 worker._encoder.load_state_dict(codec)
+                worker._session.resumed_feedback = codec  # the strategy's (all-reduce mode)
         except ValueError as exc:
             error = exc
     if group is not None and not group.agree_on(error is None):
@@ -281,6 +284,7 @@ def _start_sharded(
         residual = _shard_residual(shards, snapshot)
         if group.leader and codec:
             _load_codec_state(worker, codec)
+            worker._session.resumed_feedback = codec
     except (ValueError, OSError, SafetensorError) as exc:  # a file of one rank: every rank fails
         error = f"rank {shards.rank} of the sharded worker group cannot resume: {exc}"
     error = shards.first_error(error)

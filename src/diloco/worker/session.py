@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import torch
 
 from diloco.wire import WireError
 from diloco.worker.settings import WorkerSettings
@@ -115,6 +117,12 @@ class Session:
         #: Set by the heartbeat thread when the server does not know this worker; the training
         #: thread re-joins at its next sync.
         self.need_rejoin = threading.Event()
+        #: Error feedback a strategy keeps beside the encoder's (all-reduce mode's quorum
+        #: residuals, ``allreduce/quantized.py``): its tensors for a checkpoint
+        #: (``resume.codec_state``), and a resumed checkpoint's, which that strategy takes when
+        #: it is chosen (the join comes after ``resume.start_resumed`` sets them).
+        self.saved_feedback: Callable[[], dict[str, torch.Tensor]] = dict
+        self.resumed_feedback: Mapping[str, torch.Tensor] = {}
 
     def fetch(self, min_round: int, deadline: float | None = None, *, adopt: bool = False) -> bool:
         """Long-poll until the global parameters of ``min_round`` or later are in the snapshot.

@@ -83,7 +83,7 @@ def checked_average(
 
     ``quantized``: the average travels as the quorum's int8 or int4 codes with this member's
     error feedback (``quantized.quantized_reduce``; ``dtype`` is then unused); an admitted
-    member adds the residual it owes, and the result's bound adds the residuals' norms (one
+    member adds the residual it owes (times ``quantized.decay``), and the result's bound adds the residuals' norms (one
     more tiny all-reduce) and the two quantizations' relative error."""
     if quantized is not None:
         return _checked_quantized(quorum, tensors, weight, norm_bound, bucket_bytes, quantized)
@@ -127,7 +127,7 @@ def _checked_quantized(
     finite, norm = measure(quorum, flats)
     verdict = judge(*exchange(quorum, finite, norm, weight), norm_bound, MAX_WEIGHT)
     admitted = quorum.rank not in verdict.excluded
-    owed = _residual_sum(quorum, global_norm(q.residual) if admitted else 0.0)
+    owed = _residual_sum(quorum, q.decay * global_norm(q.residual) if admitted else 0.0)
     total = verdict.total
     if total == 0:
         for flat in flats:
@@ -142,6 +142,7 @@ def _checked_quantized(
         q.pending,
         send_residual=admitted,
         bucket_bytes=bucket_bytes,
+        decay=q.decay,
     )
     # Each member's decoded codes are within relative_error of its contribution, and the shard's
     # sum within it again after the requantization (the triangle inequality, twice; once for

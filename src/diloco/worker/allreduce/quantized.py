@@ -14,13 +14,16 @@ encoded bucket is all-gathered whole, and every rank sums the N decoded slots in
 Error feedback: what a member's codes dropped, plus what the requantization of the shard it
 reduced dropped, is its next residual (``Residuals.pending``), adopted only once the round
 passed its commit point (``commit``): a discarded round leaves the residual as it was, so the
-repeat sends the same. Rules for a member resynced or left out are ``Residuals``'.
+repeat sends the same. With a decay ``beta`` (the worker's ``ef_decay``, or its outer rule's:
+``core/outer_rules.py``) the residual is scaled before it is added, ``c = scale * acc + beta *
+e``, as ``ErrorFeedback`` does in server mode. Rules for a member resynced, left out or
+restarted are ``Residuals``'.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -42,6 +45,7 @@ from diloco.worker.allreduce.collective import (
     bucket_plan,
     table_of,
 )
+from diloco.worker.session import Session
 
 QUANTIZED: dict[str, Callable[[], BlockCodec]] = {
     "int8": Int8Codec,
@@ -59,6 +63,13 @@ class Quantized:
     codec: BlockCodec
     residual: list[torch.Tensor]
     pending: list[torch.Tensor]
+    decay: float = 1.0
+    """The residual is scaled by this before it is added to the contribution (1: plain)."""
+
+
+QUORUM_RESIDUAL = "quorum_residual/"
+"""Key prefix of the residuals in a worker's checkpoint (``Residuals.state_dict``): then the
+share and the tensor's index, ``quorum_residual/0/3``."""
 
 
 @dataclass
@@ -73,20 +84,40 @@ class Residuals:
     whatever the state the progress sits on); ``forget`` drops them where the member takes the run's
     state wholesale (a rejoin after exclusions, or a state made by a quorum whose commit point
     failed here, which may or may not hold this member's last contribution): at most one
-    round's quantization error is lost. Not saved with the worker's checkpoint."""
+    round's quantization error is lost. The decay scales only a residual that is sent: a member
+    left out keeps its residual undecayed. A worker's checkpoint holds them (``state_dict``,
+    through ``Session.saved_feedback``) and a resumed worker starts from them
+    (``load_state_dict``), so a restart between rounds loses nothing."""
 
     held: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: tuple[str, list[torch.Tensor]] | None = None
     filling: bool = False
     """``pending`` belongs to the round in progress (``begin``), not to an earlier one that
     failed: only then may ``commit`` adopt it."""
+    restored: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """A checkpoint's residuals by share, not yet taken by a round (``of`` takes them)."""
+
+    @classmethod
+    def resumed(cls, session: Session) -> Residuals:
+        """A worker's residuals: a resumed worker's checkpoint's (``Session.resumed_feedback``),
+        and saved with its checkpoints from now on (``Session.saved_feedback``)."""
+        residuals = cls()
+        residuals.load_state_dict(session.resumed_feedback)
+        session.resumed_feedback = {}
+        session.saved_feedback = residuals.state_dict
+        return residuals
 
     def of(self, key: str, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The residuals for ``flats`` under ``key`` (zeros the first time, or when the
-        shapes changed)."""
+        """The residuals for ``flats`` under ``key``: a checkpoint's for its share when they fit
+        (``load_state_dict``), else zeros the first time, or when the shapes changed."""
         held = self.held.get(key)
-        if held is None or [h.numel() for h in held] != [f.numel() for f in flats]:
-            held = [torch.zeros(f.numel(), dtype=torch.float32, device=f.device) for f in flats]
+        sizes = [f.numel() for f in flats]
+        if held is None or [h.numel() for h in held] != sizes:
+            saved = self.restored.pop(key.split(";", 1)[0], None)
+            if saved is not None and [e.numel() for e in saved] == sizes:
+                held = [e.to(f.device) for e, f in zip(saved, flats, strict=True)]
+            else:
+                held = [torch.zeros_like(f, dtype=torch.float32) for f in flats]
             self.held[key] = held
         return held
 
@@ -101,18 +132,20 @@ class Residuals:
         self.pending = (key, buffers)
         return buffers
 
-    def for_round(self, comm: str, share: int, tensors: Sequence[torch.Tensor]) -> Quantized | None:
+    def for_round(
+        self, comm: str, share: int, tensors: Sequence[torch.Tensor], decay: float = 1.0
+    ) -> Quantized | None:
         """A round starts averaging ``tensors``, share ``share`` of the model (a streaming
         fragment's index, else 0), in ``comm``: what its quantized average needs (residuals keyed
-        by the share and the tensors' table: equal fragments' tables may coincide), or None for a
-        dense ``comm``."""
+        by the share and the tensors' table: equal fragments' tables may coincide; ``decay``
+        their decay), or None for a dense ``comm``."""
         self.discard()
         make = QUANTIZED.get(comm)
         if make is None:
             return None
         flats = [t.view(-1) for t in tensors]
         key = f"{share};{table_of(tensors)}"
-        return Quantized(make(), self.of(key, flats), self.begin(key, flats))
+        return Quantized(make(), self.of(key, flats), self.begin(key, flats), decay)
 
     def discard(self) -> None:
         """A round starts: whatever ``pending`` holds is an earlier round's, never adopted (a
@@ -130,7 +163,44 @@ class Residuals:
 
     def forget(self) -> None:
         self.held.clear()
+        self.restored.clear()
         self.pending = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the residuals owed (``held``, and a checkpoint's not yet taken), keyed
+        ``QUORUM_RESIDUAL`` + share + ``/`` + index: safetensors, no pickle. Between rounds (a
+        streaming round in flight may replace ``held`` under it)."""
+        out = {}
+        shares = {**self.restored, **{k.split(";", 1)[0]: v for k, v in self.held.items()}}
+        for share, residuals in shares.items():
+            for i, e in enumerate(residuals):
+                out[f"{QUORUM_RESIDUAL}{share}/{i}"] = e.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Hold ``state_dict``'s residuals (keys without ``QUORUM_RESIDUAL`` are another
+        owner's, skipped) until a round of their share takes them (``of``); residuals that do not
+        fit that round's tensors are dropped there (zeros). A ``ValueError`` naming the key for
+        one that is malformed (a key not share/index, indices not 0..n-1, not a finite 1-D
+        float tensor), with nothing changed."""
+        shares: dict[str, dict[int, torch.Tensor]] = {}
+        for key, e in state.items():
+            if not key.startswith(QUORUM_RESIDUAL):
+                continue
+            share, _, index = key[len(QUORUM_RESIDUAL) :].partition("/")
+            if not (share.isdigit() and index.isdigit()):
+                raise ValueError(f"checkpoint residual {key!r}: not {QUORUM_RESIDUAL}SHARE/INDEX")
+            if e.dim() != 1 or not e.is_floating_point() or not bool(torch.isfinite(e).all()):
+                raise ValueError(f"checkpoint residual {key!r}: not a finite 1-D float tensor")
+            shares.setdefault(share, {})[int(index)] = e
+        restored = {}
+        for share, by_index in shares.items():
+            if sorted(by_index) != list(range(len(by_index))):
+                raise ValueError(f"checkpoint residuals of share {share}: indices not 0..n-1")
+            restored[share] = [
+                by_index[i].to(torch.float32, copy=True) for i in range(len(by_index))
+            ]
+        self.restored = restored
 
     def norm(self, key: str) -> float:
         return math.sqrt(
@@ -161,11 +231,13 @@ def quantized_reduce(
     *,
     send_residual: bool,
     bucket_bytes: int = BUCKET_BYTES,
+    decay: float = 1.0,
 ) -> Moved:
-    """The sum over the quorum of each rank's ``scale * flats + residual`` (without the residual
-    when not ``send_residual``: a member the checks left out sends zeros), quantized as the
-    module docstring says, written back into ``flats`` identically on every rank. ``pending``
-    receives this member's new residuals (``residual`` itself is not written). A collective."""
+    """The sum over the quorum of each rank's ``scale * flats + decay * residual`` (without the
+    residual when not ``send_residual``: a member the checks left out sends zeros and keeps its
+    residual as it was), quantized as the module docstring says, written back into ``flats``
+    identically on every rank. ``pending`` receives this member's new residuals (``residual``
+    itself is not written). A collective."""
     size, rank = quorum.size, quorum.rank
     squares, sent, received, payload = 0.0, 0, 0, 0
     capacity = max(codec.align, bucket_bytes // 4 // codec.align * codec.align)
@@ -177,8 +249,8 @@ def quantized_reduce(
                 b[o : o + t].zero_()  # 0 * NaN is NaN: a member left out sends zeros
             else:
                 torch.mul(flats[i][a : a + t], scale, out=b[o : o + t])
-            if send_residual:
-                b[o : o + t].add_(residual[i][a : a + t])
+            if send_residual:  # times 1 is exact: the plain rule's bits
+                b[o : o + t].add_(residual[i][a : a + t], alpha=decay)
         if codec.sparse:
             slot = slot_bytes(codec, n)
             out = torch.empty(slot, dtype=torch.uint8)

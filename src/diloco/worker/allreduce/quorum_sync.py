@@ -99,7 +99,7 @@ class QuorumSync:
         # The members left out of the round in progress (worker ids), for its report.
         self._excluded: tuple[str, ...] = ()
         # The error feedback of quantized quorums (``quantized.Residuals``: its rules).
-        self.residuals = Residuals()
+        self.residuals = Residuals.resumed(session)
         self._s.base_round = 0
 
     # --- SyncStrategy -------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class QuorumSync:
             else:
                 # One residual per share of the model: a streaming fragment is the round's.
                 share = q.round % self._s.settings.num_fragments
-                quantized = self.residuals.for_round(q.comm, share, tensors)
+                quantized = self.residuals.for_round(q.comm, share, tensors, self._s.encoder.decay)
                 averaged = checked_average(
                     quorum,
                     tensors,
