@@ -685,7 +685,7 @@ class ServerConfig:
             "--clip-norm-factor/--trim-fraction": (self.robust, "the server averages nothing"),
             "--outer-rule sparseloco": (
                 self.outer_rule == SPARSELOCO,
-                "its error feedback needs lossy uploads, which quorums do not average yet",
+                "its error feedback needs lossy uploads, which the stage quorums refuse",
             ),
         }
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
