@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from tests.helpers.reference import (
     assert_same_params,
     batches,
@@ -138,3 +139,28 @@ def test_each_upstream_link_carries_one_model_per_round_each_way(codec: str) -> 
         link = statuses[k]["upstream"]
         assert up_model <= link["last_upload_bytes"] < up_model + OVERHEAD
         assert numel * 4 <= link["last_download_bytes"] < numel * 4 + OVERHEAD
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_relay_takes_the_upstreams_parameters_with_its_token() -> None:
+    """The upstream has parameters (and a token): a relay given ``upstream_token`` registers,
+    takes them, and its first worker, whose own model differs, trains from them."""
+    torch.manual_seed(3)
+    start = {n: p.detach().clone() for n, p in make_model().named_parameters()}
+    start = {n: t + 1.0 for n, t in start.items()}  # not what make_model() gives a worker
+    token = "upstream-secret"
+    with (
+        DiLoCoServer(ServerConfig(port=0, token=token), initial_params=start) as up,
+        DiLoCoServer(
+            ServerConfig(port=0, upstream=up.address, upstream_token=token, upstream_codec="fp32")
+        ) as relay,
+    ):
+        model = make_model()
+        with DiLoCoWorker(
+            model, make_inner(model), relay.address, sync_every=100, heartbeat_interval=0
+        ):
+            held = {n: p.detach().clone() for n, p in model.named_parameters()}
+        status = relay.status()
+    for name, value in start.items():
+        assert torch.equal(held[name], value)
+    assert status["upstream"]["round"] == 0 and status["upstream"]["last_error"] is None

@@ -94,6 +94,7 @@ class RelayCoordinator(Coordinator):
 
     def close(self) -> None:
         self.upstream.stopping.set()
+        self.upstream.client.close()  # its keep-alive connections would hold the upstream's exit
         super().close()
 
     async def _link(self) -> None:
