@@ -77,3 +77,50 @@ def test_a_relay_killed_between_its_workers_ack_and_its_result_counts_the_upload
     # One upload per upstream round: the relay's round of the kill counted once, not twice.
     assert up_status["submissions"] == up_status["round"]
     assert relay_status["upstream"]["round"] == up_status["round"]
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_survives_an_upstream_restart_as_a_worker_does(tmp_path: Path) -> None:
+    """The upstream (``--save-every 1``) restarts from its save dir while the relay is about to
+    send a round's mean: the relay's upload meets a server that does not know it (410), it
+    registers again under its id and sends the same submission, and every step is counted
+    once."""
+    up_config = ServerConfig(
+        port=0,
+        num_workers=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        nesterov=False,
+        save_dir=str(tmp_path / "upstream"),
+        save_every=1,
+    )
+    upstream = DiLoCoServer(up_config).start()
+    port = upstream.port
+    relay = DiLoCoServer(
+        ServerConfig(port=0, num_workers=1, upstream=upstream.address, upstream_codec="fp32")
+    ).start()
+    hit, release = threading.Event(), threading.Event()
+
+    def hold(at: str, sid: str) -> None:
+        if at == "upload" and sid.split(":")[1] == str(KILL_ROUND) and not hit.is_set():
+            hit.set()
+            release.wait(30)
+
+    upstream_of(relay).at = hold
+    ledger = Ledger(relay.address, STEPS, SYNC_EVERY)
+    try:
+        assert hit.wait(60), "the relay never reached the moment"
+        upstream.stop()
+        upstream = DiLoCoServer(replace(up_config, port=port)).start()
+        release.set()
+        ledger.finish(90)
+        relay_status, up_status = relay.status(), upstream.status()
+        got, served = upstream.global_params(), relay.global_params()
+    finally:
+        release.set()
+        relay.stop()
+        upstream.stop()
+    assert up_status["resumed_from"] is not None and relay_status["upstream"]["last_error"] is None
+    assert ledger.dropped == 0  # the relay held the round; its worker lost nothing
+    ledger.check(got, served)
+    assert relay_status["upstream"]["round"] == up_status["round"]

@@ -38,6 +38,7 @@ from diloco.server.rounds.units import Unit
 from diloco.wire import Layout
 from diloco.wire.decode import AsyncStream
 from diloco.wire.messages import ParamsSeeded
+from diloco.worker.transport.client import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +105,14 @@ class RelayCoordinator(Coordinator):
             while True:
                 await asyncio.sleep(HEARTBEAT_S)
                 up.region = len(self.registry.ids())
-                await asyncio.to_thread(up.retrying, "heartbeat", up.heartbeat)
+                try:
+                    await asyncio.to_thread(up.retrying, "heartbeat", up.heartbeat)
+                except ServerError as exc:  # one beat lost; the next may pass
+                    log.warning("relay: heartbeat upstream: %s", exc)
         except RelayStopped:
             return
-        except RelayRefused as exc:  # shown in /status; the relay's own workers are not its fault
-            up.last_error = str(exc)
+        except (RelayRefused, ServerError) as exc:  # shown in /status as upstream.last_error
+            up.last_error = up.last_error or str(exc)
             log.error("relay: %s", exc)
 
     async def _join(self) -> None:

@@ -29,7 +29,13 @@ from diloco.server.config import ServerConfig
 from diloco.server.observe.records import UpstreamStatus
 from diloco.wire import TensorSpec
 from diloco.wire.messages import ParamsSeeded, Registered, RegisterInfo, Table, UploadReceipt
-from diloco.worker.transport.client import Conflict, DiLoCoClient, UnknownWorker, Unreachable
+from diloco.worker.transport.client import (
+    Conflict,
+    DiLoCoClient,
+    ServerError,
+    UnknownWorker,
+    Unreachable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +133,25 @@ class Upstream:
         raise RelayStopped(what)
 
     def register(self, last_submission: str | None = None) -> Registered:
-        reply = Registered.from_json(
-            self.client.register(
+        try:
+            raw = self.client.register(
                 self.relay_id,
                 info=RegisterInfo(params=self.table, region=self.region),
                 last_submission_id=last_submission,
             )
-        )
+        except ServerError as exc:  # another model (409 params_mismatch), a bad token (401)
+            self.last_error = f"register: {exc}"
+            raise RelayRefused(f"the upstream {self.url} refused the relay: {exc}") from exc
+        reply = Registered.from_json(raw)
         self._told_region = self.region
         if reply.mode != "sync":
+            self.last_error = f"the upstream runs in {reply.mode} mode"
             raise RelayRefused(
                 f"the upstream {self.url} runs in {reply.mode} mode; a relay needs a sync "
                 "parameter server upstream"
             )
         if reply.codecs and self.codec not in reply.codecs:
+            self.last_error = f"the upstream does not take {self.codec}"
             raise RelayRefused(
                 f"the upstream takes {', '.join(reply.codecs)}, not the relay's "
                 f"--upstream-codec {self.codec}"
@@ -247,11 +258,10 @@ class Upstream:
             # The upstream moved on without this upload (rebase), or counts the relay from its
             # next round (continue, wait): send the same mean on the round to come. Its id then
             # names that base, so it is a new submission, counted once.
-            ahead = (
-                now + 1 if action in ("continue", "wait") or exc.code == "round_closing" else now
-            )
-            self.fetch(ahead)
-            return None, ahead
+            if action == "rebase" and exc.code != "round_closing":
+                return None, now  # the upstream's open round
+            self.fetch(now + 1)  # the long poll waits until that round opens
+            return None, now + 1
         finally:
             self.last_upload_bytes = self.client.bytes_up - sent or self.last_upload_bytes
         receipt = UploadReceipt.from_json(raw)
