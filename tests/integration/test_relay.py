@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.cli.status import render_status
+from diloco.server.observe.status import Status
 from tests.helpers.reference import (
     assert_same_params,
     batches,
@@ -88,6 +90,11 @@ def test_regions_through_relays_match_the_hierarchical_reference(
     # The upstream sees each relay as one worker, with its region's size as it last registered.
     assert sorted(w.get("region") for w in up_status["workers"]) == sorted(sizes)
     assert up_status["submissions"] == ROUNDS * len(sizes)
+    # ``diloco status`` shows the hierarchy from either end.
+    assert f"upstream round {ROUNDS}, {ROUNDS} uploads" in render_status(
+        Status.from_json(relay_status[0])
+    )
+    assert render_status(Status.from_json(up_status)).count(" workers)") == len(sizes)
 
 
 def test_the_reference_tells_the_weightings_apart() -> None:
