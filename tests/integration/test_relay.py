@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.cli.status import render_status
 from diloco.server.observe.status import Status
+from diloco.wire.messages import RegisterInfo
+from diloco.worker.transport.client import Conflict
 from tests.helpers.reference import (
     assert_same_params,
     batches,
@@ -151,7 +153,8 @@ def test_each_upstream_link_carries_one_model_per_round_each_way(codec: str) -> 
 @pytest.mark.timeout(60)
 def test_a_fresh_relay_takes_the_upstreams_parameters_with_its_token() -> None:
     """The upstream has parameters (and a token): a relay given ``upstream_token`` registers,
-    takes them, and its first worker, whose own model differs, trains from them."""
+    takes them, and its first worker, whose own model differs, trains from them; a worker asking
+    for streaming fragments is refused."""
     torch.manual_seed(3)
     start = {n: p.detach().clone() for n, p in make_model().named_parameters()}
     start = {n: t + 1.0 for n, t in start.items()}  # not what make_model() gives a worker
@@ -168,6 +171,12 @@ def test_a_fresh_relay_takes_the_upstreams_parameters_with_its_token() -> None:
         ):
             held = {n: p.detach().clone() for n, p in model.named_parameters()}
         status = relay.status()
+        # A relay's rounds are whole-model: a worker that streams fragments is refused.
+        asker = DiLoCoClient(relay.address, retries=0)
+        with pytest.raises(Conflict) as refused:
+            asker.register(info=RegisterInfo(num_fragments=4))
+        asker.close()
+        assert refused.value.code == "fragments_mismatch"
     for name, value in start.items():
         assert torch.equal(held[name], value)
     assert status["upstream"]["round"] == 0 and status["upstream"]["last_error"] is None

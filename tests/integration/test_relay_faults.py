@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from diloco import DiLoCoServer, ServerConfig
 from diloco.server.relay.upstream import RelayStopped
+from diloco.worker.transport.client import Unreachable
 from tests.helpers.relays import Ledger, upstream_of
 
 SYNC_EVERY = 3
@@ -81,10 +83,10 @@ def test_a_relay_killed_between_its_workers_ack_and_its_result_counts_the_upload
 
 @pytest.mark.timeout(120)
 def test_a_relay_survives_an_upstream_restart_as_a_worker_does(tmp_path: Path) -> None:
-    """The upstream (``--save-every 1``) restarts from its save dir while the relay is about to
-    send a round's mean: the relay's upload meets a server that does not know it (410), it
-    registers again under its id and sends the same submission, and every step is counted
-    once."""
+    """The upstream (``--save-every 1``) stops while the relay is about to send a round's mean
+    and restarts from its save dir once that upload has failed: the relay keeps trying, meets a
+    server that does not know it (410), registers again under its id and sends the same
+    submission, and every step is counted once."""
     up_config = ServerConfig(
         port=0,
         num_workers=1,
@@ -106,13 +108,27 @@ def test_a_relay_survives_an_upstream_restart_as_a_worker_does(tmp_path: Path) -
             hit.set()
             release.wait(30)
 
-    upstream_of(relay).at = hold
+    link = upstream_of(relay)
+    link.at = hold
+    # The upload meets no upstream first: the client gives up at once, the link tries again.
+    link.client.retries, failed = 0, threading.Event()
+    submit = link.client.submit_pseudogradients
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return submit(*args, **kwargs)
+        except Unreachable:
+            failed.set()
+            raise
+
+    link.client.submit_pseudogradients = watched  # type: ignore[method-assign]
     ledger = Ledger(relay.address, STEPS, SYNC_EVERY)
     try:
         assert hit.wait(60), "the relay never reached the moment"
         upstream.stop()
-        upstream = DiLoCoServer(replace(up_config, port=port)).start()
         release.set()
+        assert failed.wait(30), "the relay's upload never found the upstream gone"
+        upstream = DiLoCoServer(replace(up_config, port=port)).start()
         ledger.finish(90)
         relay_status, up_status = relay.status(), upstream.status()
         got, served = upstream.global_params(), relay.global_params()
