@@ -293,3 +293,21 @@ def test_allreduce_shows_quorums_and_hides_the_parameter_servers_panels(
     for hidden in ("#m-pending", "#m-dylu", "#m-fragments", "#m-dn"):
         assert page.is_hidden(hidden), hidden
     assert page.is_visible("#m-deaths") and page.is_visible("#s-outer")
+
+
+def test_hierarchy_row_shows_a_relays_upstream_and_an_upstreams_relays(
+    servers: Any, tabs: Any
+) -> None:
+    upstream = servers()
+    relay = servers(seeded=False, upstream=upstream.address, upstream_token=TOKEN)
+    wait_until(lambda: relay.status()["upstream"]["round"] == 0, "the relay to join upstream")
+    st = relay.status()["upstream"]
+    relay_page = tabs(relay).page
+    shows(relay_page, "#m-hierarchy", f"relay of {st['url']}, upstream round 0, last upload -")
+    (entry,) = upstream.status()["workers"]
+    assert entry["worker_id"] == st["relay_id"] and entry["region"] == 0
+    up_page = tabs(upstream).page
+    shows(up_page, "#m-hierarchy", f"relays: {st['relay_id']} (0 workers)")
+    plain = tabs(servers()).page  # neither: the row stays hidden once the panel is drawn
+    shows(plain, "#m-deaths", "0 evicted, 0 kicked")
+    expect(plain.locator("#m-hierarchy-row")).to_be_hidden(timeout=WAIT_MS)

@@ -24,6 +24,8 @@ class FaultProxy:
         self.target = ("127.0.0.1", target_port)
         self.faults: list[Fault] = []
         self.fired: list[Fault] = []
+        #: Bytes relayed so far each way ("up": to the target, "down": back), every connection.
+        self.moved = {"up": 0, "down": 0}
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -50,6 +52,10 @@ class FaultProxy:
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _count(self, direction: str, n: int) -> None:
+        with self._lock:
+            self.moved[direction] += n
 
     def _take(self, data: bytes) -> tuple[Fault, int] | None:
         """The first pending fault whose request prefix appears in ``data``, and where."""
@@ -93,12 +99,14 @@ class FaultProxy:
                         fired = fired_box[-1] if fired_box else Fault(direction, 0)
                         if left is not None and len(data) >= left:
                             dst.sendall(data[:left])
+                            self._count(direction, left)
                             if fired.then is not None:
                                 fired.then()
                             break  # cut the connection here
                         if left is not None:
                             budget[direction] = left - len(data)
                     dst.sendall(data)
+                    self._count(direction, len(data))
             except OSError:
                 pass
             finally:

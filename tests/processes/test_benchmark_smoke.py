@@ -51,6 +51,7 @@ SCRIPTS = {
     "swarm.pipeline": 120,
     "swarm.replicas": 120,
     "rounds.rendezvous_join": 60,
+    "links.relay_bytes": 60,
 }
 PARALLEL = 3
 

@@ -9,7 +9,11 @@ Moments, each counted over this process's checkpoints (``@N``: the N-th, 1-based
 - ``resave@K``: a checkpoint of a round already saved by this process is being written, and the
   write is about to make its K-th rename or removal in the save dir;
 - ``slow_checkpoint@N``: no kill; the N-th checkpoint takes a second longer to write (a large
-  model's), so a test can kill the server from outside while it is being written.
+  model's), so a test can kill the server from outside while it is being written;
+- ``relay_upload@N``: a relay (``--upstream``) closed its N-th round on its workers'
+  acknowledged uploads and is about to send the mean upstream;
+- ``relay_counted@N``: the upstream counted the relay's N-th upload; its result has not come
+  back, nor been published.
 
 The hooks wrap the functions the server calls; the server's own code runs unchanged. A kill
 from inside is the only way to hit a moment that lasts microseconds.
@@ -34,6 +38,9 @@ def _die(moment: str) -> None:
 
 
 def install(moment: str) -> None:
+    if moment.startswith("relay_"):
+        _install_relay(moment)
+        return
     import diloco.persistence.writing as persistence
     import diloco.server.rounds.checkpoints as checkpoints
 
@@ -79,6 +86,26 @@ def install(moment: str) -> None:
     os.rename = guard(os.rename)  # type: ignore[assignment]
     os.replace = guard(os.replace)  # type: ignore[assignment]
     shutil.rmtree = guard(shutil.rmtree)  # type: ignore[assignment]
+
+
+def _install_relay(moment: str) -> None:
+    from diloco.server.relay.upstream import Upstream
+
+    name, _, nth = moment.partition("@")
+    at_moment, target = name.removeprefix("relay_"), int(nth)
+    seen = {"upload": 0, "counted": 0}
+    init = Upstream.__init__
+
+    def hook(at: str, sid: str) -> None:
+        seen[at] += 1
+        if at == at_moment and seen[at] == target:
+            _die(moment)
+
+    def hooked_init(self: Upstream, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.at = hook
+
+    Upstream.__init__ = hooked_init  # type: ignore[method-assign]
 
 
 def main() -> int:

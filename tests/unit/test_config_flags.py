@@ -31,6 +31,7 @@ SERVER_FLAGS = {
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
     "--swarm", "--stages", "--min-replicas",
     "--no-dashboard", "-o", "--output-dir", "--outer-rule",
+    "--upstream", "--upstream-token", "--upstream-tls-ca", "--upstream-codec",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",

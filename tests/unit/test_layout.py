@@ -44,13 +44,31 @@ def _diloco_imports(path: Path) -> set[str]:
     return found
 
 
+#: The one place the server may use the worker: a relay is a worker of its upstream server and
+#: talks to it with the worker's HTTP client, nothing else of the worker.
+RELAY = SRC / "server" / "relay"
+
+
 def test_package_import_boundaries() -> None:
     problems = []
     for package, allowed in ALLOWED.items():
         for file in sorted((SRC / package).rglob("*.py")):
-            for imported in _diloco_imports(file) - allowed:
+            extra = {"worker"} if file.is_relative_to(RELAY) else set()
+            for imported in _diloco_imports(file) - allowed - extra:
                 problems.append(f"{file.relative_to(SRC)} imports diloco.{imported}")
     assert not problems, problems
+
+
+def test_a_relay_uses_only_the_workers_transport() -> None:
+    graph = _import_graph(type_checking=True)
+    used = {
+        target
+        for module, targets in graph.items()
+        if module.startswith("diloco.server.relay")
+        for target in targets
+        if target.startswith("diloco.worker")
+    }
+    assert used and all(t.startswith("diloco.worker.transport") for t in used), used
 
 
 #: What each part of the server may import of the server (docs/design.md, "Import rules"),
@@ -76,8 +94,13 @@ SERVER_ALLOWED = {
     "paramserver": {
         *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
     },
+    # A relay is the parameter server's front with its own rounds and an upstream link.
+    "relay": {
+        *("config", "errors", "front", "members", "params", "observe", "rounds", "intake"),
+        "paramserver",
+    },
     "web": {"config", "errors", "front", "observe", "params.store"},
-    "server": {"config", "front", "web", "allreduce", "paramserver", "swarm"},
+    "server": {"config", "front", "web", "allreduce", "paramserver", "relay", "swarm"},
     "": {"config", "server"},  # diloco.server itself: its exports
 }
 

@@ -19,6 +19,7 @@ from diloco.server.observe.records import (
     QuorumStatus,
     RoundLoss,
     UpdateEntry,
+    UpstreamStatus,
     WorkerLoss,
     WorkerStatus,
 )
@@ -114,6 +115,7 @@ DASHBOARD_NAMES: dict[str, tuple[type, str]] = {
     "stg": (StageStatus, r"\bstg"),
     "bnd": (BoundaryStatus, r"\bbnd"),
     "sus": (SuspectStatus, r"\bsus"),
+    "up": (UpstreamStatus, r"\bup"),
 }
 
 
@@ -149,6 +151,7 @@ def test_every_status_key_the_dashboard_reads_is_a_field() -> None:
     assert {"quorum", "pending_quorum", "excluded_last", "left_out"} <= keys["st"]
     assert {"sync_every", "recommended_sync_every", "steps_per_second"} <= keys["w"]
     assert {"buffer_size"} <= keys["dn"] and {"fragment", "submitted"} <= keys["f"]
+    assert {"url", "round", "last_upload_bytes"} <= keys["up"] and "region" in keys["w"]
 
 
 def test_the_dashboard_key_check_catches_a_rename() -> None:

@@ -155,6 +155,16 @@ def render_status(st: Status) -> str:
     if st.fragments:
         rounds = " ".join(str(f.round) for f in st.fragments)
         lines.append(f"fragments ({st.fragment_pattern}): rounds {rounds}")
+    if st.upstream is not None:  # a regional relay (docs/design/relay.md)
+        up = st.upstream
+        lines.append(
+            f"relay of {up.url} as {up.relay_id}: upstream round {up.round}, {up.uploads} uploads,"
+            f" last {_opt_bytes(up.last_upload_bytes)} up, {_opt_bytes(up.last_download_bytes)}"
+            f" down" + (f"  ERROR {up.last_error}" if up.last_error else "")
+        )
+    relays = [w for w in workers if w.region is not None]
+    if relays:
+        lines.append("relays: " + ", ".join(f"{w.worker_id} ({w.region} workers)" for w in relays))
     if st.last_save_error:
         lines.append(f"last save FAILED: {st.last_save_error}")
     lines += [

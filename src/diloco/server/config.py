@@ -37,6 +37,10 @@ _ASYNC = "async mode (arXiv 2401.09135)"
 _DYNAMIC = "dynamic local updates and streaming fragments"
 _ALLREDUCE = "all-reduce mode (issue 19)"
 _SWARM = "pipeline swarm (issue 29)"
+_RELAY = "regional relay (issue 31)"
+#: The codecs a relay may upload with: raw tensors, whose mean the upstream adds as sent (a lossy
+#: codec's error feedback would need a residual kept across relay restarts).
+RELAY_CODECS = ("fp32", "bf16")
 ALLREDUCE_NORM_BOUND = 10.0
 """All-reduce mode's ``--clip-norm-factor`` when unset: a member is left out of a round when its
 pseudo-gradient norm is above 10 x the quorum's median. Honest members' norms differ by a few
@@ -439,6 +443,37 @@ class ServerConfig:
     """Swarm mode: joining peers fill every stage to this many replicas (fewest first), then
     go to the stage whose replicas report the least throughput."""
 
+    upstream: str | None = _flag(
+        None,
+        "run as a regional relay: this server is one worker of the server at HOST:PORT; each "
+        "round it sends its region's mean pseudo-gradient there and publishes the parameters "
+        "it gets back",
+        metavar="HOST:PORT",
+        group=_RELAY,
+    )
+    """A regional relay (``server/relay/``): its workers see an ordinary sync server, but a
+    closed round's weighted mean pseudo-gradient is uploaded to the upstream server (one upload
+    per round, weighted by the round's total weight: its contribution count under ``equal``
+    weighting) instead of stepping an outer optimizer here, and the upstream's next parameters
+    are published as the next round. A fresh relay takes its parameters from the upstream (or
+    seeds it with its first worker's). Sync mode, whole-model rounds only."""
+
+    upstream_token: str | None = _flag(
+        None, "bearer token of the upstream server", env="DILOCO_UPSTREAM_TOKEN", group=_RELAY
+    )
+    """The upstream server's token (a worker's ``token``), if it requires one."""
+
+    upstream_tls_ca: str | None = _flag(
+        None, "PEM file of the upstream server certificate's CA", group=_RELAY
+    )
+    """A worker's ``tls_ca`` for the upstream: its certificate's CA (None: the system's)."""
+
+    upstream_codec: str = _flag(
+        "bf16", "how the region's mean travels upstream", choices=RELAY_CODECS, group=_RELAY
+    )
+    """The codec of the upstream uploads, a worker's default (``bf16``) unless told ``fp32``;
+    the upstream must allow it (its ``--codecs``)."""
+
     @property
     def allowed_codecs(self) -> tuple[str, ...]:
         """``codecs`` as names."""
@@ -562,6 +597,7 @@ class ServerConfig:
         self._check_download_codec()
         self._check_allreduce()
         self._check_swarm()
+        self._check_relay()
         buffer = self.dn_buffer_size if self.dn_buffer_size is not None else self.num_workers
         if buffer < 1:
             raise ValueError(f"dn_buffer_size must be >= 1, got {self.dn_buffer_size}")
@@ -716,3 +752,40 @@ class ServerConfig:
         refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
         if refused:
             raise ValueError("--allreduce (allreduce=True) cannot go with " + "; ".join(refused))
+
+    def _check_relay(self) -> None:
+        if self.upstream_codec not in RELAY_CODECS:
+            raise ValueError(
+                f"upstream_codec must be one of {', '.join(RELAY_CODECS)}, got {self.upstream_codec!r}"
+            )
+        if self.upstream is None:
+            return
+        if not self.upstream.strip():
+            raise ValueError("upstream (--upstream) must be HOST:PORT or a URL, got ''")
+        from_upstream = "a relay's parameters come from the upstream server"
+        clashes = {
+            "--allreduce": (self.allreduce, "a relay averages its region's uploads itself"),
+            "--swarm": (self.swarm, "a relay runs rounds"),
+            "--async": (self.mode == "async", "a relay closes one round per upstream round"),
+            "--num-fragments": (
+                self.num_fragments is not None and self.num_fragments > 1,
+                "a relay sends the whole model upstream each round",
+            ),
+            "--download-codec": (self.lossy_download, "a relay publishes full parameters"),
+            "--clip-norm-factor/--trim-fraction": (self.robust, "not supported by a relay yet"),
+            "--outer-rule sparseloco": (
+                self.outer_rule == SPARSELOCO,
+                "the outer rule is the upstream's",
+            ),
+            "--init": (self.initial_params is not None, from_upstream),
+            "--from-checkpoint": (
+                self.from_checkpoint is not None,
+                "a relay resumes from its own --save-dir",
+            ),
+        }
+        refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
+        if refused:
+            raise ValueError("--upstream (a relay) cannot go with " + "; ".join(refused))
+        # Whole-model rounds, fixed now: a worker that asks for fragments is refused at
+        # registration (409 fragments_mismatch) instead of splitting the relay's rounds.
+        object.__setattr__(self, "num_fragments", 1)

@@ -25,6 +25,7 @@ from diloco.server.config import ServerConfig
 from diloco.server.front import Front
 from diloco.server.paramserver.coordinator import OptimizerFactory
 from diloco.server.paramserver.startup import start_coordinator
+from diloco.server.relay.front import start_relay
 from diloco.server.swarm.swarm_front import SwarmFront
 from diloco.server.web.app import build_app
 
@@ -95,6 +96,13 @@ def make_front(
         if initial_params is not None:
             raise ValueError("initial_params: the server holds no parameters in all-reduce mode")
         return AllReduceFront(config)
+    if config.upstream is not None:
+        if initial_params is not None or outer_optimizer_factory is not None:
+            raise ValueError(
+                "initial_params, outer_optimizer_factory: a relay (upstream) takes its parameters "
+                "from the upstream and steps no outer optimizer"
+            )
+        return start_relay(config)
     return start_coordinator(config, initial_params, outer_optimizer_factory)
 
 

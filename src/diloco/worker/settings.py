@@ -227,7 +227,7 @@ ENV_PREFIX = "DILOCO_"
 #: ``DILOCO_*`` variables the server reads that are none of the worker's (the server's
 #: ``_flag(env=...)``; a unit test holds the two lists together). A shell that starts the server
 #: exports them, and a worker started from it must not refuse to run.
-SERVER_ONLY = frozenset({"DILOCO_ADMIN_TOKEN"})
+SERVER_ONLY = frozenset({"DILOCO_ADMIN_TOKEN", "DILOCO_UPSTREAM_TOKEN"})
 _ENV_FIELDS = {f"{ENV_PREFIX}{f.name.upper()}": f for f in dataclasses.fields(WorkerSettings)}
 _ENV_FIELDS[f"{ENV_PREFIX}SERVER"] = _ENV_FIELDS.pop(f"{ENV_PREFIX}SERVER_ADDR")
 

@@ -131,6 +131,22 @@ class WorkerStatus:
     staleness: int | None
     codec: str | None = None  # of its uploads (None: it asked for none and sent none yet)
     sync_every: int | None = None  # as it registered: DyLU's base for its recommendation
+    # A regional relay's region size, as it registered (server/relay/); left out for a worker.
+    region: int | None = field(default=None, metadata={OMIT: True})
+
+
+@dataclass(frozen=True)
+class UpstreamStatus:
+    """A regional relay's link to its upstream server (``server/relay/upstream.py``)."""
+
+    url: str
+    relay_id: str  # its worker id at the upstream, kept across restarts
+    round: int | None  # the upstream round whose parameters the relay publishes (None: not yet)
+    uploads: int  # rounds whose mean the upstream counted (duplicates of a retry included once)
+    last_upload_bytes: int | None  # the body of the last upload sent
+    last_download_bytes: int | None  # the body of the last parameters received
+    region: int  # the relay's workers now
+    last_error: str | None  # the last failed call to the upstream, until one succeeds
 
 
 @dataclass(frozen=True)

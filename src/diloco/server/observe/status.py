@@ -44,6 +44,7 @@ from diloco.server.observe.records import (
     Staleness,
     State,
     UpdateEntry,
+    UpstreamStatus,
     WorkerExclusions,
     WorkerStatus,
 )
@@ -155,6 +156,8 @@ class Status:
     # Swarm mode (server/swarm/): stages, replicas, throughput, boundary bytes, reroutes and
     # suspects; None (left out of the JSON) in the other modes.
     swarm: SwarmStatus | None = field(default=None, metadata={OMIT: True})
+    # A regional relay's upstream (server/relay/); None (left out of the JSON) elsewhere.
+    upstream: UpstreamStatus | None = field(default=None, metadata={OMIT: True})
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -396,6 +399,7 @@ def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
             staleness=w.staleness,
             codec=w.codec,
             sync_every=w.info.sync_every,
+            region=w.info.region,
         )
         for w in coord.registry
     )

@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from diloco.core.fragments import SEQUENTIAL
 from diloco.core.outer import PieceDone
@@ -40,6 +41,9 @@ class Checkpoints:
         self.resumed_from: str | None = None
         self.last_save: SaveRecord | None = None
         self.last_save_error: str | None = None
+        #: What a front adds to every checkpoint's ``state.json`` (a relay: its upstream link's
+        #: state, server/relay/), read as the checkpoint is written.
+        self.extra_state: Callable[[], dict[str, Any]] | None = None
 
     # --- resuming -------------------------------------------------------------------------------
 
@@ -140,6 +144,8 @@ class Checkpoints:
             "worker_deaths": self.registry.deaths,
             "instance": store.instance,
         }
+        if self.extra_state is not None:
+            extra.update(self.extra_state())
         # What the workers hold is the checkpoint's parameters; with a lossy downlink the
         # outer step's true copy goes beside them, so a restart goes on bit for bit.
         extra["download_codec"] = self.config.download_codec

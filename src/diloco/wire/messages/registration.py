@@ -75,6 +75,9 @@ class RegisterInfo(Request):
     and a worker whose table differs is refused before it enters a collective)."""
     stages: tuple[int, ...] | None = spec(default=None, rule=STAGES, omit=True)
     """Swarm mode: the pipeline stages that fit the peer (its memory); absent: any."""
+    region: int | None = spec(default=None, rule=at_least(0), omit=True)
+    """A regional relay (``diloco server --upstream``): the workers of its region when it last
+    registered (it registers again when that changes); absent: an ordinary worker."""
 
     @property
     def fragmenting(self) -> tuple[int, str]:

@@ -264,6 +264,7 @@
       setText("m-dn", buffered.map((b) => `${b}/${dn.buffer_size}`).join(", "));
     }
     setText("m-deaths", `${st.worker_deaths ?? 0} evicted, ${st.kicks ?? 0} kicked`);
+    renderHierarchy(st, workers);
     $("save-state").disabled = false;
     if (st.swarm) {
       renderSwarm(st.swarm);
@@ -294,6 +295,21 @@
     $("save-state").title = canSave ? "save a checkpoint to " + st.save_dir
       : "disabled: this server has no save directory (start it with --save-dir)";
     $("save-wrap").title = $("save-state").title;
+  }
+
+  // Regional relays (docs/design/relay.md): a relay shows its upstream, an upstream its relays.
+  function renderHierarchy(st, workers) {
+    const up = st.upstream;
+    const relays = workers.filter((w) => typeof w.region === "number");
+    $("m-hierarchy-row").hidden = !up && !relays.length;
+    if (up) {
+      const sent = up.last_upload_bytes == null ? "-" : fmtBytes(up.last_upload_bytes);
+      setText("m-hierarchy", `relay of ${up.url}, upstream round ${up.round ?? "-"}, ` +
+        `last upload ${sent}` + (up.last_error ? ` (${up.last_error})` : ""));
+    } else if (relays.length) {
+      setText("m-hierarchy", "relays: " +
+        relays.map((w) => `${w.worker_id} (${w.region} workers)`).join(", "));
+    }
   }
 
   function pending(st) {
