@@ -1,6 +1,8 @@
 """Training trials: an in-process server and worker threads training the demo model (or a
 model the caller supplies), each with its own shard, optional per-step delays, a step budget,
-an optional learning-rate schedule and an optional eval curve.
+an optional learning-rate schedule and an optional eval curve. With ``clock`` the delays are
+simulated step costs and ``sim_clock.SimClock`` orders the uploads (deterministic given the
+seed); without it they are real sleeps.
 
 Threads, not processes: the simulated step delays (sleeps) dominate each step, torch releases
 the GIL in its kernels, and one process keeps the budget counter and the results simple. Unlike
@@ -14,15 +16,22 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from benchmarks.harness.sim_clock import (
+    ClockedRun,
+    ClockedWorker,
+    ClockSettings,
+    SimClock,
+    params_digest,
+    report_speed,
+)
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.demo.data import Corpus, build_corpus, sample_batch
 from diloco.demo.model import build_model, evaluate, loss_on
@@ -41,6 +50,7 @@ class Trial:
     server: dict[str, Any] = field(default_factory=dict)  # extra ServerConfig fields
     worker: dict[str, Any] = field(default_factory=dict)  # extra DiLoCoWorker arguments
     delays: list[float] | None = None  # seconds slept after each step, per worker
+    clock: dict[str, float] | None = None  # ClockSettings: delays are simulated step costs
     total_steps: int = 1000  # local steps of all workers together
     shared_budget: bool = False  # True: fast workers take more of the steps (async)
     batch_size: int = 16
@@ -149,67 +159,41 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
     Optional ``ctx`` keys (all-reduce mode, ``allreduce_trials``): ``own_init`` (load
     ``trial.init`` before joining), ``after_step(rank, worker, model)`` and ``final`` (a list
     that gets each rank's parameters after it leaves)."""
-    corpus: Corpus = ctx["corpus"]
+    run: ClockedRun | None = ctx.get("clock")
+    clock = run.clock if run is not None else None
     model = ctx["model_fn"](trial.seed).to(trial.device)
     if ctx.get("own_init") and trial.init is not None:
         model.load_state_dict(trial.init)  # all-reduce mode: no server holds the start
     opt = torch.optim.AdamW(model.parameters(), lr=trial.lr)
     gen = torch.Generator().manual_seed(trial.seed * 1000 + rank)
-    drop_rng = random.Random(f"drop-{trial.seed}-{rank}")
-    delay = trial.delays[rank] if trial.delays else 0.0
-    per_worker = trial.total_steps // trial.workers
     shared: Budget = ctx["shared"]
-    budget = shared if trial.shared_budget else Budget(per_worker)
+    budget = shared if trial.shared_budget else Budget(trial.total_steps // trial.workers)
+    if clock is not None and trial.shared_budget:
+        budget = Budget(trial.total_steps)  # a cap: the clock hands out the shared budget
     lossy = trial.drop_prob > 0
-    cls = LossyWorker if lossy else DiLoCoWorker
+    cls = ClockedWorker if clock else LossyWorker if lossy else DiLoCoWorker
     worker = cls(
         model,
         opt,
         ctx["address"],
         sync_every=trial.sync_every,
         worker_id=f"w{rank}",
-        heartbeat_interval=0.25,
+        # Clocked: no real-time heartbeats (DyLU's speeds come from the clock, report_speed).
+        heartbeat_interval=0.0 if clock else 0.25,
         **trial.worker,
     )
-    tokens = trial.batch_size * trial.seq_len
-    steps = lost = 0
+    if isinstance(worker, ClockedWorker):
+        assert clock is not None
+        worker.clock, worker.rank = clock, rank
     ctx["start"].wait()
-    with worker:
-        # The join's download (full parameters): kept apart, so that a round's download is
-        # the worker's bytes down less this, over its rounds.
-        joined = worker.sync_metrics["bytes_down"]
-        last_round = -1
-        while budget.take():
-            if lossy and worker.base_round != last_round:
-                # A round starts from the parameters just adopted: keep them, and draw whether
-                # this round's upload will be lost.
-                assert isinstance(worker, LossyWorker)
-                last_round = worker.base_round
-                worker.round_start = [p.detach().clone() for p in model.parameters()]
-                worker.lose_next = drop_rng.random() < trial.drop_prob
-                lost += worker.lose_next
-                if worker.lose_next:
-                    worker.report(samples=LOST_WEIGHT)
-            progress = budget.done if trial.shared_budget else steps / max(per_worker, 1)
-            for group in opt.param_groups:
-                group["lr"] = trial.lr * lr_factor(trial, steps, progress)
-            x, y = sample_batch(corpus.shards[rank], trial.batch_size, trial.seq_len, gen)
-            loss = loss_on(model, x.to(trial.device), y.to(trial.device))
-            loss.backward()
-            if isinstance(worker, LossyWorker) and not worker.lose_next:
-                worker.report(samples=tokens)
-            # Counted before the step: its sync (inside the optimizer step, every sync_every
-            # steps) waits for the round, and the curve watcher reads the count at the round's close.
-            ctx["steps"][rank] = steps + 1
-            opt.step()
-            opt.zero_grad()
-            steps += 1
-            if "after_step" in ctx:
-                ctx["after_step"](rank, worker, model)
-            if delay:
-                time.sleep(delay)
+    try:
+        with worker:
+            joined, lost = _train(trial, rank, ctx, worker, model, opt, gen, budget, run)
+    finally:
+        if clock is not None:
+            clock.finish(rank)
     ctx["results"][rank] = {
-        "steps": steps,
+        "steps": ctx["steps"][rank],
         "lost_uploads": lost,
         "join_bytes_down": joined,
         **worker.sync_metrics,
@@ -218,6 +202,69 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
         ctx["final"][rank] = {
             n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()
         }
+
+
+def _train(
+    trial: Trial,
+    rank: int,
+    ctx: dict[str, Any],
+    worker: DiLoCoWorker,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    gen: torch.Generator,
+    budget: Budget,
+    run: ClockedRun | None,
+) -> tuple[float, int]:
+    """The training loop of ``worker_loop``, inside the worker's ``with``: the join's bytes down
+    and the uploads lost."""
+    corpus: Corpus = ctx["corpus"]
+    drop_rng = random.Random(f"drop-{trial.seed}-{rank}")
+    delay = trial.delays[rank] if trial.delays else 0.0
+    per_worker = trial.total_steps // trial.workers
+    lossy = trial.drop_prob > 0
+    tokens = trial.batch_size * trial.seq_len
+    clock = run.clock if run is not None else None
+    steps = lost = 0
+    # The join's download (full parameters): kept apart, so that a round's download is
+    # the worker's bytes down less this, over its rounds.
+    joined = worker.sync_metrics["bytes_down"]
+    if run is not None and worker.settings.dylu:
+        report_speed(worker, run.clock, rank, run.barrier)
+    last_round = -1
+    while budget.take() and (clock is None or clock.step(rank)):
+        if lossy and worker.base_round != last_round:
+            # A round starts from the parameters just adopted: keep them, and draw whether
+            # this round's upload will be lost.
+            assert isinstance(worker, LossyWorker)
+            last_round = worker.base_round
+            worker.round_start = [p.detach().clone() for p in model.parameters()]
+            worker.lose_next = drop_rng.random() < trial.drop_prob
+            lost += worker.lose_next
+            if worker.lose_next:
+                worker.report(samples=LOST_WEIGHT)
+        progress = budget.done if trial.shared_budget else steps / max(per_worker, 1)
+        if clock is not None and trial.shared_budget:
+            progress = clock.progress(rank)
+        for group in opt.param_groups:
+            group["lr"] = trial.lr * lr_factor(trial, steps, progress)
+        x, y = sample_batch(corpus.shards[rank], trial.batch_size, trial.seq_len, gen)
+        loss = loss_on(model, x.to(trial.device), y.to(trial.device))
+        loss.backward()
+        if isinstance(worker, LossyWorker) and not worker.lose_next:
+            worker.report(samples=tokens)
+        # Counted before the step: its sync (inside the optimizer step, every sync_every
+        # steps) waits for the round, and the curve watcher reads the count at the round's close.
+        ctx["steps"][rank] = steps + 1
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+        if "after_step" in ctx:
+            ctx["after_step"](rank, worker, model)
+        if run is not None:
+            run.after_step(rank, worker)
+        elif delay:
+            time.sleep(delay)
+    return joined, lost
 
 
 def run_trial(trial: Trial) -> dict[str, Any]:
@@ -254,7 +301,11 @@ def run_trial(trial: Trial) -> dict[str, Any]:
             errors.append(exc)
             ctx["start"].abort()
 
-    watcher = CurveWatcher(server, ctx["steps"]) if trial.curve else None
+    run = _clocked(trial, server) if trial.clock is not None else None
+    if run is not None:
+        ctx["clock"] = run
+        run.record(0.0)  # the start, as the watcher's first snapshot
+    watcher = CurveWatcher(server, ctx["steps"]) if trial.curve and run is None else None
     t0 = time.monotonic()
     threads = [threading.Thread(target=work, args=(r,)) for r in range(trial.workers)]
     for t in threads:
@@ -275,7 +326,8 @@ def run_trial(trial: Trial) -> dict[str, Any]:
             watcher.snap()
         status = server.status()
         model = model_fn(trial.seed).to(trial.device)
-        model.load_state_dict(server.global_params())
+        server_params = server.global_params()
+        model.load_state_dict(server_params)
         eval_loss = evaluate(model, corpus.eval.to(trial.device), trial.seq_len, trial.eval_windows)
     finally:
         server.stop()
@@ -294,7 +346,27 @@ def run_trial(trial: Trial) -> dict[str, Any]:
     }
     if watcher is not None:
         row["curve"] = evaluate_curve(trial, watcher.points, model, corpus)
+    if run is not None:
+        # Simulated time is the run's wall time; the real one is kept apart.
+        row.update(real_s=wall, wall_s=run.clock.end, uploads=run.clock.uploads)
+        row["params_sha256"] = params_digest(server_params)
+        if trial.curve:
+            row["curve"] = evaluate_curve(trial, run.points, model, corpus)
     return row
+
+
+def _clocked(trial: Trial, server: DiLoCoServer) -> ClockedRun:
+    """The simulated clock of a trial: ``trial.delays`` are the step costs."""
+    assert trial.delays is not None and trial.drop_prob == 0, "a clock needs delays, no drops"
+    sync = trial.server.get("mode", "sync") == "sync"
+    clock = SimClock(
+        trial.delays,
+        trial.seed,
+        ClockSettings(**trial.clock or {}),
+        sync=sync,
+        total=trial.total_steps if trial.shared_budget else None,
+    )
+    return ClockedRun(clock, server, trial.workers)
 
 
 def _settle(server: DiLoCoServer, timeout: float = 10.0) -> None:
@@ -334,43 +406,3 @@ def evaluate_curve(
             }
         )
     return out
-
-
-def run_trials(
-    configurations: Callable[[Any, int], list[Trial]], args: Any
-) -> Iterator[tuple[int, Trial, dict[str, Any]]]:
-    """Every configuration ``configurations(args, seed)`` names, for every seed in
-    ``args.seeds``, in that order, but only those ``args.only`` names (when given): each as
-    ``(seed, trial, run_trial(trial))``."""
-    for seed in args.seeds:
-        for trial in configurations(args, seed):
-            if args.only and trial.name not in args.only:
-                continue
-            yield seed, trial, run_trial(trial)
-
-
-def per_worker_budget(args: Any, seed: int) -> dict[str, Any]:
-    """The ``Trial`` fields a sweep's configurations share when each worker trains
-    ``args.steps`` steps: ``seed``, ``args.workers``, ``args.sync_every`` and the total."""
-    return {
-        "seed": seed,
-        "workers": args.workers,
-        "sync_every": args.sync_every,
-        "total_steps": args.steps * args.workers,
-    }
-
-
-def by_name(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Rows (one per configuration and seed) grouped by configuration, in run order."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["name"], []).append(r)
-    return groups
-
-
-def summarise(rows: list[dict[str, Any]], key: str) -> str:
-    """``key`` over the seeds' rows: the value, or mean ± standard deviation."""
-    values = [r[key] for r in rows]
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"

@@ -22,7 +22,8 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, by_name, run_trials, summarise
+from benchmarks.harness.sweeps import by_name, run_trials, summarise
+from benchmarks.harness.trials import Trial
 
 RATIO = (0.58, 0.75, 1.51, 3.33)
 

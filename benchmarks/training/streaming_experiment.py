@@ -22,7 +22,8 @@ from typing import Any
 
 from benchmarks.harness import smoke
 from benchmarks.harness.report import print_table, write_json
-from benchmarks.harness.trials import Trial, by_name, per_worker_budget, run_trials, summarise
+from benchmarks.harness.sweeps import by_name, per_worker_budget, run_trials, summarise
+from benchmarks.harness.trials import Trial
 
 
 def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
