@@ -200,6 +200,13 @@ class SimClock:
                     self.state[j] = RUNNING
             del self._round_uploads[r]
 
+    def resumed(self, rank: int) -> None:
+        """Block while worker ``rank`` is parked in a sync round. In a trial the server's barrier
+        holds the worker instead; a test without a server calls this."""
+        with self._cond:
+            while self.state[rank] == PARKED:
+                self._wait()
+
     def holds(self, rank: int) -> bool:
         with self._cond:
             return self._holder == rank
