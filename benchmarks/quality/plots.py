@@ -45,7 +45,7 @@ def _x(row: dict[str, Any], point: dict[str, Any], x: str) -> float:
 
 def _lines(ax: Any, result: dict[str, Any], name: str, x: str, color: Any, label: str) -> None:
     """Sync runs share their curve points across seeds: the mean line and a min-max band.
-    Async points differ per seed (thread timing): one thin line per seed."""
+    Async points differ per seed (the clock's jitter is drawn from it): one thin line per seed."""
     group = [r for r in rows(result, name) if r.get("curve")]
     if x == "bytes_up":  # the start (nothing sent yet) has no place on a log axis
         group = [{**r, "curve": [p for p in r["curve"] if p["bytes_up"] > 0]} for r in group]

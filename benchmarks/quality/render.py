@@ -35,7 +35,7 @@ from benchmarks.quality.stats import (  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).
-EXTRA = {"async": ["async_slow"], "sparse": ["sparse_lr"]}
+EXTRA = {"async": ["async_lr"], "sparse": ["sparse_lr"]}
 
 
 def suite_time(results: Results) -> float:

@@ -1,0 +1,53 @@
+"""Claim g as arXiv 2401.09135 states it: loss against wall-clock time, read as the simulated
+time each configuration takes to reach the sync run's final loss (issue 32). Not run on its own
+(``claims.py`` uses it).
+
+Both sides come from the curves (the global model evaluated at every upload event, async, or
+round close, sync, on the same held-out windows), so the target and the crossings are measured
+alike: the target is the last point of sync's curve, sync's own time the first point at or below
+it, and a configuration's time the first point of its curve at or below it (None: never).
+Times are the simulated clock's (``benchmarks/harness/sim_clock.py``), paired by seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.quality.stats import rows
+
+REFERENCE = "sync"
+
+
+def time_to_loss(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Simulated time of the first curve point at or below ``target``; None if none is."""
+    for point in curve:
+        if point["eval_loss"] <= target:
+            return float(point["wall_s"])
+    return None
+
+
+def reach_times(result: dict[str, Any], name: str) -> dict[int, tuple[float, float | None]]:
+    """By seed: (sync's time to its own final loss, ``name``'s time to the same loss)."""
+    out = {}
+    syncs = {r["seed"]: r for r in rows(result, REFERENCE)}
+    for row in rows(result, name):
+        sync = syncs.get(row["seed"])
+        if sync is None:
+            continue
+        target = sync["curve"][-1]["eval_loss"]
+        own = time_to_loss(sync["curve"], target)
+        assert own is not None  # its own last point is at the target
+        out[row["seed"]] = (own, time_to_loss(row["curve"], target))
+    return out
+
+
+def faster_in_every_seed(times: dict[int, tuple[float, float | None]]) -> bool:
+    """The rule of claim g: the configuration reached sync's final loss, in less simulated time
+    than sync, in every seed (and there was a seed)."""
+    return bool(times) and all(t is not None and t < own for own, t in times.values())
+
+
+def describe(times: dict[int, tuple[float, float | None]]) -> str:
+    """Per-seed ratios of the time to sync's final loss over sync's ("never": not reached)."""
+    parts = ["never" if t is None else f"{t / own:.2f}" for _, (own, t) in sorted(times.items())]
+    return ", ".join(parts)
