@@ -1,0 +1,59 @@
+"""Claim g of the quality page (issue 32) judged on made-up curves: the simulated time each
+async configuration takes to reach sync's final loss, by the rule the page prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.quality.claims import CLAIMS, G_RULE, NOT_REPRODUCED, REPRODUCED, RULES, claim_g
+from benchmarks.quality.reach import reach_times, time_to_loss
+
+
+def curve(*points: tuple[float, float]) -> list[dict[str, Any]]:
+    return [{"wall_s": t, "eval_loss": loss} for t, loss in points]
+
+
+SYNC = curve((0, 3.0), (10, 2.5), (20, 2.2), (30, 2.0))  # final loss 2.0 at t = 30
+
+
+def results(dylu: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    rows = []
+    for seed, c in dylu.items():
+        rows += [
+            {"name": "sync", "seed": seed, "curve": SYNC, "wall_s": 30.0, "eval_loss": 2.0},
+            {"name": "async + DN", "seed": seed, "curve": c, "wall_s": 20.0, "eval_loss": 2.0},
+            {"name": "async + DN + DyLU", "seed": seed, "curve": c, "wall_s": 20.0},
+        ]
+    return {"async": {"experiment": "async", "rows": rows}}
+
+
+def test_time_to_loss_is_the_first_point_at_or_below_the_target() -> None:
+    assert time_to_loss(SYNC, 2.2) == 20
+    assert time_to_loss(SYNC, 2.0) == 30
+    assert time_to_loss(SYNC, 1.9) is None
+
+
+def test_faster_in_every_seed_reproduces() -> None:
+    """Async reaches 2.0 at 15 and 25 (sync at 30): ratios 0.50 and 0.83, reproduced."""
+    res = results({0: curve((0, 3.0), (15, 1.99)), 1: curve((0, 3.0), (25, 2.0))})
+    assert reach_times(res["async"], "async + DN + DyLU") == {0: (30, 15), 1: (30, 25)}
+    ours, verdict, _ = claim_g(res)
+    assert verdict == REPRODUCED
+    assert "DN + DyLU: 0.50, 0.83" in ours
+
+
+def test_one_seed_slower_or_never_is_not_reproduced() -> None:
+    """One seed reaches sync's loss later than sync (35 > 30), or never: not reproduced, even
+    when the run itself ends sooner (its wall time 20 < 30), which the old rule rewarded."""
+    late = results({0: curve((0, 3.0), (15, 1.9)), 1: curve((0, 3.0), (35, 2.0))})
+    assert claim_g(late)[1] == NOT_REPRODUCED
+    never = results({0: curve((0, 3.0), (15, 1.9)), 1: curve((0, 3.0), (20, 2.01))})
+    ours, verdict, _ = claim_g(never)
+    assert verdict == NOT_REPRODUCED and "never" in ours
+
+
+def test_the_rule_applied_is_the_one_the_page_prints() -> None:
+    """The page prints RULES; g's rule is in it, and g's row names what the rule measures."""
+    assert G_RULE in RULES
+    g = next(c for c in CLAIMS if c[0] == "g")
+    assert "wall-clock time" in g[2] and g[4] is claim_g
