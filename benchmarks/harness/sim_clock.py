@@ -278,7 +278,7 @@ class ClockedRun:
     def __init__(self, clock: SimClock, server: Any, workers: int) -> None:
         self.clock, self.server = clock, server
         self.points: list[dict[str, Any]] = []
-        self.barrier = threading.Barrier(workers)  # DyLU's speed reports
+        self.barrier = threading.Barrier(workers, timeout=STUCK_S)  # DyLU's speed reports
         self._rounds = [0] * workers
         self._lock = threading.Lock()
         self._seen = -1
@@ -302,7 +302,10 @@ class ClockedRun:
 
     def after_step(self, rank: int, worker: DiLoCoWorker) -> None:
         """After each optimizer step: a sync that moved the worker's round records a point,
-        then the clock is given back."""
+        then the clock is given back. A sync worker first waits for the clock to close its
+        round: the server may publish the round (and the worker adopt it) before the last
+        uploader has told the clock, and until then the worker's time is its upload's."""
+        self.clock.resumed(rank)
         if self.clock.holds(rank) or worker.base_round != self._rounds[rank]:
             self._rounds[rank] = worker.base_round
             self.record(self.clock.now[rank])
