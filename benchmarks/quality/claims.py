@@ -144,7 +144,8 @@ def claim_f(r: Results) -> Row:
 def claim_g(r: Results) -> Row:
     res = r["async"]
     text = "simulated time to sync's final loss, over sync's, per seed: " + "; ".join(
-        f"{n.removeprefix('async ')}: {describe(reach_times(res, n))}"
+        f"{n.removeprefix('async ').removeprefix('+ ').strip('()')}: "
+        f"{describe(reach_times(res, n))}"
         for n in names(res)
         if n != REFERENCE
     )

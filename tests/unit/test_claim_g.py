@@ -39,7 +39,7 @@ def test_faster_in_every_seed_reproduces() -> None:
     assert reach_times(res["async"], "async + DN + DyLU") == {0: (30, 15), 1: (30, 25)}
     ours, verdict, _ = claim_g(res)
     assert verdict == REPRODUCED
-    assert "DN + DyLU: 0.50, 0.83" in ours
+    assert "DN + DyLU: 0.50, 0.83" in ours and "seed: DN: 0.50, 0.83;" in ours
 
 
 def test_one_seed_slower_or_never_is_not_reproduced() -> None:
