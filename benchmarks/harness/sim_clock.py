@@ -21,6 +21,7 @@ of the uploads are decided here.
   to download, so the uploads of other workers that finish within the window are in the
   parameters it adopts (they all start again from the same model). It idles meanwhile; the
   wait is charged to its time.
+- **Time budget** (``until``): no step starts at or after that simulated time.
 - **Shared budget** (``total``): the run's inner steps go to the first ``total`` step starts in
   simulated order, whichever worker they belong to (async: fast workers take more). A step is
   granted once the steps that could still start before it cannot push it past the budget.
@@ -54,12 +55,15 @@ class ClockSettings:
 
     jitter: float = 0.0  # each step's cost is drawn uniformly in cost x [1 - jitter, 1 + jitter]
     grace: float = 0.0  # async: simulated seconds between a worker's upload and its download
+    until: float = 0.0  # > 0: no step starts at or after this simulated time (a time budget)
 
     def __post_init__(self) -> None:
         if not 0 <= self.jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
         if not self.grace >= 0:
             raise ValueError(f"grace must be >= 0, got {self.grace}")
+        if not self.until >= 0:
+            raise ValueError(f"until must be >= 0, got {self.until}")
 
 
 class SimClock:
@@ -100,6 +104,8 @@ class SimClock:
         step left for it (it stops); else its time moves on by the step's cost."""
         cost = self.costs[rank] * (1 + self.settings.jitter * (2 * self._rng[rank].random() - 1))
         with self._cond:
+            if self.settings.until and self.now[rank] >= self.settings.until:
+                return False
             if self.total is not None:
                 key = (self.now[rank], rank)
                 while True:
@@ -132,9 +138,11 @@ class SimClock:
             return bisect.bisect_right(self._ends, at)
 
     def progress(self, rank: int) -> float:
-        """Shared budget: the run's expected progress in [0, 1] at this worker's time, the time
-        over the time the budget lasts when every worker steps without waiting (the inner lr's
-        cosine follows it)."""
+        """Shared budget: the run's expected progress in [0, 1] at this worker's time (the inner
+        lr's cosine follows it): the time over the time budget, or over the time the step budget
+        lasts when every worker steps without waiting."""
+        if self.settings.until:
+            return min(1.0, self.now[rank] / self.settings.until)
         assert self.total is not None
         rate = sum(1 / c for c in self.costs)
         return min(1.0, self.now[rank] * rate / self.total)

@@ -103,6 +103,21 @@ def test_shared_budget_goes_to_the_earliest_step_starts() -> None:
     assert clock.steps_done(5.0) == 6  # ends at 1..5 (rank 0) and 3 (rank 1)
 
 
+def test_time_budget_stops_steps_starting_at_or_after_it() -> None:
+    """until = 6 s, steps of 1 and 2.5 s: rank 0 starts steps at 0..5 (6 steps), rank 1 at 0,
+    2.5 and 5 (3 steps); the lr schedule's progress is the time over the budget."""
+    clock = SimClock([1.0, 2.5], seed=0, settings=ClockSettings(until=6.0), total=10**6)
+    taken = [0, 0]
+
+    def body(rank: int) -> None:
+        while clock.step(rank):
+            taken[rank] += 1
+
+    run_workers(clock, body, [0, 1])
+    assert taken == [6, 3]
+    assert clock.now == [6.0, 7.5] and clock.progress(1) == 1.0
+
+
 def test_jitter_is_seeded_and_bounded() -> None:
     """Each step costs its worker's cost times a factor in [1 - jitter, 1 + jitter], drawn from
     a generator seeded by (seed, rank): the same seed gives the same times."""
@@ -125,5 +140,7 @@ def test_bad_settings_are_refused() -> None:
         ClockSettings(jitter=1.0)
     with pytest.raises(ValueError, match="grace"):
         ClockSettings(grace=-1)
+    with pytest.raises(ValueError, match="until"):
+        ClockSettings(until=-1)
     with pytest.raises(ValueError, match="positive"):
         SimClock([1.0, 0.0], seed=0)
