@@ -163,11 +163,6 @@ steps. Believed reasons, not tested: the shards are non-iid, and asynchrony lets
 workers' topics dominate the updates; Delayed Nesterov averages N arrivals with equal weight, so
 with DyLU a slow worker's short pseudo-gradient counts as much as a fast worker's long one.
 """,
-    "g": """
-*Why not reproduced.* The async curves end above sync's final loss (claim f), so on the
-simulated clock they never reach it, however much sooner they spend the same steps: the claim
-is loss against time, and a run that finishes early at a worse loss does not meet it.
-""",
     "i": """
 *Why not reproduced.* The two controls separate the changes: overlap alone (tau = 1, alpha 0)
 stays within the "almost nothing" margin, while alpha = 0.5 alone (tau = 0) costs about as much as
