@@ -34,6 +34,7 @@ from diloco.server.observe.records import (
     FragmentStatus,
     LeftOutStatus,
     OuterOptimizer,
+    QuorumRounds,
     QuorumStatus,
     QuorumSummary,
     Refusal,
@@ -155,6 +156,9 @@ class Status:
     # Swarm mode (server/swarm/): stages, replicas, throughput, boundary bytes, reroutes and
     # suspects; None (left out of the JSON) in the other modes.
     swarm: SwarmStatus | None = field(default=None, metadata={OMIT: True})
+    # Sync quorum rounds (server/rounds/quorum.py): the rule, the open round's quorum and grace
+    # window, the last late merges; None (left out of the JSON) without --quorum.
+    quorum_rounds: QuorumRounds | None = field(default=None, metadata={OMIT: True})
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -360,6 +364,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         submissions=run_log.submissions,
         dn_buffered=tuple(o.buffered() for o in optimizers if isinstance(o, DelayedNesterov)),
         outer_rule=config.outer_rule,
+        quorum_rounds=barrier.quorum_rounds if barrier else None,
     )
 
 
