@@ -89,7 +89,12 @@ def test_a_round_closing_mid_upload_merges_it_into_the_next_round_exactly_once(
 ) -> None:
     p0 = params_of(make_model(0))
     server = make_server(
-        params=p0, num_workers=3, quorum="2", grace="0", upload_slots=2, outer_momentum=0.0,
+        params=p0,
+        num_workers=3,
+        quorum="2",
+        grace="0",
+        upload_slots=2,
+        outer_momentum=0.0,
         outer_lr=1.0,
     )
     (a, opt_a), (b, opt_b), (c, opt_c) = (worker(server, s) for s in (1, 2, 3))
@@ -137,7 +142,12 @@ def test_a_frozen_worker_does_not_set_the_pace(make_server: ServerFactory, grace
     p0 = params_of(make_model(0))
     extra = {"grace_floor": 0.0, "grace_ceiling": 5.0} if grace == "auto" else {}
     server = make_server(
-        params=p0, num_workers=3, quorum="2", grace=grace, outer_momentum=0.0, outer_lr=1.0,
+        params=p0,
+        num_workers=3,
+        quorum="2",
+        grace=grace,
+        outer_momentum=0.0,
+        outer_lr=1.0,
         **extra,
     )
     workers = [worker(server, s) for s in (1, 2, 3)]

@@ -43,18 +43,22 @@ def parse_quorum(text: str) -> int | float:
     try:
         count = int(text)
     except ValueError:
-        try:
-            fraction = float(text)
-        except ValueError:
-            raise ValueError(
-                f"quorum must be a count (an int >= 1) or a fraction in (0, 1], got {text!r}"
-            ) from None
-        if not 0 < fraction <= 1:
-            raise ValueError(f"a fractional quorum must be in (0, 1], got {text!r}")
-        return fraction
+        return _fraction(text)
     if count < 1:
         raise ValueError(f"quorum must be >= 1 (or a fraction in (0, 1]), got {text!r}")
     return count
+
+
+def _fraction(text: str) -> float:
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise ValueError(
+            f"quorum must be a count (an int >= 1) or a fraction in (0, 1], got {text!r}"
+        ) from None
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a fractional quorum must be in (0, 1], got {text!r}")
+    return fraction
 
 
 def parse_grace(text: str) -> float | None:
@@ -79,9 +83,7 @@ def median(values: Sequence[float]) -> float:
     return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def grace_window(
-    offsets: Sequence[float], floor: float, ceiling: float, k: float = K_MAD
-) -> float:
+def grace_window(offsets: Sequence[float], floor: float, ceiling: float, k: float = K_MAD) -> float:
     """Seconds to wait after a round's quorum: median + ``k`` x MAD of ``offsets`` (each
     arrival's delay after its round's quorum, recent rounds), clamped to [floor, ceiling].
     With no offsets yet, the ceiling: nothing is known, so wait as long as allowed."""

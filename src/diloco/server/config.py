@@ -731,7 +731,9 @@ class ServerConfig:
             return
         if isinstance(quorum, int) and quorum < self.min_workers:
             raise ValueError(f"quorum {quorum} is below min_workers ({self.min_workers})")
-        if grace is not None and (self.grace_floor != GRACE_FLOOR or self.grace_ceiling != GRACE_CEILING):
+        if grace is not None and (
+            self.grace_floor != GRACE_FLOOR or self.grace_ceiling != GRACE_CEILING
+        ):
             raise ValueError("--grace-floor and --grace-ceiling bound --grace auto only")
         clashes = {
             "--async": (self.mode == "async", "async mode has no rounds to close"),

@@ -25,8 +25,8 @@ from diloco.server.errors import conflict
 from diloco.server.observe.records import LateMergeStatus, QuorumRounds, State
 from diloco.server.rounds.aggregator import Check, Landed, Verdict
 from diloco.server.rounds.barrier import SyncBarrier
-from diloco.server.rounds.quorum import LateMerge, QuorumRule
 from diloco.server.rounds.outer_steps import OuterSteps
+from diloco.server.rounds.quorum import LateMerge, QuorumRule
 from diloco.server.rounds.units import Unit
 from diloco.wire.messages import UploadReceipt
 
@@ -113,8 +113,10 @@ class SyncAggregator:
                 raise self._refused(Verdict.CLOSING, landed, "round {now} is closing; rebase")
         if not barrier.may_merge(landed.base):
             raise self._refused(
-                Verdict.STALE, landed, "round {base} closed more than max_lateness rounds ago "
-                "(the server is at round {now}); rebase onto the current parameters"
+                Verdict.STALE,
+                landed,
+                "round {base} closed more than max_lateness rounds ago "
+                "(the server is at round {now}); rebase onto the current parameters",
             )
         if not self.is_current(landed.worker_id, landed.submission_id):
             raise self._refused(Verdict.STALE, landed, "superseded while round {now} closed")
@@ -326,7 +328,6 @@ class SyncAggregator:
             size=rule.k,
             grace_s=None if rule.window is None else round(rule.window, 4),
             late_merges=tuple(
-                LateMergeStatus(m.round, m.base, m.worker_id, round(m.weight, 6))
-                for m in rule.late
+                LateMergeStatus(m.round, m.base, m.worker_id, round(m.weight, 6)) for m in rule.late
             ),
         )
