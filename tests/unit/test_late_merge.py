@@ -11,6 +11,7 @@ import math
 import torch
 
 from diloco.server.errors import ApiError
+from diloco.server.observe.metrics import render
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
 from tests.helpers.coordinator import WAIT, HeldBody, coordinator, submit, upload
@@ -67,6 +68,10 @@ def test_a_round_closing_mid_upload_merges_the_upload_into_the_next_round() -> N
             {"round": 1, "base": 0, "worker_id": "c", "weight": round(w, 6)},
             {"round": 2, "base": 1, "worker_id": "b", "weight": round(w, 6)},
         ]
+        assert quorum["late_merges_total"] == 2 and quorum["grace_s"] is None  # round 2: no quorum
+        metrics = render(coord.status()).splitlines()
+        assert "diloco_late_merges_total 2" in metrics
+        assert not [line for line in metrics if line.startswith("diloco_grace_seconds ")]
 
     asyncio.run(scenario())
 

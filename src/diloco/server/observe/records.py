@@ -153,7 +153,8 @@ class QuorumRounds:
     max_lateness: int
     size: int  # the open round's quorum, in contributions
     grace_s: float | None
-    late_merges: tuple[LateMergeStatus, ...]
+    late_merges: tuple[LateMergeStatus, ...]  # the last 16
+    late_merges_total: int  # since the server started
 
 
 @dataclass(frozen=True)

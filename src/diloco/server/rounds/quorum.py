@@ -53,6 +53,7 @@ class QuorumRule:
         #: round -> (when its quorum was reached, offsets of arrivals counted against it).
         self._rounds: OrderedDict[int, tuple[float, list[float]]] = OrderedDict()
         self.late: deque[LateMerge] = deque(maxlen=self.LATE_SHOWN)
+        self.late_total = 0
 
     def open(self, round_: int, expected: int, min_workers: int, already: int = 0) -> None:
         """``round_`` opens with ``expected`` workers, ``already`` of its contributions in (a
@@ -90,6 +91,10 @@ class QuorumRule:
             self.window = self.grace
         else:
             self.window = grace_window(self.offsets(), self.floor, self.ceiling)
+
+    def merged_late(self, merge: LateMerge) -> None:
+        self.late.append(merge)
+        self.late_total += 1
 
     def deadline(self) -> float | None:
         """When the round may close with what it has (None: its quorum is not in yet)."""

@@ -129,7 +129,7 @@ class SyncAggregator:
         self._arm()
         if late:
             assert barrier.quorum is not None
-            barrier.quorum.late.append(
+            barrier.quorum.merged_late(
                 LateMerge(counted, landed.base, landed.worker_id, late_weight(late))
             )
             log.info(
@@ -330,4 +330,5 @@ class SyncAggregator:
             late_merges=tuple(
                 LateMergeStatus(m.round, m.base, m.worker_id, round(m.weight, 6)) for m in rule.late
             ),
+            late_merges_total=rule.late_total,
         )
