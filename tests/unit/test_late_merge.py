@@ -12,6 +12,7 @@ import torch
 
 from diloco.server.errors import ApiError
 from diloco.server.observe.metrics import render
+from diloco.wire.messages import Register, RegisterInfo
 from tests.helpers.aio import let_loop_run
 from tests.helpers.clock import FakeClock
 from tests.helpers.coordinator import WAIT, HeldBody, coordinator, submit, upload
@@ -124,3 +125,21 @@ def test_the_timer_closes_the_round_when_the_grace_ends() -> None:
         assert coord.store.round == 1
 
     asyncio.run(scenario())
+
+
+def test_a_streaming_worker_is_told_at_registration_that_quorum_rounds_keep_one_unit() -> None:
+    """Quorum rounds are refused with streaming fragments: a server with ``--quorum`` fixes one
+    unit, so a streaming worker gets 409 fragments_mismatch (reconfigure) when it registers,
+    before it is counted anywhere."""
+    clock = FakeClock()
+    coord = coordinator(clock, 3, quorum="2")
+    try:
+        coord.membership.register(Register("d", info=RegisterInfo(num_fragments=2)), "h")
+        raise AssertionError("registered")
+    except ApiError as exc:
+        assert (exc.status, exc.code, exc.reply.action) == (
+            409,
+            "fragments_mismatch",
+            "reconfigure",
+        )
+    assert "d" not in coord.registry.ids()

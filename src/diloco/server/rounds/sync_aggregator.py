@@ -177,8 +177,11 @@ class SyncAggregator:
             if self.barrier.deadline() == deadline and self.steps.clock() < deadline:
                 self._arm()  # the loop's timer ran ahead of the server's clock
 
-        delay = max(0.0, deadline - self.steps.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay, fire)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # set up outside the server's loop (tests): its next wake checks
+            return
+        self._timer = loop.call_later(max(0.0, deadline - self.steps.clock()), fire)
 
     def _keep(self, entries: list[Entry], weight: float) -> Callable[[], None]:
         """Robust aggregation: the add of one landed body is an fp32 copy kept for the round's
