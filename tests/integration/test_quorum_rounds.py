@@ -21,11 +21,15 @@ import torch
 
 from diloco import DiLoCoWorker
 from diloco.server.server import DiLoCoServer
+from diloco.worker.transport.client import DiLoCoClient
+from tests.helpers.faultproxy import Fault, FaultProxy
 from tests.helpers.http import TIMEOUT, status, wait_round
 from tests.helpers.servers import ServerFactory, published
 from tests.helpers.workers import fake_step, make_model, params_of
 
 W = 1 / math.sqrt(2)  # the weight of an upload one round late
+RETRIES = 3
+CONTINUE = len(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
 def worker(server: DiLoCoServer, seed: int) -> tuple[DiLoCoWorker, torch.optim.Optimizer]:
@@ -162,3 +166,47 @@ def test_a_frozen_worker_does_not_set_the_pace(make_server: ServerFactory, grace
     finally:
         for w, _ in workers:
             w.stop(submit=False)
+
+
+def test_a_late_upload_whose_answers_were_lost_counts_once_when_sent_again(
+    make_server: ServerFactory,
+) -> None:
+    """c uploads after round 0 closed without it: merged late into round 1, but every answer is
+    cut (c's link goes through a proxy), so c cannot know. Its next sync sends the same id, is
+    told ``duplicate`` in round 1, drops the one step taken since (``dropped_steps``) rather than
+    counting its first step twice, and adopts round 2 like the others."""
+    p0 = params_of(make_model(0))
+    server = make_server(
+        params=p0, num_workers=3, quorum="2", grace="0", outer_momentum=0.0, outer_lr=1.0
+    )
+    proxy = FaultProxy(server.port)
+    (a, opt_a), (b, opt_b) = (worker(server, s) for s in (1, 2))
+    model_c = make_model(3)
+    opt_c = torch.optim.SGD(model_c.parameters(), lr=1.0)
+    client = DiLoCoClient(proxy.address, retries=RETRIES, backoff=0.01, read_timeout=10)
+    c = DiLoCoWorker(
+        model_c, opt_c, proxy.address, sync_every=1, heartbeat_interval=0, client=client
+    ).start()
+    try:
+        join_all(
+            run(lambda: fake_step(a.model, opt_a, 1.0)), run(lambda: fake_step(b.model, opt_b, 3.0))
+        )  # round 0 closed on a and b: p0 + 2
+        for _ in range(1 + RETRIES):
+            proxy.add(Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd"))
+        fake_step(model_c, opt_c, 5.0)  # counted late in round 1; every answer lost
+        assert c.sync_metrics["failed_syncs"] == 1
+        assert status(server)["submitted"] == [c.worker_id]
+        tc = run(lambda: fake_step(model_c, opt_c, 5.0))  # same id again: duplicate
+        wait_until(lambda: c.sync_metrics["dropped_steps"] == 1, "c learned it was counted")
+        join_all(run(lambda: fake_step(a.model, opt_a, 1.0)), tc)  # round 1: c's late + a's
+        round_, served = published(server.address)
+        assert round_ == 2
+        expected = 2.0 + (5.0 * W + 1.0) / (W + 1.0)  # c's first step once, its second dropped
+        for name, p in p0.items():
+            torch.testing.assert_close(served[name], p + expected)
+            torch.testing.assert_close(params_of(model_c)[name], served[name])
+        assert c.sync_metrics["rebases"] == 0
+    finally:
+        for w in (a, b, c):
+            w.stop(submit=False)
+        proxy.close()
