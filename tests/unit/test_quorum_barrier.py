@@ -159,14 +159,29 @@ def test_the_auto_window_follows_recent_arrivals_and_ignores_one_frozen_worker()
     assert rule.window == 3.0
 
 
-def test_the_auto_window_starts_at_its_ceiling_and_stays_within_its_bounds() -> None:
+def test_the_first_auto_window_is_the_spread_of_the_round_s_own_arrivals() -> None:
     clock = FakeClock()
     b = barrier(clock, grace=None)
     submit(b, "a", 0)
-    submit(b, "b", 0)  # offsets [0, 0]: median 0, MAD 0 -> the floor
-    assert b.quorum is not None and b.quorum.window == 0.5
+    clock.now += 4.0
+    submit(b, "b", 0)  # offsets [-4, 0]: median -2, MAD 2 -> -2 + 6 = 4
+    assert b.quorum is not None and b.quorum.window == 4.0
+    clock.now += 4.0
+    close(b)
+    submit(b, "a", 1)
+    submit(b, "b", 1)  # [-4, 0, 0, 0]: median 0, MAD 0 -> the floor
+    assert b.quorum.window == 0.5
     fresh = SyncBarrier(
         3, 1, quorum=QuorumRule(3, None, floor=0.5, ceiling=30.0, max_lateness=1, clock=clock)
     )
     fresh.on_register({"a", "b", "c"})
     assert fresh.deadline() is None
+
+
+def test_the_auto_window_is_capped_at_its_ceiling() -> None:
+    clock = FakeClock()
+    b = barrier(clock, grace=None)
+    submit(b, "a", 0)
+    clock.now += 100.0
+    submit(b, "b", 0)  # offsets [-100, 0]: median -50, MAD 50 -> 100, capped at 30
+    assert b.quorum is not None and b.quorum.window == 30.0 and b.deadline() == 1130.0

@@ -86,7 +86,8 @@ def median(values: Sequence[float]) -> float:
 def grace_window(offsets: Sequence[float], floor: float, ceiling: float, k: float = K_MAD) -> float:
     """Seconds to wait after a round's quorum: median + ``k`` x MAD of ``offsets`` (each
     arrival's delay after its round's quorum, recent rounds), clamped to [floor, ceiling].
-    With no offsets yet, the ceiling: nothing is known, so wait as long as allowed."""
+    With no offsets at all, the ceiling: nothing is known, so wait as long as allowed (the
+    barrier always has the round's own arrivals up to its quorum)."""
     if not 0 <= floor <= ceiling:
         raise ValueError(f"need 0 <= floor <= ceiling, got {floor}, {ceiling}")
     if not offsets:

@@ -87,11 +87,9 @@ class ServerConfig:
     """``auto``'s lower bound: a second covers network and scheduling jitter between workers
     that are really equally fast, so closing sooner would turn on-time work into late work."""
 
-    grace_ceiling: float = _flag(
-        GRACE_CEILING, "auto grace: longest window (and the first), s", group=_QUORUM
-    )
-    """``auto``'s upper bound, and its window before any offset is known: a minute bounds what a
-    frozen worker costs a round while leaving room for uploads of a large model on a slow link."""
+    grace_ceiling: float = _flag(GRACE_CEILING, "auto grace: longest window, s", group=_QUORUM)
+    """``auto``'s upper bound: a minute bounds what a frozen worker costs a round while leaving
+    room for uploads of a large model on a slow link."""
 
     max_lateness: int = _flag(
         1,
