@@ -68,15 +68,17 @@ class QuorumRule:
     def arrived(self, round_: int, count: int, base: int) -> None:
         """A contribution computed against ``base`` was counted in ``round_``, its ``count``-th."""
         now = self.clock()
-        if base < round_:  # late: its delay after the quorum of the round it missed
+        # Each arrival is one offset: a late one's against the quorum of the round it missed
+        # (what waiting for it would have cost), an on-time one's against its own round's.
+        if base < round_:
             missed = self._rounds.get(base)
             if missed is not None:
                 missed[1].append(now - missed[0])
-        if self.reached_at is not None:
+        elif self.reached_at is not None:
             self._rounds[round_][1].append(now - self.reached_at)
-            return
-        self._arrivals.append(now)
-        if count >= self.k > 0:  # k is 0 until the round opens
+        else:
+            self._arrivals.append(now)
+        if self.reached_at is None and count >= self.k > 0:  # k is 0 until the round opens
             self._reach(round_, now)
 
     def _reach(self, round_: int, now: float) -> None:
