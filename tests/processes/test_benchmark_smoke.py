@@ -43,6 +43,7 @@ SCRIPTS = {
     "rounds.torchft_diloco": 120,
     "codecs.quality": 120,
     "training.async_experiment": 120,
+    "training.quorum_experiment": 120,
     "training.streaming_experiment": 120,
     "links.slow_links": 120,
     "codecs.speed": 120,

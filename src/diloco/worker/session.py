@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 def initial_metrics(sync_every: int) -> dict[str, float]:
     """A new worker's ``sync_metrics`` counters (the lifecycle and the strategy update them).
+    ``late_merges``: uploads a quorum-round server counted in a round after their base round
+    (the round closed while they arrived; their steps counted, weighted for lateness).
     ``last_bytes_up``/``last_bytes_down``: the last sync's (plain) or fragment exchange's
     (streaming) bytes; ``residual_norm``: the error-feedback residual's norm after the last
     counted upload (0 for fp32 and bf16, which keep none). With a compressed downlink:
@@ -54,6 +56,7 @@ def initial_metrics(sync_every: int) -> dict[str, float]:
         "rebases": 0,
         "failed_syncs": 0,
         "refused_submissions": 0,
+        "late_merges": 0,
         "sync_every": sync_every,
         "peak_sync_bytes_up": 0,
         "peak_sync_bytes_down": 0,

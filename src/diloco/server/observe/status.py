@@ -34,6 +34,7 @@ from diloco.server.observe.records import (
     FragmentStatus,
     LeftOutStatus,
     OuterOptimizer,
+    QuorumRounds,
     QuorumStatus,
     QuorumSummary,
     Refusal,
@@ -158,6 +159,9 @@ class Status:
     swarm: SwarmStatus | None = field(default=None, metadata={OMIT: True})
     # A regional relay's upstream (server/relay/); None (left out of the JSON) elsewhere.
     upstream: UpstreamStatus | None = field(default=None, metadata={OMIT: True})
+    # Sync quorum rounds (server/rounds/quorum.py): the rule, the open round's quorum and grace
+    # window, the last late merges; None (left out of the JSON) without --quorum.
+    quorum_rounds: QuorumRounds | None = field(default=None, metadata={OMIT: True})
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
@@ -363,6 +367,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         submissions=run_log.submissions,
         dn_buffered=tuple(o.buffered() for o in optimizers if isinstance(o, DelayedNesterov)),
         outer_rule=config.outer_rule,
+        quorum_rounds=barrier.quorum_rounds if barrier else None,
     )
 
 

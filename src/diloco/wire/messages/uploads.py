@@ -169,7 +169,12 @@ class UploadReceipt(Reply):
     staleness: int | None = spec(default=None, omit=True)
     """Async mode: updates applied between the upload's base and the version it hit."""
     weight: float | None = spec(default=None, omit=True)
-    """Async mode: the weight the update was applied with."""
+    """Async mode: the weight the update was applied with; a sync late merge: the weight it
+    was counted with (its own times ``1/sqrt(1 + late)``)."""
+    late: int | None = spec(default=None, omit=True)
+    """Sync quorum rounds: rounds between the upload's base and ``round``, the round it counted
+    in (its base round closed without it: it was merged late, with a staleness weight). Absent
+    when it counted in its base round."""
     refused: str | None = spec(default=None, omit=True)
     """Async mode: why this very update was refused (its result would not be finite), the
     upload discarded; absent when it was applied."""

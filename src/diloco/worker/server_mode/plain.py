@@ -211,6 +211,19 @@ class PlainSync:
                 receipt.round,
                 s.local_step,
             )
+        if receipt.late:
+            # Its base round closed without it and the server merged it into a later one
+            # (quorum rounds): the round that holds it is adopted as any other, not rebased
+            # onto, since its steps are already the server's.
+            s.metrics["late_merges"] += 1
+            log.info(
+                "worker %s: upload merged late into round %d (%d round(s) after its base), "
+                "weight %s",
+                s.worker_id,
+                receipt.round,
+                receipt.late,
+                receipt.weight,
+            )
         s.samples = 0.0
         self._await_round(submission_id, receipt.round)
 
