@@ -25,7 +25,7 @@ Reported per configuration:
   before its next checkpoint when no later upload made it up;
 * **to target s**: wall seconds from the moment every worker had registered until the global
   model's held-out loss is at or below the target: by default the loss of a fault-free barrier
-  run (run first) at 80% of its rounds, or ``--target``;
+  run (run first, the table's first row) at 80% of its rounds, or ``--target``;
 * **final loss**: the held-out loss of the final global model.
 
 The data-parallel row is a model, not a run (``benchmarks/faults/dataparallel_model.py`` has its
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.sync_every}, seed {args.seed}; {head['date']}"
     )
     print_machine(head["machine"])
+    head["load_before"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min): {head['load_before']}")
     for f in faults:
         print(f"  {f.describe()}")
     help_text = server_flags()
@@ -186,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             print("fault-free barrier run, for the target ...", flush=True)
             reference = run("barrier, no faults", [], True, cfg, (), Path(tmp) / "reference")
             target = target_of(reference)
+            reference.update(evaluate(reference.pop("fetched"), target))
+            results.append(reference)
             print(
                 f"target: held-out loss {target:.4f} (the fault-free barrier's at "
                 f"{TARGET_AT:.0%} of {reference['rounds']} rounds)",
@@ -203,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             got.update(evaluate(got.pop("fetched"), target))
             results.append(got)
     simulated = None
-    if DATA_PARALLEL in args.configs and results:
-        simulated = simulate(results, args, faults)
+    chaos = [r for r in results if r["faults"]]
+    if DATA_PARALLEL in args.configs and chaos:
+        simulated = simulate(chaos, args, faults)
+    head["load_after"] = os.getloadavg()
     print_report(results, simulated, skipped, target)
+    print(f"load average after (1, 5, 15 min): {head['load_after']}")
     if args.json:
         write_json(
             args.json,

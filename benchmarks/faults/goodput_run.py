@@ -137,8 +137,9 @@ def run(
                         fetched_round, params = client.get_global_params()
                     except Exception:  # noqa: BLE001 - a server restarting: the next poll
                         continue
-                    fetched.append((now - t0, fetched_round, ledger.reached(), params))
-                    last_fetch = now
+                    # Its own clock: a server restart above may have taken seconds since ``now``.
+                    last_fetch = time.monotonic()
+                    fetched.append((last_fetch - t0, fetched_round, ledger.reached(), params))
             bad = [s for s, p in procs.items() if p.exitcode not in (None, 0)]
             if bad and not any(s in restarting for s in bad):
                 raise RuntimeError(f"{name}: worker {bad[0]} exited {procs[bad[0]].exitcode}")
