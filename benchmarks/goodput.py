@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,11 @@ class Row:
     server_args: tuple[str, ...]
     sync: bool
     needs: tuple[str, ...] = ()
+
+    def lacking(self, server_help: str) -> list[str]:
+        """The flags this row needs that ``diloco server --help`` does not list."""
+        listed = set(re.findall(r"--[a-z][a-z0-9-]*", server_help))
+        return [flag for flag in self.needs if flag not in listed]
 
 
 DATA_PARALLEL = "data-parallel"
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in ROWS:
             if row.name not in args.configs:
                 continue
-            lacking = [flag for flag in row.needs if flag not in help_text]
+            lacking = row.lacking(help_text)
             if lacking:
                 skipped[row.name] = f"the server lacks {', '.join(lacking)}"
                 continue

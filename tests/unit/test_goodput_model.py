@@ -139,3 +139,15 @@ def test_the_largest_count_wins_across_a_workers_lives() -> None:
     ledger.server_restarted(8)
     assert ledger.reached() == 30
     assert ledger.since() == 2 and ledger.round == 8  # a few rounds back: late uploads
+
+
+def test_the_quorum_row_runs_only_where_the_server_lists_its_flags() -> None:
+    from benchmarks.goodput import NAMES, ROWS
+
+    assert NAMES == ["barrier", "async-dn", "quorum", "data-parallel"]
+    quorum = next(r for r in ROWS if r.name == "quorum")
+    assert quorum.server_args == ("--quorum", "3", "--grace", "auto") and quorum.sync
+    today = "  --quorum-timeout S  (all-reduce)\n  --async  ...\n"  # a prefix is not the flag
+    assert quorum.lacking(today) == ["--quorum", "--grace"]
+    assert quorum.lacking("  --quorum K  ...\n  --grace auto|SECONDS\n") == []
+    assert all(not r.lacking(today) for r in ROWS if r.name != "quorum")
