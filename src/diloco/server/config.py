@@ -12,6 +12,7 @@ from diloco.core.codecs.downlink import check_download_codec
 from diloco.core.codecs.sparse_update import SPARSE_UPDATE
 from diloco.core.fragments import PATTERNS
 from diloco.core.outer_rules import OUTER_RULES, SGD, SPARSELOCO, check_rule, outer_momentum
+from diloco.core.staleness import POLICY_NAMES, policy_named
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -331,11 +332,24 @@ class ServerConfig:
 
     staleness_weighting: str = _flag(
         "none",
-        "scale a pseudo-gradient by 1/sqrt(1 + staleness)",
-        choices=("none", "inverse_sqrt"),
+        "scale a pseudo-gradient by its staleness s: none (1), inverse_sqrt (1/sqrt(1 + s)), "
+        "age_gate (a cosine falling to 0 past --staleness-cutoff)",
+        choices=POLICY_NAMES,
         group=_ASYNC,
     )
-    """Async: ``none``, or ``inverse_sqrt`` to scale a pseudo-gradient by 1/sqrt(1 + staleness)."""
+    """Async: the staleness policy (``core/staleness.py``): ``none``, ``inverse_sqrt`` (scale a
+    pseudo-gradient by 1/sqrt(1 + staleness)), or ``age_gate`` (``(1 + cos(pi s / (S + 1))) / 2``
+    up to ``staleness_cutoff`` S, and 0 past it: such an upload is acknowledged, not applied)."""
+
+    staleness_cutoff: int | None = _flag(
+        None,
+        "age_gate: apply uploads at most S updates old; older ones are acknowledged, not applied",
+        metavar="S",
+        group=_ASYNC,
+    )
+    """Async, ``age_gate`` (required there, refused elsewhere): the staleness past which an
+    upload's weight is 0. The server acknowledges such an upload (a retry is a duplicate) and
+    changes nothing; its worker adopts the current parameters and counts those steps dropped."""
 
     delayed_nesterov: bool = _flag(
         False,
@@ -529,11 +543,7 @@ class ServerConfig:
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.staleness_weighting not in ("none", "inverse_sqrt"):
-            raise ValueError(
-                "staleness_weighting must be 'none' or 'inverse_sqrt', "
-                f"got {self.staleness_weighting!r}"
-            )
+        policy_named(self.staleness_weighting, self.staleness_cutoff)  # ValueError if unfit
         if self.mode == "sync" and (
             self.delayed_nesterov
             or self.max_staleness is not None

@@ -169,7 +169,7 @@ class UploadReceipt(Reply):
     staleness: int | None = spec(default=None, omit=True)
     """Async mode: updates applied between the upload's base and the version it hit."""
     weight: float | None = spec(default=None, omit=True)
-    """Async mode: the weight the update was applied with."""
+    """Async mode: the weight the update was applied with; 0: none was (``gated``)."""
     refused: str | None = spec(default=None, omit=True)
     """Async mode: why this very update was refused (its result would not be finite), the
     upload discarded; absent when it was applied."""
@@ -182,6 +182,12 @@ class UploadReceipt(Reply):
     refused_rounds: tuple[int, ...] | None = spec(default=None, omit=True)
     """The unit's last rounds refused for a non-finite result (their uploads discarded),
     once any was."""
+
+    @property
+    def gated(self) -> bool:
+        """Async mode: the server acknowledged the upload but, past its age gate
+        (``--staleness-cutoff``), applied nothing; ``version`` is the current one."""
+        return self.weight == 0.0
 
     @property
     def result_round(self) -> int:

@@ -200,6 +200,15 @@ class PlainSync:
                 receipt.refused,
                 self._upload_steps,
             )
+        if receipt.gated:  # async, past the age gate: acknowledged, nothing applied
+            s.drop_steps(
+                self._upload_steps,
+                "worker %s: the server applied nothing of this upload (%s updates old, past its "
+                "age gate); its %d local steps are dropped and the worker adopts version %d",
+                receipt.staleness,
+                self._upload_steps,
+                receipt.result_round,
+            )
         if resent and receipt.status == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
@@ -213,6 +222,8 @@ class PlainSync:
             )
         s.samples = 0.0
         self._await_round(submission_id, receipt.round)
+        if receipt.gated:  # its steps are dropped already: a refusal of that round is not ours
+            self._adopted_uploads.pop(receipt.round, None)
 
     def _await_round(self, submission_id: str, counted_round: int) -> None:
         """Adopt the result of the round that counted the upload; if it does not come, the
