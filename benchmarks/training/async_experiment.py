@@ -1,7 +1,7 @@
 """Heterogeneous workers: sync DiLoCo, naive async, async with Delayed Nesterov, async with
-Delayed Nesterov and DyLU, and async with Delayed Nesterov behind the age gate (one per
-``--cutoffs`` S: uploads more than S updates old are not applied, CGAD's idea, arXiv
-2605.09126), on the demo model (arXiv 2401.09135, section 4's setting in small).
+Delayed Nesterov and DyLU, async with Delayed Nesterov weighted by 1/sqrt(1 + staleness), and
+async with Delayed Nesterov behind the age gate (one per ``--cutoffs`` S: uploads more than S
+updates old are not applied, CGAD's idea, arXiv 2605.09126), on the demo model (arXiv 2401.09135, section 4's setting in small).
 
     python -m benchmarks.training.async_experiment --seeds 0 1 2 --unit 0.02
     python -m benchmarks.training.async_experiment --smoke   # sync, async + DN, + age gate
@@ -52,6 +52,17 @@ def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
             "async + DN + DyLU",
             server={"mode": "async", "delayed_nesterov": True, "dylu": True, **outer},
             worker={"dylu": True},
+            shared_budget=True,
+            **common,
+        ),
+        Trial(
+            "async + DN + inverse_sqrt",
+            server={
+                "mode": "async",
+                "delayed_nesterov": True,
+                "staleness_weighting": "inverse_sqrt",
+                **outer,
+            },
             shared_budget=True,
             **common,
         ),

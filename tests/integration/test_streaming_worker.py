@@ -139,6 +139,7 @@ class FakeClient:
         produce: Any,
         *,
         weight: float = 1.0,
+        tokens: float | None = None,
         fragment: int | None = None,
         loss: float | None = None,
         steps: int | None = None,

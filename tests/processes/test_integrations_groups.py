@@ -57,7 +57,7 @@ def launch(module: str, out: Path) -> Run:
     read_header = UploadMeta.from_metadata
 
     def recording(meta: dict[str, str], *, weighted: bool) -> Any:
-        head = read_header(meta, weighted=weighted)
+        head = read_header(meta, weighting="samples" if weighted else "equal")
         uploads.append((head.worker_id, head.weight))
         return head
 

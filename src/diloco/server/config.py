@@ -197,11 +197,14 @@ class ServerConfig:
 
     weighting: str = _flag(
         "equal",
-        "average contributions equally or by the samples each worker reports",
-        choices=("equal", "samples"),
+        "average contributions equally, by the samples or by the tokens each worker reports",
+        choices=("equal", "samples", "tokens"),
     )
-    """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
-    worker reports with its submission)."""
+    """How contributions are averaged: ``equal``, ``samples`` (by the samples each worker
+    reports with its submission, else its steps), or ``tokens`` (sync server mode: by the
+    tokens each upload says it represents, ``DiLoCoWorker.report(tokens=...)``; an upload
+    without them is refused, 400 ``missing_metadata``). A reported weight must lie in [1e-6,
+    1e12] (400 ``bad_metadata``)."""
 
     clip_norm_factor: float | None = _flag(
         None,
@@ -516,8 +519,15 @@ class ServerConfig:
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a finite positive number, got {self.outer_lr}")
         self._check_outer_rule()
-        if self.weighting not in ("equal", "samples"):
-            raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
+        if self.weighting not in ("equal", "samples", "tokens"):
+            raise ValueError(
+                f"weighting must be 'equal', 'samples' or 'tokens', got {self.weighting!r}"
+            )
+        if self.weighting == "tokens" and (self.allreduce or self.swarm):
+            raise ValueError(
+                "weighting='tokens' weights the uploads of server mode; all-reduce and swarm "
+                "members weigh by samples (--weighting samples)"
+            )
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
         if self.save_every and self.save_dir is None and not (self.allreduce or self.swarm):
@@ -555,7 +565,8 @@ class ServerConfig:
             )
         if self.mode == "async" and self.weighting != "equal":
             raise ValueError(
-                "weighting='samples' averages one round's contributions; async mode has no rounds"
+                f"weighting={self.weighting!r} averages one round's contributions; async mode "
+                "has no rounds (weight by age with --staleness-weighting)"
             )
         if self.clip_norm_factor is not None and not (
             math.isfinite(self.clip_norm_factor) and self.clip_norm_factor > 0

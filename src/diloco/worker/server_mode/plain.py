@@ -118,6 +118,7 @@ class PlainSync:
         assert s.worker_id is not None
         self._upload_steps = s.local_step
         weight = s.samples if s.samples > 0 else float(s.local_step)
+        tokens = s.upload_tokens(s.tokens)
         body = self._body = s.encoder.model_upload()
         return s.client.submit_pseudogradients(
             s.worker_id,
@@ -126,6 +127,7 @@ class PlainSync:
             body.specs,
             body.produce,
             weight=weight,
+            tokens=tokens,
             loss=s.loss,
             steps=s.total_steps,
             codec=s.encoder.metadata,
@@ -220,7 +222,7 @@ class PlainSync:
                 receipt.round,
                 s.local_step,
             )
-        s.samples = 0.0
+        s.samples = s.tokens = 0.0
         self._await_round(submission_id, receipt.round)
         if receipt.gated:  # its steps are dropped already: a refusal of that round is not ours
             self._adopted_uploads.pop(receipt.round, None)
