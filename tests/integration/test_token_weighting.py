@@ -5,13 +5,16 @@ reports tokens syncs with them while one that reports none stops with a clear er
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.wire import encode
+from diloco.worker import resume
 from tests.helpers.http import (
     EXACT,
     accept,
@@ -131,3 +134,41 @@ def test_a_worker_that_reports_no_tokens_stops_with_a_clear_error() -> None:
         assert srv.status()["round"] == 0 and srv.status()["submitted"] == []
         for w in workers:
             w.stop(submit=False)
+
+
+def test_the_tokens_since_the_last_sync_survive_a_worker_checkpoint(tmp_path: Path) -> None:
+    """Reported, not yet sent, checkpointed: the resumed worker's next upload weighs them."""
+    cfg = ServerConfig(port=0, outer_lr=1.0, outer_momentum=0.0, **TOKENS)
+    init = params_of(make_model())
+    with DiLoCoServer(cfg, initial_params=init) as srv:
+        kw = {"sync_every": 2, "heartbeat_interval": 0, "bf16_comm": False}
+        m0, m1 = make_model(), make_model()
+        o0, o1 = torch.optim.SGD(m0.parameters(), lr=1.0), torch.optim.SGD(m1.parameters(), lr=1.0)
+        w0 = DiLoCoWorker(m0, o0, srv.address, worker_id="w0", **kw).start()
+        w0.report(tokens=100)
+        fake_step(m0, o0, 1.0)  # one step of two: nothing sent yet
+        assert resume.save(w0, str(tmp_path)).tokens == 100.0
+        w0.stop(submit=False)
+        # An older state file, without the count, reads as none counted.
+        raw = json.loads((tmp_path / resume.STATE_FILE).read_text())
+        assert resume.WorkerState(**{k: v for k, v in raw.items() if k != "tokens"}).tokens == 0.0
+        again = DiLoCoWorker(m0, o0, srv.address, **kw)
+        loaded = resume.load(str(tmp_path))
+        assert loaded is not None
+        resume.start_resumed(again, *loaded)
+        w1 = DiLoCoWorker(m1, o1, srv.address, worker_id="w1", **kw).start()
+        again.report(tokens=200)  # 300 in all for w0's upload of +2
+        w1.report(tokens=100)
+        w1.report(tokens=200)  # 300 for w1's upload of +8
+        steps = [
+            threading.Thread(target=fake_step, args=(m0, o0, 1.0)),
+            threading.Thread(target=lambda: [fake_step(m1, o1, 4.0) for _ in range(2)]),
+        ]
+        for t in steps:
+            t.start()
+        for t in steps:
+            t.join(30)
+        for name, t in srv.global_params().items():  # (300 * 2 + 300 * 8) / 600 = 5
+            torch.testing.assert_close(t, init[name] + 5.0)
+        again.stop(submit=False)
+        w1.stop(submit=False)
