@@ -160,15 +160,20 @@ def test_the_tokens_since_the_last_sync_survive_a_worker_checkpoint(tmp_path: Pa
         again.report(tokens=200)  # 300 in all for w0's upload of +2
         w1.report(tokens=100)
         w1.report(tokens=200)  # 300 for w1's upload of +8
-        steps = [
+
+        def two_steps() -> None:
+            fake_step(m1, o1, 4.0)
+            fake_step(m1, o1, 4.0)
+
+        threads = [
             threading.Thread(target=fake_step, args=(m0, o0, 1.0)),
-            threading.Thread(target=lambda: [fake_step(m1, o1, 4.0) for _ in range(2)]),
+            threading.Thread(target=two_steps),
         ]
-        for t in steps:
-            t.start()
-        for t in steps:
-            t.join(30)
-        for name, t in srv.global_params().items():  # (300 * 2 + 300 * 8) / 600 = 5
-            torch.testing.assert_close(t, init[name] + 5.0)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        for name, value in srv.global_params().items():  # (300 * 2 + 300 * 8) / 600 = 5
+            torch.testing.assert_close(value, init[name] + 5.0)
         again.stop(submit=False)
         w1.stop(submit=False)
