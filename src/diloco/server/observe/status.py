@@ -90,6 +90,7 @@ class Status:
     delayed_nesterov: DelayedNesterovSettings | None
     weighting: str
     staleness_weighting: str
+    staleness_cutoff: int | None
     max_staleness: int | None
     staleness: Staleness
     dylu: bool
@@ -193,6 +194,7 @@ class _Log(Protocol):
     staleness_log: deque[int]
     staleness_total: int
     staleness_count: int
+    gated: int
     full_downloads: int
     update_downloads: int
     submissions: int
@@ -307,6 +309,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         ),
         weighting=config.weighting,
         staleness_weighting=config.staleness_weighting,
+        staleness_cutoff=config.staleness_cutoff,
         max_staleness=config.max_staleness,
         staleness=Staleness(
             last=recent[-1] if recent else None,
@@ -315,6 +318,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
             else None,
             max=max(recent) if recent else None,
             count=run_log.staleness_count,
+            gated=run_log.gated,
         ),
         dylu=config.dylu,
         bytes_in=run_log.bytes_in,

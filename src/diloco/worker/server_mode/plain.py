@@ -126,6 +126,7 @@ class PlainSync:
         assert s.worker_id is not None
         self._upload_steps = s.local_step + self._carried
         weight = s.samples if s.samples > 0 else float(self._upload_steps)
+        tokens = s.upload_tokens(s.tokens)
         body = self._body = s.encoder.model_upload()
         return s.client.submit_pseudogradients(
             s.worker_id,
@@ -134,6 +135,7 @@ class PlainSync:
             body.specs,
             body.produce,
             weight=weight,
+            tokens=tokens,
             loss=s.loss,
             steps=s.total_steps,
             codec=s.encoder.metadata,
@@ -215,6 +217,15 @@ class PlainSync:
                 receipt.refused,
                 self._upload_steps,
             )
+        if receipt.gated:  # async, past the age gate: acknowledged, nothing applied
+            s.drop_steps(
+                self._upload_steps,
+                "worker %s: the server applied nothing of this upload (%s updates old, past its "
+                "age gate); its %d local steps are dropped and the worker adopts version %d",
+                receipt.staleness,
+                self._upload_steps,
+                receipt.result_round,
+            )
         if resent and receipt.status == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
@@ -240,8 +251,10 @@ class PlainSync:
                 receipt.late,
                 receipt.weight,
             )
-        s.samples = 0.0
+        s.samples = s.tokens = 0.0
         self._await_round(submission_id, receipt.round)
+        if receipt.gated:  # its steps are dropped already: a refusal of that round is not ours
+            self._adopted_uploads.pop(receipt.round, None)
 
     def _await_round(self, submission_id: str, counted_round: int) -> None:
         """Adopt the result of the round that counted the upload; if it does not come, the
