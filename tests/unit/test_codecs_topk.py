@@ -22,7 +22,9 @@ from diloco.core.codecs import (
     codec_metadata,
 )
 from diloco.core.codecs.downlink import check_download_codec
+from diloco.demo.model import build_model
 from diloco.server.config import DOWNLOAD_CODECS
+from diloco.wire import CODE_OF_DTYPE, TensorSpec, build_layout
 from diloco.worker.settings import parse_codec
 from tests.helpers import topk_records as records
 
@@ -381,3 +383,21 @@ def test_error_feedback_keeps_the_invariant_with_topk() -> None:
         sent += codec.decode(fb.encode(codec, "v", g), (3000,))
         true += g
     torch.testing.assert_close(sent + fb.residuals["v"], true, rtol=1e-5, atol=1e-5)
+
+
+def test_a_body_at_the_quality_suites_model_is_50x_below_fp32_headers_included() -> None:
+    """Claim n's upload (docs/benchmarks.md, "Sparse top-k codec"): on the 137k-parameter model
+    one header entry per tensor, and the whole body (header, codec metadata, payload) at least
+    50x below the fp32 payload; three entries per tensor made it 42x."""
+    model = build_model(0, 64)
+    codec = parse_codec("topk:density=0.0156,chunk=1024,bits=2")
+    specs = [
+        TensorSpec(name + part.suffix, CODE_OF_DTYPE[part.dtype], part.shape)
+        for name, p in model.named_parameters()
+        for part in codec.parts(p.shape)
+    ]
+    layout = build_layout(specs, codec_metadata(codec), ordered=True)
+    n = sum(p.numel() for p in model.parameters())
+    assert len(layout.specs) == len(list(model.parameters())) == 29
+    assert 4 * n / layout.total_size >= 50
+    assert layout.payload_size > len(layout.header)  # the header no longer outweighs the values
