@@ -13,7 +13,7 @@ weigh more than the payload: docs/benchmarks.md, "Sparse top-k codec"). A record
 - 2 bytes: the chunk's bf16 scale ``s = absmax(kept) / top`` rounded *up* (as the quantizers
   do: ``|x / s| <= top`` then holds, no code needs clamping), little-endian;
 - ``ceil(k * w / 8)`` bytes: the kept positions within the chunk, strictly ascending, packed
-  ``w = log2(chunk)`` bits each (``bitpack.py``; 12 at 4096), unused high bits zero;
+  ``w = log2(chunk)`` bits each (at least 1; ``bitpack.py``; 12 at 4096), unused high bits zero;
 - ``ceil(k / (8 / bits))`` bytes: the ``bits``-bit codes, ``8 / bits`` per byte.
 
 ``w`` travels as the option ``index_bits`` (``codec_index_bits`` in a body's metadata): a peer
