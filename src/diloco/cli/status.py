@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from diloco.server.observe.status import Status, StatusFormatError
+from diloco.server.observe.status import Status
+from diloco.server.observe.status_json import StatusFormatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
