@@ -101,9 +101,13 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def status(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        """``GET /status``, or None if the server does not answer within ``timeout``."""
-        request = urllib.request.Request(f"http://{self.address}/status")
+    def status(
+        self, timeout: float = 2.0, history_since: int | None = None
+    ) -> dict[str, Any] | None:
+        """``GET /status`` (its loss history from round ``history_since`` on, when given), or
+        None if the server does not answer within ``timeout``."""
+        query = "" if history_since is None else f"?history_since={history_since}"
+        request = urllib.request.Request(f"http://{self.address}/status{query}")
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:

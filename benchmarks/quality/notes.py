@@ -200,15 +200,16 @@ the run's work is still in the workers' residuals when it ends; SparseLoCo's run
 of outer steps. Tested once, on seed 0 only (`sparse_lr`, the H=5 rows: 60 rounds for the same
 steps): there `topk` under the SparseLoCo rule ended below fp32 at H=5 and close to fp32 at H=20,
 at four times the upload bytes of its H=20 run (the ratio per round is unchanged). **Upload
-bytes** (÷42, not ÷50): at 137k parameters the body's safetensors header (the names, dtypes,
-shapes and offsets of three parts per parameter tensor, 29 tensors) weighs more than the kept
-values; measured apart from the suite with `diloco.wire.encode` on this model, the header is
-about 7.9 kB of a 13.0 kB body, so the payload alone is about 107x below fp32's. At 100M
-parameters the header would be negligible. **Download bytes** (÷10, not ÷20): with M = 4
-workers, up to 4 x 1.56% = 6.25% of the positions change
-each round, at 6 bytes each (a uint16 position and the fp32 value) against 4 per parameter for
-full parameters, so 4 / (6 x 0.0625) = 10.7x is the ceiling before headers at this M; 20x needs
-overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update": 21.5x at N = 2).
+bytes** (÷42 in this run, not ÷50): at 137k parameters the body's safetensors header (the
+names, dtypes, shapes and offsets of three parts per parameter tensor, 29 tensors) weighed more
+than the kept values (7.9 kB of a 13.0 kB body). Since this run each tensor is one part of
+per-chunk records with positions packed in log2(chunk) bits: seed 0 of this configuration,
+rerun alone, sends 6,250 bytes per round, ÷88.1, with the same eval losses to the last digit
+(docs/benchmarks.md, "Sparse top-k codec"). **Download bytes** (÷10, not ÷20): with M = 4
+workers, up to 4 x 1.56% = 6.25% of the positions change each round, at 5.5 bytes each (a 12-bit
+position and the fp32 value; 6 in this run) against 4 per parameter for full parameters, so
+4 / (5.5 x 0.0625) = 11.6x is the ceiling before headers at this M (the rerun: ÷10.7); 20x
+needs overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update").
 """,
 }
 

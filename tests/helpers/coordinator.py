@@ -44,8 +44,16 @@ def upload(worker: str, round_: int, value: float | torch.Tensor) -> bytes:
     return encode({"w": t}, meta)
 
 
-def coordinator(clock: FakeClock, workers: int) -> SyncCoordinator:
-    config = ServerConfig(port=0, num_workers=workers, heartbeat_timeout=0, stuck_timeout=0)
+def coordinator(clock: FakeClock, workers: int, **settings: object) -> SyncCoordinator:
+    """A sync coordinator on ``clock`` with ``w = zeros(4)`` and workers a, b, c... registered;
+    ``settings`` are more ``ServerConfig`` fields."""
+    config = ServerConfig(
+        port=0,
+        num_workers=workers,
+        heartbeat_timeout=0,
+        stuck_timeout=0,
+        **settings,  # type: ignore[arg-type]
+    )
     coord = SyncCoordinator(config, ParamStore.from_tensors({"w": torch.zeros(4)}), clock=clock)
     for i in range(workers):
         coord.membership.register(Register("abc"[i]), "h")

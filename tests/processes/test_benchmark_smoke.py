@@ -28,6 +28,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # Module (under benchmarks/) -> the seconds its smoke run may take; longest first, the order
 # they are started in.
 SCRIPTS = {
+    "goodput": 300,
     "faults.chaos_allreduce": 240,
     "faults.chaos": 240,
     "training.trainer_quality": 240,
@@ -43,6 +44,7 @@ SCRIPTS = {
     "rounds.torchft_diloco": 120,
     "codecs.quality": 120,
     "training.async_experiment": 120,
+    "training.quorum_experiment": 120,
     "training.streaming_experiment": 120,
     "links.slow_links": 120,
     "codecs.speed": 120,
@@ -116,8 +118,11 @@ def test_benchmark_runs_with_smoke(runs: Runs, script: str) -> None:
 
 def scripts_on_disk() -> set[str]:
     """Every module of a family folder that runs as a script (the harness and the quality
-    suite are not families)."""
-    found = set()
+    suite are not families), and every script at the top (``benchmarks/goodput.py``, the path
+    its issue names)."""
+    found = {
+        p.stem for p in BENCHMARKS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()
+    }
     for path in BENCHMARKS.glob("*/*.py"):
         family = path.parent.name
         if family in ("harness", "quality", "results"):

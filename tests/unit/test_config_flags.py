@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import inspect
 import os
+import re
 from typing import Any
 
 import pytest
@@ -25,13 +26,15 @@ SERVER_FLAGS = {
     "--admin-token", "--tls-cert", "--tls-key", "--auth-failure-limit", "--heartbeat-timeout",
     "--stuck-timeout", "--join-timeout", "--poll-timeout", "--body-timeout", "--min-upload-rate",
     "--upload-rate-window", "--header-timeout", "--max-connections", "--max-connections-per-ip",
-    "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--delayed-nesterov",
+    "--upload-slots", "--async", "--max-staleness", "--staleness-weighting", "--staleness-cutoff",
+    "--delayed-nesterov",
     "--dn-buffer-size", "--dn-activation", "--dylu", "--dylu-min-sync-every",
     "--dylu-base-sync-every", "--num-fragments",
     "--fragment-pattern", "--codecs", "--download-codec", "--allreduce", "--collective-timeout",
     "--swarm", "--stages", "--min-replicas",
     "--no-dashboard", "-o", "--output-dir", "--outer-rule",
     "--upstream", "--upstream-token", "--upstream-tls-ca", "--upstream-codec",
+    "--quorum", "--grace", "--grace-floor", "--grace-ceiling", "--max-lateness",
 }  # fmt: skip
 WORKER_FLAGS = {
     "--server", "--sync-every", "--no-bf16", "--worker-id", "--heartbeat-interval", "--token",
@@ -192,3 +195,31 @@ def test_worker_keywords_reach_the_settings(clean_env: None) -> None:
     assert all(value != getattr(defaults, name) for name, value in given.items())
     settings = DiLoCoWorker(model, opt, **given).settings
     assert {name: getattr(settings, name) for name in given} == given
+
+
+def test_quorum_flags_are_refused_where_they_make_no_sense() -> None:
+    """``--quorum`` and its flags: parsed once in ``ServerConfig``, each misuse a clear
+    ``ValueError`` before a server starts; with a quorum the fragmenting is fixed at one unit,
+    so a streaming worker is told at registration (409 fragments_mismatch)."""
+    ok = ServerConfig(num_workers=4, quorum="3", grace="2.5", max_lateness=2)
+    assert (ok.quorum_value, ok.grace_seconds, ok.num_fragments) == (3, 2.5, 1)
+    assert ServerConfig(quorum="0.5").quorum_value == 0.5
+    assert ServerConfig(quorum="1", grace="auto").grace_seconds is None
+    assert ServerConfig().quorum_value is None and ServerConfig().num_fragments is None
+    for settings, says in (
+        ({"grace": "3"}, "--grace need --quorum"),
+        ({"max_lateness": 2}, "--max-lateness need --quorum"),
+        ({"grace_ceiling": 10.0}, "--grace-ceiling need --quorum"),
+        ({"quorum": "2", "mode": "async"}, "--quorum cannot go with --async"),
+        ({"quorum": "2", "allreduce": True}, "--quorum cannot go with --allreduce"),
+        ({"quorum": "2", "num_fragments": 2}, "--quorum cannot go with --num-fragments"),
+        ({"quorum": "two"}, "a count (an int >= 1) or a fraction"),
+        ({"quorum": "1.5"}, "a fractional quorum must be in (0, 1]"),
+        ({"quorum": "2", "grace": "soon"}, "grace must be 'auto' or seconds"),
+        ({"quorum": "2", "grace": "3", "grace_floor": 0.0}, "bound --grace auto only"),
+        ({"quorum": "2", "grace_floor": 5.0, "grace_ceiling": 1.0}, "grace_floor <= grace_ceiling"),
+        ({"quorum": "2", "max_lateness": -1}, "max_lateness must be >= 0"),
+        ({"quorum": "1", "num_workers": 3, "min_workers": 2}, "below min_workers"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ServerConfig(**settings)  # type: ignore[arg-type]

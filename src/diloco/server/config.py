@@ -11,7 +11,9 @@ from diloco.core.codecs import codec_by_name, codec_names
 from diloco.core.codecs.downlink import check_download_codec
 from diloco.core.codecs.sparse_update import SPARSE_UPDATE
 from diloco.core.fragments import PATTERNS
+from diloco.core.grace import parse_grace, parse_quorum
 from diloco.core.outer_rules import OUTER_RULES, SGD, SPARSELOCO, check_rule, outer_momentum
+from diloco.core.staleness import POLICY_NAMES, policy_named
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -41,6 +43,9 @@ _RELAY = "regional relay (issue 31)"
 #: The codecs a relay may upload with: raw tensors, whose mean the upstream adds as sent (a lossy
 #: codec's error feedback would need a residual kept across relay restarts).
 RELAY_CODECS = ("fp32", "bf16")
+_QUORUM = "sync quorum rounds and late merges (issue 31)"
+GRACE_FLOOR = 1.0
+GRACE_CEILING = 60.0
 ALLREDUCE_NORM_BOUND = 10.0
 """All-reduce mode's ``--clip-norm-factor`` when unset: a member is left out of a round when its
 pseudo-gradient norm is above 10 x the quorum's median. Honest members' norms differ by a few
@@ -62,6 +67,44 @@ class ServerConfig:
 
     min_workers: int = _flag(1, "never close a round with fewer contributions")
     """A round never closes with fewer contributions than this."""
+
+    quorum: str | None = _flag(
+        None,
+        "sync: close a round once K contributions are in (an int, or a fraction in (0, 1] of "
+        "its expected workers) and --grace has passed; late uploads are merged",
+        group=_QUORUM,
+    )
+    """Sync quorum rounds (docs/design/server-mode.md, "Quorum rounds"): a round closes once this
+    many contributions are in and the grace window has passed since the last of them arrived
+    (at once when every expected worker is in). An int, or a fraction of the round's expected
+    workers rounded up; never below ``min_workers``. None: the barrier waits for everyone."""
+
+    grace: str | None = _flag(
+        None,
+        "after the quorum, wait this long for more: seconds, or auto (default): "
+        "median + 3 MAD of recent arrivals after the quorum",
+        group=_QUORUM,
+    )
+    """Seconds the round stays open after its quorum, or ``auto`` (the default with
+    ``quorum``): from recent arrival offsets after the quorum (``core/grace.py``)."""
+
+    grace_floor: float = _flag(GRACE_FLOOR, "auto grace: shortest window, s", group=_QUORUM)
+    """``auto``'s lower bound: a second covers network and scheduling jitter between workers
+    that are really equally fast, so closing sooner would turn on-time work into late work."""
+
+    grace_ceiling: float = _flag(GRACE_CEILING, "auto grace: longest window, s", group=_QUORUM)
+    """``auto``'s upper bound: a minute bounds what a frozen worker costs a round while leaving
+    room for uploads of a large model on a slow link."""
+
+    max_lateness: int = _flag(
+        1,
+        "merge an upload whose round closed without it into a round at most this many rounds "
+        "later, weighted 1/sqrt(1 + lateness); older: 409 stale_round",
+        group=_QUORUM,
+    )
+    """Quorum rounds: an upload whose base round closed without it counts in the open round if
+    that is at most this many rounds after its base (weight x 1/sqrt(1 + lateness)); older ones
+    are refused (409 ``stale_round``, rebase). 0 refuses them all."""
 
     outer_lr: float = _flag(0.7, "outer SGD learning rate")
     """Learning rate of the default outer optimizer (SGD with Nesterov momentum)."""
@@ -201,11 +244,14 @@ class ServerConfig:
 
     weighting: str = _flag(
         "equal",
-        "average contributions equally or by the samples each worker reports",
-        choices=("equal", "samples"),
+        "average contributions equally, by the samples or by the tokens each worker reports",
+        choices=("equal", "samples", "tokens"),
     )
-    """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
-    worker reports with its submission)."""
+    """How contributions are averaged: ``equal``, ``samples`` (by the samples each worker
+    reports with its submission, else its steps), or ``tokens`` (sync server mode: by the
+    tokens each upload says it represents, ``DiLoCoWorker.report(tokens=...)``; an upload
+    without them is refused, 400 ``missing_metadata``). A reported weight must lie in [1e-6,
+    1e12] (400 ``bad_metadata``)."""
 
     clip_norm_factor: float | None = _flag(
         None,
@@ -336,11 +382,24 @@ class ServerConfig:
 
     staleness_weighting: str = _flag(
         "none",
-        "scale a pseudo-gradient by 1/sqrt(1 + staleness)",
-        choices=("none", "inverse_sqrt"),
+        "scale a pseudo-gradient by its staleness s: none (1), inverse_sqrt (1/sqrt(1 + s)), "
+        "age_gate (a cosine falling to 0 past --staleness-cutoff)",
+        choices=POLICY_NAMES,
         group=_ASYNC,
     )
-    """Async: ``none``, or ``inverse_sqrt`` to scale a pseudo-gradient by 1/sqrt(1 + staleness)."""
+    """Async: the staleness policy (``core/staleness.py``): ``none``, ``inverse_sqrt`` (scale a
+    pseudo-gradient by 1/sqrt(1 + staleness)), or ``age_gate`` (``(1 + cos(pi s / (S + 1))) / 2``
+    up to ``staleness_cutoff`` S, and 0 past it: such an upload is acknowledged, not applied)."""
+
+    staleness_cutoff: int | None = _flag(
+        None,
+        "age_gate: apply uploads at most S updates old; older ones are acknowledged, not applied",
+        metavar="S",
+        group=_ASYNC,
+    )
+    """Async, ``age_gate`` (required there, refused elsewhere): the staleness past which an
+    upload's weight is 0. The server acknowledges such an upload (a retry is a duplicate) and
+    changes nothing; its worker adopts the current parameters and counts those steps dropped."""
 
     delayed_nesterov: bool = _flag(
         False,
@@ -538,8 +597,15 @@ class ServerConfig:
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a finite positive number, got {self.outer_lr}")
         self._check_outer_rule()
-        if self.weighting not in ("equal", "samples"):
-            raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
+        if self.weighting not in ("equal", "samples", "tokens"):
+            raise ValueError(
+                f"weighting must be 'equal', 'samples' or 'tokens', got {self.weighting!r}"
+            )
+        if self.weighting == "tokens" and (self.allreduce or self.swarm):
+            raise ValueError(
+                "weighting='tokens' weights the uploads of server mode; all-reduce and swarm "
+                "members weigh by samples (--weighting samples)"
+            )
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
         if self.save_every and self.save_dir is None and not (self.allreduce or self.swarm):
@@ -565,11 +631,7 @@ class ServerConfig:
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.staleness_weighting not in ("none", "inverse_sqrt"):
-            raise ValueError(
-                "staleness_weighting must be 'none' or 'inverse_sqrt', "
-                f"got {self.staleness_weighting!r}"
-            )
+        policy_named(self.staleness_weighting, self.staleness_cutoff)  # ValueError if unfit
         if self.mode == "sync" and (
             self.delayed_nesterov
             or self.max_staleness is not None
@@ -581,7 +643,8 @@ class ServerConfig:
             )
         if self.mode == "async" and self.weighting != "equal":
             raise ValueError(
-                "weighting='samples' averages one round's contributions; async mode has no rounds"
+                f"weighting={self.weighting!r} averages one round's contributions; async mode "
+                "has no rounds (weight by age with --staleness-weighting)"
             )
         if self.clip_norm_factor is not None and not (
             math.isfinite(self.clip_norm_factor) and self.clip_norm_factor > 0
@@ -595,6 +658,7 @@ class ServerConfig:
                 "async mode has no rounds"
             )
         self._check_download_codec()
+        self._check_quorum()
         self._check_allreduce()
         self._check_swarm()
         self._check_relay()
@@ -700,6 +764,58 @@ class ServerConfig:
                 "whose step leaves every parameter its round's uploads did not touch unchanged: "
                 "use --outer-rule sparseloco (or --outer-momentum 0)"
             )
+
+    def _check_quorum(self) -> None:
+        quorum, grace = self.quorum_value, self.grace_seconds  # parse errors are ValueErrors
+        if self.max_lateness < 0:
+            raise ValueError(f"max_lateness must be >= 0, got {self.max_lateness}")
+        if not (math.isfinite(self.grace_ceiling) and 0 <= self.grace_floor <= self.grace_ceiling):
+            raise ValueError(
+                f"need 0 <= grace_floor <= grace_ceiling, got {self.grace_floor}, "
+                f"{self.grace_ceiling}"
+            )
+        if quorum is None:
+            tuned = {
+                "--grace": self.grace is not None,
+                "--grace-floor": self.grace_floor != GRACE_FLOOR,
+                "--grace-ceiling": self.grace_ceiling != GRACE_CEILING,
+                "--max-lateness": self.max_lateness != 1,
+            }
+            given = [flag for flag, on in tuned.items() if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --quorum (quorum rounds)")
+            return
+        if isinstance(quorum, int) and quorum < self.min_workers:
+            raise ValueError(f"quorum {quorum} is below min_workers ({self.min_workers})")
+        if grace is not None and (
+            self.grace_floor != GRACE_FLOOR or self.grace_ceiling != GRACE_CEILING
+        ):
+            raise ValueError("--grace-floor and --grace-ceiling bound --grace auto only")
+        clashes = {
+            "--async": (self.mode == "async", "async mode has no rounds to close"),
+            "--allreduce": (self.allreduce, "its quorums are formed before the round"),
+            "--swarm": (self.swarm, "its stages run their own quorums"),
+            "--num-fragments": (
+                (self.num_fragments or 1) > 1,
+                "streaming fragments keep the barrier (each fragment's round waits for all)",
+            ),
+        }
+        refused = [f"{flag} ({why})" for flag, (on, why) in clashes.items() if on]
+        if refused:
+            raise ValueError("--quorum cannot go with " + "; ".join(refused))
+        # The fragmenting is otherwise the first worker's choice: fixed at one unit here, so a
+        # streaming worker is told at registration (409 fragments_mismatch), not mid-run.
+        object.__setattr__(self, "num_fragments", 1)
+
+    @property
+    def quorum_value(self) -> int | float | None:
+        """``quorum`` parsed: a count (int), a fraction (float), or None (the full barrier)."""
+        return None if self.quorum is None else parse_quorum(self.quorum)
+
+    @property
+    def grace_seconds(self) -> float | None:
+        """``grace`` parsed: seconds, or None for ``auto`` (and without ``quorum``)."""
+        return None if self.grace is None else parse_grace(self.grace)
 
     def _check_swarm(self) -> None:
         if self.stages < 2 or self.stages > 1024:

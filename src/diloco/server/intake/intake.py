@@ -185,8 +185,8 @@ class Intake:
             drain = await lease.hand_over()
             try:
                 await self._check_upload(unit, body, meta, entries)
-                landed.sum_add = body.add(
-                    unit.sum, layout, unit.names, entries, meta.weight, drain.report
+                landed.sum_add = lambda weight: body.add(
+                    unit.sum, layout, unit.names, entries, weight, drain.report
                 )
                 landed.add = lambda add: self._add(unit, drain, add)
                 return await agg.accept(landed)

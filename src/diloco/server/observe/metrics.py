@@ -340,6 +340,20 @@ def render(
         "Submissions counted in the staleness statistics.",
         staleness.count,
     )
+    quorum = status.quorum_rounds
+    if quorum is not None:  # sync quorum rounds (server/rounds/quorum.py)
+        out.one(
+            "diloco_late_merges_total",
+            "counter",
+            "Uploads counted in a round after their base round closed without them.",
+            quorum.late_merges_total,
+        )
+        out.one(
+            "diloco_grace_seconds",
+            "gauge",
+            "The open round's grace window after its quorum (absent until the quorum is in).",
+            quorum.grace_s,
+        )
     per_worker: list[tuple[str, str, Callable[[WorkerStatus], Any]]] = [
         ("loss", "Last loss the worker reported.", lambda w: w.loss),
         (

@@ -32,6 +32,8 @@ class Staleness:
     mean: float | None
     max: int | None
     count: int
+    gated: int = 0
+    """Of those, acknowledged but not applied: past the age gate (``--staleness-cutoff``)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,30 @@ class UpstreamStatus:
 
 
 @dataclass(frozen=True)
+class LateMergeStatus:
+    """An upload counted in a round after its base round closed without it."""
+
+    round: int  # counted in
+    base: int  # computed against
+    worker_id: str
+    weight: float  # the staleness factor it was scaled by
+
+
+@dataclass(frozen=True)
+class QuorumRounds:
+    """Sync quorum rounds (``--quorum``) in ``GET /status``: the rule, the open round's quorum
+    size and grace window in force (None until its quorum is in), and the last late merges."""
+
+    quorum: str  # as given: a count or a fraction
+    grace: str  # as given: seconds or auto
+    max_lateness: int
+    size: int  # the open round's quorum, in contributions
+    grace_s: float | None
+    late_merges: tuple[LateMergeStatus, ...]  # the last 16
+    late_merges_total: int  # since the server started
+
+
+@dataclass(frozen=True)
 class State:
     """An aggregator's public state, for status (``server/rounds/aggregator.py``). Fields a mode
     lacks are None."""
@@ -162,6 +188,7 @@ class State:
     expected: tuple[str, ...] = ()
     submitted: tuple[str, ...] | None = None
     closing: bool | None = None
+    quorum_rounds: QuorumRounds | None = None  # sync with --quorum
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ class Coordinator:
             self.run_log,
             self.registry.ids,
             self.intake.sum_free,
+            wake=self.wake,
         )
         self.downloads = Downloads(config, self.model, self.registry, self.run_log)
         #: ``GET /global_params`` is the downloads' (paramserver/downloads.py).
@@ -279,9 +280,7 @@ class Coordinator:
         hands it to the aggregator; the coordinator then closes whatever became ready."""
         model = self.model
         store = model.require_store()
-        head = UploadMeta.from_metadata(
-            layout.metadata, weighted=self.config.weighting == "samples"
-        )
+        head = UploadMeta.from_metadata(layout.metadata, weighting=self.config.weighting)
         record = self.registry.get(head.worker_id)
         if record is None:
             raise unknown_worker(head.worker_id)
@@ -328,6 +327,11 @@ class Coordinator:
         )
 
     # --- closing --------------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Close whatever became ready with time alone (a quorum round's grace ended): the
+        aggregators' timers call it; tests call it after moving a fake clock."""
+        self._maybe_close()
 
     def _maybe_close(self) -> None:
         """Close every unit whose aggregator is ready (each close runs as its own task)."""

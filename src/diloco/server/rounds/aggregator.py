@@ -43,7 +43,7 @@ class Check:
     verdict: Verdict
     round: int
     counted_in: int | None = None  # for DUPLICATE: the round/version it went into
-    staleness: int = 0  # async: updates applied since the submission's base
+    staleness: int = 0  # async: updates applied since its base; sync quorum: rounds late
 
 
 @dataclass
@@ -54,9 +54,9 @@ class Landed:
     ``tensors`` are in the unit's order, each a received tensor or an encoded one
     (``core.codecs.Encoded``: ``WeightedSum.add`` decodes it a chunk at a time); empty when
     ``written`` (the first write already put the body into the running sum). ``add`` runs a blocking addition on the tensor lock behind any
-    first write, freeing the receive buffer as it reads; ``sum_add`` adds this body times its
-    weight to the unit's running sum in the order of its bytes (so the buffer refills behind
-    it)."""
+    first write, freeing the receive buffer as it reads; ``sum_add(w)`` is the addition of this
+    body times ``w`` (its weight, or that scaled for lateness: the aggregator decides) to the
+    unit's running sum in the order of its bytes (so the buffer refills behind it)."""
 
     worker_id: str
     submission_id: str
@@ -66,7 +66,7 @@ class Landed:
     tensors: list[Entry]
     written: bool = False
     add: Callable[[Callable[[], None]], Awaitable[None]] | None = None
-    sum_add: Callable[[], None] | None = None
+    sum_add: Callable[[float], Callable[[], None]] | None = None
 
 
 class Aggregator(Protocol):

@@ -11,6 +11,10 @@ Rules (docs/design/server-mode.md, "Sync barrier"):
 - A worker outside the expected set is refused, except when the expected set is exhausted and the
   round is short of ``min_workers`` contributions: then a registered worker that trained from this
   round's parameters may complete it (otherwise the round could never close).
+- With a quorum rule (``--quorum``, server/rounds/quorum.py) a round also closes once its quorum
+  of contributions is in and the grace window has passed, uploads still arriving or not; an
+  upload whose base round closed without it (at most ``max_lateness`` rounds ago) is counted in
+  the open round instead of refused. Without one, every rule above holds unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from diloco.server.rounds.aggregator import Check, Verdict
+from diloco.server.rounds.quorum import QuorumRule
 
 __all__ = ["Admission", "Check", "SyncBarrier", "Verdict"]
 
@@ -52,7 +57,13 @@ class Admission:
 class SyncBarrier(Admission):
     """State of the current synchronous round."""
 
-    def __init__(self, num_workers: int, min_workers: int = 1, round: int = 0) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        min_workers: int = 1,
+        round: int = 0,
+        quorum: QuorumRule | None = None,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 1 <= min_workers <= num_workers:
@@ -67,6 +78,7 @@ class SyncBarrier(Admission):
         self.expected: set[str] = set()
         self.submitted: dict[str, str] = {}  # worker id -> submission id, this round
         self.closing = False
+        self.quorum = quorum
 
     # --- membership -------------------------------------------------------------------------
 
@@ -103,6 +115,8 @@ class SyncBarrier(Admission):
     def _open(self, live: set[str]) -> None:
         self.opened = True
         self.expected = set(live)
+        if self.quorum is not None:
+            self.quorum.open(self.round, len(live), self.min_workers, len(self.submitted))
 
     # --- submissions ------------------------------------------------------------------------
 
@@ -116,24 +130,40 @@ class SyncBarrier(Admission):
             return Check(Verdict.DUPLICATE, self.round, self.history[submission_id])
         if self.submitted.get(worker_id) == submission_id:
             return Check(Verdict.DUPLICATE, self.round, self.round)
-        if base_round < self.round:
-            return Check(Verdict.STALE, self.round)
         if base_round > self.round:
             return Check(Verdict.FUTURE, self.round)
-        if self.closing:
+        late = self.round - base_round
+        if late and not self.may_merge(base_round):
+            return Check(Verdict.STALE, self.round)
+        # With a quorum an upload begun while its round closes is merged into the next one.
+        if self.closing and self.quorum is None:
             return Check(Verdict.CLOSING, self.round)
         if worker_id in self.submitted:
             return Check(Verdict.ALREADY_SUBMITTED, self.round)
         if worker_id in self.uploading:
             return Check(Verdict.IN_PROGRESS, self.round)
-        if self.opened and worker_id not in self.expected and not self.short():
+        if not late and self.opened and worker_id not in self.expected and not self.short():
             return Check(Verdict.NOT_EXPECTED, self.round)
-        return Check(Verdict.ACCEPT, self.round)
+        return Check(Verdict.ACCEPT, self.round, staleness=late)
 
-    def record(self, worker_id: str, submission_id: str) -> None:
-        """Count a fully received, validated submission. Caller re-checked it just before."""
+    def may_merge(self, base_round: int) -> bool:
+        """May an upload computed against ``base_round`` count in the open round? (Always for
+        the open round itself; for a closed one, within ``max_lateness`` of a quorum rule.)"""
+        late = self.round - base_round
+        if late <= 0:
+            return True
+        return self.quorum is not None and late <= self.quorum.max_lateness
+
+    def record(self, worker_id: str, submission_id: str, base_round: int | None = None) -> None:
+        """Count a fully received, validated submission in the open round (computed against
+        ``base_round``, by default that round). Caller re-checked it just before; never while
+        the round closes."""
+        assert not self.closing, "a landing upload waits for the close to end"
         self._count(worker_id, submission_id, self.round)
         self.submitted[worker_id] = submission_id
+        if self.quorum is not None:
+            base = self.round if base_round is None else base_round
+            self.quorum.arrived(self.round, len(self.submitted), base)
 
     # --- closing ----------------------------------------------------------------------------
 
@@ -142,13 +172,19 @@ class SyncBarrier(Admission):
 
     def ready(self) -> bool:
         """May the current round close now?"""
-        return (
-            self.opened
-            and not self.closing
-            and self._expected_done()
-            and len(self.submitted) >= self.min_workers
-            and not self.uploading
-        )
+        if not self.opened or self.closing or len(self.submitted) < self.min_workers:
+            return False
+        if self._expected_done() and not self.uploading:
+            return True
+        # The quorum and its grace are in: uploads still arriving are merged into the next round.
+        return self.quorum is not None and self.quorum.due()
+
+    def deadline(self) -> float | None:
+        """When the open round may close without its missing workers (None: not yet known,
+        or no quorum rule)."""
+        if self.quorum is None or not self.opened or self.closing:
+            return None
+        return self.quorum.deadline()
 
     def begin_close(self) -> int:
         assert self.ready()
@@ -162,6 +198,8 @@ class SyncBarrier(Admission):
         self.closing = False
         self.submitted = {}
         self.expected = set(live)
+        if self.quorum is not None:
+            self.quorum.open(self.round, len(live), self.min_workers)
 
     def public(self) -> dict[str, object]:
         return {

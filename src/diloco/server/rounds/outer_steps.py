@@ -32,6 +32,8 @@ class OuterSteps:
     live: Callable[[], set[str]]
     #: Wait until no first write owns the unit's sum (server/intake/intake.py).
     sum_free: Callable[[Unit], Awaitable[None]]
+    #: Close whatever is ready now (the coordinator's): a quorum round's timer calls it.
+    wake: Callable[[], None] = lambda: None
     #: Per unit: the guard of its outer steps (core/finite.py), made at its first step.
     _guards: dict[int, FiniteGuard] = field(default_factory=dict)
 

@@ -1,22 +1,32 @@
 """Synchronous DiLoCo on one unit: the barrier (server/rounds/barrier.py) says who must submit and
 when the round may close; the running sum collects the weighted uploads; closing the round is
 one outer step on their weighted mean (or their robust mean), published as the next round.
+
+With quorum rounds (``--quorum``) the aggregator also arms a timer on the event loop for the
+barrier's deadline (the quorum's arrival plus the grace window), and counts a late upload (one
+whose round closed while it arrived, or before it began) in the open round, its weight scaled by
+``core.grace.late_weight``. An upload that lands while its round's outer step runs waits for
+that step to end, so it is counted once, in the next round, never in a sum already taken.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
 import torch
 
 from diloco.core.accumulate import Entry
+from diloco.core.grace import late_weight
 from diloco.core.outer import PieceDone
 from diloco.core.robust import robust_mean
-from diloco.server.observe.records import State
-from diloco.server.rounds.aggregator import Check, Landed
+from diloco.server.errors import conflict
+from diloco.server.observe.records import LateMergeStatus, QuorumRounds, State
+from diloco.server.rounds.aggregator import Check, Landed, Verdict
 from diloco.server.rounds.barrier import SyncBarrier
 from diloco.server.rounds.outer_steps import OuterSteps
+from diloco.server.rounds.quorum import LateMerge, QuorumRule
 from diloco.server.rounds.units import Unit
 from diloco.wire.messages import UploadReceipt
 
@@ -30,9 +40,27 @@ class SyncAggregator:
         self.unit = unit
         self.steps = steps
         config = steps.config
-        self.barrier = SyncBarrier(steps.model.num_workers, config.min_workers, round=round_)
+        quorum = config.quorum_value
+        rule = (
+            None
+            if quorum is None
+            else QuorumRule(
+                quorum,
+                config.grace_seconds,
+                floor=config.grace_floor,
+                ceiling=config.grace_ceiling,
+                max_lateness=config.max_lateness,
+                clock=steps.clock,
+            )
+        )
+        self.barrier = SyncBarrier(
+            steps.model.num_workers, config.min_workers, round=round_, quorum=rule
+        )
         #: With robust aggregation: the open round's uploads (weight, fp32 tensors).
         self._kept: list[tuple[float, list[torch.Tensor]]] = []
+        #: Set when the closing round's next round opens (uploads landing meanwhile wait).
+        self._opened = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def round(self) -> int:
@@ -65,10 +93,12 @@ class SyncAggregator:
 
     def first_write(self) -> bool:
         # One unit only (fragments are small and arrive together), and not with robust
-        # aggregation: the round keeps each upload whole, not a running sum.
+        # aggregation: the round keeps each upload whole, not a running sum. Not with a quorum:
+        # a close must not wait for the body that owns the sum (it may be the late one).
         return (
             len(self.steps.model.units) == 1
             and not self.steps.config.robust
+            and self.barrier.quorum is None
             and not self.unit.sum.count
         )
 
@@ -76,20 +106,82 @@ class SyncAggregator:
         return False
 
     async def accept(self, landed: Landed) -> UploadReceipt:
+        barrier = self.barrier
+        if barrier.closing:  # quorum rounds: its round closed while it arrived
+            await self._opened.wait()
+            if barrier.closing:  # that outer step failed: nothing will open the next round
+                raise self._refused(Verdict.CLOSING, landed, "round {now} is closing; rebase")
+        if not barrier.may_merge(landed.base):
+            raise self._refused(
+                Verdict.STALE,
+                landed,
+                "round {base} closed more than max_lateness rounds ago "
+                "(the server is at round {now}); rebase onto the current parameters",
+            )
+        if not self.is_current(landed.worker_id, landed.submission_id):
+            raise self._refused(Verdict.STALE, landed, "superseded while round {now} closed")
+        late = barrier.round - landed.base
+        weight = landed.weight * late_weight(late) if late else landed.weight
+        counted = barrier.round
         # From here on the submission counts: record it, then queue the addition on the tensor
         # lock before yielding, so a round close queued later sees it.
-        self.barrier.record(landed.worker_id, landed.submission_id)
+        barrier.record(landed.worker_id, landed.submission_id, landed.base)
+        self._arm()
+        if late:
+            assert barrier.quorum is not None
+            barrier.quorum.merged_late(
+                LateMerge(counted, landed.base, landed.worker_id, late_weight(late))
+            )
+            log.info(
+                "round %d%s: late upload of worker %s (base round %d) merged with weight x%.3g",
+                counted,
+                self.steps.where(self.unit),
+                landed.worker_id,
+                landed.base,
+                late_weight(late),
+            )
         if landed.written:
-            self.unit.sum.commit_first(landed.weight)
+            self.unit.sum.commit_first(weight)
         else:
             assert landed.add is not None and landed.sum_add is not None
             add = (
-                self._keep(landed.tensors, landed.weight)
+                self._keep(landed.tensors, weight)
                 if self.steps.config.robust
-                else landed.sum_add
+                else landed.sum_add(weight)
             )
             await landed.add(add)
-        return UploadReceipt(status="accepted", round=landed.base)
+        if not late:
+            return UploadReceipt(status="accepted", round=counted)
+        return UploadReceipt(status="accepted", round=counted, late=late, weight=weight)
+
+    def _refused(self, verdict: Verdict, landed: Landed, detail: str) -> Exception:
+        now = self.barrier.round
+        return conflict(
+            verdict.value,
+            detail.format(base=landed.base, now=now),
+            round=now,
+            action="rebase",
+            fragment=self.steps.model.fragment_of(self.unit),
+        )
+
+    def _arm(self) -> None:
+        """Quorum rounds: wake the coordinator at the barrier's deadline, once per round (it
+        re-checks ``ready`` then; a timer that fires early re-arms)."""
+        deadline = self.barrier.deadline()
+        if deadline is None or self._timer is not None:
+            return
+
+        def fire() -> None:
+            self._timer = None
+            self.steps.wake()  # closes the round if it is ready
+            if self.barrier.deadline() == deadline and self.steps.clock() < deadline:
+                self._arm()  # the loop's timer ran ahead of the server's clock
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # set up outside the server's loop (tests): its next wake checks
+            return
+        self._timer = loop.call_later(max(0.0, deadline - self.steps.clock()), fire)
 
     def _keep(self, entries: list[Entry], weight: float) -> Callable[[], None]:
         """Robust aggregation: the add of one landed body is an fp32 copy kept for the round's
@@ -115,6 +207,10 @@ class SyncAggregator:
         return self.barrier.ready()
 
     def begin_close(self) -> int:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._opened = asyncio.Event()  # uploads that land during the close wait for it
         return self.barrier.begin_close()
 
     async def close(self, round_: int) -> None:
@@ -144,9 +240,14 @@ class SyncAggregator:
 
             # A refused round still ends: it is published with the parameters unchanged, so the
             # workers waiting for round + 1 go on (docs/design/durability.md, "Non-finite results").
-            await steps.checkpoints.publish(
-                unit, round_ + 1, outer_step, before=lambda: barrier.advance(steps.live())
-            )
+            def advance() -> None:
+                barrier.advance(steps.live())
+                self._opened.set()
+
+            try:
+                await steps.checkpoints.publish(unit, round_ + 1, outer_step, before=advance)
+            finally:
+                self._opened.set()  # a failed step too: the uploads waiting get their 409
             outer_s = steps.clock() - t0
         run_log = steps.run_log
         run_log.last_round_contributions = count
@@ -190,6 +291,7 @@ class SyncAggregator:
 
     def on_join(self, live: set[str]) -> None:
         self.barrier.on_register(live)
+        self._arm()  # round 0 may open with its quorum in already
 
     def on_leave(self, worker_id: str) -> None:
         self.barrier.on_leave(worker_id)
@@ -197,7 +299,9 @@ class SyncAggregator:
     def open_with(self, live: set[str]) -> bool | None:
         if self.barrier.opened:
             return None
-        return self.barrier.open_with(live)
+        opened = self.barrier.open_with(live)
+        self._arm()
+        return opened
 
     def set_num_workers(self, num_workers: int, live: set[str]) -> None:
         self.barrier.set_num_workers(num_workers, live)
@@ -213,4 +317,21 @@ class SyncAggregator:
             expected=tuple(sorted(b.expected)),
             submitted=tuple(sorted(b.submitted)),
             closing=b.closing,
+            quorum_rounds=self._quorum_status(),
+        )
+
+    def _quorum_status(self) -> QuorumRounds | None:
+        rule, config = self.barrier.quorum, self.steps.config
+        if rule is None:
+            return None
+        return QuorumRounds(
+            quorum=str(config.quorum),
+            grace=config.grace or "auto",
+            max_lateness=rule.max_lateness,
+            size=rule.k,
+            grace_s=None if rule.window is None else round(rule.window, 4),
+            late_merges=tuple(
+                LateMergeStatus(m.round, m.base, m.worker_id, round(m.weight, 6)) for m in rule.late
+            ),
+            late_merges_total=rule.late_total,
         )
