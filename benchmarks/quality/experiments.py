@@ -28,22 +28,35 @@ ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
 
 @dataclass(frozen=True)
 class Scale:
-    """How big an experiment runs: the default for the docs, ``FAST`` for the test."""
+    """How big an experiment runs: the default for the docs, ``FAST`` for the test.
 
-    steps: int = 300  # inner steps per worker (the "equal steps per worker" budget)
-    sweep_steps: int = 500  # the H sweep's (a multiple of its largest H)
-    sync_every: int = 20  # H, a multiple of every fragment count used
+    Sized by cost (issue 32): ``python benchmarks/quality/run.py --plan MS`` projects the default
+    command's time from the inner steps of its distinct rows at MS milliseconds per step (about 45
+    for the CPU profile on one core of this project's 2-core Xeon); docs/quality.md prints the
+    measured time."""
+
+    steps: int = 320  # inner steps per worker (the "equal steps per worker" budget)
+    sync_every: int = 16  # H, a multiple of every fragment count used: 20 outer steps
+    # Claim c: H swept over a run of sweep_steps, a multiple of the largest H giving it 20 outer
+    # steps (at H = 250 in a 500-step run the old suite's largest H had two, so H mostly set
+    # the number of outer steps); the smallest H = 5 is a quarter of the default H.
+    sweep_steps: int = 800
+    sweep: tuple[int, ...] = (5, 10, 20, 40)
     workers: int = 4  # M where an experiment does not vary it
     worker_counts: tuple[int, ...] = (1, 2, 4, 8)
-    sweep: tuple[int, ...] = (10, 50, 100, 250)  # H values of claim c
     taus: tuple[int, ...] = (1, 2, 4)  # overlaps of claim i
     fragments: tuple[int, ...] = (2, 4)
-    pretrain_steps: int = 300
-    warmup: int = 30
+    pretrain_steps: int = 1000
+    warmup: int = 40
     async_unit: float = 0.01  # seconds; async workers sleep unit x ASYNC_RATIO per step
     async_slow_unit: float = 0.05  # the same with sleeps that dwarf a step's compute
-    curve_windows: int = 128  # held-out windows of 64 bytes per curve point
-    eval_windows: int = 256  # held-out windows of the final model
+    # Held-out windows (of the profile's context) every loss is measured on: the curves' points
+    # and the final model's alike, so the last curve point is the table's figure.
+    windows: int = 256
+    # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0.
+    lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3, 8e-3)
+    tune_steps: int = 128
+    seeds: tuple[int, ...] = (0, 1)
 
 
 DEFAULT = Scale()
@@ -60,8 +73,10 @@ FAST = Scale(
     warmup=2,
     async_unit=0.0,
     async_slow_unit=0.001,
-    curve_windows=8,
-    eval_windows=16,
+    windows=8,
+    lrs=(1e-3, 3e-3),
+    tune_steps=4,
+    seeds=(0,),
 )
 
 
@@ -81,6 +96,9 @@ class Config:
     shared_budget: bool = False
     drop_prob: float = 0.0
     replicas: int = 1  # "dp": batches per step, one from each of this many shards
+    equal_tokens: bool = False  # "adamw": the equal-tokens baseline (its own tuned lr)
+    lr: float | None = None  # peak inner lr; None: not yet chosen (tuning.with_lr sets it)
+    heldout: str = "test"  # what eval_loss is measured on: "test", or "valid" (the lr sweep)
 
 
 def run_config(
@@ -95,13 +113,14 @@ def run_config(
         seed=seed,
         pretrain=scale.pretrain_steps,
         warmup=scale.warmup,
-        windows=(scale.curve_windows, scale.eval_windows),
+        windows=scale.windows,
     )
     path = cache_dir / "rows" / f"{key}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "name": config.name}
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
+    lr = profile.lr if config.lr is None else config.lr
     if config.kind == "diloco":
         trial = Trial(
             config.name,
@@ -115,23 +134,23 @@ def run_config(
             shared_budget=config.shared_budget,
             batch_size=profile.batch_size,
             seq_len=profile.seq_len,
-            lr=profile.lr,
+            lr=lr,
             init=init,
             warmup=scale.warmup,
             cosine=True,
-            corpus=profile.corpus(config.workers, config.split),
+            corpus=profile.corpus(config.workers, config.split, config.heldout),
             model_fn=profile.model,
             device=profile.device,
             curve=True,
             drop_prob=config.drop_prob,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
+            curve_windows=scale.windows,
+            eval_windows=scale.windows,
         )
         row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
         row["steps_per_worker"] = row["steps"] / config.workers
         row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
     else:
-        corpus = profile.corpus(config.replicas, config.split)
+        corpus = profile.corpus(config.replicas, config.split, config.heldout)
         row = run_single(
             config.name,
             profile,
@@ -142,11 +161,14 @@ def run_config(
             warmup=scale.warmup,
             replicas=config.replicas,
             curve_every=config.sync_every,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
+            windows=scale.windows,
+            lr=lr,
         )
     row["kind"] = config.kind
     row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
+    # The same in CPU seconds of the whole process (all threads): on a shared machine, what sizes
+    # the suite (run.py --plan) better than the wall time.
+    row["cpu_s"] = time.process_time() - cpu0
     row["config"] = asdict(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -174,7 +196,8 @@ def scaling(s: Scale) -> list[Config]:
     out = [adamw(s, s.steps, "AdamW, 1 worker (equal steps)")]
     out += [plain(s, f"DiLoCo M={m}", workers=m) for m in s.worker_counts]
     for m in s.worker_counts[1:]:
-        out.append(adamw(s, s.steps * m, f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"))
+        name = f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"
+        out.append(replace(adamw(s, s.steps * m, name), equal_tokens=True))
     return out
 
 
@@ -370,6 +393,7 @@ class Experiment:
     claims: str
     configs: Callable[[Scale], list[Config]]
     what: str  # "equal steps per worker", "equal total tokens", ...
+    default: bool = True  # False: not for a verdict, run only when named (or with --fast)
     # The first configuration is the reference the others are compared with, paired by seed.
 
 
@@ -383,13 +407,17 @@ EXPERIMENTS = {
         Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
         Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),
         Experiment(
-            "async_slow", "fg", asynchronous_slow, "equal total inner steps over all workers"
+            "async_slow",
+            "fg",
+            asynchronous_slow,
+            "equal total inner steps over all workers",
+            default=False,
         ),
         Experiment("streaming", "h", streaming, EQUAL_STEPS),
         Experiment("overlap", "i", overlap, EQUAL_STEPS),
         Experiment("codecs", "j", codecs, EQUAL_STEPS),
         Experiment("sparse", "n", sparse, EQUAL_STEPS),
-        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS),
+        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS, default=False),
         Experiment("allreduce_codecs", "o", allreduce_codecs, EQUAL_STEPS),
         Experiment("dropped", "k", dropped, EQUAL_STEPS),
         Experiment("iid", "l", iid, EQUAL_STEPS),
