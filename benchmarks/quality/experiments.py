@@ -2,25 +2,17 @@
 default scale (the docs' figures) and a fast one (the test's).
 
 Not run on its own: ``python benchmarks/quality/run.py NAME [--fast]``. An experiment is a list
-of configurations; ``run_config`` runs one, through the real server and worker threads
-(``harness.trials.run_trial``) or, for the baselines, a single model with no server
-(``protocol.run_single``). Rows are cached by their full settings, so a configuration shared by
-several experiments (DiLoCo M=4 at H=20 is the reference of most) runs once per seed.
+of configurations; ``rows.run_config`` runs one, through the real server and worker threads
+or, for the baselines, a single model with no server. Rows are cached by their full settings, so
+a configuration shared by several experiments (DiLoCo at the default M and H is the reference of
+most) runs once per seed.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-from benchmarks.harness.allreduce_trials import run_allreduce_trial
-from benchmarks.harness.trials import Trial, run_trial
-from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
 
 # The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
 ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
@@ -32,7 +24,7 @@ class Scale:
 
     Sized by cost (issue 32): ``python benchmarks/quality/run.py --plan MS`` projects the default
     command's time from the inner steps of its distinct rows at MS milliseconds per step (about 45
-    for the CPU profile on one core of this project's 2-core Xeon); docs/quality.md prints the
+    for the CPU profile on one core of this project's 2-core machine); docs/quality.md prints the
     measured time."""
 
     steps: int = 320  # inner steps per worker (the "equal steps per worker" budget)
@@ -99,82 +91,6 @@ class Config:
     equal_tokens: bool = False  # "adamw": the equal-tokens baseline (its own tuned lr)
     lr: float | None = None  # peak inner lr; None: not yet chosen (tuning.with_lr sets it)
     heldout: str = "test"  # what eval_loss is measured on: "test", or "valid" (the lr sweep)
-
-
-def run_config(
-    config: Config, profile: Profile, seed: int, scale: Scale, cache_dir: Path
-) -> dict[str, Any]:
-    """One row: run ``config`` for ``seed`` (or read it from the row cache)."""
-    # The name is left out of the key: the same settings under two names run once.
-    settings = {k: v for k, v in asdict(config).items() if k != "name"}
-    key = cache_key(
-        config=settings,
-        profile=asdict(profile),
-        seed=seed,
-        pretrain=scale.pretrain_steps,
-        warmup=scale.warmup,
-        windows=scale.windows,
-    )
-    path = cache_dir / "rows" / f"{key}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "name": config.name}
-    t0, cpu0 = time.monotonic(), time.process_time()
-    init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
-    lr = profile.lr if config.lr is None else config.lr
-    if config.kind == "diloco":
-        trial = Trial(
-            config.name,
-            seed,
-            workers=config.workers,
-            sync_every=config.sync_every,
-            server=dict(config.server),
-            worker=dict(config.worker),
-            delays=list(config.delays) if config.delays else None,
-            total_steps=config.steps if config.shared_budget else config.steps * config.workers,
-            shared_budget=config.shared_budget,
-            batch_size=profile.batch_size,
-            seq_len=profile.seq_len,
-            lr=lr,
-            init=init,
-            warmup=scale.warmup,
-            cosine=True,
-            corpus=profile.corpus(config.workers, config.split, config.heldout),
-            model_fn=profile.model,
-            device=profile.device,
-            curve=True,
-            drop_prob=config.drop_prob,
-            curve_windows=scale.windows,
-            eval_windows=scale.windows,
-        )
-        row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
-        row["steps_per_worker"] = row["steps"] / config.workers
-        row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
-    else:
-        corpus = profile.corpus(config.replicas, config.split, config.heldout)
-        row = run_single(
-            config.name,
-            profile,
-            seed,
-            init,
-            corpus,
-            steps=config.steps,
-            warmup=scale.warmup,
-            replicas=config.replicas,
-            curve_every=config.sync_every,
-            windows=scale.windows,
-            lr=lr,
-        )
-    row["kind"] = config.kind
-    row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
-    # The same in CPU seconds of the whole process (all threads): on a shared machine, what sizes
-    # the suite (run.py --plan) better than the wall time.
-    row["cpu_s"] = time.process_time() - cpu0
-    row["config"] = asdict(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(row))
-    os.replace(tmp, path)
-    return row
 
 
 def plain(s: Scale, name: str = "", **changes: Any) -> Config:

@@ -72,7 +72,7 @@ def _corpus(profile: Profile, workers: int, split: str, heldout: str) -> Corpus:
 # About 0.87M parameters (4 blocks of width 128: 12 x 128^2 each, plus embeddings and head), six
 # times the old demo model's, a 64-byte context, 8 sequences per step. Sized by step time, one
 # core: 45 ms here where width 192 (1.9M) takes 80 ms, which would put the default suite near
-# 90 minutes on this project's 2-core Xeon instead of about 45 (run.py --plan). Every topic is
+# 90 minutes on this project's 2-core machine instead of about 45 (run.py --plan). Every topic is
 # capped at 48 kB: the text stays diverse (the `encodings` tables would otherwise be a tenth of
 # it) and its int64 tensors small (about 4 MB of training text).
 CPU = Profile(

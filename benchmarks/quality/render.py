@@ -9,6 +9,7 @@ Reads every experiment's JSON file, writes ``DOCS/quality.md`` and ``DOCS/qualit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -93,7 +94,10 @@ def sweep_table(sweep: dict[str, Any]) -> list[str]:
 def setup_table(results: Results) -> list[str]:
     """Model, data and scale of the runs, from the first result file."""
     res = next(iter(results.values()))
-    profile, scale = Profile(**res["profile"]), res["scale"]
+    # Fields a profile no longer has (older result files: ``data``) are left out.
+    known = {f.name for f in dataclasses.fields(Profile)}
+    profile = Profile(**{k: v for k, v in res["profile"].items() if k in known})
+    scale = res["scale"]
     params = sum(p.numel() for p in profile.model(0).parameters())
     items = [
         (

@@ -28,9 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, Scale, run_config  # noqa: E402
+from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, Scale  # noqa: E402
 from benchmarks.quality.protocol import FAST as FAST_PROFILE  # noqa: E402
 from benchmarks.quality.protocol import PROFILES, Profile  # noqa: E402
+from benchmarks.quality.rows import run_config  # noqa: E402
 from benchmarks.quality.tuning import chosen_lrs, run_sweep, sweep_configs, with_lr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.quality.experiments import Config, Scale, adamw, plain, run_config
+from benchmarks.quality.experiments import Config, Scale, adamw, plain
 from benchmarks.quality.protocol import Profile
+from benchmarks.quality.rows import run_config
 
 # The kinds of configuration that get their own lr, and what each sweeps.
 KINDS = {
