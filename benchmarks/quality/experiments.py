@@ -45,6 +45,9 @@ class Scale:
     # Held-out windows (of the profile's context) every loss is measured on: the curves' points
     # and the final model's alike, so the last curve point is the table's figure.
     windows: int = 256
+    # At most this many curve points evaluated per row (0: every outer update): one evaluation
+    # costs about 10 inner steps of compute, so at H = 5 every update's would double a row's cost.
+    curve_points: int = 20
     # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0.
     lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3, 8e-3)
     tune_steps: int = 128
@@ -66,6 +69,7 @@ FAST = Scale(
     async_unit=0.0,
     async_slow_unit=0.001,
     windows=8,
+    curve_points=0,
     lrs=(1e-3, 3e-3),
     tune_steps=4,
     seeds=(0,),

@@ -198,6 +198,7 @@ def run_single(
     curve_every: int = 25,
     windows: int = 256,
     lr: float | None = None,
+    curve_points: int = 0,
 ) -> dict[str, Any]:
     """A baseline with no server: one model, AdamW with the suite's warmup and cosine schedule,
     ``steps`` steps. ``replicas`` > 1 is data-parallel training's equivalent: each step's batch
@@ -205,8 +206,11 @@ def run_single(
     an all-reduce would), so ``replicas`` times the batch. Its bytes are computed, not measured:
     every replica sends its fp32 gradient once per step. The curve is evaluated every
     ``curve_every`` steps (from copies, after the run) on the same ``windows`` held-out windows as
-    the final model. ``lr``: the peak inner lr (default the profile's)."""
+    the final model, and at most ``curve_points`` times (0: no limit; the interval grows to fit).
+    ``lr``: the peak inner lr (default the profile's)."""
     lr = profile.lr if lr is None else lr
+    if curve_points:
+        curve_every = max(curve_every, -(-steps // curve_points))
     torch.set_num_threads(1)  # as each worker thread has it, so wall times compare
     model = profile.model(seed).to(profile.device)
     model.load_state_dict(init)

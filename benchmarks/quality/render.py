@@ -149,8 +149,13 @@ def setup_table(results: Results) -> list[str]:
         (
             "evaluation",
             f"the global model on the same {scale['windows']} evenly spaced {profile.seq_len}-byte "
-            "windows of the test split after every outer update (the curves) and at the end "
-            "(the tables): the last curve point is the table's figure",
+            "windows of the test split after every outer update (the curves"
+            + (
+                f": at most {scale['curve_points']} points a run, evenly spread"
+                if scale.get("curve_points")
+                else ""
+            )
+            + ") and at the end (the tables): the last curve point is the table's figure",
         ),
         (
             "seeds",

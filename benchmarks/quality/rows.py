@@ -36,6 +36,7 @@ def run_config(
         pretrain=scale.pretrain_steps,
         warmup=scale.warmup,
         windows=scale.windows,
+        curve_points=scale.curve_points,
     )
     path = cache_dir / "rows" / f"{key}.json"
     if path.exists():
@@ -67,6 +68,7 @@ def run_config(
             drop_prob=config.drop_prob,
             curve_windows=scale.windows,
             eval_windows=scale.windows,
+            curve_points=scale.curve_points,
         )
         row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
         row["steps_per_worker"] = row["steps"] / config.workers
@@ -85,6 +87,7 @@ def run_config(
             curve_every=config.sync_every,
             windows=scale.windows,
             lr=lr,
+            curve_points=scale.curve_points,
         )
     row["kind"] = config.kind
     row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.harness.trials import thin
 from benchmarks.quality import run, tuning
 from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, Config
 from benchmarks.quality.protocol import FAST as FAST_PROFILE
@@ -76,3 +77,13 @@ def test_plan_prints_the_projection(capsys: pytest.CaptureFixture[str]) -> None:
     assert run.main(["--plan", "45"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("lr sweep") and "total" in out.splitlines()[-1]
+
+
+def test_curves_are_thinned_evenly_keeping_both_ends() -> None:
+    """At most N curve points are evaluated: evenly spread, the first and the last (the final
+    model, the table's figure) always among them."""
+    points = list(range(161))
+    assert thin(points, 20) == [round(i * 160 / 19) for i in range(20)]
+    assert thin(points, 20)[0] == 0 and thin(points, 20)[-1] == 160
+    assert thin(points, 0) == points and thin(points[:5], 20) == points[:5]
+    assert thin(points, 1) == [160]
