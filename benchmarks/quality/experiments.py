@@ -23,7 +23,7 @@ class Scale:
     """How big an experiment runs: the default for the docs, ``FAST`` for the test.
 
     Sized by cost (issue 32): ``python benchmarks/quality/run.py --plan MS`` projects the default
-    command's time from the inner steps of its distinct rows at MS milliseconds per step (about 45
+    command's time from the inner steps of its distinct rows at MS milliseconds per step (about 34
     for the CPU profile on one core of this project's 2-core machine); docs/quality.md prints the
     measured time."""
 
@@ -47,7 +47,7 @@ class Scale:
     windows: int = 256
     # At most this many curve points evaluated per row (0: every outer update): one evaluation
     # costs about 10 inner steps of compute, so at H = 5 every update's would double a row's cost.
-    curve_points: int = 20
+    curve_points: int = 10
     # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0.
     lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3, 8e-3)
     tune_steps: int = 128

@@ -2,7 +2,7 @@
 baselines that need no server (plain AdamW on one worker, data-parallel at M times the batch).
 
 Not run on its own; ``run.py`` uses it. Both profiles train byte-level transformers on CPython's
-own standard-library sources: ``cpu`` (about 0.87M parameters, what the docs report; issue 32
+own standard-library sources: ``cpu`` (about 0.67M parameters, what the docs report; issue 32
 retired the demo's 137k-parameter model on ``pydoc_data.topics``, whose baselines were starved at
 one small lr) and ``gpu`` (about 19M, for one GPU). ``FAST`` is a toy of ``cpu`` for the tests.
 Every topic's tail is held out twice: a validation split that chooses the inner lr
@@ -69,14 +69,14 @@ def _corpus(profile: Profile, workers: int, split: str, heldout: str) -> Corpus:
     return base if split == "non-iid" else iid_corpus(base, workers)
 
 
-# About 0.87M parameters (4 blocks of width 128: 12 x 128^2 each, plus embeddings and head), six
-# times the old demo model's, a 64-byte context, 8 sequences per step. Sized by step time, one
-# core: 45 ms here where width 192 (1.9M) takes 80 ms, which would put the default suite near
-# 90 minutes on this project's 2-core machine instead of about 45 (run.py --plan). Every topic is
-# capped at 48 kB: the text stays diverse (the `encodings` tables would otherwise be a tenth of
-# it) and its int64 tensors small (about 4 MB of training text).
+# About 0.67M parameters (3 blocks of width 128: 12 x 128^2 each, plus embeddings and head), five
+# times the old demo model's, a 64-byte context, 8 sequences per step. Sized by step time, one core
+# of this project's 2-core machine (load about 10): 34 ms, where 4 blocks take 45 ms and width 192
+# (1.9M) 80 ms, which would put the default suite at about 69 and 120 minutes instead of about 45
+# (run.py --plan). Every topic is capped at 48 kB: the text stays diverse (the `encodings`
+# tables would otherwise be a tenth of it) and its int64 tensors small (4 MB of training text).
 CPU = Profile(
-    "cpu", d_model=128, layers=4, heads=4, seq_len=64, batch_size=8, lr=2e-3, topic_bytes=48_000
+    "cpu", d_model=128, layers=3, heads=4, seq_len=64, batch_size=8, lr=2e-3, topic_bytes=48_000
 )
 # A toy of CPU for the tests (--fast): the same code paths in seconds.
 FAST = Profile(

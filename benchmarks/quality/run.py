@@ -100,14 +100,18 @@ def run_experiment(name: str, args: argparse.Namespace, lrs: dict[str, float]) -
     }
 
 
-def plan(scale: Scale, step_s: float, cores: int = 2) -> list[tuple[str, int, float]]:
-    """What the default command would cost, before running it: per experiment (and the lr
-    sweep), the inner steps of its distinct rows over all workers and seeds, and the projected
-    seconds at ``step_s`` per step, rows of M workers sharing ``cores`` (a row already counted
-    by an earlier experiment counts 0, as the cache makes it). Pretrain and evaluation are left
-    out."""
+def plan(scale: Scale, step_s: float, batch: int, cores: int = 2) -> list[tuple[str, int, float]]:
+    """What the default command would cost, before running it: the pretrains, then per
+    experiment (and the lr sweep) the inner steps of its distinct rows over all workers and
+    seeds, and the projected seconds at ``step_s`` per step of ``batch`` sequences, rows of M
+    workers sharing ``cores``, a row already counted by an earlier experiment counting 0 (the
+    cache). Each row's evaluations (its curve points and the final model, on one core after the
+    run) count as ``scale.windows`` sequences forward each, a third of a step's compute per
+    sequence; the server's own work is left out."""
     seen: set[str] = set()
-    out = []
+    eval_steps = scale.windows / (3 * batch)
+    pretrain = scale.pretrain_steps * len(scale.seeds)
+    out = [("pretrain", pretrain, pretrain * step_s)]
 
     def cost(configs: list[Any], seeds: Any) -> tuple[int, float]:
         steps, wall = 0, 0.0
@@ -120,10 +124,15 @@ def plan(scale: Scale, step_s: float, cores: int = 2) -> list[tuple[str, int, fl
                 if config.kind == "diloco":
                     n = config.steps if config.shared_budget else config.steps * config.workers
                     threads = config.workers
+                    points = n // config.workers // config.sync_every
+                    points *= int(config.worker.get("num_fragments", 1))
                 else:
                     n, threads = config.steps * config.replicas, 1
+                    points = config.steps // config.sync_every
+                if scale.curve_points:
+                    points = min(points, scale.curve_points)
                 steps += n
-                wall += n * step_s / min(threads, cores)
+                wall += n * step_s / min(threads, cores) + (points + 1) * eval_steps * step_s
         return steps, wall
 
     sweep = [replace(c, lr=lr) for c in sweep_configs(scale).values() for lr in scale.lrs]
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.plan is not None:
-        lines = plan(setting(args)[1], args.plan / 1000)
+        profile, scale = setting(args)
+        lines = plan(scale, args.plan / 1000, profile.batch_size)
         for name, steps, wall in lines:
             print(f"{name:<18} {steps:>8} inner steps  {wall / 60:6.1f} min")
         print(

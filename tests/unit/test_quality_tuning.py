@@ -61,11 +61,14 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
 
 
 def test_the_plan_counts_each_distinct_row_once() -> None:
-    """FAST at 1 s per step: the sweep is, per lr, AdamW 4 steps + equal tokens 8 + data-parallel
-    4 x 2 batches + DiLoCo M=1 4 (one thread each) + DiLoCo M=2 2 x 4 on two cores: 32 steps,
-    28 s; single_worker's rows are scaling's, so it costs nothing; experiments not run by default
-    are left out."""
-    lines = {name: (steps, wall) for name, steps, wall in run.plan(FAST, 1.0)}
+    """FAST at 1 s per step, evaluation left out (no windows): the sweep is, per lr, AdamW 4 steps
+    + equal tokens 8 + data-parallel 4 x 2 batches + DiLoCo M=1 4 (one thread each) + DiLoCo M=2
+    2 x 4 on two cores: 32 steps, 28 s; single_worker's rows are scaling's, so it costs nothing;
+    experiments not run by default are left out."""
+    lines = {
+        name: (steps, wall) for name, steps, wall in run.plan(replace(FAST, windows=0), 1.0, 4)
+    }
+    assert lines["pretrain"] == (FAST.pretrain_steps, FAST.pretrain_steps * 1.0)
     assert lines["lr sweep"] == (2 * 32, 2 * 28.0)
     assert lines["single_worker"] == (0, 0.0)
     assert "async_slow" not in lines and "sparse_lr" not in lines
@@ -73,10 +76,21 @@ def test_the_plan_counts_each_distinct_row_once() -> None:
     assert lines["scaling"] == (72, 60.0)
 
 
+def test_the_plan_counts_each_evaluation() -> None:
+    """With 12 windows of batch 4 an evaluation costs 12 / (3 x 4) = 1 step: data_parallel's new
+    row (data-parallel, 12 steps of 2 batches on one thread, a curve point every H = 4 steps)
+    costs 24 s of steps and 3 + 1 evaluations."""
+    scale = replace(FAST, windows=12)
+    lines = {name: (steps, wall) for name, steps, wall in run.plan(scale, 1.0, 4)}
+    assert lines["data_parallel"] == (24, 24.0 + 4.0)
+    thinned = {n: w for n, _, w in run.plan(replace(scale, curve_points=2), 1.0, 4)}
+    assert thinned["data_parallel"] == 24.0 + 3.0
+
+
 def test_plan_prints_the_projection(capsys: pytest.CaptureFixture[str]) -> None:
     assert run.main(["--plan", "45"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("lr sweep") and "total" in out.splitlines()[-1]
+    assert out.splitlines()[0].startswith("pretrain") and "total" in out.splitlines()[-1]
 
 
 def test_curves_are_thinned_evenly_keeping_both_ends() -> None:
