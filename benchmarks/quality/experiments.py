@@ -48,8 +48,10 @@ class Scale:
     # At most this many curve points evaluated per row (0: every outer update): one evaluation
     # costs about 10 inner steps of compute, so at H = 5 every update's would double a row's cost.
     curve_points: int = 10
-    # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0.
-    lrs: tuple[float, ...] = (1e-3, 2e-3, 4e-3, 8e-3)
+    # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0. Six
+    # points: on 1e-3 to 8e-3 (2026-11-27) DiLoCo M=1 chose the lowest and data-parallel at 4x
+    # the batch the highest, so the grid was widened by one step at each end.
+    lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
     tune_steps: int = 128
     seeds: tuple[int, ...] = (0, 1)
 
