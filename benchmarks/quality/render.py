@@ -51,6 +51,10 @@ def suite_time(results: Results) -> float:
     return sum(seen.values())
 
 
+# Where the suite's sizing is measured (one line: the docs test checks the section exists).
+SIZING = 'docs/benchmarks.md, "Quality suite: step time and the size of the default".'
+
+
 def timing(results: Results, sweep: dict[str, Any] | None) -> list[str]:
     """The suite's time and where it was measured, from the result files."""
     minutes = (suite_time(results) + (sweep or {}).get("run_s", 0.0)) / 60
@@ -66,9 +70,9 @@ def timing(results: Results, sweep: dict[str, Any] | None) -> list[str]:
     return [
         f"Suite time of these results: {minutes:.0f} min, the sum of every distinct run's time "
         "(the lr sweep, pretrain and evaluation included; a run shared by several experiments "
-        f"counted once){where}. The default is sized to about 45 minutes on this project's "
-        "2-core machine with nothing else running (`python benchmarks/quality/run.py --plan MS` "
-        "projects it from a step time of MS ms)."
+        f"counted once){where}. `python benchmarks/quality/run.py --plan MS` projects the "
+        "default's time from a step time of MS ms; measured step times and the projection: "
+        + SIZING
     ]
 
 
