@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.curves import CurveWatcher, thin
 from benchmarks.harness.sim_clock import (
     ClockedRun,
     ClockedWorker,
@@ -66,6 +67,9 @@ class Trial:
     device: str = "cpu"
     curve: bool = False  # record the global model after every outer update, evaluate them after
     curve_windows: int = 128  # eval windows per curve point
+    # At most this many curve points evaluated (0: all), spread evenly over the recorded ones,
+    # the last always kept: each costs an evaluation, and at small H they would outweigh training.
+    curve_points: int = 0
     eval_windows: int = 256  # eval windows of the final model
     drop_prob: float = 0.0  # chance that a worker's upload of a round is lost (claim k)
 
@@ -118,40 +122,6 @@ class LossyWorker(DiLoCoWorker):
                 for p, p0 in zip(self.model.parameters(), self.round_start, strict=True):
                     p.copy_(p0)
         return super()._submit(submission_id)
-
-
-class CurveWatcher(threading.Thread):
-    """Copies the server's global parameters after every outer update (polling its status every
-    ``interval`` s: a status costs ~1 ms, a copy of the demo model ~1 ms), with the update count,
-    the bytes the server has received and the time since ``t0``. The copies are evaluated after
-    the run, so evaluation takes no CPU from the workers while they train."""
-
-    def __init__(self, server: DiLoCoServer, steps: list[int], interval: float = 0.01) -> None:
-        super().__init__(daemon=True)
-        self.server, self.steps, self.interval = server, steps, interval
-        self.points: list[dict[str, Any]] = []
-        self.stop_event = threading.Event()
-        self.t0 = time.monotonic()
-        self._seen = -1
-
-    def snap(self) -> None:
-        status = self.server.status()
-        if status["updates"] == self._seen:
-            return
-        self._seen = status["updates"]
-        self.points.append(
-            {
-                "updates": status["updates"],
-                "bytes_up": status["bytes_in"],
-                "wall_s": time.monotonic() - self.t0,
-                "worker_steps": sum(self.steps),
-                "params": self.server.global_params(),
-            }
-        )
-
-    def run(self) -> None:
-        while not self.stop_event.wait(self.interval):
-            self.snap()
 
 
 def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
@@ -324,6 +294,10 @@ def run_trial(trial: Trial) -> dict[str, Any]:
             watcher.stop_event.set()
             watcher.join()
             watcher.snap()
+        if run is not None:
+            # Uploads that landed after the last recorded event (a worker's leftover steps on
+            # leaving): the final model is the curve's last point, as the table's figure.
+            run.record(run.clock.end)
         status = server.status()
         model = model_fn(trial.seed).to(trial.device)
         server_params = server.global_params()
@@ -393,7 +367,7 @@ def evaluate_curve(
     sync = trial.server.get("mode", "sync") == "sync"
     eval_tokens = corpus.eval.to(trial.device)
     out = []
-    for p in points:
+    for p in thin(points, trial.curve_points):
         model.load_state_dict(p.pop("params"))
         taken = p["worker_steps"] / trial.workers
         # Streaming workers hand in unsent fragments when they stop: updates past the last step.

@@ -2,58 +2,71 @@
 default scale (the docs' figures) and a fast one (the test's).
 
 Not run on its own: ``python benchmarks/quality/run.py NAME [--fast]``. An experiment is a list
-of configurations; ``run_config`` runs one, through the real server and worker threads
-(``harness.trials.run_trial``) or, for the baselines, a single model with no server
-(``protocol.run_single``). Rows are cached by their full settings, so a configuration shared by
-several experiments (DiLoCo M=4 at H=20 is the reference of most) runs once per seed.
+of configurations; ``rows.run_config`` runs one, through the real server and worker threads
+or, for the baselines, a single model with no server. Rows are cached by their full settings, so
+a configuration shared by several experiments (DiLoCo at the default M and H is the reference of
+most) runs once per seed.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from benchmarks.harness.allreduce_trials import run_allreduce_trial
-from benchmarks.harness.trials import Trial, run_trial
-from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
 from benchmarks.quality.reach import TIMED
 
 # The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
 ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
-# Delayed Nesterov's outer lr (the paper tunes its async runs'): the best held-out loss of
-# ``async_lr``, seed 0, default scale, 2026-11-27 (lr 0.3: 2.268, 0.5: 2.235, 0.7: 2.291, 1.0:
-# 2.445), on the eval split (no validation split yet). Sync and naive async keep 0.7.
+# Delayed Nesterov's outer lrs tried (the paper tunes its async runs'): ``async_lr``'s rows. On
+# the old 137k-parameter profile (eval split, 2026-11-27) 0.5 was the best of these; the async
+# rows now take the choice ``tuning.run_outer_sweep`` makes on the validation split.
 ASYNC_OUTER_LRS = (0.3, 0.5, 0.7, 1.0)
-ASYNC_OUTER_LR = 0.5
 
 
 @dataclass(frozen=True)
 class Scale:
-    """How big an experiment runs: the default for the docs, ``FAST`` for the test."""
+    """How big an experiment runs: the default for the docs, ``FAST`` for the test.
 
-    steps: int = 300  # inner steps per worker (the "equal steps per worker" budget)
-    sweep_steps: int = 500  # the H sweep's (a multiple of its largest H)
-    sync_every: int = 20  # H, a multiple of every fragment count used
+    Sized by cost (issue 32): ``python benchmarks/quality/run.py --plan MS`` projects the default
+    command's time from the inner steps of its distinct rows at MS milliseconds per step (about 34
+    for the CPU profile on one core of this project's 2-core machine); docs/quality.md prints the
+    measured time."""
+
+    steps: int = 320  # inner steps per worker (the "equal steps per worker" budget)
+    sync_every: int = 16  # H, a multiple of every fragment count used: 20 outer steps
+    # Claim c: H swept over a run of sweep_steps, a multiple of the largest H giving it 20 outer
+    # steps (at H = 250 in a 500-step run the old suite's largest H had two, so H mostly set
+    # the number of outer steps); the smallest H = 5 is a quarter of the default H.
+    sweep_steps: int = 800
+    sweep: tuple[int, ...] = (5, 10, 20, 40)
     workers: int = 4  # M where an experiment does not vary it
     worker_counts: tuple[int, ...] = (1, 2, 4, 8)
-    sweep: tuple[int, ...] = (10, 50, 100, 250)  # H values of claim c
     taus: tuple[int, ...] = (1, 2, 4)  # overlaps of claim i
     fragments: tuple[int, ...] = (2, 4)
-    pretrain_steps: int = 300
-    warmup: int = 30
+    pretrain_steps: int = 1000
+    warmup: int = 40
     # Async experiments run on a simulated clock (harness/sim_clock.py): worker k's step costs
     # unit x ASYNC_RATIO[k] simulated seconds x a seeded jitter in [1 - jitter, 1 + jitter];
     # async workers wait ``async_grace`` units between upload and download (the grace period).
     async_unit: float = 0.01
     async_jitter: float = 0.1
     async_grace: float = 1.0
-    curve_windows: int = 128  # held-out windows of 64 bytes per curve point
-    eval_windows: int = 256  # held-out windows of the final model
+    # Delayed Nesterov's outer lrs tried (tuning.run_outer_sweep) on the validation split, seed
+    # 0, for async + DN + DyLU; the async rows take the best.
+    async_lrs: tuple[float, ...] = ASYNC_OUTER_LRS
+    # Held-out windows (of the profile's context) every loss is measured on: the curves' points
+    # and the final model's alike, so the last curve point is the table's figure.
+    windows: int = 256
+    # At most this many curve points evaluated per row (0: every outer update): one evaluation
+    # costs about 10 inner steps of compute, so at H = 5 every update's would double a row's cost.
+    curve_points: int = 10
+    # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0. Six
+    # points: on 1e-3 to 8e-3 (2026-11-27) DiLoCo M=1 chose the lowest and data-parallel at 4x
+    # the batch the highest, so the grid was widened by one step at each end.
+    lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+    tune_steps: int = 128
+    seeds: tuple[int, ...] = (0, 1)
 
 
 DEFAULT = Scale()
@@ -68,8 +81,12 @@ FAST = Scale(
     fragments=(2,),
     pretrain_steps=5,
     warmup=2,
-    curve_windows=8,
-    eval_windows=16,
+    async_lrs=(0.5, 1.0),
+    windows=8,
+    curve_points=0,
+    lrs=(1e-3, 3e-3),
+    tune_steps=4,
+    seeds=(0,),
 )
 
 
@@ -90,82 +107,9 @@ class Config:
     shared_budget: bool = False
     drop_prob: float = 0.0
     replicas: int = 1  # "dp": batches per step, one from each of this many shards
-
-
-def run_config(
-    config: Config, profile: Profile, seed: int, scale: Scale, cache_dir: Path
-) -> dict[str, Any]:
-    """One row: run ``config`` for ``seed`` (or read it from the row cache)."""
-    # The name is left out of the key: the same settings under two names run once. So is an
-    # empty clock, so that rows cached before the clock existed keep their keys.
-    settings = {
-        k: v for k, v in asdict(config).items() if k != "name" and not (k == "clock" and not v)
-    }
-    key = cache_key(
-        config=settings,
-        profile=asdict(profile),
-        seed=seed,
-        pretrain=scale.pretrain_steps,
-        warmup=scale.warmup,
-        windows=(scale.curve_windows, scale.eval_windows),
-    )
-    path = cache_dir / "rows" / f"{key}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "name": config.name}
-    t0 = time.monotonic()
-    init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
-    if config.kind == "diloco":
-        trial = Trial(
-            config.name,
-            seed,
-            workers=config.workers,
-            sync_every=config.sync_every,
-            server=dict(config.server),
-            worker=dict(config.worker),
-            delays=list(config.delays) if config.delays else None,
-            clock=dict(config.clock) if config.clock else None,
-            total_steps=config.steps if config.shared_budget else config.steps * config.workers,
-            shared_budget=config.shared_budget,
-            batch_size=profile.batch_size,
-            seq_len=profile.seq_len,
-            lr=profile.lr,
-            init=init,
-            warmup=scale.warmup,
-            cosine=True,
-            corpus=profile.corpus(config.workers, config.split),
-            model_fn=profile.model,
-            device=profile.device,
-            curve=True,
-            drop_prob=config.drop_prob,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
-        )
-        row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
-        row["steps_per_worker"] = row["steps"] / config.workers
-        row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
-    else:
-        corpus = profile.corpus(config.replicas, config.split)
-        row = run_single(
-            config.name,
-            profile,
-            seed,
-            init,
-            corpus,
-            steps=config.steps,
-            warmup=scale.warmup,
-            replicas=config.replicas,
-            curve_every=config.sync_every,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
-        )
-    row["kind"] = config.kind
-    row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
-    row["config"] = asdict(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(row))
-    os.replace(tmp, path)
-    return row
+    equal_tokens: bool = False  # "adamw": the equal-tokens baseline (its own tuned lr)
+    lr: float | None = None  # peak inner lr; None: not yet chosen (tuning.with_lr sets it)
+    heldout: str = "test"  # what eval_loss is measured on: "test", or "valid" (the lr sweeps)
 
 
 def plain(s: Scale, name: str = "", **changes: Any) -> Config:
@@ -187,7 +131,8 @@ def scaling(s: Scale) -> list[Config]:
     out = [adamw(s, s.steps, "AdamW, 1 worker (equal steps)")]
     out += [plain(s, f"DiLoCo M={m}", workers=m) for m in s.worker_counts]
     for m in s.worker_counts[1:]:
-        out.append(adamw(s, s.steps * m, f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"))
+        name = f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"
+        out.append(replace(adamw(s, s.steps * m, name), equal_tokens=True))
     return out
 
 
@@ -224,11 +169,19 @@ def _async_common(s: Scale, grace: float = 0.0) -> dict[str, Any]:
 
 
 def _async_row(
-    s: Scale, name: str, lr: float, dn: bool = True, dylu: bool = True, timed: bool = False
+    s: Scale,
+    name: str,
+    lr: float | None = None,
+    dn: bool = True,
+    dylu: bool = True,
+    timed: bool = False,
 ) -> Config:
     """An async row: the shared budget of ``s.steps`` per worker (``timed``: instead, the time
-    sync's slowest worker takes for its steps), the grace period, the outer lr."""
-    server = {"mode": "async", "outer_lr": lr, "delayed_nesterov": dn, "dylu": dylu}
+    sync's slowest worker takes for its steps), the grace period, the outer lr (None: none of its
+    own, so ``tuning.with_outer_lr`` gives it the outer sweep's choice)."""
+    server = {"mode": "async", "delayed_nesterov": dn, "dylu": dylu}
+    if lr is not None:
+        server["outer_lr"] = lr
     common = _async_common(s, s.async_grace)
     steps = s.steps * 4 * (10 if timed else 1)  # timed: a cap the time budget never reaches
     if timed:
@@ -242,22 +195,25 @@ def asynchronous(s: Scale) -> list[Config]:
     """Claims f, g: four workers at the paper's speed ratios (a step costs 0.58, 0.75, 1.51 or
     3.33 units of simulated time), the same total inner steps for all (sync splits them evenly
     and each round lasts as long as its slowest worker; async lets fast workers take more); the
-    async rows wait a grace period between upload and download; DN's outer lr is ``async_lr``'s
-    choice (naive async keeps sync's 0.7). Claim g's row trains for sync's time, not its steps
-    (loss against wall time)."""
+    async rows wait a grace period between upload and download; DN's outer lr is the one the
+    outer sweep (``async_lr``, validation split) chose (naive async keeps sync's 0.7). Claim g's
+    row trains for sync's time, not its steps (loss against wall time)."""
     return [
         plain(s, "sync", **_async_common(s)),
         _async_row(s, "async (naive)", 0.7, dn=False, dylu=False),
-        _async_row(s, "async + DN", ASYNC_OUTER_LR, dylu=False),
-        _async_row(s, "async + DN + DyLU", ASYNC_OUTER_LR),
-        _async_row(s, TIMED, ASYNC_OUTER_LR, timed=True),
+        _async_row(s, "async + DN", dylu=False),
+        _async_row(s, "async + DN + DyLU"),
+        _async_row(s, TIMED, timed=True),
     ]
 
 
 def async_lr(s: Scale) -> list[Config]:
-    """Async + DN + DyLU at each outer lr of ASYNC_OUTER_LRS beside sync (seed 0; no verdict)."""
-    out = [plain(s, "sync", **_async_common(s))]
-    return out + [_async_row(s, f"async + DN + DyLU, outer lr {x}", x) for x in ASYNC_OUTER_LRS]
+    """The outer sweep's rows: async + DN + DyLU at each outer lr of ``s.async_lrs``, measured on
+    the validation split (``tuning.run_outer_sweep`` runs them on seed 0; no verdict)."""
+    return [
+        replace(_async_row(s, f"async + DN + DyLU, outer lr {x:g}", x), heldout="valid")
+        for x in s.async_lrs
+    ]
 
 
 def streaming(s: Scale) -> list[Config]:
@@ -394,6 +350,7 @@ class Experiment:
     claims: str
     configs: Callable[[Scale], list[Config]]
     what: str  # "equal steps per worker", "equal total tokens", ...
+    default: bool = True  # False: not for a verdict, run only when named (or with --fast)
     # The first configuration is the reference the others are compared with, paired by seed.
 
 
@@ -406,12 +363,11 @@ EXPERIMENTS = {
         Experiment("outer", "d", outer, EQUAL_STEPS),
         Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
         Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),
-        Experiment("async_lr", "fg", async_lr, "equal total inner steps over all workers"),
         Experiment("streaming", "h", streaming, EQUAL_STEPS),
         Experiment("overlap", "i", overlap, EQUAL_STEPS),
         Experiment("codecs", "j", codecs, EQUAL_STEPS),
         Experiment("sparse", "n", sparse, EQUAL_STEPS),
-        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS),
+        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS, default=False),
         Experiment("allreduce_codecs", "o", allreduce_codecs, EQUAL_STEPS),
         Experiment("dropped", "k", dropped, EQUAL_STEPS),
         Experiment("iid", "l", iid, EQUAL_STEPS),

@@ -13,9 +13,9 @@ do not edit by hand. To regenerate everything (its measured time is given below)
 
     python benchmarks/quality/run.py
 
-which runs every experiment for seeds 0, 1 and 2, writes one JSON file per experiment and then
-renders this page and the plots in `docs/quality/`. `python benchmarks/quality/run.py NAME`
-runs one experiment, `--fast` its fast setting (what `tests/integration/test_quality_suite.py`
+which runs the inner lr sweep and then every experiment for the setup's seeds, writes one JSON
+file per experiment and then renders this page and the plots in `docs/quality/`. `python benchmarks/quality/run.py NAME`
+runs one experiment, `--fast` its fast setting (what `tests/processes/test_quality_suite.py`
 runs), and `python benchmarks/quality/render.py` re-renders without training.
 
 Every DiLoCo run goes through the real system: an in-process `DiLoCoServer` on a loopback port
@@ -33,38 +33,43 @@ PROTOCOL = """
 1. **Pretrain, then branch.** One worker trains the model from its seed's initialisation with
    AdamW on all the training text; the result is cached per seed and every configuration of
    every experiment starts from it (server and workers alike).
-2. **Inner optimizer.** AdamW with linear warmup over each worker's first steps and a cosine decay
+2. **Inner lr, chosen per kind.** Before the experiments, one small sweep (the table below) trains
+   each kind of configuration (one-worker AdamW at equal steps, one-worker AdamW at equal tokens,
+   data-parallel at M times the batch, DiLoCo M=1, DiLoCo at the reference M) at every lr of a log
+   grid, for a short horizon, seed 0, and measures it on the validation split (text held out of
+   training and apart from the test split every other loss here is measured on); each kind then
+   trains at its lowest-loss lr in every experiment. DiLoCo at other M and every variant of it
+   (outer optimizer, codecs, fragments, async, lost uploads, iid) take the reference M's lr, so a
+   variant is compared at its baseline's lr. The async rows' Delayed Nesterov outer lr is chosen
+   the same way: async + DN + DyLU at each outer lr of a short list, seed 0, validation split.
+3. **Inner optimizer.** AdamW with linear warmup over each worker's first steps and a cosine decay
    to 10% of the learning rate over the run (async runs: over the share of the run's total inner
    steps already taken). Each worker has its own AdamW state, kept across rounds.
-3. **Outer optimizer.** SGD with Nesterov momentum, lr 0.7, momentum 0.9, on the server, unless
+4. **Outer optimizer.** SGD with Nesterov momentum, lr 0.7, momentum 0.9, on the server, unless
    the experiment varies it.
-4. **Evaluation.** The server's global parameters are copied after every outer update (a thread
+5. **Evaluation.** The server's global parameters are copied after every outer update (a thread
    watches the update counter) and evaluated after the run, so evaluation takes no CPU from the
-   training; the final model is evaluated on more windows. Loss is cross-entropy in nats per byte
-   on held-out text (the tail of every topic, in no worker's shard); perplexity is its exp.
-5. **Budgets.** "Equal steps per worker": every worker takes the same number of inner steps (M
+   training. Every loss (curve points and the final figure alike) is the mean cross-entropy in
+   nats per byte over the same fixed windows of the test split (the tail of every topic, in no
+   worker's shard); perplexity is its exp.
+6. **Budgets.** "Equal steps per worker": every worker takes the same number of inner steps (M
    workers see M times the tokens of one). "Equal total tokens": the one-worker baseline takes M
    times the steps. Each experiment says which it uses; claim a reports both.
-6. **Seeds.** Each configuration runs with seeds 0, 1 and 2; a seed fixes the initialisation,
-   the pretrain and every worker's batch order. Differences between configurations are paired by
-   seed. Sync losses repeat for a seed up to float rounding (the server sums uploads in arrival
-   order); the async experiments run on a simulated clock that fixes the order of uploads, so
-   they repeat for a seed bit for bit, and their wall times are simulated; other wall times were
-   measured on a machine shared with other jobs.
+7. **Seeds.** Each configuration runs with every seed of the setup; a seed fixes the
+   initialisation, the pretrain and every worker's batch order. Differences between
+   configurations are paired by seed. Sync losses repeat for a seed up to float rounding (the
+   server sums uploads in arrival order); the async experiments run on a simulated clock that
+   fixes the order of uploads, so they repeat for a seed bit for bit, and their wall times are
+   simulated; other wall times were measured on a machine shared with other jobs.
+8. **Verdicts.** Each claim's rule is fixed before the runs and printed beside it in the claims
+   table; the code that decides the verdict reads the same table (`benchmarks/quality/rules.py`).
 """
 
 EXPERIMENT_NOTES = {
     "scaling": """
 The "Nx steps" rows are the equal-tokens baselines: one worker taking M times the steps (the
-same tokens as M workers, at M times the wall-clock time on one device). At equal steps per worker
-our gain is several times the paper's figure; at equal total tokens one worker with M times the
-steps is far ahead of M DiLoCo workers. The model starts from a short pretrain, far from
-converged, where more tokens per step help most.
-""",
-    "async_lr": """
-The outer lr of async + DN + DyLU tried on seed 0 (the paper tunes its async runs' outer lr),
-judged on the same held-out text as every row (the suite has no separate validation split); the
-value used by `async` is `ASYNC_OUTER_LR` in `benchmarks/quality/experiments.py`.
+same tokens as M workers, at M times the wall-clock time on one device), at the lr swept for
+that budget.
 """,
     "async": """
 Worker speeds on a simulated clock (`benchmarks/harness/sim_clock.py`): a step of the four
@@ -79,7 +84,8 @@ uploads that land within it are in the model they adopt. Wall time (the table's,
 claim g's) is simulated time in seconds, one unit being 10 ms. The last row, claim g's, trains
 async + DN + DyLU for as long as sync's slowest worker takes for its steps (3.33 units x the
 steps per worker) instead of for sync's steps: the paper plots loss against wall time, and at
-equal steps the async runs stop at a third of sync's time.
+equal steps the async runs stop at a third of sync's time. The DN rows' outer lr is the one the
+outer sweep chose (the table under the inner lr sweep); naive async keeps sync's 0.7.
 """,
     "streaming": """
 Streaming fragments run with no overlap (tau 0) and merge factor alpha 0 (a fragment's local
@@ -146,16 +152,10 @@ computes. Its bytes are computed, not measured: each worker sending its fp32 gra
 }
 
 # Shown beside a claim only when its verdict is "not reproduced": what was tried and the believed
-# reason. Written after the 3-seed run of 2026-11-26; beliefs are marked as such.
+# reason. Written after the 3-seed run of 2026-11-26 in the 137k-parameter regime (issue 20);
+# beliefs are marked as such. Those of c and m went with the causes issue 32's regime removed (two
+# outer steps at the largest H; one unswept inner lr); the rest need checking against new results.
 REASONS: dict[str, str] = {
-    "c": """
-*Why not reproduced.* The order is the paper's (loss rises with H in every seed), but the
-degradation is not gentle: at H = 250 the 500-step run has two outer steps, and the curve shows the
-first one landing below AdamW and the second one overshooting above the pretrained start. Believed
-reason: the second outer step applies Nesterov momentum (0.9) built from a single large
-pseudo-gradient of topic-specific drift; the paper's runs have tens of outer steps even at its
-largest H. A longer run (more rounds at H = 250) was not tried within the time budget.
-""",
     "f": """
 *Why not reproduced.* Naive async (a full Nesterov step per arrival) diverges, so "naive is
 worse" holds, but Delayed Nesterov with or without DyLU stays above sync at equal total inner
@@ -184,13 +184,6 @@ not tried.
 slower early: the curves overlap from the first round. Believed reason: every worker starts from a
 model pretrained on all topics, and the help topics are alike (English prose about Python), so a
 topic split is much less skewed than the papers' non-iid data.
-""",
-    "m": """
-*Why not reproduced.* Data-parallel with 4 times the batch did not beat DiLoCo M = 4 here (the mean
-favours DiLoCo, within about one spread). Both used the same inner learning rate (nothing is tuned;
-a larger batch usually takes a larger one). Believed reason: DiLoCo's outer Nesterov step helps even
-with one worker at this scale (claim e: M = 1 DiLoCo beats AdamW by about 13% perplexity), which
-offsets what DiLoCo loses to infrequent averaging.
 """,
     "n": """
 *Why not reproduced.* All three parts of the rule fail here, for different reasons. **Loss**

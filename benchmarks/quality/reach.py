@@ -1,6 +1,6 @@
 """Claim g as arXiv 2401.09135 states it: loss against wall-clock time, read as the simulated
 time each configuration takes to reach the sync run's final loss (issue 32). Not run on its own
-(``claims.py`` uses it).
+(``claims.py`` uses it; ``rules.py`` holds the rule).
 
 Both sides come from the curves (the global model evaluated at every upload event, async, or
 round close, sync, on the same held-out windows), so the target and the crossings are measured
@@ -11,6 +11,7 @@ Times are the simulated clock's (``benchmarks/harness/sim_clock.py``), paired by
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from benchmarks.quality.stats import rows
@@ -44,10 +45,10 @@ def reach_times(result: dict[str, Any], name: str) -> dict[int, tuple[float, flo
     return out
 
 
-def faster_in_every_seed(times: dict[int, tuple[float, float | None]]) -> bool:
-    """The rule of claim g: the configuration reached sync's final loss, in less simulated time
-    than sync, in every seed (and there was a seed)."""
-    return bool(times) and all(t is not None and t < own for own, t in times.values())
+def ratios(times: dict[int, tuple[float, float | None]]) -> list[float]:
+    """Per seed, in seed order: the configuration's time to sync's final loss over sync's own
+    (infinity where it never got there), the numbers ``rules.RULES["g"]`` judges."""
+    return [math.inf if t is None else t / own for _, (own, t) in sorted(times.items())]
 
 
 def describe(times: dict[int, tuple[float, float | None]]) -> str:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from benchmarks.quality.experiments import EXPERIMENTS, FAST
+from benchmarks.quality.reach import TIMED
 from benchmarks.quality.stats import down_per_round, up_per_round
+from benchmarks.quality.tuning import lr_kind
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
@@ -33,6 +35,10 @@ def check_result(name: str, result: dict) -> None:
     configs = [c.name for c in exp.configs(FAST)]
     # One row per configuration and seed, in order.
     assert [(r["name"], r["seed"]) for r in result["rows"]] == [(c, 0) for c in configs]
+    # Every row at the lr the sweep chose for its kind (issue 32).
+    assert [r["config"]["lr"] for r in result["rows"]] == [
+        result["inner_lr"][lr_kind(c)] for c in exp.configs(FAST)
+    ]
     for row in result["rows"]:
         assert ROW_KEYS <= row.keys(), (name, row["name"], ROW_KEYS - row.keys())
         for key in ("eval_loss", "wall_s", "bytes_up", "run_s"):
@@ -42,6 +48,8 @@ def check_result(name: str, result: dict) -> None:
         for point in curve:
             assert POINT_KEYS <= point.keys()
             assert all(math.isfinite(point[k]) for k in POINT_KEYS)
+        # Curves and the table on the same held-out windows: the last point is the final figure.
+        assert curve[-1]["eval_loss"] == pytest.approx(row["eval_loss"]), (name, row["name"])
         steps = [p["steps_per_worker"] for p in curve]
         assert steps == sorted(steps) and steps[-1] > 0, (name, row["name"], steps)
         sent = [p["bytes_up"] for p in curve]
@@ -61,6 +69,18 @@ def check_sparse(result: dict) -> None:
     assert all(w["update_downloads"] == 0 for w in fp32["workers"])
     assert down_per_round(sparse) < down_per_round(fp32) / 5
     assert up_per_round(sparse) < up_per_round(fp32) / 20
+
+
+def check_async(result: dict, sweep: dict, page: str) -> None:
+    """The async DN rows train at the outer lr the outer sweep chose on the validation split
+    (naive async keeps 0.7), and the page prints that sweep."""
+    outer = sweep["async_outer"]
+    assert result["outer_lr"] == outer["lr"] and len(outer["losses"]) == len(FAST.async_lrs)
+    by_name = {r["name"]: r["config"]["server"] for r in result["rows"]}
+    assert by_name["async (naive)"]["outer_lr"] == 0.7
+    for name in ("async + DN", "async + DN + DyLU", TIMED):
+        assert by_name[name]["outer_lr"] == outer["lr"], name
+    assert "The async experiment's outer lr" in page
 
 
 @pytest.mark.timeout(180)
@@ -85,6 +105,8 @@ def test_every_experiment_runs_fast_and_renders(tmp_path: Path) -> None:
     letters = [line[2] for line in claim_rows if line[3:5] == ". "]
     assert letters == list("abcdefghijklmno"), letters
     assert "fast-setting results" in page
+    sweep = json.loads((out / "lr_sweep.json").read_text())
+    check_async(json.loads((out / "async.json").read_text()), sweep, page)
     for name in EXPERIMENTS:
         png = docs / "quality" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

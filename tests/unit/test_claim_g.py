@@ -3,10 +3,12 @@ async configuration takes to reach sync's final loss, by the rule the page print
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from benchmarks.quality.claims import CLAIMS, G_RULE, NOT_REPRODUCED, REPRODUCED, RULES, claim_g
-from benchmarks.quality.reach import TIMED, reach_times, time_to_loss
+from benchmarks.quality.claims import CLAIMS, NOT_REPRODUCED, REPRODUCED, claim_g
+from benchmarks.quality.reach import TIMED, ratios, reach_times, time_to_loss
+from benchmarks.quality.rules import RULES, Check, rule_text
 
 
 def curve(*points: tuple[float, float]) -> list[dict[str, Any]]:
@@ -53,9 +55,23 @@ def test_one_seed_slower_or_never_is_not_reproduced() -> None:
     assert verdict == NOT_REPRODUCED and "never" in ours
 
 
+def test_the_sooner_check_by_hand() -> None:
+    """Times to sync's final loss 15, 25 and never against sync's 30: ratios 0.5, 25/30 and
+    infinity. The "sooner" check at threshold 1 holds only when every seed's ratio is below 1:
+    a tie (1.0) or a seed that never got there fails it, and so does no seed at all."""
+    times: dict[int, tuple[float, float | None]] = {0: (30, 15), 1: (30, 25), 2: (30, None)}
+    assert ratios(times) == [0.5, 25 / 30, math.inf]
+    check = Check("row", "sooner", "sync", 1.0)
+    assert check.holds([[0.5, 25 / 30]])
+    assert not check.holds([[0.5, 1.0]]) and not check.holds([[0.5, math.inf]])
+    assert not check.holds([[]]) and not check.holds([])
+
+
 def test_the_rule_applied_is_the_one_the_page_prints() -> None:
-    """The page prints RULES; g's rule is in it and names the row it judges, and g's row names
-    what the rule measures."""
-    assert G_RULE in RULES and TIMED in G_RULE
+    """g's rule is one check of the rule table: the sentence the page prints (``rule_text``)
+    names the row it judges and the time-to-reach test, and g's row names what it measures."""
+    assert [c.test for c in RULES["g"]] == ["sooner"]
+    text = rule_text("g")
+    assert TIMED in text and "sync's final loss" in text and "simulated time" in text
     g = next(c for c in CLAIMS if c[0] == "g")
     assert "wall-clock time" in g[2] and g[4] is claim_g

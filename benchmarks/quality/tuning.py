@@ -1,0 +1,157 @@
+"""The inner lr sweep (issue 32): every configuration trains at an inner lr chosen for its kind by
+one small sweep on the validation split, so no baseline loses for want of a larger lr (the
+137k-parameter suite ran everything at 3e-3, and one-worker AdamW at 1e-2 closed most of the gap
+that claims e and m were judged on).
+
+Not run on its own (``run.py`` runs it before the experiments). For each kind in ``KINDS`` one
+configuration is trained at every lr of ``Scale.lrs`` for ``Scale.tune_steps`` inner steps per
+worker, seed 0, from the same pretrained start, and its final loss measured on the validation
+split (``Config.heldout``: text held out of training and apart from the test split the verdicts
+use); the lr with the lowest loss is the kind's. Its rows go through ``run_config``, so they are
+cached like every other row.
+
+The async experiment's Delayed Nesterov outer lr is chosen the same way (``run_outer_sweep``):
+``experiments.async_lr``'s rows, each kind's inner lr from the sweep above, seed 0, validation
+split; ``with_outer_lr`` gives the choice to every async DN row without an outer lr of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quality.experiments import Config, Scale, adamw, async_lr, plain
+from benchmarks.quality.protocol import Profile
+from benchmarks.quality.rows import run_config
+
+# The kinds of configuration that get their own lr, and what each sweeps.
+KINDS = {
+    "adamw": "one-worker AdamW at equal steps",
+    "adamw_tokens": "one-worker AdamW at equal tokens (M times the steps)",
+    "dp": "data-parallel at M times the batch",
+    "diloco_m1": "DiLoCo M=1",
+    "diloco": "DiLoCo at the reference M (every M >= 2 and every variant of it)",
+}
+SWEEP_SEED = 0
+
+
+def lr_kind(config: Config) -> str:
+    """The kind whose chosen lr ``config`` trains at: baselines by their budget, DiLoCo by M (every
+    server or worker variant of DiLoCo takes its M's lr: the variants are what is compared)."""
+    if config.kind == "dp":
+        return "dp"
+    if config.kind == "adamw":
+        return "adamw_tokens" if config.equal_tokens else "adamw"
+    return "diloco_m1" if config.workers == 1 else "diloco"
+
+
+def sweep_configs(s: Scale) -> dict[str, Config]:
+    """One configuration per kind at the sweep's horizon (``s.tune_steps`` per worker; the
+    equal-tokens baseline M times that), measured on the validation split."""
+    steps = s.tune_steps
+    dp = Config(
+        "dp", kind="dp", workers=1, sync_every=s.sync_every, steps=steps, replicas=s.workers
+    )
+    configs = {
+        "adamw": adamw(s, steps, "adamw"),
+        "adamw_tokens": replace(adamw(s, steps * s.workers, "adamw_tokens"), equal_tokens=True),
+        "dp": dp,
+        "diloco_m1": plain(s, "diloco_m1", workers=1, steps=steps),
+        "diloco": plain(s, "diloco", steps=steps),
+    }
+    assert configs.keys() == KINDS.keys()
+    return {k: replace(c, heldout="valid") for k, c in configs.items()}
+
+
+def run_sweep(
+    profile: Profile,
+    scale: Scale,
+    cache_dir: Path,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Every kind at every lr of the grid (cached rows); the result file's content, with the
+    chosen lr of each kind and whether it lies at an end of the grid (then the grid was too
+    narrow, and the page says so)."""
+    t0 = time.monotonic()
+    kinds: dict[str, Any] = {}
+    cost = 0.0  # the rows' run_s: what the sweep cost when computed (cached rows keep theirs)
+    for kind, config in sweep_configs(scale).items():
+        losses = {}
+        for lr in scale.lrs:
+            row = run_config(
+                replace(config, lr=lr, name=f"{kind} lr {lr:g}"),
+                profile,
+                SWEEP_SEED,
+                scale,
+                cache_dir,
+            )
+            losses[lr] = row["eval_loss"]
+            cost += row["run_s"]
+            log(
+                f"lr sweep  {kind:<13} lr {lr:<8g} valid {row['eval_loss']:.4f}  ({row['run_s']:5.1f} s)"
+            )
+        chosen = min(losses, key=lambda lr: losses[lr])
+        kinds[kind] = {
+            "what": KINDS[kind],
+            "losses": [[lr, loss] for lr, loss in losses.items()],
+            "lr": chosen,
+            "edge": chosen in (min(scale.lrs), max(scale.lrs)),
+        }
+    return {
+        "sweep": "inner lr",
+        "seed": SWEEP_SEED,
+        "grid": list(scale.lrs),
+        "steps": scale.tune_steps,
+        "kinds": kinds,
+        "run_s": cost,
+        "elapsed_s": time.monotonic() - t0,
+    }
+
+
+def chosen_lrs(sweep: dict[str, Any]) -> dict[str, float]:
+    """Kind -> the lr the sweep chose."""
+    return {kind: float(k["lr"]) for kind, k in sweep["kinds"].items()}
+
+
+def with_lr(config: Config, lrs: dict[str, float]) -> Config:
+    """``config`` at the chosen lr of its kind."""
+    return replace(config, lr=lrs[lr_kind(config)])
+
+
+def run_outer_sweep(
+    profile: Profile,
+    scale: Scale,
+    cache_dir: Path,
+    lrs: dict[str, float],
+    log: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Async + DN + DyLU at every outer lr of ``scale.async_lrs`` (at its kind's inner lr from
+    ``lrs``), measured on the validation split; the chosen outer lr, as ``run_sweep`` gives its
+    kinds'."""
+    losses, cost = {}, 0.0
+    for config in async_lr(scale):
+        x = float(config.server["outer_lr"])
+        row = run_config(with_lr(config, lrs), profile, SWEEP_SEED, scale, cache_dir)
+        losses[x] = row["eval_loss"]
+        cost += row["run_s"]
+        log(f"outer sweep  async + DN + DyLU  outer lr {x:<5g} valid {row['eval_loss']:.4f}")
+    chosen = min(losses, key=lambda x: losses[x])
+    return {
+        "what": "async + DN + DyLU's outer lr (Delayed Nesterov)",
+        "losses": [[x, loss] for x, loss in losses.items()],
+        "lr": chosen,
+        "edge": chosen in (min(scale.async_lrs), max(scale.async_lrs)),
+        "run_s": cost,
+    }
+
+
+def with_outer_lr(config: Config, outer_lr: float) -> Config:
+    """``config`` with the outer sweep's choice when it is an async Delayed Nesterov row with no
+    outer lr of its own (the sweep's rows, and naive async, keep theirs)."""
+    server = config.server
+    if server.get("mode") != "async" or not server.get("delayed_nesterov") or "outer_lr" in server:
+        return config
+    return replace(config, server={**server, "outer_lr": outer_lr})
