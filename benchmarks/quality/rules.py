@@ -70,8 +70,9 @@ TESTS: dict[str, tuple[str, bool, Callable[[Values, float], bool]]] = {
     # Claim g (issue 32): per seed, the row's simulated time to the reference's final loss over
     # the reference's own (``reach.ratios``; infinity where the row never gets there).
     "sooner": (
-        "reaches {reference}'s final loss (the last point of its curve) in under {threshold:g}"
-        " times the simulated time {reference} takes to, in every seed (never reaching it fails)",
+        "reaches {reference}'s final loss (the last point of its curve) sooner than {reference}"
+        " on the simulated clock, its time over {reference}'s below {threshold:g} in every seed"
+        " (never reaching it fails)",
         False,
         lambda xs, t: bool(xs) and max(xs) < t,
     ),
