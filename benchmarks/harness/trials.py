@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.inner import make_inner
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
 from diloco.demo.data import Corpus, build_corpus, sample_batch
 from diloco.demo.model import build_model, evaluate, loss_on
@@ -58,6 +59,10 @@ class Trial:
     curve_windows: int = 128  # eval windows per curve point
     eval_windows: int = 256  # eval windows of the final model
     drop_prob: float = 0.0  # chance that a worker's upload of a round is lost (claim k)
+    inner: str = "adamw"  # the workers' inner optimizer: "adamw" or "muon" (harness/inner.py)
+    # time.monotonic() past which a worker stops at its next sync boundary (0: never): a time
+    # bound for a run sized for a device session (the row says ``stopped_early``)
+    deadline: float = 0.0
 
 
 class Budget:
@@ -153,7 +158,7 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
     model = ctx["model_fn"](trial.seed).to(trial.device)
     if ctx.get("own_init") and trial.init is not None:
         model.load_state_dict(trial.init)  # all-reduce mode: no server holds the start
-    opt = torch.optim.AdamW(model.parameters(), lr=trial.lr)
+    opt = make_inner(trial.inner, model, trial.lr)
     gen = torch.Generator().manual_seed(trial.seed * 1000 + rank)
     drop_rng = random.Random(f"drop-{trial.seed}-{rank}")
     delay = trial.delays[rank] if trial.delays else 0.0
@@ -180,6 +185,10 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
         joined = worker.sync_metrics["bytes_down"]
         last_round = -1
         while budget.take():
+            boundary = steps > 0 and steps % trial.sync_every == 0
+            if trial.deadline and boundary and time.monotonic() > trial.deadline:
+                ctx["stopped_early"] = True
+                break
             if lossy and worker.base_round != last_round:
                 # A round starts from the parameters just adopted: keep them, and draw whether
                 # this round's upload will be lost.
@@ -292,6 +301,8 @@ def run_trial(trial: Trial) -> dict[str, Any]:
         "workers": results,
         "steps": sum(r["steps"] for r in results),
     }
+    if ctx.get("stopped_early"):
+        row["stopped_early"] = True
     if watcher is not None:
         row["curve"] = evaluate_curve(trial, watcher.points, model, corpus)
     return row
