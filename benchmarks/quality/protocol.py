@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.trials import Trial, lr_factor
+from benchmarks.quality.splits import skewed_corpus
 from diloco.demo.data import Corpus, build_corpus, sample_batch, split_topic
 from diloco.demo.model import CharTransformer, build_model, evaluate, loss_on
 
@@ -50,7 +51,8 @@ class Profile:
             return CharTransformer(self.d_model, self.layers, self.heads, self.seq_len)
 
     def corpus(self, workers: int, split: str) -> Corpus:
-        """Training shards for ``workers`` workers, by topic (``non-iid``) or not (``iid``)."""
+        """Training shards for ``workers`` workers, by topic (``non-iid``), along the text's main
+        axis of byte statistics (``skewed``, ``splits.py``) or not (``iid``)."""
         return _corpus(self, workers, split)
 
 
@@ -58,6 +60,8 @@ class Profile:
 def _corpus(profile: Profile, workers: int, split: str) -> Corpus:
     """``Profile.corpus``, built once per process (the tensors are never written to)."""
     base = build_corpus(workers) if profile.data == "pydoc" else stdlib_corpus(workers, profile)
+    if split == "skewed":
+        return skewed_corpus(base, workers)
     return base if split == "non-iid" else iid_corpus(base, workers)
 
 
@@ -169,13 +173,15 @@ def run_single(
     curve_every: int = 25,
     curve_windows: int = 128,
     eval_windows: int = 256,
+    deadline: float = 0.0,
 ) -> dict[str, Any]:
     """A baseline with no server: one model, AdamW with the suite's warmup and cosine schedule,
     ``steps`` steps. ``replicas`` > 1 is data-parallel training's equivalent: each step's batch
     is one batch from each of the first ``replicas`` shards (M workers' gradients averaged, as
     an all-reduce would), so ``replicas`` times the batch. Its bytes are computed, not measured:
     every replica sends its fp32 gradient once per step. The curve is evaluated every
-    ``curve_every`` steps (from copies, after the run)."""
+    ``curve_every`` steps (from copies, after the run). Past a ``deadline`` (``time.monotonic()``;
+    0: none) it stops at the next curve point and says ``stopped_early``."""
     torch.set_num_threads(1)  # as each worker thread has it, so wall times compare
     model = profile.model(seed).to(profile.device)
     model.load_state_dict(init)
@@ -200,7 +206,10 @@ def run_single(
         if (step + 1) % curve_every == 0 or step + 1 == steps:
             params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             snaps.append((step + 1, time.monotonic() - t0, params))
+            if deadline and time.monotonic() > deadline:
+                break
     wall = time.monotonic() - t0
+    taken = snaps[-1][0]  # the last snapshot is the final model (a deadline may cut the run)
     eval_tokens = corpus.eval.to(profile.device)
     curve = []
     for done, at, params in snaps:
@@ -218,8 +227,9 @@ def run_single(
         "seed": seed,
         "eval_loss": evaluate(model, eval_tokens, profile.seq_len, eval_windows),
         "wall_s": wall,
-        "steps": steps * replicas,
-        "steps_per_worker": steps,
-        "bytes_up": grad_bytes * steps,
+        "steps": taken * replicas,
+        "steps_per_worker": taken,
+        "bytes_up": grad_bytes * taken,
         "curve": curve,
+        **({"stopped_early": True} if taken < steps else {}),
     }
