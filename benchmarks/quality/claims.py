@@ -12,6 +12,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.quality.muon import RULE as MUON_RULE
+from benchmarks.quality.muon import claim_p
 from benchmarks.quality.stats import (
     Results,
     curve_at,
@@ -35,7 +37,7 @@ B's in every seed (paired: same seed, same pretrained start). "Matches" / "lossl
 almost nothing" / "end close": the mean paired difference is at most {MATCH} nats per byte (about
 2% perplexity). "Degrades gently" / "hurts little": at most {GENTLE} nats per byte (about 5%).
 "At Nx fewer bytes": the reference's bytes per worker per round (mean over seeds) divided by the
-row's is at least N."""
+row's is at least N. """ + " ".join(MUON_RULE.split())
 
 REPRODUCED, NOT_REPRODUCED, MISSING = "reproduced", "not reproduced", "missing (not run)"
 
@@ -375,6 +377,14 @@ CLAIMS: list[tuple[str, str, str, str, Callable[[Results], Row]]] = [
         "int8 all-reduce (error feedback on each member) matches fp32 all-reduce (issue 30)",
         "PCCL, INTELLECT-1: int8 ring all-reduce",
         claim_o,
+    ),
+    (
+        "p",
+        "muon",
+        "with Muon as the inner optimizer DiLoCo degrades less with more workers than with AdamW "
+        "(M = 1, 4, 8, global batch fixed)",
+        "MuLoCo (arXiv 2505.23725): smaller degradation with more workers under Muon",
+        claim_p,
     ),
 ]
 

@@ -21,6 +21,7 @@ from typing import Any
 from benchmarks.harness.allreduce_trials import run_allreduce_trial
 from benchmarks.harness.trials import Trial, run_trial
 from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
+from benchmarks.quality.splits import shard_divergences
 
 # The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
 ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
@@ -44,6 +45,8 @@ class Scale:
     async_slow_unit: float = 0.05  # the same with sleeps that dwarf a step's compute
     curve_windows: int = 128  # held-out windows of 64 bytes per curve point
     eval_windows: int = 256  # held-out windows of the final model
+    muon_workers: tuple[int, ...] = (1, 4, 8)  # M of the Muon rows (muon.py)
+    muon_batch: int = 64  # their global batch per inner step, split over the M workers
 
 
 DEFAULT = Scale()
@@ -62,6 +65,8 @@ FAST = Scale(
     async_slow_unit=0.001,
     curve_windows=8,
     eval_windows=16,
+    muon_workers=(1, 2),
+    muon_batch=4,
 )
 
 
@@ -81,12 +86,20 @@ class Config:
     shared_budget: bool = False
     drop_prob: float = 0.0
     replicas: int = 1  # "dp": batches per step, one from each of this many shards
+    inner: str = "adamw"  # the workers' inner optimizer ("adamw", "muon": harness/inner.py)
+    batch_size: int = 0  # sequences per worker per inner step (0: the profile's)
 
 
 def run_config(
-    config: Config, profile: Profile, seed: int, scale: Scale, cache_dir: Path
+    config: Config,
+    profile: Profile,
+    seed: int,
+    scale: Scale,
+    cache_dir: Path,
+    deadline: float = 0.0,
 ) -> dict[str, Any]:
-    """One row: run ``config`` for ``seed`` (or read it from the row cache)."""
+    """One row: run ``config`` for ``seed`` (or read it from the row cache). A ``deadline``
+    (``time.monotonic()``; 0: none) stops its training early (the row says ``stopped_early``)."""
     # The name is left out of the key: the same settings under two names run once.
     settings = {k: v for k, v in asdict(config).items() if k != "name"}
     key = cache_key(
@@ -113,7 +126,7 @@ def run_config(
             delays=list(config.delays) if config.delays else None,
             total_steps=config.steps if config.shared_budget else config.steps * config.workers,
             shared_budget=config.shared_budget,
-            batch_size=profile.batch_size,
+            batch_size=config.batch_size or profile.batch_size,
             seq_len=profile.seq_len,
             lr=profile.lr,
             init=init,
@@ -126,10 +139,13 @@ def run_config(
             drop_prob=config.drop_prob,
             curve_windows=scale.curve_windows,
             eval_windows=scale.eval_windows,
+            inner=config.inner,
+            deadline=deadline,
         )
         row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
         row["steps_per_worker"] = row["steps"] / config.workers
         row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
+        row["shard_divergence"] = shard_divergences(profile.corpus(config.workers, config.split))
     else:
         corpus = profile.corpus(config.replicas, config.split)
         row = run_single(
@@ -144,10 +160,13 @@ def run_config(
             curve_every=config.sync_every,
             curve_windows=scale.curve_windows,
             eval_windows=scale.eval_windows,
+            deadline=deadline,
         )
     row["kind"] = config.kind
     row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
     row["config"] = asdict(config)
+    if row.get("stopped_early"):
+        return row  # cut short by the deadline: not the configuration's row, never cached
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(row))
@@ -346,8 +365,11 @@ def dropped(s: Scale) -> list[Config]:
 
 
 def iid(s: Scale) -> list[Config]:
-    """Claim l: the topic (non-iid) split against an iid split of the same text."""
-    return [plain(s, "non-iid (by topic)"), plain(s, "iid", split="iid")]
+    """Claim l: a clearly non-iid split (pieces of the text ordered along its main axis of byte
+    statistics, one run per worker: splits.py) against an iid split of the same text, with the
+    topic split (the other experiments') beside them."""
+    skewed = plain(s, "non-iid (skewed by byte statistics)", split="skewed")
+    return [skewed, plain(s, "iid", split="iid"), plain(s, "non-iid (by topic)")]
 
 
 def data_parallel(s: Scale) -> list[Config]:
@@ -370,6 +392,7 @@ class Experiment:
     claims: str
     configs: Callable[[Scale], list[Config]]
     what: str  # "equal steps per worker", "equal total tokens", ...
+    scale: Scale | None = None  # its own default scale (None: DEFAULT); --fast runs FAST
     # The first configuration is the reference the others are compared with, paired by seed.
 
 

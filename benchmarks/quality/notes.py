@@ -212,15 +212,3 @@ full parameters, so 4 / (6 x 0.0625) = 10.7x is the ceiling before headers at th
 overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update": 21.5x at N = 2).
 """,
 }
-
-GPU = """
-## One-GPU profile (not run)
-
-`python benchmarks/quality/run.py --profile gpu --out benchmarks/results/quality-gpu` runs the
-same experiments with a byte-level transformer of about 19M parameters (6 layers, width 512, 8
-heads, 256-byte context, batch 32, lr 6e-4) on CPython's own standard-library sources (one topic per
-top-level module or package, tests left out), on `cuda`. It was not run for this page (no GPU
-here); `tests/integration/test_quality_suite.py` only checks that its model and corpus build and
-that one tiny step runs on CPU. Its scale (steps, H, M) is the CPU suite's, so expect it to need
-tuning of the budget before its figures mean much.
-"""

@@ -3,7 +3,7 @@
     python benchmarks/quality/run.py                      # all, seeds 0 1 2, render the docs
     python benchmarks/quality/run.py scaling outer        # some experiments
     python benchmarks/quality/run.py --fast --out /tmp/q  # the fast setting (the test's)
-    python benchmarks/quality/run.py --profile gpu        # the ~20M-parameter profile, on cuda
+    python benchmarks/quality/run.py gpu_profile --profile gpu --time-limit 540  # one GPU
 
 Writes one JSON file per experiment to ``--out`` (default ``benchmarks/results/quality``), with
 a row per configuration and seed. Pretrained checkpoints and finished rows are cached under
@@ -25,8 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, run_config  # noqa: E402
+from benchmarks.quality.experiments import DEFAULT, FAST, run_config  # noqa: E402
 from benchmarks.quality.protocol import PROFILES  # noqa: E402
+from benchmarks.quality.suite import APART, EXPERIMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,16 +35,20 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_experiment(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Every configuration of experiment ``name`` for every seed; the results file's content."""
     exp = EXPERIMENTS[name]
-    scale = FAST if args.fast else DEFAULT
+    scale = FAST if args.fast else exp.scale or DEFAULT
     profile = PROFILES[args.profile]
     if args.device:
         profile = replace(profile, device=args.device)
     cache = Path(args.out) / "cache"
     t0 = time.monotonic()
-    rows = []
+    rows, skipped = [], []
+    deadline = args.deadline
     for seed in args.seeds:
         for config in exp.configs(scale):
-            row = run_config(config, profile, seed, scale, cache)
+            if deadline and time.monotonic() > deadline:
+                skipped.append(f"{config.name} (seed {seed})")
+                continue
+            row = run_config(config, profile, seed, scale, cache, deadline)
             rows.append(row)
             print(
                 f"{name:<14} seed {seed}  {config.name:<48} eval {row['eval_loss']:.4f}  "
@@ -51,6 +56,10 @@ def run_experiment(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
     command = "python benchmarks/quality/run.py " + name + (" --fast" if args.fast else "")
+    if args.profile != "cpu":
+        command += f" --profile {args.profile}"
+    if args.time_limit:
+        command += f" --time-limit {args.time_limit:g}"
     return {
         "experiment": name,
         "claims": exp.claims,
@@ -63,6 +72,7 @@ def run_experiment(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "command": command,
         "elapsed_s": time.monotonic() - t0,  # this invocation's (cached rows cost ~0)
         "rows": rows,
+        "skipped": skipped,
     }
 
 
@@ -76,10 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="override the profile's device (cpu, cuda)")
     p.add_argument("--no-cache", action="store_true", help="recompute cached rows and pretrains")
     p.add_argument("--render", metavar="DIR", help="render quality.md and plots into DIR")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop training S seconds after the start (at the next sync), skip rows not begun",
+    )
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiment(s) {', '.join(unknown)}; known: {', '.join(EXPERIMENTS)}")
+    if args.time_limit < 0:
+        p.error(f"--time-limit must be >= 0, got {args.time_limit}")
     if args.seeds is None:
         args.seeds = [0] if args.fast else [0, 1, 2]
     logging.basicConfig(level=logging.WARNING)  # the workers' per-round INFO lines stay quiet
@@ -88,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / "cache", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    for name in args.names or list(EXPERIMENTS):
+    args.deadline = t0 + args.time_limit if args.time_limit else 0.0
+    for name in args.names or [n for n in EXPERIMENTS if n not in APART]:
         result = run_experiment(name, args)
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(f"suite done in {time.monotonic() - t0:.0f} s; results in {out}", flush=True)
