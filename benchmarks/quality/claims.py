@@ -180,12 +180,13 @@ def claim_i(r: Results) -> Row:
     )
     first, last = diffs[overlapped[0]], diffs[overlapped[-1]]
     ok = _mean(first) <= MATCH and _mean(last) <= GENTLE
-    controls = [n for n in names(res) if "control" in n]
+    # The paper's other series (alpha 0) and the control, shown beside the verdict.
+    others = [n for n in names(res) if "alpha=0.0" in n or "control" in n]
     note = "; ".join(
         f"{n.split(', ', 1)[1].removesuffix(' (control)')}: {fmt(paired(res, n, ref), signed=True)}"
-        for n in controls
+        for n in others
     )
-    return text, REPRODUCED if ok else NOT_REPRODUCED, f"controls: {note}" if note else ""
+    return text, REPRODUCED if ok else NOT_REPRODUCED, f"also: {note}" if note else ""
 
 
 def claim_j(r: Results) -> Row:

@@ -267,19 +267,19 @@ def streaming(s: Scale) -> list[Config]:
 
 
 def overlap(s: Scale) -> list[Config]:
-    """Claim i: the largest fragment count P, strided, with overlap tau (a fragment's result is
-    merged tau inner steps after it was sent, training going on meanwhile) and merge factor alpha
-    0.5, against the same fragments without overlap (tau 0, alpha 0). Two controls separate the
-    two changes: tau 0 with alpha 0.5, and tau 1 with alpha 0."""
+    """Claim i, as Streaming DiLoCo's figure 8 runs it: the largest fragment count P, strided,
+    with overlap tau (a fragment's result merged tau inner steps after it was sent, training going
+    on meanwhile: local = alpha * local + (1 - alpha) * global) for alpha 0.5 and alpha 0, against
+    the same fragments without overlap (tau 0, alpha 0). A control: tau 0 with alpha 0.5."""
     p = max(s.fragments)
     base = {"num_fragments": p, "fragment_pattern": "strided"}
     out = [plain(s, f"P={p} strided", worker={**base, "merge_alpha": 0.0})]
-    for tau in s.taus:
-        worker = {**base, "overlap_steps": tau, "merge_alpha": 0.5}
-        out.append(plain(s, f"P={p} strided, tau={tau}, alpha=0.5", worker=worker))
-    for tau, alpha in ((0, 0.5), (1, 0.0)):
-        worker = {**base, "overlap_steps": tau, "merge_alpha": alpha}
-        out.append(plain(s, f"P={p} strided, tau={tau}, alpha={alpha} (control)", worker=worker))
+    for alpha in (0.5, 0.0):
+        for tau in s.taus:
+            worker = {**base, "overlap_steps": tau, "merge_alpha": alpha}
+            out.append(plain(s, f"P={p} strided, tau={tau}, alpha={alpha}", worker=worker))
+    worker = {**base, "overlap_steps": 0, "merge_alpha": 0.5}
+    out.append(plain(s, f"P={p} strided, tau=0, alpha=0.5 (control)", worker=worker))
     return out
 
 
