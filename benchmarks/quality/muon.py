@@ -1,9 +1,9 @@
 """Muon as DiLoCo's inner optimizer (MuLoCo, arXiv 2505.23725): its experiment and its claim.
 
 MuLoCo's finding: with Muon inside, DiLoCo loses less as the number of workers grows than with
-AdamW. Its comparison holds the global batch and the steps fixed and splits the batch over the M
-workers (equal total tokens for every M), so the loss rising with M is the price of averaging
-less often across more replicas, not of fewer tokens. The experiment does the same at M = 1, 4, 8
+AdamW. Here the global batch and the steps are held fixed and the batch is split over the M
+workers (equal total tokens for every M, as Streaming DiLoCo's figure 12a does), so a loss rising
+with M is the price of more replicas, not of fewer tokens. The experiment does the same at M = 1, 4, 8
 (``Scale.muon_workers``, global batch ``Scale.muon_batch``), once with AdamW and once with Muon
 on the hidden matrices (``benchmarks/harness/inner.py``), same lr, same pretrained start.
 """
