@@ -9,9 +9,10 @@ DiLoCo with M = 4 workers (threads sharing the GPU) for 2000 inner steps each at
 outer steps), beside one-worker AdamW for the same 2000 steps from the same start. Run as
 ``--profile cpu --fast`` (or at any profile with ``--fast``) it is the wiring test's tiny run.
 
-``--time-limit`` bounds the command: past it every training loop stops at its next sync
+``--time-limit`` bounds the training: past it every training loop stops at its next sync
 boundary (or curve point), the row says ``stopped_early`` and is not cached, and rows not yet
-started are skipped (listed in the result file's ``skipped``). The results file,
+started are skipped (listed in the result file's ``skipped``). The pretrain (cached) and the
+evaluations after a row are not cut: leave room for them. The results file,
 ``gpu_profile.json``, goes beside the CPU suite's; the page shows it in its own section, never
 in the claims table (its scale and model are not the CPU suite's).
 """
@@ -51,10 +52,11 @@ def section(results: Results) -> list[str]:
             "## One-GPU profile (not run)",
             "",
             "No GPU run's results are here. `python benchmarks/quality/run.py gpu_profile "
-            "--profile gpu --time-limit 540` runs it (one command, about 9 minutes at most, "
-            "written to `gpu_profile.json` beside the CPU results) on a machine with one CUDA "
-            "GPU; `tests/integration/test_quality_gpu.py` runs the same code at a tiny scale on "
-            "the CPU.",
+            "--profile gpu --time-limit 540` runs it on a machine with one CUDA GPU (one "
+            "command; training stops 540 s after it starts, the 2000-step pretrain before it is "
+            "not cut) and writes `gpu_profile.json` beside the CPU results; "
+            "`tests/integration/test_quality_gpu.py` runs the same code at a tiny scale on the "
+            "CPU.",
             "",
         ]
     profile, scale = res["profile"], res["scale"]

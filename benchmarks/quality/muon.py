@@ -26,7 +26,7 @@ def name(inner: str, m: int) -> str:
 
 def muon(s: Scale) -> list[Config]:
     """Claim p (MuLoCo): DiLoCo with AdamW and with Muon (hidden matrices; AdamW for embeddings,
-    head, norms and biases) as the inner optimizer at each M of ``muon_workers``, the global batch
+    head, norms and biases) as the inner optimizer at M = 1, 4 and 8 workers, the global batch
     held fixed and split over the workers (equal total tokens), same steps and lr."""
     out = []
     for inner in ("adamw", "muon"):

@@ -159,12 +159,13 @@ run per worker, which gives each worker one end of that axis (same text, same he
 """,
     "muon": """
 The global batch of every row is the same, split over the M workers (M = 1 takes it alone), so
-every M sees the same tokens in the same steps (the setting of Streaming DiLoCo's figure 12a:
-token budget and global batch fixed), so a loss rising with M is the cost of more replicas. Muon (`torch.optim.Muon`, Newton-Schulz orthogonalised momentum, its update scaled
-to AdamW's RMS so the lr carries over) trains every 2-D weight inside the transformer blocks
-(attention in and out projections, both feed-forward layers); the token embedding, learned
-positions, output head, norms and biases stay with AdamW (`benchmarks/harness/inner.py`). Both
-use the profile's inner lr and weight decay 0.01; neither is tuned for the other.
+every M sees the same tokens in the same steps (the setting of Streaming DiLoCo's figure 12a: token
+budget and global batch fixed), so a loss rising with M is the cost of more replicas. Muon
+(`torch.optim.Muon`, Newton-Schulz orthogonalised momentum, its update scaled to AdamW's RMS so the
+lr carries over) trains every 2-D weight inside the transformer blocks (attention in and out
+projections, both feed-forward layers); the token embedding, learned positions, output head, norms
+and biases stay with AdamW (`benchmarks/harness/inner.py`). Both use the profile's inner lr and
+weight decay 0.01; neither is tuned for the other.
 """,
     "data_parallel": """
 Data-parallel is simulated without a server: one model whose batch per step is one batch from each
