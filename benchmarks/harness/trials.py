@@ -97,22 +97,36 @@ def lr_factor(trial: Trial, own_steps: int, progress: float) -> float:
 
 
 class LossyWorker(DiLoCoWorker):
-    """A worker whose upload of a round may be lost (claim k). The server has no notion of a
-    missing upload in sync mode (a round waits for every expected worker), so a lost upload is
-    delivered as what the server would have had without it: the model is reset to the round's
-    starting parameters just before the upload (a zero pseudo-gradient), and the round's weight
-    is ``LOST_WEIGHT`` (the server averages by reported samples). The worker then adopts the
-    round's result like everyone else, so its local progress of that round is gone."""
+    """A worker whose upload of a round may be lost (claim k), as the DiLoCo paper drops an
+    outer gradient (arXiv 2311.08105, "Asynchronous Communication"): left out of the round's
+    average, and its worker trains the next H steps on from its own parameters rather than the
+    round's result. The server has no notion of a missing upload in sync mode (a round waits for
+    every expected worker), so a lost upload is delivered as what the server would have had
+    without it: the model is set to the round's snapshot just before the upload (a zero
+    pseudo-gradient) and the round's weight is ``LOST_WEIGHT`` (the server averages by reported
+    samples). The worker adopts the round's result like everyone else (its snapshot becomes the
+    new global parameters), then ``worker_loop`` puts its own parameters back (``kept``), so its
+    next upload carries this round's progress and the next one's."""
 
     lose_next = False
-    round_start: list[torch.Tensor] | None = None
+    round_start: list[torch.Tensor] | None = None  # the round's snapshot (adopted parameters)
+    kept: list[torch.Tensor] | None = None  # own parameters of a round whose upload was lost
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         if self.lose_next and self.round_start is not None:
             with torch.no_grad():
+                self.kept = [p.detach().clone() for p in self.model.parameters()]
                 for p, p0 in zip(self.model.parameters(), self.round_start, strict=True):
                     p.copy_(p0)
         return super()._submit(submission_id)
+
+    def resume_own(self) -> None:
+        """After a lost round's result was adopted: train on from the parameters it ended with."""
+        if self.kept is not None:
+            with torch.no_grad():
+                for p, own in zip(self.model.parameters(), self.kept, strict=True):
+                    p.copy_(own)
+            self.kept = None
 
 
 class CurveWatcher(threading.Thread):
@@ -195,6 +209,7 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
                 assert isinstance(worker, LossyWorker)
                 last_round = worker.base_round
                 worker.round_start = [p.detach().clone() for p in model.parameters()]
+                worker.resume_own()  # after the snapshot is taken: it is the adopted global
                 worker.lose_next = drop_rng.random() < trial.drop_prob
                 lost += worker.lose_next
                 if worker.lose_next:
@@ -217,6 +232,8 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
                 ctx["after_step"](rank, worker, model)
             if delay:
                 time.sleep(delay)
+        if isinstance(worker, LossyWorker):
+            worker.resume_own()  # the last round's upload may have been lost too
     ctx["results"][rank] = {
         "steps": steps,
         "lost_uploads": lost,

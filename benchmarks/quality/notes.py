@@ -126,27 +126,23 @@ collectives' per member per round: kB up what a member sent to the others, kB do
 received (fp32: a ring's 2(M-1)/M of the 4-byte payload each way).
 """,
     "dropped": """
-**Mechanism.** A sync round of this server waits for every expected worker, so an upload cannot
-simply go missing: the round would stall until the worker was evicted. Instead a worker
-(`LossyWorker` in `benchmarks/harness/trials.py`) draws for every round, from a seeded RNG,
-whether that round's upload is lost (probability 0.5, independently per worker and round). A lost
-upload is delivered as what the server would have without it: the worker resets its model to
-the round's starting parameters just before uploading (a zero pseudo-gradient) and reports a
-weight of 2e-6 samples, while delivered uploads weigh their tokens (the server averages by
-samples, `weighting="samples"`), so the round's mean is the mean of the delivered uploads. The
-worker then adopts the round's result like the others: its local progress of that round is gone,
-as with an upload lost on the way. When every upload of a round is lost (1 round in 16 on
-average) the mean is zero and the outer step applies only the momentum. MB sent counts the lost
-uploads too: they travel, as zeros.
-
-**Against the paper.** The DiLoCo paper (arXiv 2311.08105) drops each replica's outer gradient
-independently with probability p at every outer step and averages the ones that remain, which is
-what this experiment draws (per worker, per round, p = 0.5). Two points could not be checked
-against its text in this session (it could not be fetched) and are left as differences that may
-exist: whether a replica whose outer gradient was dropped starts its next round from the new
-global parameters (ours: it does, so its round's progress is gone) or from its own, and what
-the outer step does when every replica's outer gradient of a round is dropped (ours: momentum
-alone).
+**Mechanism, as the paper drops an outer gradient.** The DiLoCo paper (arXiv 2311.08105,
+"Asynchronous Communication", its figure 8) drops each replica's outer gradient at random with
+probability p (up to 50%); the dropped one is left out, and that replica trains its next H steps
+on from its own parameters rather than the shared ones. Here a worker (`LossyWorker` in
+`benchmarks/harness/trials.py`) draws for every round, from a seeded RNG, whether that round's
+upload is lost (p = 0.5, independently per worker and round). A sync round of this server waits
+for every expected worker, so a lost upload is delivered as what the server would have without
+it: the worker sets its model to the round's snapshot just before uploading (a zero
+pseudo-gradient) and reports a weight of 2e-6 samples, while delivered uploads weigh their
+tokens (`weighting="samples"`), so the round's mean is the mean of the delivered uploads. It
+adopts the round's result (its snapshot becomes the new global parameters), then puts its own
+parameters back, so its next upload carries both rounds' progress
+(`tests/integration/test_quality_dropped.py`). Before issue 32 the worker kept the round's result
+instead, losing that round's progress, which is not the paper's procedure. Left different or
+unchecked: when every upload of a round is lost (1 round in 16 on average) the mean is zero and
+the outer step applies only the momentum (the paper does not say what its outer step does then);
+MB sent counts the lost uploads too (they travel, as zeros).
 """,
     "iid": """
 The iid split deals the same training text (1024-byte pieces after a fixed shuffle) round-robin,
@@ -212,12 +208,11 @@ pseudo-gradient carries part of the previous round's drift again, which the oute
 (lr 0.7, momentum 0.9) amplifies; on topic-split shards that drift is topic-specific.
 """,
     "k": """
-*Why not reproduced.* Losing half the uploads cost about 13% perplexity. Believed reasons: the
-run has only 15 rounds, so the lost work (about half of all inner steps, since a worker whose
-upload is lost adopts the round's result and its progress is gone) is a large share of the run;
-and in about 1 round in 16 every upload is lost, and the outer step then applies momentum alone.
-Other ways to lose an upload (keeping the lost progress in the worker for its next upload) were
-not tried.
+*Why not reproduced.* Losing half the uploads cost about 13% perplexity in the run of 2026-11-26,
+whose lost uploads also threw away the worker's progress of that round (not the paper's
+procedure, since changed: the notes below). Believed reasons: the run had only 15 rounds, so the
+lost work (about half of all inner steps) was a large share of it; and in about 1 round in 16
+every upload is lost, and the outer step then applies momentum alone.
 """,
     "m": """
 *Why not reproduced.* Data-parallel with 4 times the batch did not beat DiLoCo M = 4 here (the mean
