@@ -78,19 +78,21 @@ from DiLoCo is that each fragment syncs on its own schedule. "Peak kB per sync" 
 worker uploaded in one sync.
 """,
     "overlap": """
-**Checked against the paper.** Streaming DiLoCo (arXiv 2501.18512, section 2.3 and figure 8):
-a fragment's outer gradient is sent, training goes on for tau inner steps, then the fragment's
-new global values are merged into the local ones as alpha times the local plus (1 - alpha) times
-the global; the figure varies tau for alpha 0 (the global values replace the local ones, the
-overlapped steps' progress on that fragment is lost) and alpha 0.5 (the mean of the two), and
-the heterogeneous-tau runs (figure 10) use alpha 0.5. Ours
-(`diloco/worker/server_mode/streaming.py`) computes the same merge on the fragment's elements and
-takes the global values as the fragment's next snapshot (its next outer gradient is global minus
-local, as in the paper; `tests/integration/test_streaming_equivalence.py` holds it to a plain
-reference), so no code was changed; the experiment now runs both of the figure's
-series. Left different: the paper's figure is at 35M-4B parameters with its own H and fragment
-sizes, ours at the suite's scale; its text was read here through its figure captions and
-section summaries (the full text could not be fetched in this session).
+**Checked against the paper.** Streaming DiLoCo (arXiv 2501.18512, section 2.3 and Algorithm 2):
+a fragment's outer gradient is sent, training goes on, and tau inner steps later the outer step's
+result is merged into the local fragment as alpha times the local values plus (1 - alpha) times
+the result (line 12): alpha 0 discards the fragment's progress of those tau steps, alpha 0.5
+averages the two. Its figure 8 sweeps tau for both alpha 0 and alpha 0.5 (negligible loss up to
+tau 10, under 0.2%; its main runs use tau 1), so the experiment runs both series. Ours
+(`diloco/worker/server_mode/streaming.py`) computes the same merge on the fragment's elements, so
+no code was changed. One difference is left, for tau > 0 only: read literally, Algorithm 2 takes
+the next outer gradient and the base of the outer step from each replica's own fragment value at
+its previous send (lines 7 and 11), while ours takes both from the shared global fragment (the
+worker's snapshot after a merge is the global result, so the next outer gradient is global minus
+local, and the server steps its one global copy;
+`tests/integration/test_streaming_equivalence.py` holds it to a plain reference). At tau 0 the
+two are the same; with tau > 0 the literal reading would give every replica its own outer step
+base, so replicas would never share one model.
 """,
     "codecs": """
 The downlink stays fp32 (full parameters), so only the uplink varies; MB sent is what the server
