@@ -7,7 +7,8 @@ weights inside the network: ``torch.optim.Muon`` refuses any other shape, and th
 output head (a matrix, but one row per token, as an embedding is), learned positions, norms and
 biases go to AdamW, as MuLoCo and Muon's reference do. Muon runs with ``match_rms_adamw`` (its
 update scaled to AdamW's RMS), so both groups take the same learning rate and weight decay and a
-trial's ``lr`` means the same thing for either choice.
+trial's ``lr`` means the same thing for either choice. The demo model's attention keeps q, k and
+v in one stacked ``in_proj_weight``: Muon orthogonalises it as one matrix, not as three.
 """
 
 from __future__ import annotations
