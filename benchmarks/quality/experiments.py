@@ -46,7 +46,7 @@ class Scale:
     curve_windows: int = 128  # held-out windows of 64 bytes per curve point
     eval_windows: int = 256  # held-out windows of the final model
     muon_workers: tuple[int, ...] = (1, 4, 8)  # M of the Muon rows (muon.py)
-    muon_batch: int = 64  # their global batch per inner step, split over the M workers
+    muon_batch: int = 32  # their global batch per inner step, split over the M workers (4 at M=8)
 
 
 DEFAULT = Scale()

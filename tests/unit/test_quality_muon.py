@@ -12,7 +12,7 @@ from benchmarks.quality.muon import NOT_REPRODUCED, REPRODUCED, claim_p, muon, n
 def test_every_m_shares_one_global_batch_and_both_inner_optimizers_run() -> None:
     configs = muon(DEFAULT)
     got = [(c.inner, c.workers, c.batch_size) for c in configs]
-    assert got == [(i, m, 64 // m) for i in ("adamw", "muon") for m in (1, 4, 8)]
+    assert got == [(i, m, 32 // m) for i in ("adamw", "muon") for m in (1, 4, 8)]
     assert {c.steps for c in configs} == {DEFAULT.steps} and len(muon(FAST)) == 4
     with pytest.raises(ValueError, match="does not split"):
         muon(replace(FAST, muon_batch=3))
