@@ -57,6 +57,9 @@ class Trial:
     device: str = "cpu"
     curve: bool = False  # record the global model after every outer update, evaluate them after
     curve_windows: int = 128  # eval windows per curve point
+    # At most this many curve points evaluated (0: all), spread evenly over the recorded ones,
+    # the last always kept: each costs an evaluation, and at small H they would outweigh training.
+    curve_points: int = 0
     eval_windows: int = 256  # eval windows of the final model
     drop_prob: float = 0.0  # chance that a worker's upload of a round is lost (claim k)
     inner: str = "adamw"  # the workers' inner optimizer: "adamw" or "muon" (harness/inner.py)
@@ -338,6 +341,17 @@ def _settle(server: DiLoCoServer, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def thin(points: list[Any], most: int) -> list[Any]:
+    """At most ``most`` of ``points`` (all when ``most`` is 0 or there are no more), evenly
+    spread by index, the first and the last always kept."""
+    if most <= 0 or len(points) <= most:
+        return list(points)
+    if most == 1:
+        return [points[-1]]
+    step = (len(points) - 1) / (most - 1)
+    return [points[round(i * step)] for i in range(most)]
+
+
 def evaluate_curve(
     trial: Trial, points: list[dict[str, Any]], model: torch.nn.Module, corpus: Corpus
 ) -> list[dict[str, Any]]:
@@ -349,7 +363,7 @@ def evaluate_curve(
     sync = trial.server.get("mode", "sync") == "sync"
     eval_tokens = corpus.eval.to(trial.device)
     out = []
-    for p in points:
+    for p in thin(points, trial.curve_points):
         model.load_state_dict(p.pop("params"))
         taken = p["worker_steps"] / trial.workers
         # Streaming workers hand in unsent fragments when they stop: updates past the last step.

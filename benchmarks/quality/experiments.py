@@ -2,26 +2,17 @@
 default scale (the docs' figures) and a fast one (the test's).
 
 Not run on its own: ``python benchmarks/quality/run.py NAME [--fast]``. An experiment is a list
-of configurations; ``run_config`` runs one, through the real server and worker threads
-(``harness.trials.run_trial``) or, for the baselines, a single model with no server
-(``protocol.run_single``). Rows are cached by their full settings, so a configuration shared by
-several experiments (DiLoCo M=4 at H=20 is the reference of most) runs once per seed.
+of configurations; ``rows.run_config`` runs one, through the real server and worker threads
+or, for the baselines, a single model with no server. Rows are cached by their full settings, so
+a configuration shared by several experiments (DiLoCo at the default M and H is the reference of
+most) runs once per seed.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-from benchmarks.harness.allreduce_trials import run_allreduce_trial
-from benchmarks.harness.trials import Trial, run_trial
-from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
-from benchmarks.quality.splits import shard_divergences
 
 # The worker speeds of arXiv 2401.09135, section 4: seconds per step relative to a unit.
 ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
@@ -29,22 +20,40 @@ ASYNC_RATIO = (0.58, 0.75, 1.51, 3.33)
 
 @dataclass(frozen=True)
 class Scale:
-    """How big an experiment runs: the default for the docs, ``FAST`` for the test."""
+    """How big an experiment runs: the default for the docs, ``FAST`` for the test.
 
-    steps: int = 300  # inner steps per worker (the "equal steps per worker" budget)
-    sweep_steps: int = 500  # the H sweep's (a multiple of its largest H)
-    sync_every: int = 20  # H, a multiple of every fragment count used
+    Sized by cost (issue 32): ``python benchmarks/quality/run.py --plan MS`` projects the default
+    command's time from the inner steps of its distinct rows at MS milliseconds per step (about 34
+    for the CPU profile on one core of this project's 2-core machine); docs/quality.md prints the
+    measured time."""
+
+    steps: int = 320  # inner steps per worker (the "equal steps per worker" budget)
+    sync_every: int = 16  # H, a multiple of every fragment count used: 20 outer steps
+    # Claim c: H swept over a run of sweep_steps, a multiple of the largest H giving it 20 outer
+    # steps (at H = 250 in a 500-step run the old suite's largest H had two, so H mostly set
+    # the number of outer steps); the smallest H = 5 is a quarter of the default H.
+    sweep_steps: int = 800
+    sweep: tuple[int, ...] = (5, 10, 20, 40)
     workers: int = 4  # M where an experiment does not vary it
     worker_counts: tuple[int, ...] = (1, 2, 4, 8)
-    sweep: tuple[int, ...] = (10, 50, 100, 250)  # H values of claim c
     taus: tuple[int, ...] = (1, 2, 4)  # overlaps of claim i
     fragments: tuple[int, ...] = (2, 4)
-    pretrain_steps: int = 300
-    warmup: int = 30
+    pretrain_steps: int = 1000
+    warmup: int = 40
     async_unit: float = 0.01  # seconds; async workers sleep unit x ASYNC_RATIO per step
     async_slow_unit: float = 0.05  # the same with sleeps that dwarf a step's compute
-    curve_windows: int = 128  # held-out windows of 64 bytes per curve point
-    eval_windows: int = 256  # held-out windows of the final model
+    # Held-out windows (of the profile's context) every loss is measured on: the curves' points
+    # and the final model's alike, so the last curve point is the table's figure.
+    windows: int = 256
+    # At most this many curve points evaluated per row (0: every outer update): one evaluation
+    # costs about 10 inner steps of compute, so at H = 5 every update's would double a row's cost.
+    curve_points: int = 10
+    # The inner lr sweep (tuning.py): a log grid, tried for tune_steps per worker on seed 0. Six
+    # points: on 1e-3 to 8e-3 (2026-11-27) DiLoCo M=1 chose the lowest and data-parallel at 4x
+    # the batch the highest, so the grid was widened by one step at each end.
+    lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+    tune_steps: int = 128
+    seeds: tuple[int, ...] = (0, 1)
     muon_workers: tuple[int, ...] = (1, 4, 8)  # M of the Muon rows (muon.py)
     muon_batch: int = 32  # their global batch per inner step, split over the M workers (4 at M=8)
 
@@ -63,8 +72,11 @@ FAST = Scale(
     warmup=2,
     async_unit=0.0,
     async_slow_unit=0.001,
-    curve_windows=8,
-    eval_windows=16,
+    windows=8,
+    curve_points=0,
+    lrs=(1e-3, 3e-3),
+    tune_steps=4,
+    seeds=(0,),
     muon_workers=(1, 2),
     muon_batch=4,
 )
@@ -88,90 +100,9 @@ class Config:
     replicas: int = 1  # "dp": batches per step, one from each of this many shards
     inner: str = "adamw"  # the workers' inner optimizer ("adamw", "muon": harness/inner.py)
     batch_size: int = 0  # sequences per worker per inner step (0: the profile's)
-
-
-def run_config(
-    config: Config,
-    profile: Profile,
-    seed: int,
-    scale: Scale,
-    cache_dir: Path,
-    deadline: float = 0.0,
-) -> dict[str, Any]:
-    """One row: run ``config`` for ``seed`` (or read it from the row cache). A ``deadline``
-    (``time.monotonic()``; 0: none) stops its training early (the row says ``stopped_early``)."""
-    # The name is left out of the key: the same settings under two names run once.
-    settings = {k: v for k, v in asdict(config).items() if k != "name"}
-    key = cache_key(
-        config=settings,
-        profile=asdict(profile),
-        seed=seed,
-        pretrain=scale.pretrain_steps,
-        warmup=scale.warmup,
-        windows=(scale.curve_windows, scale.eval_windows),
-    )
-    path = cache_dir / "rows" / f"{key}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "name": config.name}
-    t0 = time.monotonic()
-    init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
-    if config.kind == "diloco":
-        trial = Trial(
-            config.name,
-            seed,
-            workers=config.workers,
-            sync_every=config.sync_every,
-            server=dict(config.server),
-            worker=dict(config.worker),
-            delays=list(config.delays) if config.delays else None,
-            total_steps=config.steps if config.shared_budget else config.steps * config.workers,
-            shared_budget=config.shared_budget,
-            batch_size=config.batch_size or profile.batch_size,
-            seq_len=profile.seq_len,
-            lr=profile.lr,
-            init=init,
-            warmup=scale.warmup,
-            cosine=True,
-            corpus=profile.corpus(config.workers, config.split),
-            model_fn=profile.model,
-            device=profile.device,
-            curve=True,
-            drop_prob=config.drop_prob,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
-            inner=config.inner,
-            deadline=deadline,
-        )
-        row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
-        row["steps_per_worker"] = row["steps"] / config.workers
-        row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
-        row["shard_divergence"] = shard_divergences(profile.corpus(config.workers, config.split))
-    else:
-        corpus = profile.corpus(config.replicas, config.split)
-        row = run_single(
-            config.name,
-            profile,
-            seed,
-            init,
-            corpus,
-            steps=config.steps,
-            warmup=scale.warmup,
-            replicas=config.replicas,
-            curve_every=config.sync_every,
-            curve_windows=scale.curve_windows,
-            eval_windows=scale.eval_windows,
-            deadline=deadline,
-        )
-    row["kind"] = config.kind
-    row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
-    row["config"] = asdict(config)
-    if row.get("stopped_early"):
-        return row  # cut short by the deadline: not the configuration's row, never cached
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(row))
-    os.replace(tmp, path)
-    return row
+    equal_tokens: bool = False  # "adamw": the equal-tokens baseline (its own tuned lr)
+    lr: float | None = None  # peak inner lr; None: not yet chosen (tuning.with_lr sets it)
+    heldout: str = "test"  # what eval_loss is measured on: "test", or "valid" (the lr sweep)
 
 
 def plain(s: Scale, name: str = "", **changes: Any) -> Config:
@@ -193,7 +124,8 @@ def scaling(s: Scale) -> list[Config]:
     out = [adamw(s, s.steps, "AdamW, 1 worker (equal steps)")]
     out += [plain(s, f"DiLoCo M={m}", workers=m) for m in s.worker_counts]
     for m in s.worker_counts[1:]:
-        out.append(adamw(s, s.steps * m, f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"))
+        name = f"AdamW, 1 worker, {m}x steps (equal tokens to M={m})"
+        out.append(replace(adamw(s, s.steps * m, name), equal_tokens=True))
     return out
 
 
@@ -367,9 +299,9 @@ def dropped(s: Scale) -> list[Config]:
 def iid(s: Scale) -> list[Config]:
     """Claim l: a clearly non-iid split (pieces of the text ordered along its main axis of byte
     statistics, one run per worker: splits.py) against an iid split of the same text, with the
-    topic split (the other experiments') beside them."""
+    by-package split (the other experiments', the same row as scaling's M=4: cached) beside them."""
     skewed = plain(s, "non-iid (skewed by byte statistics)", split="skewed")
-    return [skewed, plain(s, "iid", split="iid"), plain(s, "non-iid (by topic)")]
+    return [skewed, plain(s, "iid", split="iid"), plain(s, "non-iid (by package)")]
 
 
 def data_parallel(s: Scale) -> list[Config]:
@@ -393,6 +325,7 @@ class Experiment:
     configs: Callable[[Scale], list[Config]]
     what: str  # "equal steps per worker", "equal total tokens", ...
     scale: Scale | None = None  # its own default scale (None: DEFAULT); --fast runs FAST
+    default: bool = True  # False: not for a verdict, run only when named (or with --fast)
     # The first configuration is the reference the others are compared with, paired by seed.
 
 
@@ -406,13 +339,17 @@ EXPERIMENTS = {
         Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
         Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),
         Experiment(
-            "async_slow", "fg", asynchronous_slow, "equal total inner steps over all workers"
+            "async_slow",
+            "fg",
+            asynchronous_slow,
+            "equal total inner steps over all workers",
+            default=False,
         ),
         Experiment("streaming", "h", streaming, EQUAL_STEPS),
         Experiment("overlap", "i", overlap, EQUAL_STEPS),
         Experiment("codecs", "j", codecs, EQUAL_STEPS),
         Experiment("sparse", "n", sparse, EQUAL_STEPS),
-        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS),
+        Experiment("sparse_lr", "n", sparse_lr, EQUAL_STEPS, default=False),
         Experiment("allreduce_codecs", "o", allreduce_codecs, EQUAL_STEPS),
         Experiment("dropped", "k", dropped, EQUAL_STEPS),
         Experiment("iid", "l", iid, EQUAL_STEPS),

@@ -6,7 +6,9 @@
 The profile (``protocol.GPU``) is a byte transformer of about 19M parameters on CPython's
 standard-library sources, on ``cuda``. The scale (``GPU_SCALE``): a 2000-step pretrain, then
 DiLoCo with M = 4 workers (threads sharing the GPU) for 2000 inner steps each at H = 50 (40
-outer steps), beside one-worker AdamW for the same 2000 steps from the same start. Run as
+outer steps), beside one-worker AdamW for the same 2000 steps from the same start, one seed,
+every row at the profile's inner lr (the CPU suite's lr sweep is not run at this scale: it
+would not fit the session). Run as
 ``--profile cpu --fast`` (or at any profile with ``--fast``) it is the wiring test's tiny run.
 
 ``--time-limit`` bounds the training: past it every training loop stops at its next sync
@@ -32,8 +34,9 @@ GPU_SCALE = replace(
     workers=4,
     pretrain_steps=2000,
     warmup=100,
-    curve_windows=64,
-    eval_windows=256,
+    windows=256,
+    curve_points=20,
+    seeds=(0,),
 )
 EXPERIMENT = "gpu_profile"
 
@@ -70,7 +73,7 @@ def section(results: Results) -> list[str]:
         ),
         f"Byte transformer, {profile['layers']} layers, width {profile['d_model']}, "
         f"{profile['heads']} heads, context {profile['seq_len']}, batch {profile['batch_size']}, "
-        f"inner lr {profile['lr']}, on `{profile['device']}`; {profile['data']} corpus. "
+        f"inner lr {profile['lr']} (not swept), on `{profile['device']}`; the stdlib corpus. "
         f"Pretrain {scale['pretrain_steps']} steps, then {scale['steps']} inner steps per "
         f"worker at H = {scale['sync_every']}, M = {scale['workers']}. Command: "
         f"`{res['command']}`; it took {res['elapsed_s']:.0f} s.",

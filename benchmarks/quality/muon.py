@@ -5,19 +5,17 @@ AdamW. Here the global batch and the steps are held fixed and the batch is split
 workers (equal total tokens for every M, as Streaming DiLoCo's figure 12a does), so a loss rising
 with M is the price of more replicas, not of fewer tokens. The experiment does the same at M = 1, 4, 8
 (``Scale.muon_workers``, global batch ``Scale.muon_batch``), once with AdamW and once with Muon
-on the hidden matrices (``benchmarks/harness/inner.py``), same lr, same pretrained start.
+on the hidden matrices (``benchmarks/harness/inner.py``), same pretrained start, each at the lr
+the sweep chose for its kind (``tuning.lr_kind``: Muon's rows have their own kinds).
 """
 
 from __future__ import annotations
 
 from benchmarks.quality.experiments import Config, Scale, plain
+from benchmarks.quality.rules import decide
 from benchmarks.quality.stats import Results, fmt, paired
 
 REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
-
-RULE = """Claim p: the degradation of an inner optimizer at M workers is its loss at M minus its
-loss at M = 1, paired by seed; the claim holds when, at the largest M, Muon's degradation is
-smaller than AdamW's in every seed."""
 
 
 def name(inner: str, m: int) -> str:
@@ -44,7 +42,7 @@ def degradation(r: dict, inner: str, m: int, base: int) -> list[float]:
 
 
 def claim_p(results: Results) -> tuple[str, str, str]:
-    """Ours, verdict and note of claim p by ``RULE``."""
+    """Ours, verdict and note of claim p by its rule (``rules.RULES["p"]``)."""
     res = results["muon"]
     counts = sorted({int(r["config"]["workers"]) for r in res["rows"]})
     base, parts = counts[0], []
@@ -53,7 +51,8 @@ def claim_p(results: Results) -> tuple[str, str, str]:
         parts.append(f"M={m}: AdamW {fmt(adamw, signed=True)}, Muon {fmt(mu, signed=True)}")
     top = counts[-1]
     adamw, mu = degradation(res, "adamw", top, base), degradation(res, "muon", top, base)
-    ok = bool(mu) and len(mu) == len(adamw) and all(a > b for a, b in zip(adamw, mu, strict=True))
+    # Per seed, Muon's degradation minus AdamW's (both lists are in seed order: ``paired``).
+    ok = len(mu) == len(adamw) and decide("p", [[b - a for a, b in zip(adamw, mu, strict=True)]])
     at_one = paired(res, name("muon", base), name("adamw", base))
     note = f"Muon − AdamW at M={base}: {fmt(at_one, signed=True)}"
     text = f"loss at M minus loss at M={base}: " + "; ".join(parts)

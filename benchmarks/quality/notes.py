@@ -13,9 +13,9 @@ do not edit by hand. To regenerate everything (its measured time is given below)
 
     python benchmarks/quality/run.py
 
-which runs every experiment for seeds 0, 1 and 2, writes one JSON file per experiment and then
-renders this page and the plots in `docs/quality/`. `python benchmarks/quality/run.py NAME`
-runs one experiment, `--fast` its fast setting (what `tests/integration/test_quality_suite.py`
+which runs the inner lr sweep and then every experiment for the setup's seeds, writes one JSON
+file per experiment and then renders this page and the plots in `docs/quality/`. `python benchmarks/quality/run.py NAME`
+runs one experiment, `--fast` its fast setting (what `tests/processes/test_quality_suite.py`
 runs), and `python benchmarks/quality/render.py` re-renders without training.
 
 Every DiLoCo run goes through the real system: an in-process `DiLoCoServer` on a loopback port
@@ -33,32 +33,41 @@ PROTOCOL = """
 1. **Pretrain, then branch.** One worker trains the model from its seed's initialisation with
    AdamW on all the training text; the result is cached per seed and every configuration of
    every experiment starts from it (server and workers alike).
-2. **Inner optimizer.** AdamW with linear warmup over each worker's first steps and a cosine decay
+2. **Inner lr, chosen per kind.** Before the experiments, one small sweep (the table below) trains
+   each kind of configuration (one-worker AdamW at equal steps, one-worker AdamW at equal tokens,
+   data-parallel at M times the batch, DiLoCo M=1, DiLoCo at the reference M, and claim p's
+   DiLoCo with Muon inside at M=1 and at the reference M) at every lr of a log
+   grid, for a short horizon, seed 0, and measures it on the validation split (text held out of
+   training and apart from the test split every other loss here is measured on); each kind then
+   trains at its lowest-loss lr in every experiment. DiLoCo at other M and every variant of it
+   (outer optimizer, codecs, fragments, async, lost uploads, iid) take the reference M's lr, so a
+   variant is compared at its baseline's lr; Muon's rows at M >= 2 take the Muon kind's.
+3. **Inner optimizer.** AdamW (claim p: also Muon on the hidden matrices) with linear warmup over each worker's first steps and a cosine decay
    to 10% of the learning rate over the run (async runs: over the share of the run's total inner
    steps already taken). Each worker has its own AdamW state, kept across rounds.
-3. **Outer optimizer.** SGD with Nesterov momentum, lr 0.7, momentum 0.9, on the server, unless
+4. **Outer optimizer.** SGD with Nesterov momentum, lr 0.7, momentum 0.9, on the server, unless
    the experiment varies it.
-4. **Evaluation.** The server's global parameters are copied after every outer update (a thread
+5. **Evaluation.** The server's global parameters are copied after every outer update (a thread
    watches the update counter) and evaluated after the run, so evaluation takes no CPU from the
-   training; the final model is evaluated on more windows. Loss is cross-entropy in nats per byte
-   on held-out text (the tail of every topic, in no worker's shard); perplexity is its exp.
-5. **Budgets.** "Equal steps per worker": every worker takes the same number of inner steps (M
+   training. Every loss (curve points and the final figure alike) is the mean cross-entropy in
+   nats per byte over the same fixed windows of the test split (the tail of every topic, in no
+   worker's shard); perplexity is its exp.
+6. **Budgets.** "Equal steps per worker": every worker takes the same number of inner steps (M
    workers see M times the tokens of one). "Equal total tokens": the one-worker baseline takes M
    times the steps. Each experiment says which it uses; claim a reports both.
-6. **Seeds.** Each configuration runs with seeds 0, 1 and 2; a seed fixes the initialisation,
-   the pretrain and every worker's batch order. Differences between configurations are paired by
-   seed. Sync losses repeat for a seed up to float rounding (the server sums uploads in arrival
-   order); async losses depend on thread timing; wall times were measured on a machine shared
-   with other jobs.
+7. **Seeds.** Each configuration runs with every seed of the setup; a seed fixes the
+   initialisation, the pretrain and every worker's batch order. Differences between
+   configurations are paired by seed. Sync losses repeat for a seed up to float rounding (the
+   server sums uploads in arrival order); async losses depend on thread timing.
+8. **Verdicts.** Each claim's rule is fixed before the runs and printed beside it in the claims
+   table; the code that decides the verdict reads the same table (`benchmarks/quality/rules.py`).
 """
 
 EXPERIMENT_NOTES = {
     "scaling": """
 The "Nx steps" rows are the equal-tokens baselines: one worker taking M times the steps (the
-same tokens as M workers, at M times the wall-clock time on one device). At equal steps per worker
-our gain is several times the paper's figure; at equal total tokens one worker with M times the
-steps is far ahead of M DiLoCo workers. The model starts from a short pretrain, far from
-converged, where more tokens per step help most.
+same tokens as M workers, at M times the wall-clock time on one device), at the lr swept for
+that budget.
 """,
     "async_slow": """
 The same configurations with a 50 ms unit (sleeps of 29, 38, 76 and 167 ms per step), run after
@@ -148,12 +157,13 @@ MB sent counts the lost uploads too (they travel, as zeros).
 """,
     "iid": """
 The iid split deals the same training text (1024-byte pieces after a fixed shuffle) round-robin,
-so every worker sees every topic. The topic split (whole topics per worker, the other
-experiments' split) turned out nearly iid on this corpus: its shards' byte frequencies diverge
-from the whole text's only a few times more than the iid shards' (the line under the table). So
-claim l is judged on the skewed split (`benchmarks/quality/splits.py`): the text cut into
-4096-byte pieces, ordered along the main axis of the pieces' byte statistics, and cut into one
-run per worker, which gives each worker one end of that axis (same text, same held-out part).
+so every worker sees every topic. The by-package split (whole top-level packages of the stdlib per
+worker, the other experiments' split) is only mildly non-iid once every package is cut to its
+first 48 kB: its shards' byte frequencies diverge from the whole text's a few times more than the
+iid shards' (the line under the table). So claim l is judged on the skewed split
+(`benchmarks/quality/splits.py`): the text cut into 4096-byte pieces, ordered along the main axis
+of the pieces' byte statistics, and cut into one run per worker, which gives each worker one end
+of that axis (same text, same held-out part).
 """,
     "muon": """
 The global batch of every row is the same, split over the M workers (M = 1 takes it alone), so
@@ -162,8 +172,9 @@ budget and global batch fixed), so a loss rising with M is the cost of more repl
 (`torch.optim.Muon`, Newton-Schulz orthogonalised momentum, its update scaled to AdamW's RMS so the
 lr carries over) trains every 2-D weight inside the transformer blocks (attention in and out
 projections, both feed-forward layers); the token embedding, learned positions, output head, norms
-and biases stay with AdamW (`benchmarks/harness/inner.py`). Both use the profile's inner lr and
-weight decay 0.01; neither is tuned for the other.
+and biases stay with AdamW (`benchmarks/harness/inner.py`). Weight decay 0.01 for both; each
+trains at its own lr from the sweep (Muon's rows are kinds of their own, swept at their batch),
+so neither is judged at the other's best lr.
 """,
     "data_parallel": """
 Data-parallel is simulated without a server: one model whose batch per step is one batch from each
@@ -173,16 +184,10 @@ computes. Its bytes are computed, not measured: each worker sending its fp32 gra
 }
 
 # Shown beside a claim only when its verdict is "not reproduced": what was tried and the believed
-# reason. Written after the 3-seed run of 2026-11-26; beliefs are marked as such.
+# reason. Written after the 3-seed run of 2026-11-26 in the 137k-parameter regime (issue 20);
+# beliefs are marked as such. Those of c and m went with the causes issue 32's regime removed (two
+# outer steps at the largest H; one unswept inner lr); the rest need checking against new results.
 REASONS: dict[str, str] = {
-    "c": """
-*Why not reproduced.* The order is the paper's (loss rises with H in every seed), but the
-degradation is not gentle: at H = 250 the 500-step run has two outer steps, and the curve shows the
-first one landing below AdamW and the second one overshooting above the pretrained start. Believed
-reason: the second outer step applies Nesterov momentum (0.9) built from a single large
-pseudo-gradient of topic-specific drift; the paper's runs have tens of outer steps even at its
-largest H. A longer run (more rounds at H = 250) was not tried within the time budget.
-""",
     "f": """
 *Why not reproduced.* Naive async (a full Nesterov step per arrival) diverges in every seed, so
 "naive is worse" holds, but Delayed Nesterov with or without DyLU stays well above sync at equal
@@ -216,13 +221,6 @@ procedure, since changed: the notes below). Believed reasons: the run had only 1
 lost work (about half of all inner steps) was a large share of it; and in about 1 round in 16
 every upload is lost, and the outer step then applies momentum alone.
 """,
-    "m": """
-*Why not reproduced.* Data-parallel with 4 times the batch did not beat DiLoCo M = 4 here (the mean
-favours DiLoCo, within about one spread). Both used the same inner learning rate (nothing is tuned;
-a larger batch usually takes a larger one). Believed reason: DiLoCo's outer Nesterov step helps even
-with one worker at this scale (claim e: M = 1 DiLoCo beats AdamW by about 13% perplexity), which
-offsets what DiLoCo loses to infrequent averaging.
-""",
     "n": """
 *Why not reproduced.* All three parts of the rule fail here, for different reasons. **Loss**
 (`topk` about 0.44 above fp32 under Nesterov, 0.20 under the SparseLoCo rule). Believed reason:
@@ -231,14 +229,15 @@ the run's work is still in the workers' residuals when it ends; SparseLoCo's run
 of outer steps. Tested once, on seed 0 only (`sparse_lr`, the H=5 rows: 60 rounds for the same
 steps): there `topk` under the SparseLoCo rule ended below fp32 at H=5 and close to fp32 at H=20,
 at four times the upload bytes of its H=20 run (the ratio per round is unchanged). **Upload
-bytes** (÷42, not ÷50): at 137k parameters the body's safetensors header (the names, dtypes,
-shapes and offsets of three parts per parameter tensor, 29 tensors) weighs more than the kept
-values; measured apart from the suite with `diloco.wire.encode` on this model, the header is
-about 7.9 kB of a 13.0 kB body, so the payload alone is about 107x below fp32's. At 100M
-parameters the header would be negligible. **Download bytes** (÷10, not ÷20): with M = 4
-workers, up to 4 x 1.56% = 6.25% of the positions change
-each round, at 6 bytes each (a uint16 position and the fp32 value) against 4 per parameter for
-full parameters, so 4 / (6 x 0.0625) = 10.7x is the ceiling before headers at this M; 20x needs
-overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update": 21.5x at N = 2).
+bytes** (÷42 in this run, not ÷50): at 137k parameters the body's safetensors header (the
+names, dtypes, shapes and offsets of three parts per parameter tensor, 29 tensors) weighed more
+than the kept values (7.9 kB of a 13.0 kB body). Since this run each tensor is one part of
+per-chunk records with positions packed in log2(chunk) bits: seed 0 of this configuration,
+rerun alone, sends 6,250 bytes per round, ÷88.1, with the same eval losses to the last digit
+(docs/benchmarks.md, "Sparse top-k codec"). **Download bytes** (÷10, not ÷20): with M = 4
+workers, up to 4 x 1.56% = 6.25% of the positions change each round, at 5.5 bytes each (a 12-bit
+position and the fp32 value; 6 in this run) against 4 per parameter for full parameters, so
+4 / (5.5 x 0.0625) = 11.6x is the ceiling before headers at this M (the rerun: ÷10.7); 20x
+needs overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update").
 """,
 }

@@ -1,9 +1,12 @@
 """The suite's protocol: model and data profiles, the iid split, the pretrain cache and the
 baselines that need no server (plain AdamW on one worker, data-parallel at M times the batch).
 
-Not run on its own; ``run.py`` uses it. Two profiles: ``cpu`` (the demo's 137k-parameter byte
-transformer on ``pydoc_data.topics``, what the docs report) and ``gpu`` (a ~20M-parameter byte
-transformer on CPython's own standard-library sources, for one GPU; not run for the docs).
+Not run on its own; ``run.py`` uses it. Both profiles train byte-level transformers on CPython's
+own standard-library sources: ``cpu`` (about 0.67M parameters, what the docs report; issue 32
+retired the demo's 137k-parameter model on ``pydoc_data.topics``, whose baselines were starved at
+one small lr) and ``gpu`` (about 19M, for one GPU). ``FAST`` is a toy of ``cpu`` for the tests.
+Every topic's tail is held out twice: a validation split that chooses the inner lr
+(``tuning.py``) and, after it, the test split every verdict is judged on.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 
 from benchmarks.harness.trials import Trial, lr_factor
 from benchmarks.quality.splits import skewed_corpus
-from diloco.demo.data import Corpus, build_corpus, sample_batch, split_topic
-from diloco.demo.model import CharTransformer, build_model, evaluate, loss_on
+from diloco.demo.data import Corpus, sample_batch, split_topic
+from diloco.demo.model import CharTransformer, evaluate, loss_on
 
 
 @dataclass(frozen=True)
@@ -39,33 +42,53 @@ class Profile:
     batch_size: int = 16
     lr: float = 3e-3
     device: str = "cpu"
-    data: str = "pydoc"  # "pydoc": pydoc_data.topics; "stdlib": CPython's .py sources
-    max_bytes: int = 0  # stdlib: keep at most this many bytes of source (0: all)
+    max_bytes: int = 0  # keep at most this many bytes of source in all (0: all)
+    topic_bytes: int = 0  # keep at most this many bytes of each topic (0: all)
 
     def model(self, seed: int) -> torch.nn.Module:
         """The model, initialised from ``seed`` alone (the global random state is kept)."""
-        if self.data == "pydoc" and (self.d_model, self.layers, self.heads) == (64, 2, 4):
-            return build_model(seed, self.seq_len)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return CharTransformer(self.d_model, self.layers, self.heads, self.seq_len)
 
-    def corpus(self, workers: int, split: str) -> Corpus:
+    def corpus(self, workers: int, split: str, heldout: str = "test") -> Corpus:
         """Training shards for ``workers`` workers, by topic (``non-iid``), along the text's main
-        axis of byte statistics (``skewed``, ``splits.py``) or not (``iid``)."""
-        return _corpus(self, workers, split)
+        axis of byte statistics (``skewed``, ``splits.py``) or not (``iid``); ``Corpus.eval`` is
+        the ``heldout`` split: ``test`` (verdicts) or ``valid`` (the lr sweep)."""
+        if heldout not in HELDOUT:
+            raise ValueError(f"heldout must be one of {', '.join(HELDOUT)}, got {heldout!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        return _corpus(self, workers, split, heldout)
 
 
-@functools.lru_cache(maxsize=16)
-def _corpus(profile: Profile, workers: int, split: str) -> Corpus:
+# Fractions of every topic held out, taken from its tail: the test split last, validation before.
+HELDOUT = {"test": 0.10, "valid": 0.05}
+SPLITS = ("non-iid", "skewed", "iid")
+
+
+@functools.lru_cache(maxsize=8)
+def _corpus(profile: Profile, workers: int, split: str, heldout: str) -> Corpus:
     """``Profile.corpus``, built once per process (the tensors are never written to)."""
-    base = build_corpus(workers) if profile.data == "pydoc" else stdlib_corpus(workers, profile)
+    base = stdlib_corpus(workers, profile, heldout)
     if split == "skewed":
         return skewed_corpus(base, workers)
     return base if split == "non-iid" else iid_corpus(base, workers)
 
 
-CPU = Profile("cpu")
+# About 0.67M parameters (3 blocks of width 128: 12 x 128^2 each, plus embeddings and head), five
+# times the old demo model's, a 64-byte context, 8 sequences per step. Sized by step time, one core
+# of this project's 2-core machine (load about 10): 34 ms, where 4 blocks take 45 ms and width 192
+# (1.9M) 80 ms, which would put the default suite at about 69 and 120 minutes instead of about 45
+# (run.py --plan). Every topic is capped at 48 kB: the text stays diverse (the `encodings`
+# tables would otherwise be a tenth of it) and its int64 tensors small (4 MB of training text).
+CPU = Profile(
+    "cpu", d_model=128, layers=3, heads=4, seq_len=64, batch_size=8, lr=2e-3, topic_bytes=48_000
+)
+# A toy of CPU for the tests (--fast): the same code paths in seconds.
+FAST = Profile(
+    "cpu-fast", d_model=32, layers=1, heads=2, seq_len=32, batch_size=4, max_bytes=400_000
+)
 # About 19M parameters (6 blocks of width 512: 12 x 512^2 each, plus embeddings and head).
 GPU = Profile(
     "gpu",
@@ -76,15 +99,16 @@ GPU = Profile(
     batch_size=32,
     lr=6e-4,
     device="cuda",
-    data="stdlib",
 )
 PROFILES = {"cpu": CPU, "gpu": GPU}
 
 
-def stdlib_corpus(workers: int, profile: Profile) -> Corpus:
+def stdlib_corpus(workers: int, profile: Profile, heldout: str = "test") -> Corpus:
     """CPython's standard-library sources as bytes, one topic per top-level module or package
-    (tests and bundled tools left out); the tail of each topic held out, topics dealt to the
-    shards largest first to the smallest shard (the demo corpus's rule)."""
+    (tests and bundled tools left out), each cut to ``profile.topic_bytes``; the tail of each
+    topic held out (its last tenth the test split, the twentieth before it the validation split,
+    neither trained on), topics dealt to the shards largest first to the smallest shard (the
+    demo corpus's rule). ``Corpus.eval`` is the ``heldout`` split."""
     root = Path(sysconfig.get_paths()["stdlib"])
     topics: dict[str, list[bytes]] = {}
     total = 0
@@ -92,16 +116,24 @@ def stdlib_corpus(workers: int, profile: Profile) -> Corpus:
         rel = Path(path).relative_to(root)
         if rel.parts[0] in ("test", "idlelib", "site-packages", "lib2to3") or "tests" in rel.parts:
             continue
+        topic = topics.setdefault(rel.parts[0].removesuffix(".py"), [])
+        if profile.topic_bytes and sum(map(len, topic)) >= profile.topic_bytes:
+            continue  # capped below: no need to read it
         data = Path(path).read_bytes()
-        topics.setdefault(rel.parts[0].removesuffix(".py"), []).append(data)
+        topic.append(data)
         total += len(data)
         if profile.max_bytes and total >= profile.max_bytes:
             break
     parts = []
     for name in sorted(topics):
         blob = bytearray(b"\n".join(topics[name]))
-        train, held = split_topic(torch.frombuffer(blob, dtype=torch.uint8).long(), 0.1)
-        if len(train) > profile.seq_len and len(held) > profile.seq_len:
+        if profile.topic_bytes:
+            blob = blob[: profile.topic_bytes]
+        rest, test = split_topic(torch.frombuffer(blob, dtype=torch.uint8).long(), HELDOUT["test"])
+        share = HELDOUT["valid"] / (1 - HELDOUT["test"])
+        train, valid = split_topic(rest, share)
+        held = test if heldout == "test" else valid
+        if len(train) > profile.seq_len and min(len(valid), len(test)) > profile.seq_len:
             parts.append((train, held))
     shards: list[list[torch.Tensor]] = [[] for _ in range(workers)]
     sizes = [0] * workers
@@ -171,8 +203,9 @@ def run_single(
     warmup: int,
     replicas: int = 1,
     curve_every: int = 25,
-    curve_windows: int = 128,
-    eval_windows: int = 256,
+    windows: int = 256,
+    lr: float | None = None,
+    curve_points: int = 0,
     deadline: float = 0.0,
 ) -> dict[str, Any]:
     """A baseline with no server: one model, AdamW with the suite's warmup and cosine schedule,
@@ -180,20 +213,25 @@ def run_single(
     is one batch from each of the first ``replicas`` shards (M workers' gradients averaged, as
     an all-reduce would), so ``replicas`` times the batch. Its bytes are computed, not measured:
     every replica sends its fp32 gradient once per step. The curve is evaluated every
-    ``curve_every`` steps (from copies, after the run). Past a ``deadline`` (``time.monotonic()``;
+    ``curve_every`` steps (from copies, after the run) on the same ``windows`` held-out windows as
+    the final model, and at most ``curve_points`` times (0: no limit; the interval grows to fit).
+    ``lr``: the peak inner lr (default the profile's). Past a ``deadline`` (``time.monotonic()``;
     0: none) it stops at the next curve point and says ``stopped_early``."""
+    lr = profile.lr if lr is None else lr
+    if curve_points:
+        curve_every = max(curve_every, -(-steps // curve_points))
     torch.set_num_threads(1)  # as each worker thread has it, so wall times compare
     model = profile.model(seed).to(profile.device)
     model.load_state_dict(init)
-    trial = Trial(name, seed, lr=profile.lr, warmup=warmup, cosine=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=profile.lr)
+    trial = Trial(name, seed, lr=lr, warmup=warmup, cosine=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed * 1000)
     grad_bytes = 4 * sum(p.numel() for p in model.parameters()) * replicas if replicas > 1 else 0
     snaps = [(0, 0.0, {n: t.clone() for n, t in init.items()})]
     t0 = time.monotonic()
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = profile.lr * lr_factor(trial, step, step / steps)
+            group["lr"] = lr * lr_factor(trial, step, step / steps)
         batches = [
             sample_batch(corpus.shards[r], profile.batch_size, profile.seq_len, gen)
             for r in range(replicas)
@@ -219,13 +257,13 @@ def run_single(
                 "steps_per_worker": done,
                 "bytes_up": grad_bytes * done,
                 "wall_s": at,
-                "eval_loss": evaluate(model, eval_tokens, profile.seq_len, curve_windows),
+                "eval_loss": evaluate(model, eval_tokens, profile.seq_len, windows),
             }
         )
     return {
         "name": name,
         "seed": seed,
-        "eval_loss": evaluate(model, eval_tokens, profile.seq_len, eval_windows),
+        "eval_loss": evaluate(model, eval_tokens, profile.seq_len, windows),
         "wall_s": wall,
         "steps": taken * replicas,
         "steps_per_worker": taken,

@@ -9,6 +9,7 @@ Reads every experiment's JSON file, writes ``DOCS/quality.md`` and ``DOCS/qualit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,11 +17,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from benchmarks.quality.claims import CLAIMS, NOT_REPRODUCED, RULES, claim_rows, seeds_of  # noqa: E402
+from benchmarks.quality.claims import CLAIMS, NOT_REPRODUCED, claim_rows, seeds_of  # noqa: E402
 from benchmarks.quality.gpu import section as gpu_section  # noqa: E402
 from benchmarks.quality.notes import EXPERIMENT_NOTES, INTRO, PROTOCOL, REASONS  # noqa: E402
 from benchmarks.quality.plots import plot_experiment  # noqa: E402
 from benchmarks.quality.protocol import Profile  # noqa: E402
+from benchmarks.quality.rules import DEFINITIONS, rule_text  # noqa: E402
 from benchmarks.quality.splits import divergence_lines  # noqa: E402
 from benchmarks.quality.stats import (  # noqa: E402
     Results,
@@ -51,22 +53,79 @@ def suite_time(results: Results) -> float:
     return sum(seen.values())
 
 
+# Where the suite's sizing is measured (one line: the docs test checks the section exists).
+SIZING = 'docs/benchmarks.md, "Quality suite: step time and the size of the default".'
+
+
+def timing(results: Results, sweep: dict[str, Any] | None) -> list[str]:
+    """The suite's time and where it was measured, from the result files."""
+    minutes = (suite_time(results) + (sweep or {}).get("run_s", 0.0)) / 60
+    hosts = [h for res in results.values() for h in res.get("host", {}).values()]
+    where = ""
+    if hosts:
+        loads = [h["load"] for h in hosts]
+        first, last = min(h["utc"] for h in hosts), max(h["utc"] for h in hosts)
+        where = (
+            f" on {hosts[0]['cores']} cores ({hosts[0]['cpu']}), {first} to {last} UTC, load "
+            f"average {min(loads):.1f} to {max(loads):.1f} at the experiments' starts and ends"
+        )
+    return [
+        f"Suite time of these results: {minutes:.0f} min, the sum of every distinct run's time "
+        "(the lr sweep, pretrain and evaluation included; a run shared by several experiments "
+        f"counted once){where}. `python benchmarks/quality/run.py --plan MS` projects the "
+        "default's time from a step time of MS ms; measured step times and the projection: "
+        + SIZING
+    ]
+
+
+def sweep_table(sweep: dict[str, Any]) -> list[str]:
+    """The inner lr sweep: each kind's validation loss at every lr of the grid, the chosen lr."""
+    grid = sweep["grid"]
+    out = [
+        f"{sweep['steps']} inner steps per worker (the equal-tokens baseline M times that), "
+        f"seed {sweep['seed']}, from the pretrained start; final loss on the validation split, "
+        "the lowest in bold. Each row of every experiment trains at its kind's chosen lr (the "
+        "tables' lr column).",
+        "",
+        "| kind | " + " | ".join(f"lr {lr:g}" for lr in grid) + " | chosen |",
+        "|---|" + "---|" * (len(grid) + 1),
+    ]
+    for k in sweep["kinds"].values():
+        cells = [f"**{x:.4f}**" if lr == k["lr"] else f"{x:.4f}" for lr, x in k["losses"]]
+        chosen = f"{k['lr']:g}" + (" (the grid's end: the grid is too narrow)" if k["edge"] else "")
+        out.append(f"| {k['what']} | " + " | ".join(cells) + f" | {chosen} |")
+    return out
+
+
 def setup_table(results: Results) -> list[str]:
     """Model, data and scale of the runs, from the first result file."""
     res = next(iter(results.values()))
-    profile, scale = Profile(**res["profile"]), res["scale"]
+    # Fields a profile no longer has (older result files: ``data``) are left out.
+    known = {f.name for f in dataclasses.fields(Profile)}
+    profile = Profile(**{k: v for k, v in res["profile"].items() if k in known})
+    scale = res["scale"]
     params = sum(p.numel() for p in profile.model(0).parameters())
-    data = "`pydoc_data.topics` (CPython's help texts)" if profile.data == "pydoc" else "stdlib"
     items = [
         (
             "model",
             f"byte-level transformer, {profile.layers} layers, width {profile.d_model}, "
             f"{profile.heads} heads, {params:,} parameters",
         ),
-        ("data", f"{data}, UTF-8 bytes; held-out text: the last 10% of every topic"),
+        (
+            "data",
+            "CPython's standard-library sources (`.py` files; tests and bundled tools left out), "
+            "UTF-8 bytes, one topic per top-level module or package"
+            + (
+                f", each cut to its first {profile.topic_bytes:,} bytes"
+                if profile.topic_bytes
+                else ""
+            )
+            + "; held out of training: the last 10% of every topic (the test split, every "
+            "loss on this page) and the 5% before it (the validation split, the lr sweep only)",
+        ),
         (
             "split",
-            "non-iid: whole topics per worker (`diloco.demo.data.build_corpus`); iid: "
+            "non-iid: whole topics per worker, largest first to the smallest shard; iid: "
             "1024-byte pieces dealt round-robin after a fixed shuffle (claim l only)",
         ),
         ("batch", f"{profile.batch_size} sequences of {profile.seq_len} bytes per inner step"),
@@ -76,22 +135,33 @@ def setup_table(results: Results) -> list[str]:
             "text, cached per seed; every configuration starts from it",
         ),
         (
+            "pretrain lr",
+            f"{profile.lr} (fixed; linear warmup over the first tenth of the pretrain)",
+        ),
+        (
             "inner optimizer",
-            f"AdamW, lr {profile.lr}, linear warmup {scale['warmup']} steps, "
-            "cosine decay to 10% over the run",
+            f"AdamW at the lr its kind's sweep chose (below), linear warmup {scale['warmup']} "
+            "steps, cosine decay to 10% over the run",
         ),
         ("outer optimizer", "SGD, lr 0.7, Nesterov momentum 0.9 (unless varied)"),
         (
             "scale",
-            f"{scale['steps']} inner steps per worker, H = {scale['sync_every']}, "
-            f"M = {scale['workers']} (unless varied); H sweep: {scale['sweep_steps']} steps",
+            f"{scale['steps']} inner steps per worker, H = {scale['sync_every']} "
+            f"({scale['steps'] // scale['sync_every']} outer steps), M = {scale['workers']} "
+            f"(unless varied); H sweep: {scale['sweep_steps']} steps "
+            f"({scale['sweep_steps'] // max(scale['sweep'])} outer steps at H = {max(scale['sweep'])})",
         ),
         ("uplink", "bf16 pseudo-gradients (the default), fp32 parameters down (unless varied)"),
         (
             "evaluation",
-            f"global model on {scale['eval_windows']} evenly spaced 64-byte windows "
-            f"of held-out text at the end; curves: {scale['curve_windows']} windows after every "
-            "outer update",
+            f"the global model on the same {scale['windows']} evenly spaced {profile.seq_len}-byte "
+            "windows of the test split after every outer update (the curves"
+            + (
+                f": at most {scale['curve_points']} points a run, evenly spread"
+                if scale.get("curve_points")
+                else ""
+            )
+            + ") and at the end (the tables): the last curve point is the table's figure",
         ),
         (
             "seeds",
@@ -109,13 +179,19 @@ def setup_table(results: Results) -> list[str]:
     return out
 
 
+def _lr(group: list[dict[str, Any]]) -> str:
+    """The inner lr the rows trained at (older result files have none)."""
+    lr = group[0].get("config", {}).get("lr")
+    return "—" if lr is None else f"{lr:g}"
+
+
 def experiment_table(res: dict[str, Any]) -> list[str]:
     """One line per configuration: final loss, paired difference from the reference, bytes."""
     ref = names(res)[0]
     out = [
-        "| configuration | eval loss | vs first row (paired) | perplexity vs first row | "
-        "MB sent | peak kB per sync | wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | inner lr | eval loss | vs first row (paired) | perplexity vs first row "
+        "| MB sent | peak kB per sync | wall s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in names(res):
         group = rows(res, n)
@@ -127,7 +203,7 @@ def experiment_table(res: dict[str, Any]) -> list[str]:
         peak = f"{sum(peaks) / len(peaks) / 1e3:.0f}" if any(peaks) else "—"
         sent = f"{mb:.1f}" + (" (computed)" if group[0].get("kind") == "dp" else "") if mb else "0"
         wall = fmt([r["wall_s"] for r in group], 1)
-        out.append(f"| {n} | {loss} | {diff} | {ppl} | {sent} | {peak} | {wall} |")
+        out.append(f"| {n} | {_lr(group)} | {loss} | {diff} | {ppl} | {sent} | {peak} | {wall} |")
     return out
 
 
@@ -138,15 +214,16 @@ def bytes_table(res: dict[str, Any]) -> list[str]:
     ref = names(res)[0]
     up0, down0 = per_round(res, ref, "up"), per_round(res, ref, "down")
     out = [
-        "| configuration | eval loss | vs first row (paired) | kB up per round | ÷ up | "
+        "| configuration | inner lr | eval loss | vs first row (paired) | kB up per round | ÷ up | "
         "kB down per round | ÷ down | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for n in names(res):
         up, down = per_round(res, n, "up"), per_round(res, n, "down")
         diff = "reference" if n == ref else fmt(paired(res, n, ref), signed=True)
         out.append(
-            f"| {n} | {fmt(list(values(res, n).values()))} | {diff} | {up / 1e3:.1f} | "
+            f"| {n} | {_lr(rows(res, n))} | {fmt(list(values(res, n).values()))} | {diff} | "
+            f"{up / 1e3:.1f} | "
             f"{up0 / up:.1f} | {down / 1e3:.1f} | {down0 / down:.1f} | "
             f"{fmt([r['wall_s'] for r in rows(res, n)], 1)} |"
         )
@@ -185,32 +262,27 @@ def render(results_dir: Path, docs_dir: Path) -> Path:
     results = {k: v for k, v in everything.items() if k not in APART}
     if not results:
         raise SystemExit(f"no result files of the CPU suite in {results_dir}")
+    sweep_file = results_dir / "lr_sweep.json"
+    sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
     claims = claim_rows(results)
     fast = any(r["fast"] for r in results.values())
     lines = [INTRO.strip(), ""]
     if fast:
         lines += ["**These are fast-setting results (a smoke test), not the suite's figures.**", ""]
-    minutes = suite_time(results) / 60
-    lines += [
-        f"Suite time of these results: {minutes:.0f} min, the sum of every distinct run's time "
-        "(pretrain and evaluation included; a run shared by several experiments counted once), "
-        "on the machine that produced them (the published figures: this project's 2-core Intel "
-        "Xeon, idle, 2026-11-26 18:10-18:53 UTC; the first run, with other jobs on the cores "
-        "at load 3 to 9, took 48 min). The issue's target was about 30 min. Claims n and o "
-        "(`sparse`, `sparse_lr`, `allreduce_codecs`) ran later on the same machine, shared "
-        "with other jobs (load 5 to 9), 2026-11-27 15:28-15:42 UTC.",
-        "",
-    ]
+    lines += [*timing(results, sweep), ""]
     lines += [PROTOCOL.strip(), "", "## Setup", "", *setup_table(results), ""]
-    lines += ["## Claims", "", RULES.replace("\n", " "), ""]
+    if sweep:
+        lines += ["### Inner lr sweep", "", *sweep_table(sweep), ""]
+    lines += ["## Claims", "", " ".join(DEFINITIONS.split()), ""]
     lines += [
-        "| claim | paper | ours (mean ± sd over seeds) | verdict | command |",
-        "|---|---|---|---|---|",
+        "| claim | paper | rule (all checks must hold) | ours (mean ± sd over seeds) | verdict "
+        "| command |",
+        "|---|---|---|---|---|---|",
     ]
     for c in claims:
         lines.append(
-            f"| {c['claim']}. {c['text']} | {c['paper']} | {c['ours']} | "
-            f"{c['verdict']} | `{c['command']}` |"
+            f"| {c['claim']}. {c['text']} | {c['paper']} | {rule_text(c['claim'])} | "
+            f"{c['ours']} | {c['verdict']} | `{c['command']}` |"
         )
     lines.append("")
     by_exp: dict[str, list[dict[str, str]]] = {}

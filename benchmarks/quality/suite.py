@@ -18,7 +18,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     "muon": Experiment(
         "muon", "p", muon, "equal steps and equal total tokens (global batch split)"
     ),
-    GPU_EXPERIMENT: Experiment(GPU_EXPERIMENT, "", gpu_profile, EQUAL_STEPS, scale=GPU_SCALE),
+    GPU_EXPERIMENT: Experiment(
+        GPU_EXPERIMENT, "", gpu_profile, EQUAL_STEPS, default=False, scale=GPU_SCALE
+    ),
 }
 # Experiments outside the CPU suite: not run by a bare ``run.py``, not in the claims or setup.
 APART = (GPU_EXPERIMENT,)

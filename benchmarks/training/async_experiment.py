@@ -1,15 +1,17 @@
-"""Heterogeneous workers: sync DiLoCo, naive async, async with Delayed Nesterov, and async with
-Delayed Nesterov and DyLU, on the demo model (arXiv 2401.09135, section 4's setting in small).
+"""Heterogeneous workers: sync DiLoCo, naive async, async with Delayed Nesterov, async with
+Delayed Nesterov and DyLU, async with Delayed Nesterov weighted by 1/sqrt(1 + staleness), and
+async with Delayed Nesterov behind the age gate (one per ``--cutoffs`` S: uploads more than S
+updates old are not applied, CGAD's idea, arXiv 2605.09126), on the demo model (arXiv 2401.09135, section 4's setting in small).
 
     python -m benchmarks.training.async_experiment --seeds 0 1 2 --unit 0.02
-    python -m benchmarks.training.async_experiment --smoke   # sync and async + DN, 40 steps
+    python -m benchmarks.training.async_experiment --smoke   # sync, async + DN, + age gate
 
 Four workers sleep after every step for ``unit`` times 0.58, 0.75, 1.51 and 3.33 seconds (the
 paper's ratio), on top of the step's compute. Every configuration gets the same total number of
 local steps (``--total-steps``): sync DiLoCo splits them evenly (its workers move in lockstep);
 the async ones share them, so faster workers take more. Reported per configuration: eval loss of
 the final global model (mean ± standard deviation over seeds), wall-clock time, outer updates,
-mean staleness. Results are printed and written as JSON to ``--out``.
+mean staleness, uploads the age gate acknowledged without applying. Results are printed and written as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,37 @@ def configurations(args: argparse.Namespace, seed: int) -> list[Trial]:
             shared_budget=True,
             **common,
         ),
+        Trial(
+            "async + DN + inverse_sqrt",
+            server={
+                "mode": "async",
+                "delayed_nesterov": True,
+                "staleness_weighting": "inverse_sqrt",
+                **outer,
+            },
+            shared_budget=True,
+            **common,
+        ),
+        *(
+            Trial(
+                gate_name(cutoff),
+                server={
+                    "mode": "async",
+                    "delayed_nesterov": True,
+                    "staleness_weighting": "age_gate",
+                    "staleness_cutoff": cutoff,
+                    **outer,
+                },
+                shared_budget=True,
+                **common,
+            )
+            for cutoff in args.cutoffs
+        ),
     ]
+
+
+def gate_name(cutoff: int) -> str:
+    return f"async + DN + age gate {cutoff}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-steps", type=int, default=1200)
     p.add_argument("--sync-every", type=int, default=25)
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument(
+        "--cutoffs", type=int, nargs="+", default=[8], help="the age gate's --staleness-cutoff"
+    )
     p.add_argument("--only", nargs="*", help="run only configurations with these names")
     p.add_argument("--out", default="benchmarks/results/async_experiment.json")
     smoke.add_flag(p)
     args = p.parse_args(argv)
-    if args.smoke:  # sync and async with Delayed Nesterov, 10 steps per worker, 1 ms units
+    if args.smoke:  # sync, async + DN and the age gate, 10 steps per worker, 1 ms units
         args.seeds, args.unit, args.total_steps, args.sync_every = [0], 0.001, 40, 5
-        args.only, args.out = ["sync", "async + DN"], None
+        args.cutoffs = [2]
+        args.only, args.out = ["sync", "async + DN", gate_name(2)], None
     rows: list[dict[str, Any]] = []
     for seed, trial, row in run_trials(configurations, args):
         rows.append(row)
@@ -77,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             f"seed {seed}  {trial.name:<20} eval {row['eval_loss']:.4f}  "
             f"wall {row['wall_s']:6.1f} s  updates {row['updates']:4d}  "
             f"steps/worker {[w['steps'] for w in row['workers']]}  "
-            f"mean staleness {row['staleness']['mean']}",
+            f"mean staleness {row['staleness']['mean']}  gated {row['staleness']['gated']}",
             flush=True,
         )
     table = []
@@ -90,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 summarise(group, "wall_s"),
                 f"{statistics.mean(r['updates'] for r in group):.1f}",
                 f"{(statistics.mean(stale) if stale else 0):.2f}",
+                f"{statistics.mean(r['staleness']['gated'] for r in group):.1f}",
             ]
         )
     print()
-    print_table(["configuration", "eval loss", "wall s", "updates", "staleness"], table)
+    print_table(["configuration", "eval loss", "wall s", "updates", "staleness", "gated"], table)
     if args.out:
         write_json(args.out, {"args": vars(args), "rows": rows})
     if args.smoke:
@@ -101,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             smoke.require(math.isfinite(r["eval_loss"]), f"{r['name']}: a finite loss")
             smoke.require(r["updates"] >= 1, f"{r['name']}: outer updates happened")
             smoke.require(r["steps"] == args.total_steps, f"{r['name']}: the budget was spent")
-        smoke.require(len(rows) == 2, "both configurations ran")
+        smoke.require(len(rows) == 3, "the three configurations ran")
         smoke.passed("async_experiment")
     return 0
 

@@ -12,6 +12,7 @@ import requests
 
 from diloco.cli.main import main as cli_main
 from diloco.cli.status import render_status
+from diloco.core.codecs import codec_by_name, codec_metadata
 from diloco.server.config import ServerConfig
 from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
@@ -103,7 +104,10 @@ def test_a_different_or_missing_table_is_refused_and_changes_nothing(
     [
         ({"codec": "lowrank"}, "not built for its collectives"),
         ({"codec": "int8", "codec_block": "128"}, "collectives use {'block': '64'}"),
-        ({"codec": "topk", "codec_density": "0.05"}, "collectives use {'density': '0.0156'"),
+        (
+            {"codec": "topk", "codec_density": "0.05", "codec_index_bits": "12"},
+            "collectives use {'density': '0.0156'",
+        ),
     ],
 )
 def test_a_lossy_codec_the_collectives_lack_is_refused_naming_the_mode(
@@ -140,7 +144,7 @@ def test_a_quorums_comm_is_the_widest_its_members_registered(
     for worker, codec in zip(("w-a", "w-b"), codecs, strict=True):
         info: dict[str, Any] = {"params": TABLE}
         if codec is not None:
-            info["codec"] = {"codec": codec}
+            info["codec"] = codec_metadata(codec_by_name(codec))  # what a worker sends
         resp = post_json(server, "/register", {"worker_id": worker, "info": info})
         assert resp.status_code == 200, resp.text
     qa, qb = both_ask(server, ("w-a", 0, "h0"), ("w-b", 0, "h0"))

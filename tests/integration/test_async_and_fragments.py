@@ -78,7 +78,7 @@ def test_async_applies_each_arrival_and_records_staleness(make_server: ServerFac
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
     st = server.status()
     assert st["mode"] == "async" and st["round"] == 3
-    assert st["staleness"] == {"last": 1, "mean": round(2 / 3, 4), "max": 1, "count": 3}
+    assert st["staleness"] == {"last": 1, "mean": round(2 / 3, 4), "max": 1, "count": 3, "gated": 0}
     workers = {w["worker_id"]: w for w in st["workers"]}
     assert workers["a"]["staleness"] == 1 and workers["b"]["staleness"] == 1
     assert [e["staleness"] for e in st["update_log"]] == [0, 1, 1]

@@ -6,6 +6,7 @@ codecs and the bytes of a round."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from diloco.core.codecs import (
     Codec,
     Encoded,
+    TopKCodec,
     codec_by_name,
     codec_metadata,
     decode_named,
@@ -25,6 +27,7 @@ from diloco.core.codecs import (
 from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
 from diloco.wire import encode
+from tests.helpers import topk_records as records
 from tests.helpers.codecs import SHAPES, grads, in_order, model, wait_status
 from tests.helpers.fragments import FRAG2, in_fragment
 from tests.helpers.http import (
@@ -433,31 +436,56 @@ def test_server_codecs_flag_is_validated() -> None:
 TOPK = {"density": 0.05, "chunk": 64, "bits": 2}  # "e": 78 chunks keeping 3, a last of 8 keeping 1
 
 
-def _at(name: str, k: int, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+def _forge(name: str, change: Callable[[list[records.Record]], None], *, repack: bool = True):
+    """Rewrite one field of tensor ``name``'s topk records (tests/helpers/topk_records.py)."""
+    codec = TopKCodec(**TOPK)
+    n = math.prod(SHAPES[name])
+
     def poison(wire: dict[str, torch.Tensor]) -> None:
-        wire[name][k] = value
+        recs = records.read(codec, wire[name], n)
+        change(recs)
+        wire[name] = records.write(codec, recs, repack=repack)
 
     return poison
 
 
-def _swap_first_two(wire: dict[str, torch.Tensor]) -> None:
-    first, second = int(wire["w@idx"][0]), int(wire["w@idx"][1])
-    wire["w@idx"][0], wire["w@idx"][1] = second, first
+def _set(chunk: int, field: str, value: Any) -> Callable[[list[records.Record]], None]:
+    def change(recs: list[records.Record]) -> None:
+        if field == "scale":
+            recs[chunk].scale = value
+        else:
+            recs[chunk].positions[value[0]] = value[1]
+
+    return change
+
+
+def _reverse_first(recs: list[records.Record]) -> None:
+    recs[0].positions.reverse()
+
+
+def _repeat_first(recs: list[records.Record]) -> None:
+    recs[0].positions[1] = recs[0].positions[0]
+
+
+def _padding_bit(recs: list[records.Record]) -> None:
+    recs[0].packed[-1] |= 0x80  # three 6-bit positions fill 18 of the record's 24 bits
 
 
 BAD_SPARSE: dict[str, tuple[Callable[[dict[str, torch.Tensor]], None], int, str]] = {
-    "index_past_its_chunk": (_at("w@idx", 4, 64), 400, "bad_index"),
-    "index_past_the_short_last_chunk": (_at("e@idx", 234, 8), 400, "bad_index"),
-    "repeated_index": (_at("b@idx", 1, 0), 400, "bad_index"),
-    "unsorted_indices": (_swap_first_two, 400, "bad_index"),
-    "one_index_too_many": (
-        lambda w: w.update({"w@idx": torch.cat([w["w@idx"], w["w@idx"][:1]])}),
+    # Positions are 6 bits at chunk 64: only a short chunk can be left (b: one of 48).
+    "index_past_its_chunk": (_forge("b", _set(0, "pos", (1, 50))), 400, "bad_index"),
+    "index_past_the_short_last_chunk": (_forge("e", _set(78, "pos", (0, 8))), 400, "bad_index"),
+    "repeated_index": (_forge("b", _repeat_first), 400, "bad_index"),
+    "unsorted_indices": (_forge("w", _reverse_first), 400, "bad_index"),
+    "padding_bits_set": (_forge("w", _padding_bit, repack=False), 400, "bad_index"),
+    "one_byte_too_many": (
+        lambda w: w.update({"w": torch.cat([w["w"], w["w"][:1]])}),
         400,
         "bad_shape",
     ),
     "codes_truncated": (lambda w: w.update({"e": w["e"][:-1].clone()}), 400, "bad_shape"),
-    "nan_scale": (_at("e@scale", 2, float("nan")), 422, "non_finite"),
-    "negative_scale": (_at("w@scale", 0, -1.0), 400, "bad_scale"),
+    "nan_scale": (_forge("e", _set(2, "scale", float("nan"))), 422, "non_finite"),
+    "negative_scale": (_forge("w", _set(0, "scale", -1.0)), 400, "bad_scale"),
 }
 
 
@@ -479,3 +507,27 @@ def test_bad_sparse_uploads_change_nothing(make_server: ServerFactory, case: str
     count, total, after = sums(server)
     assert (count, total) == sum_before[:2] == (1, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(after, sum_before[2], strict=True))
+
+
+def test_a_topk_peer_from_before_packed_positions_is_refused_by_name(
+    make_server: ServerFactory,
+) -> None:
+    """The wire stays one format: a worker whose topk metadata lacks ``codec_index_bits`` (uint16
+    positions in three parts) is refused at registration and, had it registered, at its upload:
+    400 ``bad_option`` naming the option, nothing counted."""
+    server = make_server(model(), num_workers=2, **EXACT)
+    codec = codec_by_name("topk", **TOPK)
+    old = {k: v for k, v in codec_metadata(codec).items() if k != "codec_index_bits"}
+    reply = post_json(server, "/register", {"worker_id": "old", "info": {"codec": old}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == "bad_option" and "codec_index_bits" in reply.json()["detail"]
+    for w in "ab":
+        joined(server, w, codec)
+    before, sum_before = state(server), sums(server)
+    meta = {"worker_id": "b", "base_round": "0", "submission_id": "b-0", **old}
+    reply = assert_error(
+        submit(server, encode(encode_named(codec, grads(2)), meta)), 400, "bad_option"
+    )
+    assert "codec_index_bits" in reply["detail"]
+    assert_unchanged(before, server)
+    assert sums(server)[:2] == sum_before[:2] == (0, 0.0)

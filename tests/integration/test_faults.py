@@ -10,6 +10,7 @@ import torch
 
 from diloco import DiLoCoClient, DiLoCoServer, DiLoCoWorker, ServerConfig
 from tests.helpers.faultproxy import Fault, FaultProxy
+from tests.helpers.http import accept, body, register
 from tests.helpers.workers import fake_step, params_of
 
 RETRIES = 3
@@ -202,3 +203,67 @@ def test_upload_counted_but_every_answer_lost_is_not_counted_twice(trial: Trial)
     # no steps since the last sync).
     assert st["round"] == 1
     trial.assert_server_moved(0.5)
+
+
+def test_progress_of_a_failed_last_sync_is_handed_in_at_exit(trial: Trial) -> None:
+    """The last sync's upload fails on every attempt and the loop ends right after: the model
+    still holds those steps, so leaving hands them in (under the unanswered id) instead of
+    dropping them with the sync's step counter."""
+    with trial.worker() as w:
+        trial.on_every_attempt(Fault("up", 9000, prefix=b"POST /submit_pseudograd"))
+        trial.sync(0.5)
+        assert w.sync_metrics["failed_syncs"] == 1
+        assert trial.server.status()["round"] == 0
+    trial.assert_server_moved(1.0)
+    assert w.sync_metrics["dropped_steps"] == 0
+
+
+def test_a_late_answer_counts_the_first_body_and_drops_every_step_since() -> None:
+    """Two syncs in a row lose every answer of an upload the server counted the first time:
+    the third learns "duplicate" and drops all four steps taken since that first body, not only
+    the last two."""
+    server = DiLoCoServer(
+        ServerConfig(port=0, num_workers=1, outer_lr=1.0, outer_momentum=0.0)
+    ).start()
+    proxy = FaultProxy(server.port)
+    trial = Trial(server, proxy)
+    try:
+        with trial.worker() as w:
+            trial.on_every_attempt(Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd"))
+            trial.sync(0.25)  # counted, every answer lost
+            trial.on_every_attempt(Fault("down", CONTINUE + 5, prefix=b"POST /submit_pseudograd"))
+            trial.sync(0.25)  # the same id again: its answers are lost too
+            assert w.sync_metrics["failed_syncs"] == 2
+            trial.sync(0.25)
+            m = w.sync_metrics
+            assert m["rounds"] == 1 and m["dropped_steps"] == 4
+        trial.assert_server_moved(0.5)
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_progress_kept_by_a_rebase_is_handed_in_at_exit() -> None:
+    """An async upload refused as too stale (action ``rebase``) keeps its steps on top of the
+    newer parameters; when the loop ends right there, leaving hands them in."""
+    server = DiLoCoServer(
+        ServerConfig(
+            port=0, num_workers=2, mode="async", max_staleness=0, outer_lr=1.0, outer_momentum=0.0
+        )
+    ).start()
+    proxy = FaultProxy(server.port)
+    trial = Trial(server, proxy)
+    try:
+        with trial.worker() as w:
+            register(server, "other")
+            other = {n: torch.full_like(p, -0.25) for n, p in trial.start.items()}
+            accept(server, body("other", 0, "other-1", other))  # version 1: +0.25
+            trial.sync(0.5)  # based on version 0: refused, rebased onto version 1
+            m = w.sync_metrics
+            assert m["refused_submissions"] == 1 and m["rebases"] == 1
+            trial.assert_model_moved(1.25)
+        trial.assert_server_moved(1.25)
+        assert w.sync_metrics["dropped_steps"] == 0
+    finally:
+        proxy.close()
+        server.stop()

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 from benchmarks.quality import run
-from benchmarks.quality.experiments import FAST, plain, run_config
+from benchmarks.quality.experiments import FAST, plain
 from benchmarks.quality.gpu import GPU_SCALE, gpu_profile, section
-from benchmarks.quality.protocol import CPU
+from benchmarks.quality.protocol import FAST as FAST_PROFILE
+from benchmarks.quality.rows import run_config
 from benchmarks.quality.stats import load
 from benchmarks.quality.suite import APART, EXPERIMENTS
 
@@ -37,6 +38,9 @@ def test_one_command_writes_its_json_and_the_page_shows_it(tmp_path: Path) -> No
     assert [r["name"] for r in result["rows"]] == [c.name for c in gpu_profile(FAST)]
     assert result["skipped"] == [] and not any(r.get("stopped_early") for r in result["rows"])
     assert all(math.isfinite(r["eval_loss"]) for r in result["rows"])
+    # Not swept (the CPU suite's sweep is not run at its scale): every row at the profile's lr.
+    assert result["inner_lr"] == {} and not (tmp_path / "lr_sweep.json").exists()
+    assert {r["config"]["lr"] for r in result["rows"]} == {None}
     page = "\n".join(section(load(tmp_path)))
     assert "## One-GPU profile\n" in page and "Fast-setting results" in page
     assert "| DiLoCo M=2 |" in page and "| AdamW, 1 worker (equal steps) |" in page
@@ -62,6 +66,6 @@ def test_a_diloco_row_past_its_deadline_stops_after_one_round(tmp_path: Path) ->
     """Workers check the deadline at their sync boundaries only: with it already passed, each
     trains one round of H steps and leaves."""
     config = plain(FAST)
-    row = run_config(config, CPU, 0, FAST, tmp_path, deadline=time.monotonic())
+    row = run_config(config, FAST_PROFILE, 0, FAST, tmp_path, deadline=time.monotonic())
     assert row["stopped_early"] and row["steps_per_worker"] == FAST.sync_every
     assert row["updates"] == 1 and math.isfinite(row["eval_loss"])

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from diloco import DiLoCoWorker
+from diloco.cli.status import render_status
+from diloco.server.observe.status import Status
 from diloco.server.server import DiLoCoServer
 from diloco.worker.transport.client import DiLoCoClient
 from tests.helpers.faultproxy import Fault, FaultProxy
@@ -132,6 +134,7 @@ def test_a_round_closing_mid_upload_merges_it_into_the_next_round_exactly_once(
         st = status(server)
         assert [m["worker_id"] for m in st["quorum_rounds"]["late_merges"]] == [c.worker_id]
         assert st["update_log"][-1]["contributions"] == 2
+        assert ", late merges 1" in render_status(Status.from_json(st))  # diloco status
     finally:
         release.set()
         for w in (a, b, c):

@@ -21,6 +21,7 @@ import requests
 import torch
 
 from diloco import DiLoCoServer, DiLoCoWorker, ServerConfig
+from diloco.core.codecs.sparse_update import pack_positions, unpack_positions
 from diloco.server.params.sparse_bodies import SparseDownlink
 from diloco.wire import parse_header, tensor_views
 from diloco.worker.transport.client import DiLoCoClient
@@ -162,7 +163,9 @@ def test_a_malformed_update_is_refused_and_answered_by_a_full_download(
         if new_round == 2 and body is not None:
             views = tensor_views(parse_header(body.header[8:]), body.buffer.payload)
             idx = views["weight@idx"]
-            idx[1] = idx[0]
+            pos = unpack_positions(idx, views["weight"].numel())
+            pos[1] = pos[0]
+            idx.copy_(pack_positions(pos))
 
     monkeypatch.setattr(SparseDownlink, "encode", corrupt)
     with DiLoCoServer(sparse_config(num_workers=1)) as srv:
@@ -172,7 +175,7 @@ def test_a_malformed_update_is_refused_and_answered_by_a_full_download(
 
 
 def test_a_round_whose_update_is_not_smaller_goes_as_full_parameters() -> None:
-    # int8 uploads are dense: the round changes every position, and 6 bytes per change would
+    # int8 uploads are dense: the round changes every position, and 5.5 bytes per change would
     # be more than the 4 of full parameters.
     with DiLoCoServer(sparse_config(num_workers=1)) as srv:
         _, m = one_worker_rounds(srv.address, 2, codec="int8")

@@ -39,6 +39,8 @@ class FakeServer:
         self.lose_reply: set[int] = set()  # fragments whose next upload counts, answer lost
         self.counted: dict[str, int] = {}  # submission id -> round it counted in
         self.gate: threading.Event | None = None  # uploads wait on it when set
+        #: Fragments whose next upload is acknowledged past an async age gate: counted, not applied.
+        self.age_gate: set[int] = set()
         self.entered = threading.Event()
         self.active = 0
         self.max_active = 0
@@ -139,6 +141,7 @@ class FakeClient:
         produce: Any,
         *,
         weight: float = 1.0,
+        tokens: float | None = None,
         fragment: int | None = None,
         loss: float | None = None,
         steps: int | None = None,
@@ -169,6 +172,10 @@ class FakeClient:
                 body = {"error": "stale_round", "detail": "", "action": "rebase"}
                 raise Conflict(409, {**body, "round": s.rounds[fragment]})
             assert sorted(got) == sorted(w[0] for w in s.plan[fragment])
+            if fragment in s.age_gate:  # the receipt of an async server's age gate
+                s.age_gate.discard(fragment)
+                s.counted[submission_id] = now = s.rounds[fragment] - 1
+                return {"status": "accepted", "round": now, "version": now + 1, "weight": 0.0}
             s.submissions.append((fragment, base_round, got))
             for wire in s.plan[fragment]:
                 s.view(wire).sub_(s.outer_lr * got[wire[0]])
@@ -301,6 +308,21 @@ def test_tau0_merge_by_hand(alpha: float) -> None:
         assert m["stalls"] <= 2  # tau 0: the loop waits for each exchange unless it is back
         assert server.rounds == [1, 1]
         assert 0 < m["peak_sync_bytes_up"] < m["bytes_up"]
+
+
+def test_a_fragment_past_the_age_gate_takes_the_served_values_and_its_steps_are_dropped() -> None:
+    server = FakeServer(outer_lr=0.5)
+    worker, model, opt = make_worker(server, merge_alpha=0.0)
+    with worker:
+        for _ in range(4):  # fragment 0 sent at step 2 (global start + D), fragment 1 at step 4
+            step(model, opt)
+        assert worker.sync_metrics["dropped_steps"] == 0
+        server.age_gate = {0}
+        step(model, opt)
+        step(model, opt)  # fragment 0's 4 steps since: acknowledged, nothing applied
+        torch.testing.assert_close(flat(model)[F0], START[F0] + D)  # the served values
+        assert server.rounds == [1, 1] and len(server.submissions) == 2
+        assert worker.sync_metrics["dropped_steps"] == 4
 
 
 def test_tau1_merges_one_step_later_keeping_alpha_of_the_steps_in_flight() -> None:

@@ -1,7 +1,7 @@
 """The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
 through the real server and workers, its results file has the expected shape, and the docs page
-renders with one claims row per claim a-p (the one-GPU profile is not part of a bare run). No loss value is asserted: at this size a figure could
-fail by chance."""
+renders with one claims row per claim a-p (the one-GPU profile is not part of a bare run). No
+loss value is asserted: at this size a figure could fail by chance."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from benchmarks.quality.experiments import FAST
 from benchmarks.quality.stats import down_per_round, up_per_round
 from benchmarks.quality.suite import APART, EXPERIMENTS
+from benchmarks.quality.tuning import lr_kind
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 
@@ -34,6 +35,10 @@ def check_result(name: str, result: dict) -> None:
     configs = [c.name for c in exp.configs(FAST)]
     # One row per configuration and seed, in order.
     assert [(r["name"], r["seed"]) for r in result["rows"]] == [(c, 0) for c in configs]
+    # Every row at the lr the sweep chose for its kind (issue 32).
+    assert [r["config"]["lr"] for r in result["rows"]] == [
+        result["inner_lr"][lr_kind(c)] for c in exp.configs(FAST)
+    ]
     for row in result["rows"]:
         assert ROW_KEYS <= row.keys(), (name, row["name"], ROW_KEYS - row.keys())
         for key in ("eval_loss", "wall_s", "bytes_up", "run_s"):
@@ -43,6 +48,8 @@ def check_result(name: str, result: dict) -> None:
         for point in curve:
             assert POINT_KEYS <= point.keys()
             assert all(math.isfinite(point[k]) for k in POINT_KEYS)
+        # Curves and the table on the same held-out windows: the last point is the final figure.
+        assert curve[-1]["eval_loss"] == pytest.approx(row["eval_loss"]), (name, row["name"])
         steps = [p["steps_per_worker"] for p in curve]
         assert steps == sorted(steps) and steps[-1] > 0, (name, row["name"], steps)
         sent = [p["bytes_up"] for p in curve]

@@ -43,9 +43,9 @@ class _Group:
         assert isinstance(report, LeaderReport)
         return report
 
-    def pool_samples(self, samples: float) -> float:
+    def pool_counts(self, samples: float, tokens: float) -> tuple[float, float]:
         self.calls.append(("pool",))
-        return samples if self.leader else 0.0
+        return (samples, tokens) if self.leader else (0.0, 0.0)
 
     def collect(self, only: Any = None) -> None:
         self.calls.append(("collect", None if only is None else list(only)))
@@ -110,6 +110,7 @@ def _rank(
         total_steps=0,
         local_step=0,
         samples=0.0,
+        tokens=0.0,
         metrics={"sync_time_s": 0.0, "fragments_sent": 0, "rounds": 0},
         last_step_at=0.0,
         worker_id="w",

@@ -275,7 +275,7 @@ def test_upload_metadata_round_trip() -> None:
     pairs = meta.to_metadata()
     assert all(isinstance(v, str) for v in pairs.values())
     assert pairs["weight"] == "2.5" and pairs["codec_block"] == "64"
-    assert UploadMeta.from_metadata(pairs, weighted=True) == meta
+    assert UploadMeta.from_metadata(pairs, weighting="samples") == meta
     plain = UploadMeta("w", "s", 0)
     assert plain.to_metadata() == {
         "worker_id": "w",
@@ -283,7 +283,7 @@ def test_upload_metadata_round_trip() -> None:
         "submission_id": "s",
         "weight": "1.0",
     }
-    assert UploadMeta.from_metadata(plain.to_metadata(), weighted=False) == plain
+    assert UploadMeta.from_metadata(plain.to_metadata(), weighting="equal") == plain
 
 
 # --- requests: strict ---------------------------------------------------------------------------
@@ -424,14 +424,14 @@ def test_request_defaults_and_normalizing() -> None:
 )  # fmt: skip
 def test_upload_metadata_is_read_strictly(meta: dict[str, str], code: str, named: str) -> None:
     with pytest.raises(MessageError) as info:
-        UploadMeta.from_metadata(meta, weighted=True)
+        UploadMeta.from_metadata(meta, weighting="samples")
     assert (info.value.code, info.value.field) == (code, named)
     assert named in info.value.detail
 
 
 def test_an_upload_weight_counts_only_when_the_server_weights_by_samples() -> None:
     meta = {"worker_id": "w", "submission_id": "s", "base_round": "0", "weight": "not-a-number"}
-    assert UploadMeta.from_metadata(meta, weighted=False).weight == 1.0
+    assert UploadMeta.from_metadata(meta, weighting="equal").weight == 1.0
 
 
 # --- replies: tolerant --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """How non-iid a split is (benchmarks/quality/splits.py): the divergence against a hand-computed
-value, and the skewed split of claim l against the iid and topic splits of the demo corpus."""
+value, and the skewed split of claim l against the iid and by-package splits of the CPU profile's
+stdlib corpus."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ def test_divergence_matches_a_hand_computed_kl() -> None:
 
 
 def test_skewed_split_is_clearly_non_iid_and_keeps_the_text() -> None:
-    """On the demo corpus with 4 workers, every shard of the skewed split diverges from the
+    """On the CPU profile's corpus with 4 workers, every shard of the skewed split diverges from the
     training text at least 5 times as much as the most divergent iid shard, and on average 4
-    times as much as the topic split's shards; the shards hold the same training bytes (as a
+    times as much as the by-package split's shards; the shards hold the same training bytes (as a
     multiset), in near-equal sizes, and the held-out text is the same."""
     topic, iid = CPU.corpus(4, "non-iid"), CPU.corpus(4, "iid")
     skewed = CPU.corpus(4, "skewed")

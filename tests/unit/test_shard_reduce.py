@@ -161,12 +161,14 @@ def test_the_relative_error_bound_holds_for_int8_and_int4() -> None:
         assert 0 < ratio <= relative_error(codec), codec.name
 
 
-def test_topk_slots_hold_scales_indices_codes_and_sum_in_rank_order_by_hand() -> None:
-    """topk with chunks of 4 keeping 2 at 2 bits (levels -3s, -s, s, 3s): the slot's three
-    parts each start at 8 bytes, and two members' decoded parts sum as they are (no
-    requantization: every rank decodes every member's slot)."""
+def test_topk_slots_hold_one_record_and_sum_in_rank_order_by_hand() -> None:
+    """topk with chunks of 4 keeping 2 at 2 bits (levels -3s, -s, s, 3s): the slot holds the
+    chunk's one record, and two members' decoded parts sum as they are (no requantization:
+    every rank decodes every member's slot)."""
     codec = TopKCodec(density=0.5, chunk=4, bits=2)
-    assert slot_bytes(codec, 4) == 24  # 2 bytes of scale, 4 of indices at 8, 1 of codes at 16
+    # A record of 2 bytes of scale, two 2-bit positions in 1 byte, two 2-bit codes in 1 byte,
+    # padded to 8.
+    assert payload_bytes(codec, 4) == 4 and slot_bytes(codec, 4) == 8
     # Member 0 keeps 3.0 and 0.875: s = 1; (0.875 / 1 + 3) / 2 = 1.9375 -> code 2 -> 1.0.
     slot0, e0 = quantize_topk([0.875, -0.125, 0.25, 3.0], codec)
     assert e0.tolist() == [-0.125, -0.125, 0.25, 0.0]

@@ -17,8 +17,11 @@ from diloco.core.codecs.sparse_update import (
     apply_changes,
     check_update,
     encode_changes,
+    metadata,
+    pack_positions,
     parts,
     spans,
+    unpack_positions,
     update_bytes,
 )
 from diloco.core.outer import OuterSGD, apply_outer_step
@@ -74,16 +77,18 @@ def test_a_2x6_parameter_two_uploads_the_update_and_its_apply_by_hand() -> None:
     assert s[0, 4].item() == 0.0 and not torch.signbit(s[0, 4])  # cancelled to +0
     counts, idx, values = encode_changes(s, theta)
     assert counts.tolist() == [3]  # one span; flat positions 1, 8, 11 (not 4: unchanged)
-    assert idx.dtype == torch.uint16 and idx.to(torch.int64).tolist() == [1, 8, 11]
+    # 12 bits each: 1 | 8 << 12 | 11 << 24 = 0x0B008001 in 36 bits, 5 bytes little-endian.
+    assert idx.dtype == torch.uint8 and idx.tolist() == [0x01, 0x80, 0x00, 0x0B, 0x00]
+    assert unpack_positions(idx, 3).tolist() == [1, 8, 11]
     assert values.tolist() == [1.5, 10.0, 10.0]  # the new values, not the differences
     check_update(12, counts, idx, values)
     replica = old.clone()
     apply_changes(replica, counts, idx, values)
     assert torch.equal(replica.view(torch.int32), theta.view(torch.int32))  # the same bits
-    assert update_bytes(12, 3) == 4 + 6 * 3
+    assert update_bytes(12, 3) == 2 + 5 + 4 * 3
     assert [(p.suffix, p.dtype, p.shape) for p in parts(12, 3)] == [
-        (COUNT, torch.int32, (1,)),
-        (INDEX, torch.uint16, (3,)),
+        (COUNT, torch.uint16, (1,)),
+        (INDEX, torch.uint8, (5,)),
         ("", torch.float32, (3,)),
     ]
 
@@ -97,7 +102,7 @@ def test_a_negative_zero_sum_is_in_the_support_since_it_turns_minus_zero_into_pl
     assert not torch.signbit(theta[0])  # -0 + (-0.5 * -0 / 2) = -0 + +0 = +0: changed bits
     assert torch.signbit(theta[1])  # +0 in the sum leaves -0 as it was
     counts, idx, values = encode_changes(s, theta)
-    assert idx.to(torch.int64).tolist() == [0] and counts.tolist() == [1]
+    assert unpack_positions(idx, 1).tolist() == [0] and counts.tolist() == [1]
     replica = torch.tensor([-0.0, -0.0, 3.0])
     apply_changes(replica, counts, idx, values)
     assert torch.equal(replica.view(torch.int32), theta.view(torch.int32))
@@ -116,71 +121,49 @@ def test_outside_the_support_a_random_sparse_round_leaves_every_bit_and_a_replic
     old = theta.clone()
     s = plain_descent(theta, uploads)
     counts, idx, values = encode_changes(s, theta)
-    assert counts.numel() == spans(n) == 18 and int(counts.sum()) == idx.numel()
+    assert counts.numel() == spans(n) == 258 and int(counts.sum()) == values.numel()
     changed = (theta.view(torch.int32) != old.view(torch.int32)).nonzero().view(-1)
     support = (s.view(torch.int32) != 0).nonzero().view(-1)
     assert set(changed.tolist()) <= set(support.tolist())
-    assert idx.numel() == support.numel() > 0
+    assert values.numel() == support.numel() > 0
+    want = torch.cat([support[support // SPAN == i] % SPAN for i in range(spans(n))])
+    assert torch.equal(unpack_positions(idx, values.numel()), want)
     check_update(n, counts, idx, values)
     replica = old.clone()
     apply_changes(replica, counts, idx, values)
     assert torch.equal(replica.view(torch.int32), theta.view(torch.int32))
 
 
+def pk(positions: list[int]) -> torch.Tensor:
+    return pack_positions(torch.tensor(positions))
+
+
+def with_padding_bit(idx: torch.Tensor) -> torch.Tensor:
+    out = idx.clone()
+    out[-1] |= 0x10  # 3 positions are 36 bits: bits 36-39 of the 5 bytes are padding
+    return out
+
+
 def malformed() -> dict[str, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, str]]:
     def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(dtype)
 
-    c, v = t([3], torch.int32), torch.tensor([1.5, 10.0, 10.0])
+    c, v, u16 = t([3], torch.uint16), torch.tensor([1.5, 10.0, 10.0]), torch.uint16
     n2 = SPAN + 5
     return {
-        "index past the end": (12, c, t([1, 8, 12], torch.uint16), v, "bad_index"),
-        "index past a short last span": (
-            n2,
-            t([1, 2], torch.int32),
-            t([7, 0, 5], torch.uint16),
-            v,
-            "bad_index",
-        ),
-        "repeated index": (12, c, t([1, 8, 8], torch.uint16), v, "bad_index"),
-        "unordered indices": (12, c, t([8, 1, 11], torch.uint16), v, "bad_index"),
-        "counts short of the indices": (
-            12,
-            t([2], torch.int32),
-            t([1, 8, 11], torch.uint16),
-            v,
-            "bad_shape",
-        ),
-        "negative count": (
-            n2,
-            t([-1, 4], torch.int32),
-            t([1, 8, 11], torch.uint16),
-            v,
-            "bad_shape",
-        ),
-        "count past its span": (
-            n2,
-            t([SPAN + 1, -SPAN + 2], torch.int32),
-            t([1, 8, 11], torch.uint16),
-            v,
-            "bad_shape",
-        ),
-        "too many counts": (
-            12,
-            t([3, 0], torch.int32),
-            t([1, 8, 11], torch.uint16),
-            v,
-            "bad_shape",
-        ),
-        "truncated values": (12, c, t([1, 8, 11], torch.uint16), v[:2], "bad_shape"),
-        "NaN value": (
-            12,
-            c,
-            t([1, 8, 11], torch.uint16),
-            torch.tensor([1.0, float("nan"), 2.0]),
-            "non_finite",
-        ),
-        "signed indices": (12, c, t([1, 8, 11], torch.int16), v, "bad_dtype"),
+        "index past the end": (12, c, pk([1, 8, 12]), v, "bad_index"),
+        "index past a short last span": (n2, t([1, 2], u16), pk([7, 0, 5]), v, "bad_index"),
+        "repeated index": (12, c, pk([1, 8, 8]), v, "bad_index"),
+        "unordered indices": (12, c, pk([8, 1, 11]), v, "bad_index"),
+        "padding bits set": (12, c, with_padding_bit(pk([1, 8, 11])), v, "bad_index"),
+        "counts short of the indices": (12, t([2], u16), pk([1, 8, 11]), v, "bad_shape"),
+        "count past its span": (n2, t([SPAN + 1, 2], u16), pk([1, 8, 11]), v, "bad_shape"),
+        "too many counts": (12, t([3, 0], u16), pk([1, 8, 11]), v, "bad_shape"),
+        "truncated values": (12, c, pk([1, 8, 11]), v[:2], "bad_shape"),
+        "truncated indices": (12, c, pk([1, 8, 11])[:4], v, "bad_shape"),
+        "NaN value": (12, c, pk([1, 8, 11]), torch.tensor([1.0, float("nan"), 2.0]), "non_finite"),
+        "unpacked indices": (12, c, t([1, 8, 11], u16), v, "bad_dtype"),
+        "signed counts": (12, t([3], torch.int32), pk([1, 8, 11]), v, "bad_dtype"),
     }
 
 
@@ -203,7 +186,7 @@ def body(
         for name in table
         for p, t in zip(parts(1, 0), sparse[name], strict=True)
     ]
-    layout = build_layout(specs, {"kind": "update", "codec": "sparse", **meta})
+    layout = build_layout(specs, {"kind": "update", **metadata(), **meta})
     payload = torch.zeros(layout.payload_size, dtype=torch.uint8)
     views = tensor_views(layout, payload)
     for name in table:
@@ -229,8 +212,7 @@ def test_the_worker_buffer_applies_a_good_body_and_refuses_bad_ones_changing_not
     assert torch.equal(snapshot["w"], theta)
     # A repeated index: refused by check, before apply could write anything.
     snapshot["w"].copy_(old)
-    bad = idx.clone()
-    bad[2] = bad[1]
+    bad = pk([1, 8, 8])
     layout, payload = body(table, {"w": (counts, bad, values)}, meta)
     memoryview(buf.into(layout, table))[:] = memoryview(payload.numpy()).cast("B")
     with pytest.raises(WireError, match="repeated or out of order") as info:
@@ -249,3 +231,9 @@ def test_the_worker_buffer_applies_a_good_body_and_refuses_bad_ones_changing_not
     layout, _ = body({"v": (2, 6)}, {"v": (counts, idx, values)}, meta)
     with pytest.raises(WireError):
         buf.into(layout, table)  # another parameter's name
+    # An older server's update (no codec_index_bits): refused by name, so the worker downloads
+    # full parameters instead (worker/session.py).
+    layout, _ = body(table, {"w": (counts, idx, values)}, {**meta, "codec_index_bits": ""})
+    with pytest.raises(WireError, match="another diloco version") as info:
+        buf.into(layout, table)
+    assert info.value.code == "bad_update"

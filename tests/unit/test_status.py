@@ -23,7 +23,8 @@ from diloco.server.observe.records import (
     WorkerLoss,
     WorkerStatus,
 )
-from diloco.server.observe.status import Status, StatusFormatError, build_status
+from diloco.server.observe.status import Status, build_status
+from diloco.server.observe.status_json import StatusFormatError
 from diloco.server.observe.swarm_records import (
     BoundaryStatus,
     StageStatus,

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from diloco.server.observe.status import Status, StatusFormatError
+from diloco.server.observe.status import Status
+from diloco.server.observe.status_json import StatusFormatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -155,6 +156,13 @@ def render_status(st: Status) -> str:
     if st.fragments:
         rounds = " ".join(str(f.round) for f in st.fragments)
         lines.append(f"fragments ({st.fragment_pattern}): rounds {rounds}")
+    if st.quorum_rounds is not None:  # sync quorum rounds (docs/design/server-mode.md)
+        q = st.quorum_rounds
+        lines.append(
+            f"quorum {q.quorum} (this round {q.size}), grace {q.grace}"
+            f" (in force {_num(q.grace_s, '.2f', ' s')}), max lateness {q.max_lateness},"
+            f" late merges {q.late_merges_total}"
+        )
     if st.upstream is not None:  # a regional relay (docs/design/relay.md)
         up = st.upstream
         lines.append(

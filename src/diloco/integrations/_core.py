@@ -94,9 +94,15 @@ class TrainerWorker:
         self.worker = worker
         self.worker_id = worker.worker_id
 
-    def report(self, *, loss: float | None = None, samples: float | None = None) -> None:
+    def report(
+        self,
+        *,
+        loss: float | None = None,
+        samples: float | None = None,
+        tokens: float | None = None,
+    ) -> None:
         if self.worker is not None:
-            self.worker.report(loss=loss, samples=samples)
+            self.worker.report(loss=loss, samples=samples, tokens=tokens)
 
     def metrics(self) -> dict[str, float]:
         """The sync metrics as a trainer logs them (``diloco/round``, ...); empty before start."""

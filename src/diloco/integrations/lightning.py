@@ -6,7 +6,9 @@
 The worker hooks the optimizer the module configured (``trainer.optimizers``, not Lightning's
 ``LightningOptimizer`` wrapper), so a step is a real optimizer step: gradient accumulation's
 micro-batches and the steps a mixed-precision scaler skips do not count. The sync metrics go
-through ``LightningModule.log_dict`` into every logger of the Trainer. The worker's state and its
+through ``LightningModule.log_dict`` into every logger of the Trainer. Each batch reports its
+samples, and its tokens when it is a mapping with an ``attention_mask`` (its nonzero entries) or
+``input_ids`` (for a server run with ``--weighting tokens``). The worker's state and its
 snapshot of the global parameters are the callback's state in Lightning checkpoints;
 ``trainer.fit(..., ckpt_path=...)`` rejoins as the same worker with the checkpoint's local
 progress on top of the parameters the server serves now (``diloco.worker.resume``).
@@ -14,8 +16,8 @@ progress on top of the parameters the server serves now (``diloco.worker.resume`
 Under the DDP strategy (``strategy="ddp"``, one process per device, launched by Lightning or by
 ``torchrun``) the ranks are one worker (``diloco.worker.groups.group``): rank 0 alone talks to the
 server, every rank syncs at the same optimizer step and ends it with rank 0's parameters, and
-the group's weight is the samples of all ranks. A checkpoint holds rank 0's worker state; resuming
-from it, rank 0's state decides for every rank.
+the group's weight is the samples (or tokens) of all ranks. A checkpoint holds rank 0's worker
+state; resuming from it, rank 0's state decides for every rank.
 
 Under ``ModelParallelStrategy`` (FSDP2 / DTensor parameters from ``configure_model``) the ranks
 are a sharded group: no rank holds the whole model. A checkpoint keeps rank 0's callback state
@@ -27,6 +29,7 @@ checkpoints), and resuming, each rank reads its boxes from there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -56,6 +59,18 @@ def _batch_size(batch: Any) -> int | None:
             size = _batch_size(item)
             if size is not None:
                 return size
+    return None
+
+
+def _batch_tokens(batch: Any) -> int | None:
+    """The tokens of a language-model batch: a mapping's ``attention_mask`` (the tokens it
+    keeps, padding left out), else its ``input_ids`` (every position); None for another batch."""
+    if not isinstance(batch, Mapping):
+        return None
+    for key, count in (("attention_mask", torch.count_nonzero), ("input_ids", torch.numel)):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            return int(count(value))
     return None
 
 
@@ -103,7 +118,7 @@ class DiLoCoCallback(WorkerCallback, Callback):
         batch_idx: int,
     ) -> None:
         # Before the step, so the samples weigh in the upload that this very step may trigger.
-        self._core.report(samples=_batch_size(batch))
+        self._core.report(samples=_batch_size(batch), tokens=_batch_tokens(batch))
 
     def on_train_batch_end(
         self,

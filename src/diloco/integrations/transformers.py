@@ -18,7 +18,9 @@ checkpoints (``output_dir/checkpoint-<step>``); pass ``resume_from`` for one kep
 Under a multi-process launch (``torchrun``, or any launcher that sets its variables; on CPU
 with ``ddp_backend="gloo"``) the ranks are one worker (``diloco.worker.groups.group``): rank 0 alone
 talks to the server, every rank syncs at the same optimizer step and ends it with rank 0's
-parameters, and the group's weight is the samples of all ranks. Rank 0 writes the worker files
+parameters, and the group's weight is the samples (or tokens) of all ranks. The tokens are
+the Trainer's count (``TrainingArguments(include_num_input_tokens_seen=True)``), for a server
+run with ``--weighting tokens``. Rank 0 writes the worker files
 into a checkpoint; resuming, its checkpoint decides for every rank, so the other ranks need not
 see those files.
 
@@ -81,6 +83,7 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
         )
         self.resume_from = resume_from
         self._samples_per_step = 0
+        self._tokens_seen = 0  # the Trainer's count when it last reached the optimizer step
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -111,12 +114,18 @@ class DiLoCoCallback(WorkerCallback, TrainerCallback):
             model, optimizer, saved, resume.load_codec_state(folder) if folder else None
         )
         self._samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self._tokens_seen = state.num_input_tokens_seen
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # Before the step, so the samples weigh in the upload that this very step may trigger.
-        self._core.report(samples=self._samples_per_step)
+        # The Trainer counts tokens only with ``include_num_input_tokens_seen``; its count then
+        # holds every micro-batch of this step already.
+        seen = state.num_input_tokens_seen
+        tokens = seen - self._tokens_seen if args.include_num_input_tokens_seen else None
+        self._tokens_seen = seen
+        self._core.report(samples=self._samples_per_step, tokens=tokens)
 
     def on_log(
         self,

@@ -13,6 +13,7 @@ from diloco.core.codecs.sparse_update import SPARSE_UPDATE
 from diloco.core.fragments import PATTERNS
 from diloco.core.grace import parse_grace, parse_quorum
 from diloco.core.outer_rules import OUTER_RULES, SGD, SPARSELOCO, check_rule, outer_momentum
+from diloco.core.staleness import POLICY_NAMES, policy_named
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -243,11 +244,14 @@ class ServerConfig:
 
     weighting: str = _flag(
         "equal",
-        "average contributions equally or by the samples each worker reports",
-        choices=("equal", "samples"),
+        "average contributions equally, by the samples or by the tokens each worker reports",
+        choices=("equal", "samples", "tokens"),
     )
-    """How contributions are averaged: ``equal`` or ``samples`` (by the samples or tokens each
-    worker reports with its submission)."""
+    """How contributions are averaged: ``equal``, ``samples`` (by the samples each worker
+    reports with its submission, else its steps), or ``tokens`` (sync server mode: by the
+    tokens each upload says it represents, ``DiLoCoWorker.report(tokens=...)``; an upload
+    without them is refused, 400 ``missing_metadata``). A reported weight must lie in [1e-6,
+    1e12] (400 ``bad_metadata``)."""
 
     clip_norm_factor: float | None = _flag(
         None,
@@ -378,11 +382,24 @@ class ServerConfig:
 
     staleness_weighting: str = _flag(
         "none",
-        "scale a pseudo-gradient by 1/sqrt(1 + staleness)",
-        choices=("none", "inverse_sqrt"),
+        "scale a pseudo-gradient by its staleness s: none (1), inverse_sqrt (1/sqrt(1 + s)), "
+        "age_gate (a cosine falling to 0 past --staleness-cutoff)",
+        choices=POLICY_NAMES,
         group=_ASYNC,
     )
-    """Async: ``none``, or ``inverse_sqrt`` to scale a pseudo-gradient by 1/sqrt(1 + staleness)."""
+    """Async: the staleness policy (``core/staleness.py``): ``none``, ``inverse_sqrt`` (scale a
+    pseudo-gradient by 1/sqrt(1 + staleness)), or ``age_gate`` (``(1 + cos(pi s / (S + 1))) / 2``
+    up to ``staleness_cutoff`` S, and 0 past it: such an upload is acknowledged, not applied)."""
+
+    staleness_cutoff: int | None = _flag(
+        None,
+        "age_gate: apply uploads at most S updates old; older ones are acknowledged, not applied",
+        metavar="S",
+        group=_ASYNC,
+    )
+    """Async, ``age_gate`` (required there, refused elsewhere): the staleness past which an
+    upload's weight is 0. The server acknowledges such an upload (a retry is a duplicate) and
+    changes nothing; its worker adopts the current parameters and counts those steps dropped."""
 
     delayed_nesterov: bool = _flag(
         False,
@@ -580,8 +597,15 @@ class ServerConfig:
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a finite positive number, got {self.outer_lr}")
         self._check_outer_rule()
-        if self.weighting not in ("equal", "samples"):
-            raise ValueError(f"weighting must be 'equal' or 'samples', got {self.weighting!r}")
+        if self.weighting not in ("equal", "samples", "tokens"):
+            raise ValueError(
+                f"weighting must be 'equal', 'samples' or 'tokens', got {self.weighting!r}"
+            )
+        if self.weighting == "tokens" and (self.allreduce or self.swarm):
+            raise ValueError(
+                "weighting='tokens' weights the uploads of server mode; all-reduce and swarm "
+                "members weigh by samples (--weighting samples)"
+            )
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("save_every must be >= 0 and keep_checkpoints >= 1")
         if self.save_every and self.save_dir is None and not (self.allreduce or self.swarm):
@@ -607,11 +631,7 @@ class ServerConfig:
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.staleness_weighting not in ("none", "inverse_sqrt"):
-            raise ValueError(
-                "staleness_weighting must be 'none' or 'inverse_sqrt', "
-                f"got {self.staleness_weighting!r}"
-            )
+        policy_named(self.staleness_weighting, self.staleness_cutoff)  # ValueError if unfit
         if self.mode == "sync" and (
             self.delayed_nesterov
             or self.max_staleness is not None
@@ -623,7 +643,8 @@ class ServerConfig:
             )
         if self.mode == "async" and self.weighting != "equal":
             raise ValueError(
-                "weighting='samples' averages one round's contributions; async mode has no rounds"
+                f"weighting={self.weighting!r} averages one round's contributions; async mode "
+                "has no rounds (weight by age with --staleness-weighting)"
             )
         if self.clip_norm_factor is not None and not (
             math.isfinite(self.clip_norm_factor) and self.clip_norm_factor > 0

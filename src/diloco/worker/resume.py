@@ -62,13 +62,16 @@ class WorkerState:
     """Inner steps since the worker first joined."""
     samples: float
     """Samples reported since the last upload (its weight)."""
+    tokens: float = 0.0
+    """Tokens reported since the last upload (its weight under ``--weighting tokens``; absent
+    from the checkpoints of workers from before tokens were counted)."""
 
 
 def capture(worker: DiLoCoWorker) -> WorkerState:
     s = worker._session
     if s.worker_id is None:
         raise RuntimeError("the worker has not joined a run yet")
-    return WorkerState(s.worker_id, s.base_round, s.local_step, s.total_steps, s.samples)
+    return WorkerState(s.worker_id, s.base_round, s.local_step, s.total_steps, s.samples, s.tokens)
 
 
 def snapshot(worker: DiLoCoWorker) -> dict[str, torch.Tensor]:
@@ -189,7 +192,7 @@ def gather(worker: DiLoCoWorker) -> bool:
     if group is None:
         return True
     s = worker._session
-    s.samples = group.pool_samples(s.samples)
+    s.samples, s.tokens = group.pool_counts(s.samples, s.tokens)
     return group.leader or group.shards is not None  # a sharded group's ranks each save a part
 
 
@@ -256,6 +259,7 @@ def _take_counters(worker: DiLoCoWorker, state: WorkerState, leads: bool) -> Non
     s.local_step = min(state.local_step, s.sync_every - 1)
     s.total_steps = state.total_steps
     s.samples = state.samples if leads else 0.0  # a group's samples are kept on rank 0
+    s.tokens = state.tokens if leads else 0.0
     log.info(
         "worker %s resumed: %d local steps since round %d kept on top of round %d",
         s.worker_id,

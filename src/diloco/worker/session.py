@@ -114,6 +114,10 @@ class Session:
         self.samples = 0.0  # reported since the last upload (its weight)
         # The loop reports samples (``DiLoCoWorker.report``): 0 reported means nothing trained.
         self.reports_samples = False
+        self.tokens = 0.0  # as ``samples``, in tokens (``DiLoCoWorker.report(tokens=...)``)
+        self.reports_tokens = False
+        #: The server's ``--weighting`` as its registration reply says (None: it did not say).
+        self.weighting: str | None = None
         self.loss: float | None = None  # the last reported, sent with uploads and heartbeats
         self.syncing = False  # blocked in a sync: a silent loop is not hung
         self.last_step_at = time.monotonic()  # read by the heartbeat thread: is the loop alive?
@@ -235,6 +239,22 @@ class Session:
         wait()
         self.syncing = False
         self.metrics["stall_time_s"] += time.monotonic() - t0
+
+    def upload_tokens(self, tokens: float) -> float | None:
+        """The tokens an upload says it represents (``tokens``: counted since the last upload of
+        that part of the model); None when the loop reports none. ``RuntimeError`` when the
+        server weights by tokens and the loop reported none: the server would refuse every
+        upload (400), and the worker would train on without ever being merged."""
+        if self.reports_tokens and tokens > 0:
+            return tokens
+        if self.weighting == "tokens":
+            raise RuntimeError(
+                "the server weights uploads by tokens (--weighting tokens) but the training "
+                "loop reported none since the last sync: call worker.report(tokens=n) after "
+                "each step (the Lightning and Hugging Face integrations count them from the "
+                "batch's attention_mask or input_ids), or run the server with --weighting samples"
+            )
+        return None
 
     def drop_steps(self, steps: int, message: str, *args: object, error: bool = False) -> None:
         """Count ``steps`` local steps as dropped (the server holds the progress they are mixed

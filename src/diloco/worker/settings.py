@@ -195,7 +195,7 @@ def parse_codec(spec: str) -> Codec:
             key, value = MAIN_OPTION[meta["codec"]], item
         meta[PREFIX + key.strip()] = value.strip()
     try:
-        return codec_from_metadata(meta)
+        return codec_from_metadata(meta, from_peer=False)  # defaults fill what a user leaves out
     except CodecError as exc:
         raise ValueError(f"codec {spec!r}: {exc.detail}") from None
 

@@ -16,6 +16,7 @@ but a lossy codec's error-feedback residual (``worker/state/encoder.py``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -316,9 +317,17 @@ class DiLoCoWorker:
 
     # --- what the training loop calls -----------------------------------------------------------
 
-    def report(self, *, loss: float | None = None, samples: float | None = None) -> None:
-        """Tell the worker the latest loss (shown by the server) and the samples or tokens just
-        trained on (the weight of the next submission when the server weights by samples)."""
+    def report(
+        self,
+        *,
+        loss: float | None = None,
+        samples: float | None = None,
+        tokens: float | None = None,
+    ) -> None:
+        """Tell the worker the latest loss (shown by the server), and the samples and the tokens
+        just trained on: the weight of the next submission when the server weights by samples
+        (``--weighting samples``) or by tokens (``--weighting tokens``; then every sync needs
+        some reported)."""
         if loss is not None:
             self._session.loss = float(loss)
         if samples is not None:
@@ -326,6 +335,11 @@ class DiLoCoWorker:
                 raise ValueError("samples must be >= 0")
             self._session.samples += samples
             self._session.reports_samples = True
+        if tokens is not None:
+            if not (math.isfinite(tokens) and tokens >= 0):
+                raise ValueError(f"tokens must be a finite number >= 0, got {tokens}")
+            self._session.tokens += tokens
+            self._session.reports_tokens = True
 
     @property
     def last_sync_outcome(self) -> str | None:

@@ -108,6 +108,9 @@ class Codec:
 
     name: ClassVar[str]
     lossy: ClassVar[bool]
+    required_options: ClassVar[tuple[str, ...]] = ()
+    """Options a body's metadata must name (``codec_from_metadata``): those that mark a wire
+    format, so a peer from before it is refused by name instead of misread."""
 
     def options(self) -> dict[str, str]:
         """The codec's options as metadata strings (``{"block": "64"}``): with ``name`` they

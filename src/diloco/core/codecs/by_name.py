@@ -39,6 +39,7 @@ OPTION_TYPES: dict[str, type] = {
     "chunk": int,
     "bits": int,
     "density": float,
+    "index_bits": int,
 }
 """How the numeric options' metadata strings are read; any other option stays a string."""
 
@@ -81,11 +82,22 @@ def codec_metadata(codec: Codec) -> dict[str, str]:
     return {"codec": codec.name, **{PREFIX + k: v for k, v in codec.options().items()}}
 
 
-def codec_from_metadata(metadata: Mapping[str, str]) -> Codec:
+def codec_from_metadata(metadata: Mapping[str, str], *, from_peer: bool = True) -> Codec:
     """The codec a body's metadata names (``fp32`` when it names none: a body from before the
-    codecs). A ``CodecError`` for an unknown codec or option."""
+    codecs). A ``CodecError`` for an unknown codec or option, or (``from_peer``: metadata a
+    peer sent, not a user's spelling) one that leaves out a ``required_options`` entry."""
     name = metadata.get("codec", "fp32")
     raw = {k[len(PREFIX) :]: v for k, v in metadata.items() if k.startswith(PREFIX)}
+    required: tuple[str, ...] = (
+        getattr(CODECS.get(name), "required_options", ()) if from_peer else ()
+    )
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise CodecError(
+            "bad_option",
+            f"codec {name!r} must name {', '.join(PREFIX + k for k in missing)} (its wire format; "
+            f"a peer without it is from an older diloco and must be upgraded)",
+        )
     options: dict[str, Any] = {}
     for key, value in raw.items():
         kind = OPTION_TYPES.get(key)

@@ -11,7 +11,7 @@ three steps every rank computes the same way:
    decodes (``decode_slot``), so every replica ends with the same bits.
 
 A slot holds the shard's parts in order (``BlockCodec.flat_parts``: an absmax quantizer's bf16
-scales, then its codes; ``topk``'s scales, indices and codes), each starting at a multiple of
+scales, then its codes; ``topk``'s one part of chunk records), each starting at a multiple of
 ``SLOT_ALIGN`` bytes; every slot of one call has the size of the largest shard's, so that one
 all-to-all or all-gather of equal pieces moves them. ``topk`` is not requantized: its members'
 slots are all-gathered whole and every rank sums them (``reduce_slots``). Shards start at multiples of the codec's

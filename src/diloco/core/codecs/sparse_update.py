@@ -11,8 +11,9 @@ and outside it ``p`` is bitwise unchanged. With ``topk`` uploads it is the union
 kept positions (or less, where uploads cancel to ``+0``).
 
 The update carries, per flat ``SPAN`` of a parameter, how many positions it holds, the
-positions within the span (uint16, strictly ascending) and the *new* fp32 values the server's
-step wrote there, not differences: a replica copies them into its snapshot by index, with no
+positions within the span (strictly ascending, packed ``INDEX_BITS`` = 12 bits each: one bit
+stream per parameter, ``bitpack.py``) and the *new* fp32 values the server's step wrote there,
+not differences: a replica copies them into its snapshot by index, with no
 arithmetic, so it is bit-identical by construction on any device (no summation order, no fused
 multiply-add to agree on), and nothing is dropped, so the server keeps no true copy. The round's
 checksum still guards the whole (a position the support missed, a replica that missed a round).
@@ -20,14 +21,17 @@ checksum still guards the whole (a position the support missed, a replica that m
 Per parameter of ``n`` elements, with ``m`` changed positions, the parts (``Part``s, in a body
 named ``name + suffix``):
 
-- ``name@count``: int32 ``[ceil(n / SPAN)]``, positions per span;
-- ``name@idx``: uint16 ``[m]``, each span's positions within it, spans in order;
+- ``name@count``: uint16 ``[ceil(n / SPAN)]``, positions per span;
+- ``name@idx``: uint8 ``[ceil(12 m / 8)]``, each span's positions within it, spans in order, as
+  one stream of 12-bit fields (the last byte's unused high bits zero);
 - ``name``: fp32 ``[m]``, the new values.
 
-That is 6 bytes per changed element and 4 per ``SPAN`` elements: below the dense 4 bytes per
-element while fewer than about two thirds of the elements changed (the server serves full
-parameters otherwise). Pure: no I/O; ``check_update`` refuses a malformed update before
-``apply_changes`` touches anything.
+That is 5.5 bytes per changed element (6 with uint16 positions) and 2 per ``SPAN`` elements:
+below the dense 4 bytes per element while fewer than about 70% of the elements changed (the
+server serves full parameters otherwise). The body's metadata names ``codec_index_bits``: a
+worker refuses an update without it (``bad_update``, from an older server) and, like an older
+worker refusing this layout, downloads full parameters instead. Pure: no I/O; ``check_update``
+refuses a malformed update before ``apply_changes`` touches anything.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import math
 import torch
 
 from diloco.core.codecs.base import CHUNK, CodecError, Part
+from diloco.core.codecs.bitpack import pack_rows, packed_bytes, padding_clear, unpack_rows
 
 SPARSE_UPDATE = "sparse"
 """The download codec's name (``diloco server --download-codec sparse``), and ``codec`` in an
@@ -44,9 +49,12 @@ update body's ``__metadata__``."""
 
 COUNT = "@count"
 INDEX = "@idx"
-SPAN = 1 << 16
-"""Elements per span: positions within it fit uint16 exactly (0 to 65535), so a span needs no
+INDEX_BITS = 12
+SPAN = 1 << INDEX_BITS
+"""Elements per span: positions within it fit 12 bits exactly (0 to 4095), so a span needs no
 range check of its own and only a parameter's last, shorter span can hold an index too large."""
+PACK = CHUNK
+"""Positions packed or unpacked at a time (a multiple of 8: a piece starts on a whole byte)."""
 
 
 def spans(n: int) -> int:
@@ -54,18 +62,54 @@ def spans(n: int) -> int:
     return -(-n // SPAN)
 
 
+def index_bytes(m: int) -> int:
+    """Bytes of ``m`` packed positions (the length of an ``@idx`` part)."""
+    return packed_bytes(m, INDEX_BITS)
+
+
 def parts(n: int, m: int) -> list[Part]:
     """The parts of a parameter of ``n`` elements with ``m`` changed positions, in body order."""
     return [
-        Part(COUNT, torch.int32, (spans(n),)),
-        Part(INDEX, torch.uint16, (m,)),
+        Part(COUNT, torch.uint16, (spans(n),)),
+        Part(INDEX, torch.uint8, (index_bytes(m),)),
         Part("", torch.float32, (m,)),
     ]
 
 
 def update_bytes(n: int, m: int) -> int:
     """Payload bytes of one parameter's update (alignment padding aside)."""
-    return 4 * spans(n) + 6 * m
+    return 2 * spans(n) + index_bytes(m) + 4 * m
+
+
+def metadata() -> dict[str, str]:
+    """What an update body's ``__metadata__`` says of its format (beside ``kind``, ``round``)."""
+    return {"codec": SPARSE_UPDATE, "codec_index_bits": str(INDEX_BITS)}
+
+
+def pack_positions(within: torch.Tensor) -> torch.Tensor:
+    """Positions within their spans (any integer dtype, each below ``SPAN``) as the ``@idx``
+    part, ``PACK`` at a time."""
+    m = within.numel()
+    out = torch.empty(packed_bytes(m, INDEX_BITS), dtype=torch.uint8)
+    step = PACK * INDEX_BITS // 8
+    for a in range(0, m, PACK):
+        piece = within[a : a + PACK]
+        at = a // PACK * step
+        dst = out[at : at + packed_bytes(piece.numel(), INDEX_BITS)]
+        pack_rows(piece.view(1, -1), INDEX_BITS, dst.view(1, -1))
+    return out
+
+
+def unpack_positions(idx: torch.Tensor, m: int) -> torch.Tensor:
+    """The inverse of ``pack_positions``: int64 positions within their spans."""
+    out = torch.empty(m, dtype=torch.int64)
+    step = PACK * INDEX_BITS // 8
+    for a in range(0, m, PACK):
+        k = min(PACK, m - a)
+        at = a // PACK * step
+        data = idx[at : at + packed_bytes(k, INDEX_BITS)].view(1, -1)
+        out[a : a + k] = unpack_rows(data, k, INDEX_BITS)[0]
+    return out
 
 
 @torch.no_grad()
@@ -88,9 +132,8 @@ def encode_changes(
         positions.append(pos.add_(a))
         values.append(v[a : a + CHUNK].index_select(0, pos - a))
     pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
-    counts = torch.bincount(pos // SPAN, minlength=spans(n)).to(torch.int32)
-    idx = torch.empty(pos.numel(), dtype=torch.uint16)
-    idx.copy_(pos % SPAN)
+    counts = torch.bincount(pos // SPAN, minlength=spans(n)).to(torch.uint16)
+    idx = pack_positions(pos % SPAN)
     out = torch.cat(values) if values else torch.empty(0, dtype=torch.float32)
     return counts, idx, out
 
@@ -98,13 +141,14 @@ def encode_changes(
 def check_update(n: int, counts: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
     """Refuse (``CodecError``) an update that does not describe distinct positions of a parameter
     of ``n`` elements with finite values: wrong dtypes or lengths (``bad_shape``: counts that
-    are negative, exceed their span or do not add up to the positions sent, as a truncated body's
-    would not), positions outside the parameter, repeated or out of order within their span
+    exceed their span or do not add up to the positions sent, as a truncated body's would not,
+    packed positions of another length than the values'), positions outside the parameter,
+    repeated or out of order within their span, or the packed stream's padding bits set
     (``bad_index``), a NaN or infinite value (``non_finite``; a server never publishes one)."""
-    if counts.dtype != torch.int32 or idx.dtype != torch.uint16 or values.dtype != torch.float32:
+    if counts.dtype != torch.uint16 or idx.dtype != torch.uint8 or values.dtype != torch.float32:
         raise CodecError(
             "bad_dtype",
-            f"a sparse update is int32 counts, uint16 indices, fp32 values; got "
+            f"a sparse update is uint16 counts, uint8 packed indices, fp32 values; got "
             f"{counts.dtype}, {idx.dtype}, {values.dtype}",
         )
     if counts.dim() != 1 or counts.numel() != spans(n):
@@ -112,15 +156,16 @@ def check_update(n: int, counts: torch.Tensor, idx: torch.Tensor, values: torch.
             "bad_shape",
             f"a sparse update of {n} elements has {spans(n)} counts, got {tuple(counts.shape)}",
         )
-    m = idx.numel()
-    if idx.dim() != 1 or values.shape != idx.shape:
+    m = values.numel()
+    if idx.dim() != 1 or values.dim() != 1 or idx.numel() != index_bytes(m):
         raise CodecError(
             "bad_shape",
-            f"sparse update: {tuple(idx.shape)} indices and {tuple(values.shape)} values",
+            f"sparse update: {tuple(idx.shape)} bytes of {INDEX_BITS}-bit indices for "
+            f"{tuple(values.shape)} values",
         )
     c = counts.to(torch.int64)
-    if spans(n) and (int(c.min()) < 0 or int(c.max()) > SPAN):
-        raise CodecError("bad_shape", "a sparse update's count is negative or exceeds its span")
+    if spans(n) and int(c.max()) > SPAN:
+        raise CodecError("bad_shape", "a sparse update's count exceeds its span")
     total = int(c.sum())
     if total != m:
         raise CodecError(
@@ -128,7 +173,9 @@ def check_update(n: int, counts: torch.Tensor, idx: torch.Tensor, values: torch.
         )
     if m == 0:
         return
-    pos = _positions(c, idx)
+    if not padding_clear(idx.view(1, -1), m, INDEX_BITS):
+        raise CodecError("bad_index", "a sparse update's packed indices have padding bits set")
+    pos = _positions(c, idx, m)
     if int(pos[-1]) >= n or (m > 1 and int(pos.diff().min()) <= 0):
         why = "outside its parameter" if int(pos.max()) >= n else "repeated or out of order"
         raise CodecError(
@@ -139,11 +186,11 @@ def check_update(n: int, counts: torch.Tensor, idx: torch.Tensor, values: torch.
         raise CodecError("non_finite", "a sparse update's value is NaN or infinite")
 
 
-def _positions(counts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def _positions(counts: torch.Tensor, idx: torch.Tensor, m: int) -> torch.Tensor:
     """Flat int64 positions: each index plus its span's start (``counts`` int64, already
-    checked to add up to ``idx``'s length)."""
+    checked to add up to ``m``, the values' count)."""
     starts = torch.arange(counts.numel(), dtype=torch.int64) * SPAN
-    return torch.repeat_interleave(starts, counts) + idx.to(torch.int64)
+    return unpack_positions(idx, m).add_(torch.repeat_interleave(starts, counts))
 
 
 @torch.no_grad()
@@ -152,7 +199,7 @@ def apply_changes(
 ) -> None:
     """Write ``values`` into ``published`` (flat-viewable fp32) at the update's positions: a
     copy, no arithmetic. Call ``check_update`` first: this one trusts its input."""
-    if idx.numel() == 0:
+    if values.numel() == 0:
         return
-    pos = _positions(counts.to(torch.int64), idx)
+    pos = _positions(counts.to(torch.int64), idx, values.numel())
     published.view(-1).index_copy_(0, pos, values.view(-1))

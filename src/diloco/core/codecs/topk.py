@@ -3,15 +3,22 @@
 A tensor is flattened and cut into chunks of ``chunk`` elements (the last may be shorter, ``r``
 elements). Each chunk keeps its ``k = max(1, round(density * length))`` largest-magnitude
 elements: a count fixed by the chunk's length, so ``parts(shape)`` depends on the shape and the
-options alone and a server checks a body's header before its payload, as for every codec. Parts,
-in body order:
+options alone and a server checks a body's header before its payload, as for every codec.
 
-- ``name@scale``: bf16, one per chunk, ``s = absmax(kept) / top`` rounded *up* to bf16 (as the
-  quantizers do: ``|x / s| <= top`` then holds, no code needs clamping);
-- ``name@idx``: uint16, the kept elements' positions within their chunk, strictly ascending
-  per chunk (``chunk <= 65536``): ``k`` per full chunk, then the last chunk's;
-- ``name``: uint8, the kept values' ``bits``-bit codes, ``8 / bits`` per byte, each chunk's
-  codes padded to whole bytes (so a chunk-aligned piece owns whole bytes of every part).
+One part, named like the parameter: uint8, one fixed-size *record* per chunk (the last chunk's
+shorter), so a chunk-aligned piece owns whole bytes and a body's header carries one entry per
+parameter (at the quality suite's 137k parameters, three entries per tensor made the header
+weigh more than the payload: docs/benchmarks.md, "Sparse top-k codec"). A record:
+
+- 2 bytes: the chunk's bf16 scale ``s = absmax(kept) / top`` rounded *up* (as the quantizers
+  do: ``|x / s| <= top`` then holds, no code needs clamping), little-endian;
+- ``ceil(k * w / 8)`` bytes: the kept positions within the chunk, strictly ascending, packed
+  ``w = log2(chunk)`` bits each (at least 1; ``bitpack.py``; 12 at 4096), unused high bits zero;
+- ``ceil(k / (8 / bits))`` bytes: the ``bits``-bit codes, ``8 / bits`` per byte.
+
+``w`` travels as the option ``index_bits`` (``codec_index_bits`` in a body's metadata): a peer
+from before the packing refuses the option by name (400 ``bad_option``), and this one refuses a
+topk codec that does not name it (``required_options``), so the two formats never meet.
 
 Values: a code ``j`` in ``[0, 2**bits - 1]`` stands for ``(2j - top) * s`` with
 ``top = 2**bits - 1``: the odd integers from ``-top`` to ``top``, symmetric and without zero
@@ -40,17 +47,19 @@ import torch
 
 from diloco.core.accumulate import accumulate_
 from diloco.core.codecs.base import CHUNK, CodecError, Part
+from diloco.core.codecs.bitpack import pack_rows, packed_bytes, padding_clear, unpack_rows, width_of
 from diloco.core.codecs.elementwise import BlockCodec
-from diloco.core.codecs.quant import FP32_MAX, SCALE, round_up_bf16
+from diloco.core.codecs.quant import FP32_MAX, round_up_bf16
 from diloco.core.workspace import Workspace, scratch
 
-INDEX = "@idx"
 BITS = (2, 4, 8)
 MAX_CHUNK = 1 << 16
-"""Indices within a chunk travel as uint16."""
+"""Positions within a chunk are packed in at most 16 bits."""
 DEFAULT_DENSITY = 0.0156
 DEFAULT_CHUNK = 4096
 DEFAULT_BITS = 2
+SCALE_BYTES = 2
+"""A record's bf16 scale."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -93,16 +102,21 @@ def top_positions(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class TopKCodec(BlockCodec):
-    """Chunked top-k, values at ``bits`` bits with one bf16 scale per chunk (module docstring).
-    Parts: ``name@scale`` (bf16, one per chunk), ``name@idx`` (uint16), ``name`` (uint8)."""
+    """Chunked top-k, values at ``bits`` bits with one bf16 scale per chunk and positions packed
+    in ``index_bits`` bits (module docstring). One part: ``name``, uint8 records."""
 
     name = "topk"
     lossy = True
     shaped_codes = False
     sparse = True
+    required_options = ("index_bits",)
 
     def __init__(
-        self, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK, bits: int = DEFAULT_BITS
+        self,
+        density: float = DEFAULT_DENSITY,
+        chunk: int = DEFAULT_CHUNK,
+        bits: int = DEFAULT_BITS,
+        index_bits: int | None = None,
     ) -> None:
         density, chunk, bits = float(density), int(chunk), int(bits)
         if not 0.0 < density <= 1.0:  # NaN fails this too
@@ -111,13 +125,24 @@ class TopKCodec(BlockCodec):
             raise ValueError(f"chunk must be a power of two from 1 to {MAX_CHUNK}, got {chunk}")
         if bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits}")
-        self.density, self.chunk, self.bits = density, chunk, bits
+        width = width_of(chunk)
+        if index_bits is not None and int(index_bits) != width:
+            # One packing per chunk size: a peer naming another is another format.
+            raise ValueError(
+                f"index_bits must be {width} (log2 of chunk {chunk}, at least 1), got {index_bits}"
+            )
+        self.density, self.chunk, self.bits, self.index_bits = density, chunk, bits, width
         self.align = chunk
         self.top = float((1 << bits) - 1)
         self.per_byte = 8 // bits
 
     def options(self) -> dict[str, str]:
-        return {"density": repr(self.density), "chunk": str(self.chunk), "bits": str(self.bits)}
+        return {
+            "density": repr(self.density),
+            "chunk": str(self.chunk),
+            "bits": str(self.bits),
+            "index_bits": str(self.index_bits),
+        }
 
     # --- layout ------------------------------------------------------------------------------
 
@@ -129,28 +154,42 @@ class TopKCodec(BlockCodec):
         """Bytes of one chunk's ``k`` codes."""
         return _ceil_div(k, self.per_byte)
 
+    def index_bytes(self, k: int) -> int:
+        """Bytes of one chunk's ``k`` packed positions."""
+        return packed_bytes(k, self.index_bits)
+
+    def record(self, length: int) -> int:
+        """Bytes of the record of a chunk of ``length`` elements (0 for an empty one)."""
+        k = self.kept(length)
+        return SCALE_BYTES + self.index_bytes(k) + self.code_bytes(k) if length else 0
+
     def flat_parts(self, n: int) -> list[Part]:
         full, rest = divmod(n, self.chunk)
-        k, k_last = self.kept(self.chunk), self.kept(rest)
-        return [
-            Part(SCALE, torch.bfloat16, (_ceil_div(n, self.chunk),)),
-            Part(INDEX, torch.uint16, (full * k + k_last,)),
-            Part("", torch.uint8, (full * self.code_bytes(k) + self.code_bytes(k_last),)),
-        ]
+        return [Part("", torch.uint8, (full * self.record(self.chunk) + self.record(rest),))]
 
-    def _spans(self, n: int) -> list[tuple[int, int, int, int, int, int]]:
-        """Runs of equal chunks, each at most ``CHUNK`` elements: ``(start, rows, length, chunk
-        index, kept index, code byte)`` where the run's rows begin in each part."""
+    def _spans(self, n: int) -> list[tuple[int, int, int, int]]:
+        """Runs of equal chunks, each at most ``CHUNK`` elements: ``(start, rows, length, byte)``,
+        ``byte`` where the run's first record begins."""
         full, rest = divmod(n, self.chunk)
-        k, kb = self.kept(self.chunk), self.code_bytes(self.kept(self.chunk))
+        size = self.record(self.chunk)
         step = max(1, CHUNK // self.chunk)
         out = [
-            (c * self.chunk, min(step, full - c), self.chunk, c, c * k, c * kb)
+            (c * self.chunk, min(step, full - c), self.chunk, c * size)
             for c in range(0, full, step)
         ]
         if rest:
-            out.append((full * self.chunk, 1, rest, full, full * k, full * kb))
+            out.append((full * self.chunk, 1, rest, full * size))
         return out
+
+    def _fields(
+        self, data: torch.Tensor, at: int, rows: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The ``rows`` records of chunks of ``length`` from byte ``at`` of ``data``, as strided
+        views: scale bytes (rows x 2), packed positions, codes; and their ``k``."""
+        k, size = self.kept(length), self.record(length)
+        rec = data[at : at + rows * size].view(rows, size)
+        ib = SCALE_BYTES + self.index_bytes(k)
+        return rec[:, :SCALE_BYTES], rec[:, SCALE_BYTES:ib], rec[:, ib:], k
 
     # --- encode ------------------------------------------------------------------------------
 
@@ -165,44 +204,40 @@ class TopKCodec(BlockCodec):
         if piece.dtype != torch.float32:
             piece = piece.float()  # round_up_bf16 reads fp32 bits
         n = piece.numel()
-        scales, index, codes = self.empty_parts(n, piece.device) if out is None else out
-        for start, rows, length, c, i, b in self._spans(n):
-            k, kb = self.kept(length), self.code_bytes(self.kept(length))
+        (data,) = self.empty_parts(n, piece.device) if out is None else out
+        for start, rows, length, at in self._spans(n):
+            scale, index, codes, k = self._fields(data, at, rows, length)
             x = piece[start : start + rows * length].view(rows, length)
-            self._encode_rows(
-                x,
-                scratch(work, "topk.mag", torch.int32, x.numel(), x.device).view(x.shape),
-                k,
-                scales[c : c + rows],
-                index[i : i + rows * k].view(rows, k),
-                codes[b : b + rows * kb].view(rows, kb),
-            )
-        return [scales, index, codes]
+            mag = scratch(work, "topk.mag", torch.int32, x.numel(), x.device).view(x.shape)
+            self._encode_rows(x, mag, k, scale, index, codes)
+        return [data]
 
     def _encode_rows(
         self,
         x: torch.Tensor,
         mag: torch.Tensor,
         k: int,
-        scales: torch.Tensor,
+        scale: torch.Tensor,
         index: torch.Tensor,
         codes: torch.Tensor,
     ) -> None:
-        """Each row of ``x`` is one chunk: its ``k`` kept positions, scale and codes (``mag``:
-        scratch of ``x``'s shape)."""
+        """Each row of ``x`` is one chunk: its ``k`` kept positions, scale and codes into its
+        record's fields (``mag``: scratch of ``x``'s shape)."""
         # |x| on the int32 bits (the sign bit cleared): non-negative floats order as their bits
         # (NaN above all), and torch.topk on int32 ran 12% faster than on fp32 on one core.
         torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=mag)
         pos = top_positions(mag, k).sort(dim=1).values  # ascending: the order a receiver checks
         values = x.gather(1, pos)
         amax = mag.gather(1, pos).amax(1).view(torch.float32).div_(self.top)
+        scales = torch.empty(amax.shape, dtype=torch.bfloat16, device=x.device)
         round_up_bf16(amax, scales, torch.empty(amax.shape, dtype=torch.int32, device=x.device))
+        scale.copy_(scales.view(torch.uint8).view(scale.shape))
         inv = amax.copy_(scales).reciprocal_()
         inv.nan_to_num_(nan=0.0, posinf=0.0)  # an all-zero chunk: scale 0, every value 0
         # j = round((x / s + top) / 2): |x / s| <= top, so j is in [0, top]; the clamp only
         # absorbs the last bit of 1 / s.
         q = values.mul_(inv[:, None]).add_(self.top).mul_(0.5).round_().clamp_(0.0, self.top)
-        index.copy_(pos)
+        pack_rows(pos, self.index_bits, index)
         self._pack(q.to(torch.uint8), codes)
 
     def _pack(self, j: torch.Tensor, codes: torch.Tensor) -> None:
@@ -241,35 +276,37 @@ class TopKCodec(BlockCodec):
         first: bool,
         work: Workspace | None = None,
     ) -> None:
-        scales, index, codes = parts
-        for start, rows, length, c, i, b in self._spans(acc.numel()):
-            k, kb = self.kept(length), self.code_bytes(self.kept(length))
+        (data,) = parts
+        for start, rows, length, at in self._spans(acc.numel()):
+            scale, index, codes, k = self._fields(data, at, rows, length)
             part = acc[start : start + rows * length]
-            j = self._unpack(codes[b : b + rows * kb].view(rows, kb), k)
+            j = self._unpack(codes, k)
             # (2j - top) * s: exact (a small odd integer times a bf16 scale).
             values = j.to(torch.float32).mul_(2.0).sub_(self.top)
-            values.mul_(scales[c : c + rows].to(torch.float32)[:, None])
-            pos = index[i : i + rows * k].view(rows, k).to(torch.int64)
+            values.mul_(_scales(scale).to(torch.float32)[:, None])
+            pos = unpack_rows(index, k, self.index_bits)
             pos.add_(torch.arange(0, rows * length, length, device=pos.device)[:, None])
-            flat = pos.view(-1)
+            flat = pos.reshape(-1)
             if first:
                 part.zero_()  # what accumulate_ writes where the decoded tensor is zero
             kept = part.index_select(0, flat)
-            accumulate_(kept, values.view(-1), weight, first)
+            accumulate_(kept, values.reshape(-1), weight, first)
             part.index_copy_(0, flat, kept)
 
     # --- checks ------------------------------------------------------------------------------
 
     def check_part(self, shape: Sequence[int], index: int, t: torch.Tensor) -> None:
-        if t.numel() == 0 or index == 2:
-            return  # every code decodes to a finite multiple of its checked scale
-        if index == 0:
-            self._check_scales(t.reshape(-1))
-        else:
-            n = math.prod(int(d) for d in shape)
-            for start, rows, length, _, i, _ in self._spans(n):
-                k = self.kept(length)
-                self._check_index(t.reshape(-1)[i : i + rows * k].view(rows, k), start, length)
+        """Every record of the one part: its scale (``non_finite``, ``bad_scale``), then its
+        positions (``bad_index``: outside the chunk, repeated or not ascending, padding bits
+        set). Codes need no check (each decodes to a finite multiple of a checked scale)."""
+        data = t.reshape(-1)
+        n = math.prod(int(d) for d in shape)
+        spans = self._spans(n)
+        for _, rows, length, at in spans:
+            self._check_scales(_scales(self._fields(data, at, rows, length)[0]))
+        for start, rows, length, at in spans:
+            _, packed, _, k = self._fields(data, at, rows, length)
+            self._check_index(packed, k, start, length)
 
     def _check_scales(self, t: torch.Tensor) -> None:
         low, high = (float(v) for v in torch.aminmax(t.float()))
@@ -280,18 +317,26 @@ class TopKCodec(BlockCodec):
         if high * self.top > FP32_MAX:
             raise CodecError("non_finite", f"a topk scale of {high} decodes to values beyond fp32")
 
-    def _check_index(self, rows: torch.Tensor, start: int, length: int) -> None:
-        """Each row: the kept positions of the chunk that starts at element ``start``."""
-        pos = rows.to(torch.int32)
+    def _check_index(self, packed: torch.Tensor, k: int, start: int, length: int) -> None:
+        """Each row: the packed kept positions of the chunk that starts at element ``start``."""
+        where = f"(the chunks from element {start})"
+        if not padding_clear(packed, k, self.index_bits):
+            raise CodecError("bad_index", f"a topk record's index padding bits are set {where}")
+        pos = unpack_rows(packed, k, self.index_bits)
         if int(pos.amax()) >= length:
             raise CodecError(
-                "bad_index",
-                f"a topk index is outside its chunk of {length} elements (the chunks from "
-                f"element {start})",
+                "bad_index", f"a topk index is outside its chunk of {length} elements {where}"
             )
-        if pos.shape[1] > 1 and int(pos.diff(dim=1).amin()) <= 0:
+        if k > 1 and int(pos.diff(dim=1).amin()) <= 0:
             raise CodecError(
                 "bad_index",
-                f"topk indices within a chunk must be strictly ascending (the chunks from "
-                f"element {start}): one is repeated or out of order",
+                f"topk indices within a chunk must be strictly ascending {where}: one is "
+                f"repeated or out of order",
             )
+
+
+def _scales(raw: torch.Tensor) -> torch.Tensor:
+    """The bf16 scales of records (rows x 2 bytes, strided), as a flat tensor."""
+    # A fresh copy: a view of records has an odd stride or offset, which a bf16 view refuses.
+    out = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device)
+    return out.copy_(raw).view(torch.bfloat16).view(-1)

@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import torch
 
+from diloco.core.codecs import codec_by_name
 from diloco.server.allreduce.quorum_book import QuorumBook, resume_grace
 from diloco.server.allreduce.rendezvous import RendezvousStore
 from diloco.server.allreduce.run_table import RunTable
@@ -160,7 +161,7 @@ class AllReduceFront:
         table = self.table.check(info.params)
         comm = registered_codec(info.codec, ALLREDUCE_CODECS, LOSSY_REFUSED) or "fp32"
         if info.codec is not None and comm in ENCODED:
-            default = parse_codec({"codec": comm}).options()
+            default = codec_by_name(comm).options()
             if parse_codec(info.codec).options() != default:
                 # Every member must cut the same blocks or chunks: the codes are decoded as one.
                 raise codec_refused(

@@ -114,6 +114,7 @@ class Membership:
             codecs=self.config.allowed_codecs,
             outer_rule=self.config.outer_rule,
             recommended_sync_every=self._recommend(record),
+            weighting=self.config.weighting,
         )
         return self.roster.told(reply, asked.last_submission_id)
 

@@ -32,6 +32,8 @@ class Staleness:
     mean: float | None
     max: int | None
     count: int
+    gated: int = 0
+    """Of those, acknowledged but not applied: past the age gate (``--staleness-cutoff``)."""
 
 
 @dataclass(frozen=True)

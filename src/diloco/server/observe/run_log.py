@@ -32,6 +32,8 @@ class RunLog:
         self.bytes_in = 0
         self.bytes_out = 0
         self.rejected = 0
+        #: Async uploads acknowledged but not applied: their staleness policy gave weight 0.
+        self.gated = 0
         self.last_round_contributions = 0
         #: Rounds (sync) or updates (async) refused because their result would not be finite.
         self.refused_updates = 0

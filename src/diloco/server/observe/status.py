@@ -3,7 +3,7 @@
 dashboard's keys are checked against them by a test. A renamed field breaks mypy or a test, not
 a display that quietly shows ``-``. The records it is made of are ``server/observe/records.py``.
 
-JSON mapping: a field is a key, in field order; a tuple is a list; a field marked
+JSON mapping (``status_json.py``): a field is a key, in field order; a tuple is a list; a field marked
 ``OMIT`` is left out of the JSON while it is ``None`` (keys one mode has and the other lacks:
 ``submitted`` of an async fragment, ``staleness`` of a sync update, ``momentum`` of an
 optimizer without one).
@@ -15,11 +15,10 @@ without quorums shows ``IDLE``.
 
 from __future__ import annotations
 
-import types
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
-from typing import Any, Protocol, TypeVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -49,16 +48,11 @@ from diloco.server.observe.records import (
     WorkerExclusions,
     WorkerStatus,
 )
+from diloco.server.observe.status_json import from_json, to_json
 from diloco.server.observe.swarm_records import SwarmStatus
 from diloco.server.params.store import F32_BYTES, ParamStore
 
 STATUS_LOG = 200  # updates of the run log that /status shows (the newest)
-
-T = TypeVar("T")
-
-
-class StatusFormatError(ValueError):
-    """A /status document lacks a field this version reads (a renamed key, an older server)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +84,7 @@ class Status:
     delayed_nesterov: DelayedNesterovSettings | None
     weighting: str
     staleness_weighting: str
+    staleness_cutoff: int | None
     max_staleness: int | None
     staleness: Staleness
     dylu: bool
@@ -165,7 +160,7 @@ class Status:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able dict of ``GET /status``."""
-        out = _to_json(self)
+        out = to_json(self)
         assert isinstance(out, dict)
         return out
 
@@ -174,7 +169,7 @@ class Status:
         """Parse a /status document. Raises ``StatusFormatError`` when a field is missing (or
         renamed); unknown extra keys are ignored, so a newer server that adds fields still
         parses. Values are taken as they come (their types are not checked)."""
-        return _from_json(cls, data, "status")
+        return from_json(cls, data, "status")
 
 
 # What ``build_status`` reads, as protocols: the fronts and their parts satisfy them without
@@ -193,6 +188,7 @@ class _Log(Protocol):
     staleness_log: deque[int]
     staleness_total: int
     staleness_count: int
+    gated: int
     full_downloads: int
     update_downloads: int
     submissions: int
@@ -307,6 +303,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
         ),
         weighting=config.weighting,
         staleness_weighting=config.staleness_weighting,
+        staleness_cutoff=config.staleness_cutoff,
         max_staleness=config.max_staleness,
         staleness=Staleness(
             last=recent[-1] if recent else None,
@@ -315,6 +312,7 @@ def build_status(coord: Observed, history_since: int = 0) -> Status:
             else None,
             max=max(recent) if recent else None,
             count=run_log.staleness_count,
+            gated=run_log.gated,
         ),
         dylu=config.dylu,
         bytes_in=run_log.bytes_in,
@@ -408,48 +406,3 @@ def _workers(coord: Observed) -> tuple[WorkerStatus, ...]:
         )
         for w in coord.registry
     )
-
-
-# --- JSON ---------------------------------------------------------------------------------------
-
-
-def _to_json(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: _to_json(getattr(value, f.name))
-            for f in fields(value)
-            if not (f.metadata.get(OMIT) and getattr(value, f.name) is None)
-        }
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
-
-
-def _from_json(cls: type[T], data: object, where: str) -> T:
-    if not isinstance(data, dict):
-        raise StatusFormatError(f"{where}: expected an object, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    values: dict[str, Any] = {}
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.name in data:
-            values[f.name] = _value(hints[f.name], data[f.name], f"{where}.{f.name}")
-        elif f.metadata.get(OMIT):
-            values[f.name] = None
-        elif f.default is MISSING:
-            raise StatusFormatError(f"{where}: no field {f.name!r} (a server of another version?)")
-    return cls(**values)
-
-
-def _value(hint: Any, value: object, where: str) -> Any:
-    if get_origin(hint) in (Union, types.UnionType):
-        if value is None:
-            return None
-        (hint,) = [a for a in get_args(hint) if a is not type(None)]
-    if is_dataclass(hint):
-        return _from_json(hint, value, where)  # type: ignore[arg-type]
-    if get_origin(hint) is tuple:
-        if not isinstance(value, list):
-            raise StatusFormatError(f"{where}: expected a list, got {type(value).__name__}")
-        (item, _) = get_args(hint)
-        return tuple(_value(item, v, f"{where}[{i}]") for i, v in enumerate(value))
-    return value

@@ -7,7 +7,7 @@ round's sum has a bit set. After each round's outer step, still in the step's th
 the tensor lock, ``encode`` builds the round's update from the unit's sum and the parameters the
 step wrote: per parameter its ``sparse_update.parts`` (counts per span, positions, new values),
 named ``name + suffix`` and laid out by ``wire.build_layout`` (wider dtypes first), with
-``__metadata__`` ``kind: "update"``, ``codec: "sparse"``, ``round``, ``base_round`` (``round -
+``__metadata__`` ``kind: "update"``, ``codec: "sparse"``, ``codec_index_bits``, ``round``, ``base_round`` (``round -
 1``), ``instance`` and ``checksum`` (``wire.checksum`` of the new payload, which full downloads
 then carry too). No true copy: the published parameters are the step's, and the update carries
 them exactly.
@@ -19,8 +19,8 @@ payload (dense uploads, many workers with disjoint supports) none is kept and ev
 downloads full parameters that round.
 
 Memory: only the latest round's update is kept, as for the compressed downlink (a download
-still streaming the previous one keeps that buffer alive until it ends): 6 bytes per changed
-element and 4 per 65536 elements, and never more than the full payload. Building it holds, per
+still streaming the previous one keeps that buffer alive until it ends): 5.5 bytes per changed
+element and 2 per 4096 elements, and never more than the full payload. Building it holds, per
 parameter, its positions (int64) and values besides the body, a few times the body at most.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from diloco.core.codecs import check_name
-from diloco.core.codecs.sparse_update import SPARSE_UPDATE, encode_changes, parts
+from diloco.core.codecs.sparse_update import encode_changes, metadata, parts
 from diloco.server.params.publication import PayloadBuffer
 from diloco.server.params.store import ParamStore, Snapshot
 from diloco.server.params.update_bodies import UpdateBody, open_kept
@@ -73,11 +73,11 @@ class SparseDownlink:
         specs = [
             TensorSpec(name + part.suffix, CODE_OF_DTYPE[part.dtype], part.shape)
             for name in names
-            for part in parts(published[name].numel(), encoded[name][1].numel())
+            for part in parts(published[name].numel(), encoded[name][2].numel())
         ]
         meta = {
             "kind": "update",
-            "codec": SPARSE_UPDATE,
+            **metadata(),
             "round": str(new_round),
             "base_round": str(new_round - 1),
             "instance": store.instance,

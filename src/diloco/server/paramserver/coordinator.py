@@ -280,9 +280,7 @@ class Coordinator:
         hands it to the aggregator; the coordinator then closes whatever became ready."""
         model = self.model
         store = model.require_store()
-        head = UploadMeta.from_metadata(
-            layout.metadata, weighted=self.config.weighting == "samples"
-        )
+        head = UploadMeta.from_metadata(layout.metadata, weighting=self.config.weighting)
         record = self.registry.get(head.worker_id)
         if record is None:
             raise unknown_worker(head.worker_id)

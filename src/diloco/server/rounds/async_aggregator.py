@@ -1,6 +1,7 @@
 """Asynchronous DiLoCo on one unit: no barrier; every submission is applied as it lands, as the
-next update (version), weighted by its staleness if configured. The admission rules are the
-gate's (server/rounds/async_gate.py).
+next update (version), weighted by the staleness policy (core/staleness.py). One the policy gives
+weight 0 (the age gate) is acknowledged without an update. The admission rules are the gate's
+(server/rounds/async_gate.py).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from diloco.core.outer import PieceDone
-from diloco.core.staleness import inverse_sqrt_weight
+from diloco.core.staleness import policy_named
 from diloco.server.members.registry import WorkerRegistry
 from diloco.server.observe.records import State
 from diloco.server.rounds.aggregator import Check, Landed
@@ -27,7 +28,9 @@ class AsyncAggregator:
         self.unit = unit
         self.steps = steps
         self.registry = registry
-        self.gate = AsyncGate(version, steps.config.max_staleness)
+        config = steps.config
+        self.gate = AsyncGate(version, config.max_staleness)
+        self.policy = policy_named(config.staleness_weighting, config.staleness_cutoff)
 
     @property
     def round(self) -> int:
@@ -75,12 +78,10 @@ class AsyncAggregator:
                 steps.run_log.rejected += 1
                 raise steps.too_stale(unit, base, gate.staleness_now(base))
             stale = gate.staleness_now(base)
+            weight = self.policy.weight(stale)
+            if weight == 0.0:
+                return self._gated(landed, stale)
             applied_to = gate.record(landed.worker_id, landed.submission_id)
-            weight = (
-                inverse_sqrt_weight(stale)
-                if steps.config.staleness_weighting == "inverse_sqrt"
-                else 1.0
-            )
             guard = steps.guard(unit)
             refused: list[str] = []
             tensors = landed.tensors
@@ -121,6 +122,22 @@ class AsyncAggregator:
             staleness=stale,
             weight=weight,
             refused=refused[0] if refused else None,
+        )
+
+    def _gated(self, landed: Landed, stale: int) -> UploadReceipt:
+        """Past the age gate: counted as received (its id answered as a duplicate from now on),
+        no parameter touched, no version made. The receipt's weight 0 tells the worker its
+        steps did not reach the model; it adopts the current version (``round + 1``)."""
+        counted_in = self.gate.record_gated(landed.worker_id, landed.submission_id)
+        run_log = self.steps.run_log
+        run_log.staleness(stale)
+        run_log.gated += 1
+        return UploadReceipt(
+            status="accepted",
+            round=counted_in,
+            version=counted_in + 1,
+            staleness=stale,
+            weight=0.0,
         )
 
     # Nothing waits to close: every update is applied in ``accept``.

@@ -52,6 +52,15 @@ class AsyncGate(Admission):
         self._count(worker_id, submission_id, self.version)
         return self.version
 
+    def record_gated(self, worker_id: str, submission_id: str) -> int:
+        """The submission is acknowledged but not applied (its staleness policy gave it weight
+        0): no update is made. Its receipt names the update that made the current version
+        (``version - 1``), so its worker adopts the current version, and a retry of the same id
+        is a duplicate with the same answer. A gated submission is stale, so ``version >= 1``."""
+        assert self.version >= 1, "a submission against the current version is never gated"
+        self._count(worker_id, submission_id, self.version - 1)
+        return self.version - 1
+
     def advance(self) -> None:
         """The update is applied and published."""
         self.version += 1

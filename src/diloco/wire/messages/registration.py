@@ -178,7 +178,8 @@ class Registered(Reply):
     collective_timeout: float | None = spec(default=None, omit=True)
     """All-reduce mode: seconds a collective may wait for a member."""
     weighting: str | None = spec(default=None, omit=True)
-    """All-reduce mode: ``equal`` (each member weighs 1) or ``samples`` (its reported samples)."""
+    """``equal`` (each contribution weighs 1), ``samples`` (its reported samples) or, in server
+    mode, ``tokens`` (its reported tokens: a worker that reports none cannot sync)."""
     outer: OuterStep | None = spec(default=None, omit=True)
     """All-reduce mode: the outer step every worker applies."""
     norm_bound: float | None = spec(default=None, omit=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from diloco.wire.messages.codec import MessageError, Reply, spec
 from diloco.wire.messages.registration import Plan
 
-# Bounds of a reported weight (weighting='samples'). A weight multiplies an fp32 upload and the
+# Bounds of a reported weight (weighting='samples', or its tokens under 'tokens'). A weight multiplies an fp32 upload and the
 # sum of weights divides the sum: 1e39 is a finite Python float but infinite in fp32, and
 # denormal weights make the total ~0. Within these bounds every weight and any total of them is
 # a normal fp32 number, which covers any count of samples or tokens one round can see
@@ -40,8 +40,9 @@ class UploadMeta:
     """The round (version, in async mode; the fragment's round, streaming) the pseudo-gradient
     was computed against."""
     weight: float = 1.0
-    """Its weight when the server weights by samples (``--weighting samples``): the samples or
-    tokens trained on. Ignored, and not checked, under equal weighting."""
+    """Its weight when the server weights by samples (``--weighting samples``): the samples
+    trained on (what the loop reports; the steps when it reports none). Under ``tokens`` the
+    tokens' count. Ignored, and not checked, under equal weighting."""
     fragment: int | None = None
     """Streaming DiLoCo: the fragment whose pieces the body holds (required then)."""
     loss: float | None = None
@@ -51,6 +52,10 @@ class UploadMeta:
     codec: dict[str, str] = field(default_factory=dict)
     """``codec`` and its ``codec_<option>`` keys (``codec_metadata(codec)``); empty, or
     ``{"codec": "raw"}``: raw fp32/bf16 tensors, the protocol before codecs."""
+    tokens: float | None = None
+    """The tokens trained on since the part of the model it holds was last sent, when the loop
+    counts them (``DiLoCoWorker.report(tokens=...)``). Required under ``--weighting tokens``,
+    where it is the weight, bounded as ``weight``; read under that weighting only."""
 
     def to_metadata(self) -> dict[str, str]:
         """The string pairs, in the order a worker writes them."""
@@ -67,12 +72,16 @@ class UploadMeta:
             meta["loss"] = repr(float(self.loss))
         if self.steps is not None:
             meta["steps"] = str(int(self.steps))
+        if self.tokens is not None:
+            meta["tokens"] = repr(float(self.tokens))
         return meta
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, str], *, weighted: bool) -> UploadMeta:
-        """Read an upload's metadata; ``weighted``: the server weights by samples (else the
-        weight is 1, whatever the body says). ``MessageError`` (400) names the key."""
+    def from_metadata(cls, meta: Mapping[str, str], *, weighting: str) -> UploadMeta:
+        """Read an upload's metadata as a server with ``weighting`` (``--weighting``) does:
+        ``equal``: the weight is 1, whatever the body says; ``samples``: ``weight``, bounded;
+        ``tokens``: ``tokens``, bounded and required (``missing_metadata`` without it).
+        ``MessageError`` (400) names the key."""
         unknown = [k for k in meta if k not in _KEYS and not k.startswith(CODEC_KEY + "_")]
         if unknown:
             raise MessageError(
@@ -89,17 +98,30 @@ class UploadMeta:
                 "missing_metadata",
             )
         base_round = _int(meta, "base_round")
-        weight = _weight(meta) if weighted else 1.0
+        tokens = _tokens(meta) if weighting == "tokens" else None
+        weight = tokens if tokens is not None else _weight(meta) if weighting == "samples" else 1.0
         fragment = _fragment(meta["fragment"]) if "fragment" in meta else None
         loss = _loss(meta)
         steps = _int(meta, "steps") if "steps" in meta else None
         if steps is not None and steps < 0:
             raise MessageError("steps", "__metadata__['steps'] must be >= 0", "bad_metadata")
         codec = {k: v for k, v in meta.items() if k == CODEC_KEY or k.startswith(CODEC_KEY + "_")}
-        return cls(worker_id, submission_id, base_round, weight, fragment, loss, steps, codec)
+        return cls(
+            worker_id, submission_id, base_round, weight, fragment, loss, steps, codec, tokens
+        )
 
 
-_KEYS = ("worker_id", "submission_id", "base_round", "weight", "fragment", "loss", "steps", "codec")
+_KEYS = (
+    "worker_id",
+    "submission_id",
+    "base_round",
+    "weight",
+    "fragment",
+    "loss",
+    "steps",
+    "codec",
+    "tokens",
+)
 
 
 def _int(meta: Mapping[str, str], key: str) -> int:
@@ -137,22 +159,33 @@ def _loss(meta: Mapping[str, str]) -> float | None:
     return loss
 
 
-def _weight(meta: Mapping[str, str]) -> float:
-    raw = meta.get("weight", "1")
+def _weight(meta: Mapping[str, str], key: str = "weight") -> float:
+    raw = meta.get(key, "1")
     try:
         weight = float(raw)
     except ValueError:
         raise MessageError(
-            "weight", f"__metadata__['weight'] must be a number, got {raw!r}", "bad_metadata"
+            key, f"__metadata__[{key!r}] must be a number, got {raw!r}", "bad_metadata"
         ) from None
     if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # also NaN
         raise MessageError(
-            "weight",
-            f"__metadata__['weight'] must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] "
+            key,
+            f"__metadata__[{key!r}] must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] "
             f"(a count of samples or tokens), got {raw!r}",
             "bad_metadata",
         )
     return weight
+
+
+def _tokens(meta: Mapping[str, str]) -> float:
+    if "tokens" not in meta:
+        raise MessageError(
+            "tokens",
+            "the server weights uploads by tokens (--weighting tokens) and __metadata__ lacks "
+            "'tokens': report them with DiLoCoWorker.report(tokens=n)",
+            "missing_metadata",
+        )
+    return _weight(meta, "tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +202,8 @@ class UploadReceipt(Reply):
     staleness: int | None = spec(default=None, omit=True)
     """Async mode: updates applied between the upload's base and the version it hit."""
     weight: float | None = spec(default=None, omit=True)
-    """Async mode: the weight the update was applied with; a sync late merge: the weight it
-    was counted with (its own times ``1/sqrt(1 + late)``)."""
+    """Async mode: the weight the update was applied with (0: none was, ``gated``); a sync late
+    merge: the weight it was counted with (its own times ``1/sqrt(1 + late)``)."""
     late: int | None = spec(default=None, omit=True)
     """Sync quorum rounds: rounds between the upload's base and ``round``, the round it counted
     in (its base round closed without it: it was merged late, with a staleness weight). Absent
@@ -187,6 +220,12 @@ class UploadReceipt(Reply):
     refused_rounds: tuple[int, ...] | None = spec(default=None, omit=True)
     """The unit's last rounds refused for a non-finite result (their uploads discarded),
     once any was."""
+
+    @property
+    def gated(self) -> bool:
+        """Async mode: the server acknowledged the upload but, past its age gate
+        (``--staleness-cutoff``), applied nothing; ``version`` is the current one."""
+        return self.weight == 0.0
 
     @property
     def result_round(self) -> int:

@@ -6,7 +6,8 @@ uploads and downloads, through the strategy chosen for it (``PlainSync``, or ``Q
 all-reduce mode). Every rank's optimizer hook fires at the same steps; at a sync all ranks enter
 the same sequence of collectives on the group:
 
-1. the samples reported since the last sync are summed onto rank 0 (the upload's weight);
+1. the samples and tokens reported since the last sync are summed onto rank 0 (the upload's
+   weight);
 2. partitioned models only: every rank's parameters are gathered into rank 0's mirrors of them,
    so rank 0's ``LocalModel`` holds the union;
 3. rank 0 syncs with the server. Replicated: its parameters are broadcast bucket by bucket
@@ -160,12 +161,15 @@ class WorkerGroup:
 
     # --- collectives ----------------------------------------------------------------------------
 
-    def pool_samples(self, samples: float) -> float:
-        """Sum the samples each rank reported since its last contribution; rank 0 gets the sum
-        (kept until an upload takes it), the other ranks start again from zero."""
-        t = torch.tensor([samples], dtype=torch.float64, device=self._comm_device())
+    def pool_counts(self, samples: float, tokens: float) -> tuple[float, float]:
+        """Sum the samples and the tokens each rank reported since its last contribution (one
+        collective); rank 0 gets the sums (kept until an upload takes them), the other ranks
+        start again from zero."""
+        t = torch.tensor([samples, tokens], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t, group=self.pg)
-        return float(t.item()) if self.leader else 0.0
+        if not self.leader:
+            return 0.0, 0.0
+        return float(t[0].item()), float(t[1].item())
 
     def agree_on(self, flag: bool) -> bool:
         """True only if every rank says True."""

@@ -137,7 +137,7 @@ class GroupStreaming(LeaderFollowing[FragmentLeader]):
             if self._inner is not None:
                 self._inner.finish(submit=False)
             raise
-        s.samples = g.pool_samples(s.samples)
+        s.samples, s.tokens = g.pool_counts(s.samples, s.tokens)
         if submit:
             g.collect()
         if g.shards is not None and submit:  # rank 0's last uploads gather from the shards
@@ -175,7 +175,7 @@ class GroupStreaming(LeaderFollowing[FragmentLeader]):
                 s.base_round = round_
             return False
         names: list[str] = intent["names"]
-        s.samples = g.pool_samples(s.samples)
+        s.samples, s.tokens = g.pool_counts(s.samples, s.tokens)
         g.collect(names)
         error: BaseException | None = None
         verdict: Any = None

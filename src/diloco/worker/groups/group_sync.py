@@ -45,7 +45,7 @@ class Lockstep:
         g, s = self.group, self._s
         s.syncing = True
         try:
-            s.samples = g.pool_samples(s.samples)
+            s.samples, s.tokens = g.pool_counts(s.samples, s.tokens)
             g.collect()
             if g.leader:
                 before = dict(s.metrics)
@@ -162,7 +162,7 @@ class GroupSync(LeaderFollowing[SyncStrategy]):
     def finish(self, *, submit: bool) -> None:
         g, s = self.lockstep.group, self._s
         submit = g.agree_on(submit) and s.local_step > 0
-        s.samples = g.pool_samples(s.samples)
+        s.samples, s.tokens = g.pool_counts(s.samples, s.tokens)
         if submit:
             g.collect()
         if self._inner is None:

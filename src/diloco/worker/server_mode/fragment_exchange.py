@@ -34,6 +34,7 @@ class Exchange:
     base_round: int
     submission_id: str
     weight: float
+    tokens: float | None  # counted since the fragment was last sent; None: the loop counts none
     apply_at: int  # the total step count after which the result is merged
     pieces: list[Piece] = field(default_factory=list)
     send: dict[str, torch.Tensor] = field(default_factory=dict)  # the pseudo-gradient, per piece
@@ -43,6 +44,7 @@ class Exchange:
     unanswered: bool = False  # the upload got no answer: the server may hold it or not
     resent: bool = False  # sent under the id of an earlier upload the server may hold
     duplicate: bool = False  # ... and the server answered that it holds it
+    gated: bool = False  # async: acknowledged past the age gate, nothing of it applied
     steps: int = 0  # local steps of the fragment since it was last sent
     new_round: int = 0
     received: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -102,6 +104,7 @@ class FragmentSender:
                 body.specs,
                 body.produce,
                 weight=job.weight,
+                tokens=job.tokens,
                 fragment=k,
                 loss=s.loss,
                 steps=s.total_steps,
@@ -126,6 +129,7 @@ class FragmentSender:
             job.bytes_up = s.client.bytes_up - before
         job.counted = True
         job.duplicate = job.resent and receipt.status == "duplicate"
+        job.gated = receipt.gated
         if not job.duplicate:  # this body counted: the residual moves (worker/state/encoder.py)
             body.commit()
         # Sync: wait for the fragment's round to close. Async: the reply names the new version.

@@ -84,6 +84,7 @@ def _seed(s: Session, strategy: Joining, reply: Registered) -> bool:
     the initial parameters if the server has none. True if this worker's were taken."""
     if reply.params is not None:
         s.local.check_server_table(reply.params)
+    s.weighting = reply.weighting
     strategy.configure(reply)
     if reply.has_params:
         return False

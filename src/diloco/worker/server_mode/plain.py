@@ -51,6 +51,12 @@ class PlainSync:
         # counted it. It is sent again under the same id, so the server can say so.
         self._unresolved: str | None = None
         self._upload_steps = 0  # local steps in the last upload (counted if it is ever lost)
+        # Local steps of earlier periods whose progress is still in the model, not known to be
+        # the server's: a sync refused with "rebase" or "continue", or one that failed, keeps
+        # them, and the next upload (or the final one at exit) hands them in with the new ones.
+        self._carried = 0
+        self._handed = False  # this sync handed the model's progress over (adopted a round)
+        self._sent_steps = 0  # local steps in the first body sent under ``_unresolved``
         self._body: Upload | None = None  # the last upload's body, committed once it counts
         # Rounds whose result this worker adopted after its upload counted in them, with that
         # upload's local steps: if the server later says it refused one (its result would not
@@ -93,6 +99,7 @@ class PlainSync:
         self._s.refresh(counted=counted, min_round=0)
         self._last_submission = self._unresolved = resend
         if counted:
+            self._handed, self._carried = True, 0
             return "counted"
         return "held by the server, sent again at the next sync" if resend else "kept locally"
 
@@ -107,7 +114,8 @@ class PlainSync:
         self._sync()
 
     def finish(self, *, submit: bool) -> None:
-        if submit and self._s.local_step > 0:
+        pending = self._s.local_step > 0 or self._carried > 0 or self._unresolved is not None
+        if submit and pending:
             self._final_submit()
 
     # --- one sync -----------------------------------------------------------------------------
@@ -116,8 +124,9 @@ class PlainSync:
         """Upload ``snapshot - local`` of the whole model under ``submission_id``."""
         s = self._s
         assert s.worker_id is not None
-        self._upload_steps = s.local_step
-        weight = s.samples if s.samples > 0 else float(s.local_step)
+        self._upload_steps = s.local_step + self._carried
+        weight = s.samples if s.samples > 0 else float(self._upload_steps)
+        tokens = s.upload_tokens(s.tokens)
         body = self._body = s.encoder.model_upload()
         return s.client.submit_pseudogradients(
             s.worker_id,
@@ -126,6 +135,7 @@ class PlainSync:
             body.specs,
             body.produce,
             weight=weight,
+            tokens=tokens,
             loss=s.loss,
             steps=s.total_steps,
             codec=s.encoder.metadata,
@@ -146,14 +156,19 @@ class PlainSync:
         t0 = time.monotonic()
         up, down = s.client.bytes_up, s.client.bytes_down
         s.syncing = True
+        self._handed = False
         try:
             self._sync_once()
         except SYNC_FAILURES as exc:
             s.metrics["failed_syncs"] += 1
             log.warning("worker %s: sync failed, training on locally: %s", s.worker_id, exc)
             if s.local.holds_progress:
+                # A counted upload whose download broke inside the model: the recovery adopts
+                # a round that holds it (unless it re-joins, which decides for itself).
+                self._handed = s.local.progress_counted
                 s.recover_snapshot()
         finally:
+            self._carried = 0 if self._handed else self._carried + s.local_step
             elapsed = time.monotonic() - t0
             s.metrics["sync_time_s"] += elapsed
             s.metrics["stall_time_s"] += elapsed
@@ -173,6 +188,8 @@ class PlainSync:
             return
         resent = self._unresolved is not None
         submission_id = self._unresolved or uuid.uuid4().hex
+        if not resent:
+            self._sent_steps = self._carried + s.local_step
         # From the first byte sent the server may count this upload: until it answers, a re-join
         # asks about it, and a failed sync sends the next upload under the same id.
         self._unresolved = self._last_submission = submission_id
@@ -200,16 +217,26 @@ class PlainSync:
                 receipt.refused,
                 self._upload_steps,
             )
+        if receipt.gated:  # async, past the age gate: acknowledged, nothing applied
+            s.drop_steps(
+                self._upload_steps,
+                "worker %s: the server applied nothing of this upload (%s updates old, past its "
+                "age gate); its %d local steps are dropped and the worker adopts version %d",
+                receipt.staleness,
+                self._upload_steps,
+                receipt.result_round,
+            )
         if resent and receipt.status == "duplicate":
             # The lost answer was "accepted": those steps are the server's. The steps taken since
             # are mixed into the same local values and cannot be told apart, so they are dropped
             # with them rather than counted a second time.
+            since = self._steps_since_sent()
             s.drop_steps(
-                s.local_step,
+                since,
                 "worker %s: an upload whose answer was lost had been counted in round %s; "
                 "the %d local steps taken since are dropped",
                 receipt.round,
-                s.local_step,
+                since,
             )
         if receipt.late:
             # Its base round closed without it and the server merged it into a later one
@@ -224,8 +251,10 @@ class PlainSync:
                 receipt.late,
                 receipt.weight,
             )
-        s.samples = 0.0
+        s.samples = s.tokens = 0.0
         self._await_round(submission_id, receipt.round)
+        if receipt.gated:  # its steps are dropped already: a refusal of that round is not ours
+            self._adopted_uploads.pop(receipt.round, None)
 
     def _await_round(self, submission_id: str, counted_round: int) -> None:
         """Adopt the result of the round that counted the upload; if it does not come, the
@@ -242,6 +271,7 @@ class PlainSync:
                 self._unresolved = submission_id
             raise
         if adopted:
+            self._handed = True
             self._last_submission = None
             s.metrics["rounds"] += 1
             log.info(
@@ -290,8 +320,14 @@ class PlainSync:
             return
         self._counted(resent, receipt)
         if resent and receipt.status == "duplicate":  # the earlier upload was held
+            since = self._steps_since_sent()
             s.drop_steps(
-                s.local_step,
+                since,
                 "worker %s: its last upload had been counted; the %d local steps since are dropped",
-                s.local_step,
+                since,
             )
+
+    def _steps_since_sent(self) -> int:
+        """The model's uncounted local steps beyond those of the first body sent under the
+        unresolved id (which the server counted): what a "duplicate" answer drops."""
+        return self._carried + self._s.local_step - self._sent_steps

@@ -58,6 +58,7 @@ class StreamingSync:
         self._sender = FragmentSender(session)
         self._sent_step: list[int] = []  # total step count when each fragment was last sent
         self._sent_samples: list[float] = []
+        self._sent_tokens: list[float] = []
         self._send_views: list[dict[str, torch.Tensor]] = []
         self._scratch: torch.Tensor | None = None
         self._inflight: Exchange | None = None
@@ -164,6 +165,7 @@ class StreamingSync:
         self._sender.recv = torch.empty(largest * 4, dtype=torch.uint8)
         self._sent_step = [s.total_steps] * len(new_plan)
         self._sent_samples = [s.samples] * len(new_plan)
+        self._sent_tokens = [s.tokens] * len(new_plan)
 
     # --- SyncStrategy: the training thread ----------------------------------------------------
 
@@ -262,14 +264,17 @@ class StreamingSync:
         self._fill(k)
         steps = s.total_steps - self._sent_step[k]
         samples = s.samples - self._sent_samples[k]
+        tokens = s.upload_tokens(s.tokens - self._sent_tokens[k])
         self._sent_step[k] = s.total_steps
         self._sent_samples[k] = s.samples
+        self._sent_tokens[k] = s.tokens
         resent = k in self._unresolved
         job = Exchange(
             fragment=k,
             base_round=self.rounds[k],
             submission_id=self._submission_id(k),
             weight=samples if samples > 0 else float(max(steps, 1)),
+            tokens=tokens,
             apply_at=s.total_steps + self.tau,
             pieces=self.plan[k],
             send=self._send_views[k],
@@ -331,6 +336,14 @@ class StreamingSync:
                 k,
                 job.steps,
             )
+        if job.outcome == "merge" and job.gated:
+            s.drop_steps(
+                job.steps,
+                "worker %s: the server applied nothing of fragment %d's upload (past its age "
+                "gate); its %d local steps are dropped with the merge",
+                k,
+                job.steps,
+            )
         if job.outcome != "merge":
             log.info("worker %s: fragment %d %s %s", s.worker_id, k, job.outcome, job.detail)
 
@@ -374,6 +387,7 @@ class StreamingSync:
                 body.specs,
                 body.produce,
                 weight=float(s.total_steps - self._sent_step[k]),
+                tokens=s.tokens - self._sent_tokens[k] if s.reports_tokens else None,
                 fragment=k,
                 codec=s.encoder.metadata,
             )

@@ -34,6 +34,8 @@ from diloco.core.codecs.sparse_update import (
     SPARSE_UPDATE,
     apply_changes,
     check_update,
+    index_bytes,
+    metadata,
     spans,
 )
 from diloco.wire import CODE_OF_DTYPE, Layout, TensorSpec, WireError, byte_view, tensor_views
@@ -139,7 +141,15 @@ _SUFFIXES = (COUNT, INDEX, "")
 
 
 def _check_sparse_header(layout: Layout, table: Mapping[str, tuple[int, ...]]) -> None:
-    """Every parameter's three parts and nothing else (``WireError`` ``bad_update``)."""
+    """The format this worker reads, every parameter's three parts and nothing else
+    (``WireError`` ``bad_update``)."""
+    fmt = {k: layout.metadata.get(k) for k in metadata()}
+    if fmt != metadata():
+        raise WireError(
+            "bad_update",
+            f"sparse update body of another format ({fmt}; this worker reads {metadata()}): the "
+            f"server runs another diloco version",
+        )
     specs = {spec.name: spec for spec in layout.specs}
     wrong = sorted(set(specs) ^ {name + s for name in table for s in _SUFFIXES})
     if not wrong:
@@ -151,13 +161,13 @@ def _check_sparse_header(layout: Layout, table: Mapping[str, tuple[int, ...]]) -
 
 
 def _fits(specs: Mapping[str, TensorSpec], name: str, n: int) -> bool:
-    """int32 counts, one per span; uint16 indices and fp32 values, as many of each, at most the
-    parameter's ``n`` elements."""
+    """uint16 counts, one per span; fp32 values, at most the parameter's ``n`` elements, and
+    their positions' packed bytes (uint8)."""
     count, idx, value = (specs[name + s] for s in _SUFFIXES)
     return (
-        (count.dtype, count.shape) == ("I32", (spans(n),))
-        and (idx.dtype, value.dtype) == ("U16", "F32")
-        and len(idx.shape) == 1
-        and idx.shape[0] <= n
-        and value.shape == idx.shape
+        (count.dtype, count.shape) == ("U16", (spans(n),))
+        and (idx.dtype, value.dtype) == ("U8", "F32")
+        and len(value.shape) == 1
+        and value.shape[0] <= n
+        and idx.shape == (index_bytes(value.shape[0]),)
     )

@@ -436,6 +436,7 @@ class DiLoCoClient:
         produce: Callable[[TensorSpec], torch.Tensor | Iterable[torch.Tensor]],
         *,
         weight: float = 1.0,
+        tokens: float | None = None,
         fragment: int | None = None,
         loss: float | None = None,
         steps: int | None = None,
@@ -444,6 +445,7 @@ class DiLoCoClient:
         """Stream a pseudo-gradient computed tensor by tensor by ``produce``. A retry resends
         the same submission id, so the server counts it at most once. With ``fragment``, the
         specs are that fragment's pieces (streaming DiLoCo) and ``base_round`` its round.
+        ``weight``: the samples (or steps) it represents; ``tokens``: the tokens, when counted.
         ``loss`` (the last reported) and ``steps`` (inner steps so far) go in the metadata for
         the server's loss history; a loss that is not finite is left out. ``codec``: the
         ``codec_metadata`` of the codec the specs are parts of (``{"codec": "int8", ...}``);
@@ -459,6 +461,7 @@ class DiLoCoClient:
             loss if loss is not None and math.isfinite(loss) else None,
             steps,
             dict(codec) if codec is not None else _raw_codec(specs),
+            tokens,
         )
         layout = build_layout(specs, meta.to_metadata(), ordered=codec is not None)
         return self._post_tensors("submit", "/submit_pseudograd", layout, produce)

@@ -1,0 +1,135 @@
+"""The inner lr sweep (issue 32): every configuration trains at an inner lr chosen for its kind by
+one small sweep on the validation split, so no baseline loses for want of a larger lr (the
+137k-parameter suite ran everything at 3e-3, and one-worker AdamW at 1e-2 closed most of the gap
+that claims e and m were judged on).
+
+Not run on its own (``run.py`` runs it before the experiments). For each kind in ``KINDS`` one
+configuration is trained at every lr of ``Scale.lrs`` for ``Scale.tune_steps`` inner steps per
+worker, seed 0, from the same pretrained start, and its final loss measured on the validation
+split (``Config.heldout``: text held out of training and apart from the test split the verdicts
+use); the lr with the lowest loss is the kind's. Its rows go through ``run_config``, so they are
+cached like every other row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.quality.experiments import Config, Scale, adamw, plain
+from benchmarks.quality.protocol import Profile
+from benchmarks.quality.rows import run_config
+
+# The kinds of configuration that get their own lr, and what each sweeps.
+KINDS = {
+    "adamw": "one-worker AdamW at equal steps",
+    "adamw_tokens": "one-worker AdamW at equal tokens (M times the steps)",
+    "dp": "data-parallel at M times the batch",
+    "diloco_m1": "DiLoCo M=1",
+    "diloco": "DiLoCo at the reference M (every M >= 2 and every variant of it)",
+    # Claim p's Muon rows (muon.py) get their own: Muon's update is orthogonalised, so the best lr
+    # need not be AdamW's even with its RMS matched, and each inner optimizer is compared at its
+    # own best. At their batch (the global batch split over M workers).
+    "muon_m1": "DiLoCo M=1 with Muon inside",
+    "muon": "DiLoCo at the reference M with Muon inside (every M >= 2)",
+}
+SWEEP_SEED = 0
+
+
+def lr_kind(config: Config) -> str:
+    """The kind whose chosen lr ``config`` trains at: baselines by their budget, DiLoCo by M (every
+    server or worker variant of DiLoCo takes its M's lr: the variants are what is compared)."""
+    if config.kind == "dp":
+        return "dp"
+    if config.inner == "muon":
+        return "muon_m1" if config.workers == 1 else "muon"
+    if config.kind == "adamw":
+        return "adamw_tokens" if config.equal_tokens else "adamw"
+    return "diloco_m1" if config.workers == 1 else "diloco"
+
+
+def sweep_configs(s: Scale) -> dict[str, Config]:
+    """One configuration per kind at the sweep's horizon (``s.tune_steps`` per worker; the
+    equal-tokens baseline M times that), measured on the validation split."""
+    steps = s.tune_steps
+    dp = Config(
+        "dp", kind="dp", workers=1, sync_every=s.sync_every, steps=steps, replicas=s.workers
+    )
+    configs = {
+        "adamw": adamw(s, steps, "adamw"),
+        "adamw_tokens": replace(adamw(s, steps * s.workers, "adamw_tokens"), equal_tokens=True),
+        "dp": dp,
+        "diloco_m1": plain(s, "diloco_m1", workers=1, steps=steps),
+        "diloco": plain(s, "diloco", steps=steps),
+        "muon_m1": muon_sweep(s, "muon_m1", 1),
+        "muon": muon_sweep(s, "muon", s.workers),
+    }
+    assert configs.keys() == KINDS.keys()
+    return {k: replace(c, heldout="valid") for k, c in configs.items()}
+
+
+def muon_sweep(s: Scale, name: str, workers: int) -> Config:
+    """The Muon kind's configuration at ``workers``: Muon inside, the Muon rows' global batch split
+    over the workers, ``s.tune_steps`` per worker."""
+    if s.muon_batch % workers:
+        raise ValueError(f"muon_batch {s.muon_batch} does not split over {workers} workers")
+    batch = s.muon_batch // workers
+    return plain(s, name, workers=workers, steps=s.tune_steps, inner="muon", batch_size=batch)
+
+
+def run_sweep(
+    profile: Profile,
+    scale: Scale,
+    cache_dir: Path,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Every kind at every lr of the grid (cached rows); the result file's content, with the
+    chosen lr of each kind and whether it lies at an end of the grid (then the grid was too
+    narrow, and the page says so)."""
+    t0 = time.monotonic()
+    kinds: dict[str, Any] = {}
+    cost = 0.0  # the rows' run_s: what the sweep cost when computed (cached rows keep theirs)
+    for kind, config in sweep_configs(scale).items():
+        losses = {}
+        for lr in scale.lrs:
+            row = run_config(
+                replace(config, lr=lr, name=f"{kind} lr {lr:g}"),
+                profile,
+                SWEEP_SEED,
+                scale,
+                cache_dir,
+            )
+            losses[lr] = row["eval_loss"]
+            cost += row["run_s"]
+            log(
+                f"lr sweep  {kind:<13} lr {lr:<8g} valid {row['eval_loss']:.4f}  ({row['run_s']:5.1f} s)"
+            )
+        chosen = min(losses, key=lambda lr: losses[lr])
+        kinds[kind] = {
+            "what": KINDS[kind],
+            "losses": [[lr, loss] for lr, loss in losses.items()],
+            "lr": chosen,
+            "edge": chosen in (min(scale.lrs), max(scale.lrs)),
+        }
+    return {
+        "sweep": "inner lr",
+        "seed": SWEEP_SEED,
+        "grid": list(scale.lrs),
+        "steps": scale.tune_steps,
+        "kinds": kinds,
+        "run_s": cost,
+        "elapsed_s": time.monotonic() - t0,
+    }
+
+
+def chosen_lrs(sweep: dict[str, Any]) -> dict[str, float]:
+    """Kind -> the lr the sweep chose."""
+    return {kind: float(k["lr"]) for kind, k in sweep["kinds"].items()}
+
+
+def with_lr(config: Config, lrs: dict[str, float]) -> Config:
+    """``config`` at the chosen lr of its kind."""
+    return replace(config, lr=lrs[lr_kind(config)])
