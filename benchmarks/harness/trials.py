@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.curves import CurveWatcher, thin
+from benchmarks.harness.inner import make_inner
 from benchmarks.harness.sim_clock import (
     ClockedRun,
     ClockedWorker,
@@ -72,6 +73,10 @@ class Trial:
     curve_points: int = 0
     eval_windows: int = 256  # eval windows of the final model
     drop_prob: float = 0.0  # chance that a worker's upload of a round is lost (claim k)
+    inner: str = "adamw"  # the workers' inner optimizer: "adamw" or "muon" (harness/inner.py)
+    # time.monotonic() past which a worker stops at its next sync boundary (0: never): a time
+    # bound for a run sized for a device session (the row says ``stopped_early``)
+    deadline: float = 0.0
 
 
 class Budget:
@@ -106,22 +111,36 @@ def lr_factor(trial: Trial, own_steps: int, progress: float) -> float:
 
 
 class LossyWorker(DiLoCoWorker):
-    """A worker whose upload of a round may be lost (claim k). The server has no notion of a
-    missing upload in sync mode (a round waits for every expected worker), so a lost upload is
-    delivered as what the server would have had without it: the model is reset to the round's
-    starting parameters just before the upload (a zero pseudo-gradient), and the round's weight
-    is ``LOST_WEIGHT`` (the server averages by reported samples). The worker then adopts the
-    round's result like everyone else, so its local progress of that round is gone."""
+    """A worker whose upload of a round may be lost (claim k), as the DiLoCo paper drops an
+    outer gradient (arXiv 2311.08105, "Asynchronous Communication"): left out of the round's
+    average, and its worker trains the next H steps on from its own parameters rather than the
+    round's result. The server has no notion of a missing upload in sync mode (a round waits for
+    every expected worker), so a lost upload is delivered as what the server would have had
+    without it: the model is set to the round's snapshot just before the upload (a zero
+    pseudo-gradient) and the round's weight is ``LOST_WEIGHT`` (the server averages by reported
+    samples). The worker adopts the round's result like everyone else (its snapshot becomes the
+    new global parameters), then ``worker_loop`` puts its own parameters back (``kept``), so its
+    next upload carries this round's progress and the next one's."""
 
     lose_next = False
-    round_start: list[torch.Tensor] | None = None
+    round_start: list[torch.Tensor] | None = None  # the round's snapshot (adopted parameters)
+    kept: list[torch.Tensor] | None = None  # own parameters of a round whose upload was lost
 
     def _submit(self, submission_id: str) -> dict[str, Any]:
         if self.lose_next and self.round_start is not None:
             with torch.no_grad():
+                self.kept = [p.detach().clone() for p in self.model.parameters()]
                 for p, p0 in zip(self.model.parameters(), self.round_start, strict=True):
                     p.copy_(p0)
         return super()._submit(submission_id)
+
+    def resume_own(self) -> None:
+        """After a lost round's result was adopted: train on from the parameters it ended with."""
+        if self.kept is not None:
+            with torch.no_grad():
+                for p, own in zip(self.model.parameters(), self.kept, strict=True):
+                    p.copy_(own)
+            self.kept = None
 
 
 def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
@@ -134,7 +153,7 @@ def worker_loop(trial: Trial, rank: int, ctx: dict[str, Any]) -> None:
     model = ctx["model_fn"](trial.seed).to(trial.device)
     if ctx.get("own_init") and trial.init is not None:
         model.load_state_dict(trial.init)  # all-reduce mode: no server holds the start
-    opt = torch.optim.AdamW(model.parameters(), lr=trial.lr)
+    opt = make_inner(trial.inner, model, trial.lr)
     gen = torch.Generator().manual_seed(trial.seed * 1000 + rank)
     shared: Budget = ctx["shared"]
     budget = shared if trial.shared_budget else Budget(trial.total_steps // trial.workers)
@@ -202,12 +221,17 @@ def _train(
         report_speed(worker, run.clock, rank, run.barrier)
     last_round = -1
     while budget.take() and (clock is None or clock.step(rank)):
+        boundary = steps > 0 and steps % trial.sync_every == 0
+        if trial.deadline and boundary and time.monotonic() > trial.deadline:
+            ctx["stopped_early"] = True
+            break
         if lossy and worker.base_round != last_round:
             # A round starts from the parameters just adopted: keep them, and draw whether
             # this round's upload will be lost.
             assert isinstance(worker, LossyWorker)
             last_round = worker.base_round
             worker.round_start = [p.detach().clone() for p in model.parameters()]
+            worker.resume_own()  # after the snapshot is taken: it is the adopted global
             worker.lose_next = drop_rng.random() < trial.drop_prob
             lost += worker.lose_next
             if worker.lose_next:
@@ -234,6 +258,8 @@ def _train(
             run.after_step(rank, worker)
         elif delay:
             time.sleep(delay)
+    if isinstance(worker, LossyWorker):
+        worker.resume_own()  # the last round's upload may have been lost too
     return joined, lost
 
 
@@ -318,6 +344,8 @@ def run_trial(trial: Trial) -> dict[str, Any]:
         "workers": results,
         "steps": sum(r["steps"] for r in results),
     }
+    if ctx.get("stopped_early"):
+        row["stopped_early"] = True
     if watcher is not None:
         row["curve"] = evaluate_curve(trial, watcher.points, model, corpus)
     if run is not None:

@@ -67,6 +67,8 @@ class Scale:
     lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
     tune_steps: int = 128
     seeds: tuple[int, ...] = (0, 1)
+    muon_workers: tuple[int, ...] = (1, 4, 8)  # M of the Muon rows (muon.py)
+    muon_batch: int = 32  # their global batch per inner step, split over the M workers (4 at M=8)
 
 
 DEFAULT = Scale()
@@ -87,6 +89,8 @@ FAST = Scale(
     lrs=(1e-3, 3e-3),
     tune_steps=4,
     seeds=(0,),
+    muon_workers=(1, 2),
+    muon_batch=4,
 )
 
 
@@ -107,6 +111,8 @@ class Config:
     shared_budget: bool = False
     drop_prob: float = 0.0
     replicas: int = 1  # "dp": batches per step, one from each of this many shards
+    inner: str = "adamw"  # the workers' inner optimizer ("adamw", "muon": harness/inner.py)
+    batch_size: int = 0  # sequences per worker per inner step (0: the profile's)
     equal_tokens: bool = False  # "adamw": the equal-tokens baseline (its own tuned lr)
     lr: float | None = None  # peak inner lr; None: not yet chosen (tuning.with_lr sets it)
     heldout: str = "test"  # what eval_loss is measured on: "test", or "valid" (the lr sweeps)
@@ -228,19 +234,19 @@ def streaming(s: Scale) -> list[Config]:
 
 
 def overlap(s: Scale) -> list[Config]:
-    """Claim i: the largest fragment count P, strided, with overlap tau (a fragment's result is
-    merged tau inner steps after it was sent, training going on meanwhile) and merge factor alpha
-    0.5, against the same fragments without overlap (tau 0, alpha 0). Two controls separate the
-    two changes: tau 0 with alpha 0.5, and tau 1 with alpha 0."""
+    """Claim i, as Streaming DiLoCo's figure 8 runs it: the largest fragment count P, strided,
+    with overlap tau (a fragment's result merged tau inner steps after it was sent, training going
+    on meanwhile: local = alpha * local + (1 - alpha) * global) for alpha 0.5 and alpha 0, against
+    the same fragments without overlap (tau 0, alpha 0). A control: tau 0 with alpha 0.5."""
     p = max(s.fragments)
     base = {"num_fragments": p, "fragment_pattern": "strided"}
     out = [plain(s, f"P={p} strided", worker={**base, "merge_alpha": 0.0})]
-    for tau in s.taus:
-        worker = {**base, "overlap_steps": tau, "merge_alpha": 0.5}
-        out.append(plain(s, f"P={p} strided, tau={tau}, alpha=0.5", worker=worker))
-    for tau, alpha in ((0, 0.5), (1, 0.0)):
-        worker = {**base, "overlap_steps": tau, "merge_alpha": alpha}
-        out.append(plain(s, f"P={p} strided, tau={tau}, alpha={alpha} (control)", worker=worker))
+    for alpha in (0.5, 0.0):
+        for tau in s.taus:
+            worker = {**base, "overlap_steps": tau, "merge_alpha": alpha}
+            out.append(plain(s, f"P={p} strided, tau={tau}, alpha={alpha}", worker=worker))
+    worker = {**base, "overlap_steps": 0, "merge_alpha": 0.5}
+    out.append(plain(s, f"P={p} strided, tau=0, alpha=0.5 (control)", worker=worker))
     return out
 
 
@@ -326,8 +332,11 @@ def dropped(s: Scale) -> list[Config]:
 
 
 def iid(s: Scale) -> list[Config]:
-    """Claim l: the topic (non-iid) split against an iid split of the same text."""
-    return [plain(s, "non-iid (by topic)"), plain(s, "iid", split="iid")]
+    """Claim l: a clearly non-iid split (pieces of the text ordered along its main axis of byte
+    statistics, one run per worker: splits.py) against an iid split of the same text, with the
+    by-package split (the other experiments', the same row as scaling's M=4: cached) beside them."""
+    skewed = plain(s, "non-iid (skewed by byte statistics)", split="skewed")
+    return [skewed, plain(s, "iid", split="iid"), plain(s, "non-iid (by package)")]
 
 
 def data_parallel(s: Scale) -> list[Config]:
@@ -350,6 +359,7 @@ class Experiment:
     claims: str
     configs: Callable[[Scale], list[Config]]
     what: str  # "equal steps per worker", "equal total tokens", ...
+    scale: Scale | None = None  # its own default scale (None: DEFAULT); --fast runs FAST
     default: bool = True  # False: not for a verdict, run only when named (or with --fast)
     # The first configuration is the reference the others are compared with, paired by seed.
 

@@ -35,14 +35,16 @@ PROTOCOL = """
    every experiment starts from it (server and workers alike).
 2. **Inner lr, chosen per kind.** Before the experiments, one small sweep (the table below) trains
    each kind of configuration (one-worker AdamW at equal steps, one-worker AdamW at equal tokens,
-   data-parallel at M times the batch, DiLoCo M=1, DiLoCo at the reference M) at every lr of a log
+   data-parallel at M times the batch, DiLoCo M=1, DiLoCo at the reference M, and claim p's
+   DiLoCo with Muon inside at M=1 and at the reference M) at every lr of a log
    grid, for a short horizon, seed 0, and measures it on the validation split (text held out of
    training and apart from the test split every other loss here is measured on); each kind then
    trains at its lowest-loss lr in every experiment. DiLoCo at other M and every variant of it
    (outer optimizer, codecs, fragments, async, lost uploads, iid) take the reference M's lr, so a
-   variant is compared at its baseline's lr. The async rows' Delayed Nesterov outer lr is chosen
-   the same way: async + DN + DyLU at each outer lr of a short list, seed 0, validation split.
-3. **Inner optimizer.** AdamW with linear warmup over each worker's first steps and a cosine decay
+   variant is compared at its baseline's lr; Muon's rows at M >= 2 take the Muon kind's. The
+   async rows' Delayed Nesterov outer lr is chosen the same way: async + DN + DyLU at each outer
+   lr of a short list, seed 0, validation split.
+3. **Inner optimizer.** AdamW (claim p: also Muon on the hidden matrices) with linear warmup over each worker's first steps and a cosine decay
    to 10% of the learning rate over the run (async runs: over the share of the run's total inner
    steps already taken). Each worker has its own AdamW state, kept across rounds.
 4. **Outer optimizer.** SGD with Nesterov momentum, lr 0.7, momentum 0.9, on the server, unless
@@ -93,6 +95,23 @@ values are replaced by the global ones, as plain DiLoCo replaces the model), so 
 from DiLoCo is that each fragment syncs on its own schedule. "Peak kB per sync" is the most one
 worker uploaded in one sync.
 """,
+    "overlap": """
+**Checked against the paper.** Streaming DiLoCo (arXiv 2501.18512, section 2.3 and Algorithm 2):
+a fragment's outer gradient is sent, training goes on, and tau inner steps later the outer step's
+result is merged into the local fragment as alpha times the local values plus (1 - alpha) times
+the result (line 12): alpha 0 discards the fragment's progress of those tau steps, alpha 0.5
+averages the two. Its figure 8 sweeps tau for both alpha 0 and alpha 0.5 (negligible loss up to
+tau 10, under 0.2%; its main runs use tau 1), so the experiment runs both series. Ours
+(`diloco/worker/server_mode/streaming.py`) computes the same merge on the fragment's elements, so
+no code was changed. One difference is left, for tau > 0 only: read literally, Algorithm 2 takes
+the next outer gradient and the base of the outer step from each replica's own fragment value at
+its previous send (lines 7 and 11), while ours takes both from the shared global fragment (the
+worker's snapshot after a merge is the global result, so the next outer gradient is global minus
+local, and the server steps its one global copy;
+`tests/integration/test_streaming_equivalence.py` holds it to a plain reference). At tau 0 the
+two are the same; with tau > 0 the literal reading would give every replica its own outer step
+base, so replicas would never share one model.
+""",
     "codecs": """
 The downlink stays fp32 (full parameters), so only the uplink varies; MB sent is what the server
 received.
@@ -127,22 +146,44 @@ collectives' per member per round: kB up what a member sent to the others, kB do
 received (fp32: a ring's 2(M-1)/M of the 4-byte payload each way).
 """,
     "dropped": """
-**Mechanism.** A sync round of this server waits for every expected worker, so an upload cannot
-simply go missing: the round would stall until the worker was evicted. Instead a worker
-(`LossyWorker` in `benchmarks/harness/trials.py`) draws for every round, from a seeded RNG,
-whether that round's upload is lost (probability 0.5, independently per worker and round). A lost
-upload is delivered as what the server would have without it: the worker resets its model to
-the round's starting parameters just before uploading (a zero pseudo-gradient) and reports a
-weight of 2e-6 samples, while delivered uploads weigh their tokens (the server averages by
-samples, `weighting="samples"`), so the round's mean is the mean of the delivered uploads. The
-worker then adopts the round's result like the others: its local progress of that round is gone,
-as with an upload lost on the way. When every upload of a round is lost (1 round in 16 on
-average) the mean is zero and the outer step applies only the momentum. MB sent counts the lost
-uploads too: they travel, as zeros.
+**Mechanism, as the paper drops an outer gradient.** The DiLoCo paper (arXiv 2311.08105,
+"Asynchronous Communication", its figure 8) drops each replica's outer gradient at random with
+probability p (up to 50%); the dropped one is left out, and that replica trains its next H steps
+on from its own parameters rather than the shared ones. Here a worker (`LossyWorker` in
+`benchmarks/harness/trials.py`) draws for every round, from a seeded RNG, whether that round's
+upload is lost (p = 0.5, independently per worker and round). A sync round of this server waits
+for every expected worker, so a lost upload is delivered as what the server would have without
+it: the worker sets its model to the round's snapshot just before uploading (a zero
+pseudo-gradient) and reports a weight of 2e-6 samples, while delivered uploads weigh their
+tokens (`weighting="samples"`), so the round's mean is the mean of the delivered uploads. It
+adopts the round's result (its snapshot becomes the new global parameters), then puts its own
+parameters back, so its next upload carries both rounds' progress
+(`tests/integration/test_quality_dropped.py`). Before issue 32 the worker kept the round's result
+instead, losing that round's progress, which is not the paper's procedure. Left different or
+unchecked: when every upload of a round is lost (1 round in 16 on average) the mean is zero and
+the outer step applies only the momentum (the paper does not say what its outer step does then);
+MB sent counts the lost uploads too (they travel, as zeros).
 """,
     "iid": """
 The iid split deals the same training text (1024-byte pieces after a fixed shuffle) round-robin,
-so every worker sees every topic; the non-iid one gives each worker whole topics.
+so every worker sees every topic. The by-package split (whole top-level packages of the stdlib per
+worker, the other experiments' split) is only mildly non-iid once every package is cut to its
+first 48 kB: its shards' byte frequencies diverge from the whole text's a few times more than the
+iid shards' (the line under the table). So claim l is judged on the skewed split
+(`benchmarks/quality/splits.py`): the text cut into 4096-byte pieces, ordered along the main axis
+of the pieces' byte statistics, and cut into one run per worker, which gives each worker one end
+of that axis (same text, same held-out part).
+""",
+    "muon": """
+The global batch of every row is the same, split over the M workers (M = 1 takes it alone), so
+every M sees the same tokens in the same steps (the setting of Streaming DiLoCo's figure 12a: token
+budget and global batch fixed), so a loss rising with M is the cost of more replicas. Muon
+(`torch.optim.Muon`, Newton-Schulz orthogonalised momentum, its update scaled to AdamW's RMS so the
+lr carries over) trains every 2-D weight inside the transformer blocks (attention in and out
+projections, both feed-forward layers); the token embedding, learned positions, output head, norms
+and biases stay with AdamW (`benchmarks/harness/inner.py`). Weight decay 0.01 for both; each
+trains at its own lr from the sweep (Muon's rows are kinds of their own, swept at their batch),
+so neither is judged at the other's best lr.
 """,
     "data_parallel": """
 Data-parallel is simulated without a server: one model whose batch per step is one batch from each
@@ -172,18 +213,11 @@ pseudo-gradient carries part of the previous round's drift again, which the oute
 (lr 0.7, momentum 0.9) amplifies; on topic-split shards that drift is topic-specific.
 """,
     "k": """
-*Why not reproduced.* Losing half the uploads cost about 13% perplexity. Believed reasons: the
-run has only 15 rounds, so the lost work (about half of all inner steps, since a worker whose
-upload is lost adopts the round's result and its progress is gone) is a large share of the run;
-and in about 1 round in 16 every upload is lost, and the outer step then applies momentum alone.
-Other ways to lose an upload (keeping the lost progress in the worker for its next upload) were
-not tried.
-""",
-    "l": """
-*Why not reproduced.* The two splits end close (within the margin), but the non-iid split is not
-slower early: the curves overlap from the first round. Believed reason: every worker starts from a
-model pretrained on all topics, and the help topics are alike (English prose about Python), so a
-topic split is much less skewed than the papers' non-iid data.
+*Why not reproduced.* Losing half the uploads cost about 13% perplexity in the run of 2026-11-26,
+whose lost uploads also threw away the worker's progress of that round (not the paper's
+procedure, since changed: the notes below). Believed reasons: the run had only 15 rounds, so the
+lost work (about half of all inner steps) was a large share of it; and in about 1 round in 16
+every upload is lost, and the outer step then applies momentum alone.
 """,
     "n": """
 *Why not reproduced.* All three parts of the rule fail here, for different reasons. **Loss**
@@ -205,15 +239,3 @@ position and the fp32 value; 6 in this run) against 4 per parameter for full par
 needs overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update").
 """,
 }
-
-GPU = """
-## One-GPU profile (not run)
-
-`python benchmarks/quality/run.py --profile gpu --out benchmarks/results/quality-gpu` runs the
-same experiments with a byte-level transformer of about 19M parameters (6 layers, width 512, 8
-heads, 256-byte context, batch 32, lr 6e-4) on CPython's own standard-library sources (one topic per
-top-level module or package, tests left out), on `cuda`. It was not run for this page (no GPU
-here); `tests/integration/test_quality_suite.py` only checks that its model and corpus build and
-that one tiny step runs on CPU. Its scale (steps, H, M) is the CPU suite's, so expect it to need
-tuning of the budget before its figures mean much.
-"""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.trials import Trial, lr_factor
+from benchmarks.quality.splits import skewed_corpus
 from diloco.demo.data import Corpus, sample_batch, split_topic
 from diloco.demo.model import CharTransformer, evaluate, loss_on
 
@@ -51,21 +52,27 @@ class Profile:
             return CharTransformer(self.d_model, self.layers, self.heads, self.seq_len)
 
     def corpus(self, workers: int, split: str, heldout: str = "test") -> Corpus:
-        """Training shards for ``workers`` workers, by topic (``non-iid``) or not (``iid``);
-        ``Corpus.eval`` is the ``heldout`` split: ``test`` (verdicts) or ``valid`` (the lr sweep)."""
+        """Training shards for ``workers`` workers, by topic (``non-iid``), along the text's main
+        axis of byte statistics (``skewed``, ``splits.py``) or not (``iid``); ``Corpus.eval`` is
+        the ``heldout`` split: ``test`` (verdicts) or ``valid`` (the lr sweep)."""
         if heldout not in HELDOUT:
             raise ValueError(f"heldout must be one of {', '.join(HELDOUT)}, got {heldout!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         return _corpus(self, workers, split, heldout)
 
 
 # Fractions of every topic held out, taken from its tail: the test split last, validation before.
 HELDOUT = {"test": 0.10, "valid": 0.05}
+SPLITS = ("non-iid", "skewed", "iid")
 
 
 @functools.lru_cache(maxsize=8)
 def _corpus(profile: Profile, workers: int, split: str, heldout: str) -> Corpus:
     """``Profile.corpus``, built once per process (the tensors are never written to)."""
     base = stdlib_corpus(workers, profile, heldout)
+    if split == "skewed":
+        return skewed_corpus(base, workers)
     return base if split == "non-iid" else iid_corpus(base, workers)
 
 
@@ -199,6 +206,7 @@ def run_single(
     windows: int = 256,
     lr: float | None = None,
     curve_points: int = 0,
+    deadline: float = 0.0,
 ) -> dict[str, Any]:
     """A baseline with no server: one model, AdamW with the suite's warmup and cosine schedule,
     ``steps`` steps. ``replicas`` > 1 is data-parallel training's equivalent: each step's batch
@@ -207,7 +215,8 @@ def run_single(
     every replica sends its fp32 gradient once per step. The curve is evaluated every
     ``curve_every`` steps (from copies, after the run) on the same ``windows`` held-out windows as
     the final model, and at most ``curve_points`` times (0: no limit; the interval grows to fit).
-    ``lr``: the peak inner lr (default the profile's)."""
+    ``lr``: the peak inner lr (default the profile's). Past a ``deadline`` (``time.monotonic()``;
+    0: none) it stops at the next curve point and says ``stopped_early``."""
     lr = profile.lr if lr is None else lr
     if curve_points:
         curve_every = max(curve_every, -(-steps // curve_points))
@@ -235,7 +244,10 @@ def run_single(
         if (step + 1) % curve_every == 0 or step + 1 == steps:
             params = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             snaps.append((step + 1, time.monotonic() - t0, params))
+            if deadline and time.monotonic() > deadline:
+                break
     wall = time.monotonic() - t0
+    taken = snaps[-1][0]  # the last snapshot is the final model (a deadline may cut the run)
     eval_tokens = corpus.eval.to(profile.device)
     curve = []
     for done, at, params in snaps:
@@ -253,8 +265,9 @@ def run_single(
         "seed": seed,
         "eval_loss": evaluate(model, eval_tokens, profile.seq_len, windows),
         "wall_s": wall,
-        "steps": steps * replicas,
-        "steps_per_worker": steps,
-        "bytes_up": grad_bytes * steps,
+        "steps": taken * replicas,
+        "steps_per_worker": taken,
+        "bytes_up": grad_bytes * taken,
         "curve": curve,
+        **({"stopped_early": True} if taken < steps else {}),
     }

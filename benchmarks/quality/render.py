@@ -18,11 +18,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
 from benchmarks.quality.claims import CLAIMS, NOT_REPRODUCED, claim_rows, seeds_of  # noqa: E402
-from benchmarks.quality.experiments import EXPERIMENTS  # noqa: E402
-from benchmarks.quality.notes import EXPERIMENT_NOTES, GPU, INTRO, PROTOCOL, REASONS  # noqa: E402
+from benchmarks.quality.gpu import section as gpu_section  # noqa: E402
+from benchmarks.quality.notes import EXPERIMENT_NOTES, INTRO, PROTOCOL, REASONS  # noqa: E402
 from benchmarks.quality.plots import plot_experiment  # noqa: E402
 from benchmarks.quality.protocol import Profile  # noqa: E402
 from benchmarks.quality.rules import DEFINITIONS, rule_text  # noqa: E402
+from benchmarks.quality.splits import divergence_lines  # noqa: E402
 from benchmarks.quality.stats import (  # noqa: E402
     Results,
     fmt,
@@ -34,6 +35,7 @@ from benchmarks.quality.stats import (  # noqa: E402
     rows,
     values,
 )
+from benchmarks.quality.suite import APART, EXPERIMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).
@@ -258,6 +260,7 @@ def section(res: dict[str, Any], docs_dir: Path, letters: str) -> list[str]:
     lines = [f"### `{exp}`", "", " ".join(doc.split()), ""]
     lines += [f"Compared at {res['what']}. Command: `{res['command']}`.", ""]
     lines += [*TABLES.get(exp, experiment_table)(res), ""]
+    lines += divergence_lines(res)
     png = docs_dir / "quality" / f"{exp}.png"
     clipped = plot_experiment(res, png, f"{exp} (claim {letters})")
     lines += [f"![{exp}](quality/{exp}.png)", ""]
@@ -272,9 +275,10 @@ def section(res: dict[str, Any], docs_dir: Path, letters: str) -> list[str]:
 
 def render(results_dir: Path, docs_dir: Path) -> Path:
     """Write ``docs_dir/quality.md`` and the PNGs; returns the markdown's path."""
-    results = load(results_dir)
+    everything = load(results_dir)
+    results = {k: v for k, v in everything.items() if k not in APART}
     if not results:
-        raise SystemExit(f"no result files in {results_dir}")
+        raise SystemExit(f"no result files of the CPU suite in {results_dir}")
     sweep_file = results_dir / "lr_sweep.json"
     sweep = json.loads(sweep_file.read_text()) if sweep_file.exists() else None
     claims = claim_rows(results)
@@ -320,7 +324,7 @@ def render(results_dir: Path, docs_dir: Path) -> Path:
         for name in [exp, *EXTRA.get(exp, [])]:
             if name in EXPERIMENT_NOTES and name in results:
                 lines += [EXPERIMENT_NOTES[name].strip(), ""]
-    lines += [GPU.strip(), ""]
+    lines += gpu_section(everything)
     path = docs_dir / "quality.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines).rstrip() + "\n")

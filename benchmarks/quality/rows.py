@@ -21,12 +21,20 @@ from benchmarks.harness.allreduce_trials import run_allreduce_trial
 from benchmarks.harness.trials import Trial, run_trial
 from benchmarks.quality.experiments import Config, Scale
 from benchmarks.quality.protocol import Profile, cache_key, pretrained, run_single
+from benchmarks.quality.splits import shard_divergences
 
 
 def run_config(
-    config: Config, profile: Profile, seed: int, scale: Scale, cache_dir: Path
+    config: Config,
+    profile: Profile,
+    seed: int,
+    scale: Scale,
+    cache_dir: Path,
+    deadline: float = 0.0,
 ) -> dict[str, Any]:
-    """One row: run ``config`` for ``seed`` (or read it from the row cache)."""
+    """One row: run ``config`` for ``seed`` (or read it from the row cache). A ``deadline``
+    (``time.monotonic()``; 0: none) stops its training early: the row says ``stopped_early`` and
+    is not cached (it is not the configuration's row)."""
     # The name is left out of the key: the same settings under two names run once. So is an
     # empty clock (every row but the async experiments'), so those rows keep their keys.
     settings = {
@@ -48,6 +56,7 @@ def run_config(
     init = pretrained(profile, seed, scale.pretrain_steps, cache_dir)
     lr = profile.lr if config.lr is None else config.lr
     if config.kind == "diloco":
+        corpus = profile.corpus(config.workers, config.split, config.heldout)
         trial = Trial(
             config.name,
             seed,
@@ -59,13 +68,13 @@ def run_config(
             clock=dict(config.clock) if config.clock else None,
             total_steps=config.steps if config.shared_budget else config.steps * config.workers,
             shared_budget=config.shared_budget,
-            batch_size=profile.batch_size,
+            batch_size=config.batch_size or profile.batch_size,
             seq_len=profile.seq_len,
             lr=lr,
             init=init,
             warmup=scale.warmup,
             cosine=True,
-            corpus=profile.corpus(config.workers, config.split, config.heldout),
+            corpus=corpus,
             model_fn=profile.model,
             device=profile.device,
             curve=True,
@@ -73,10 +82,13 @@ def run_config(
             curve_windows=scale.windows,
             eval_windows=scale.windows,
             curve_points=scale.curve_points,
+            inner=config.inner,
+            deadline=deadline,
         )
         row = (run_allreduce_trial if config.server.get("allreduce") else run_trial)(trial)
         row["steps_per_worker"] = row["steps"] / config.workers
         row["peak_sync_bytes"] = max(w.get("peak_sync_bytes_up", 0) for w in row["workers"])
+        row["shard_divergence"] = shard_divergences(corpus)
     else:
         corpus = profile.corpus(config.replicas, config.split, config.heldout)
         row = run_single(
@@ -92,6 +104,7 @@ def run_config(
             windows=scale.windows,
             lr=lr,
             curve_points=scale.curve_points,
+            deadline=deadline,
         )
     row["kind"] = config.kind
     row["run_s"] = time.monotonic() - t0  # everything this row cost: pretrain, run, evaluation
@@ -99,6 +112,8 @@ def run_config(
     # the suite (run.py --plan) better than the wall time.
     row["cpu_s"] = time.process_time() - cpu0
     row["config"] = asdict(config)
+    if row.get("stopped_early"):
+        return row
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(row))

@@ -61,6 +61,7 @@ TESTS: dict[str, tuple[str, bool, Callable[[Values, float], bool]]] = {
         lambda xs, t: len(xs) >= 2 and xs[-1] < xs[0],
     ),
     "larger": ("larger than {reference}", False, _all(lambda x: x > 0)),
+    "less": ("smaller than {reference} in every seed", True, _all(lambda x: x < 0)),
     "ratio": (
         "{reference} at least {threshold:g} times the row's",
         False,
@@ -136,8 +137,8 @@ RULES: dict[str, tuple[Check, ...]] = {
     "j": (Check("int8 and int4 with error feedback, each", "within", "fp32", MATCH),),
     "k": (Check("50% of uploads lost", "within", "none lost", GENTLE),),
     "l": (
-        Check("non-iid at the end", "close", "iid", MATCH),
-        Check("non-iid at 25% of the steps", "worse", "iid"),
+        Check("skewed non-iid at the end", "close", "iid", MATCH),
+        Check("skewed non-iid at 25% of the steps", "worse", "iid"),
         Check("the mean non-iid − iid gap at 25% of the steps", "larger", "the gap at the end"),
     ),
     "m": (Check("DiLoCo M=4", "worse", "data-parallel at M times the batch"),),
@@ -147,6 +148,13 @@ RULES: dict[str, tuple[Check, ...]] = {
         Check("the sparse downlink's download bytes per round", "ratio", "fp32's", DOWN_RATIO),
     ),
     "o": (Check("int8 all-reduce", "within", "fp32 all-reduce", MATCH),),
+    "p": (
+        Check(
+            "Muon's loss at the largest M minus its loss at M=1",
+            "less",
+            "AdamW's same difference",
+        ),
+    ),
 }
 
 

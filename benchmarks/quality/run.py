@@ -3,13 +3,15 @@
     python benchmarks/quality/run.py                      # all, seeds 0 1 2, render the docs
     python benchmarks/quality/run.py scaling outer        # some experiments
     python benchmarks/quality/run.py --fast --out /tmp/q  # the fast setting (the test's)
-    python benchmarks/quality/run.py --profile gpu        # the ~20M-parameter profile, on cuda
+    python benchmarks/quality/run.py gpu_profile --profile gpu --time-limit 540  # one GPU
 
 First the inner lr sweep (``tuning.py``, written to ``lr_sweep.json``) and, when ``async`` is
 to run, its outer lr sweep (written beside it), then the experiments, every configuration at the
-lr chosen for its kind. Writes one JSON file per experiment to
-``--out`` (default ``benchmarks/results/quality``), with a row per configuration and seed. Pretrained checkpoints and finished rows are cached under
-``--out``/cache, so an interrupted run picks up where it stopped (``--no-cache`` recomputes).
+lr chosen for its kind. Writes one JSON file per experiment to ``--out`` (default
+``benchmarks/results/quality``), with a row per configuration and seed. An experiment with its
+own scale (the one-GPU profile, ``gpu.py``) is not swept: its rows train at the profile's lr.
+Pretrained checkpoints and finished rows are cached under ``--out``/cache, so an interrupted run
+picks up where it stopped (``--no-cache`` recomputes).
 The docs are rendered when the default CPU suite ran (or with ``--render DIR``).
 """
 
@@ -29,16 +31,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the root, for benchmarks
 
-from benchmarks.quality.experiments import (  # noqa: E402
-    DEFAULT,
-    EXPERIMENTS,
-    FAST,
-    Scale,
-    async_lr,
-)
+from benchmarks.quality.experiments import DEFAULT, FAST, Experiment, Scale, async_lr  # noqa: E402
 from benchmarks.quality.protocol import FAST as FAST_PROFILE  # noqa: E402
 from benchmarks.quality.protocol import PROFILES, Profile  # noqa: E402
 from benchmarks.quality.rows import run_config  # noqa: E402
+from benchmarks.quality.suite import APART, EXPERIMENTS  # noqa: E402
 from benchmarks.quality.tuning import (  # noqa: E402
     chosen_lrs,
     run_outer_sweep,
@@ -53,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def host() -> dict[str, Any]:
     """The machine and its load now (what the page's suite time was measured on)."""
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.machine()  # not platform.processor(): on Linux that starts `uname -p`
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         names = [
@@ -70,9 +67,10 @@ def host() -> dict[str, Any]:
     }
 
 
-def setting(args: argparse.Namespace) -> tuple[Profile, Scale]:
-    """The profile and scale the arguments ask for (``--fast``: the toy profile of ``cpu``)."""
-    scale = FAST if args.fast else DEFAULT
+def setting(args: argparse.Namespace, exp: Experiment | None = None) -> tuple[Profile, Scale]:
+    """The profile and scale the arguments ask for (``--fast``: the toy profile of ``cpu``), at
+    ``exp``'s own scale where it has one."""
+    scale = FAST if args.fast else (exp and exp.scale) or DEFAULT
     profile = FAST_PROFILE if args.fast and args.profile == "cpu" else PROFILES[args.profile]
     if args.device:
         profile = replace(profile, device=args.device)
@@ -86,15 +84,19 @@ def run_experiment(
     kind (``lrs``) and, async Delayed Nesterov rows, the outer sweep's ``outer_lr``; the results
     file's content."""
     exp = EXPERIMENTS[name]
-    profile, scale = setting(args)
+    profile, scale = setting(args, exp)
     cache = Path(args.out) / "cache"
     t0, start = time.monotonic(), host()
-    rows = []
+    rows, skipped = [], []
     for seed in args.seeds:
         for config in exp.configs(scale):
+            if args.deadline and time.monotonic() > args.deadline:
+                skipped.append(f"{config.name} (seed {seed})")
+                continue
             if outer_lr is not None:
                 config = with_outer_lr(config, outer_lr)
-            row = run_config(with_lr(config, lrs), profile, seed, scale, cache)
+            config = config if exp.scale else with_lr(config, lrs)
+            row = run_config(config, profile, seed, scale, cache, args.deadline)
             rows.append(row)
             print(
                 f"{name:<14} seed {seed}  {config.name:<48} eval {row['eval_loss']:.4f}  "
@@ -102,6 +104,10 @@ def run_experiment(
                 flush=True,
             )
     command = "python benchmarks/quality/run.py " + name + (" --fast" if args.fast else "")
+    if args.profile != "cpu":
+        command += f" --profile {args.profile}"
+    if args.time_limit:
+        command += f" --time-limit {args.time_limit:g}"
     return {
         "experiment": name,
         "claims": exp.claims,
@@ -112,11 +118,12 @@ def run_experiment(
         "scale": asdict(scale),
         "seeds": args.seeds,
         "command": command,
-        "inner_lr": lrs,
+        "inner_lr": {} if exp.scale else lrs,
         **({"outer_lr": outer_lr} if outer_lr is not None else {}),
         "host": {"start": start, "end": host()},
         "elapsed_s": time.monotonic() - t0,  # this invocation's (cached rows cost ~0)
         "rows": rows,
+        "skipped": skipped,
     }
 
 
@@ -158,7 +165,8 @@ def plan(scale: Scale, step_s: float, batch: int, cores: int = 2) -> list[tuple[
                 if scale.curve_points:
                     points = min(points, scale.curve_points)
                 steps += n
-                wall += n * step_s / min(threads, cores) + (points + 1) * eval_steps * step_s
+                size = (config.batch_size or batch) / batch  # Muon rows: a share of the batch
+                wall += n * step_s * size / min(threads, cores) + (points + 1) * eval_steps * step_s
         return steps, wall
 
     sweep = [replace(c, lr=lr) for c in sweep_configs(scale).values() for lr in scale.lrs]
@@ -166,7 +174,7 @@ def plan(scale: Scale, step_s: float, batch: int, cores: int = 2) -> list[tuple[
     if EXPERIMENTS["async"].default:
         out.append(("async outer sweep", *cost(async_lr(scale), [0])))
     for name, exp in EXPERIMENTS.items():
-        if exp.default:
+        if exp.default and name not in APART:
             out.append((name, *cost(exp.configs(scale), scale.seeds)))
     return out
 
@@ -181,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="override the profile's device (cpu, cuda)")
     p.add_argument("--no-cache", action="store_true", help="recompute cached rows and pretrains")
     p.add_argument("--render", metavar="DIR", help="render quality.md and plots into DIR")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop training S seconds after the start (at the next sync), skip rows not begun",
+    )
     p.add_argument(
         "--plan",
         type=float,
@@ -201,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiment(s) {', '.join(unknown)}; known: {', '.join(EXPERIMENTS)}")
+    if args.time_limit < 0:
+        p.error(f"--time-limit must be >= 0, got {args.time_limit}")
     if args.seeds is None:
         args.seeds = list(setting(args)[1].seeds)
     logging.basicConfig(level=logging.WARNING)  # the workers' per-round INFO lines stay quiet
@@ -209,20 +226,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / "cache", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    profile, scale = setting(args)
-    log = lambda line: print(line, flush=True)  # noqa: E731
-    sweep = run_sweep(profile, scale, out / "cache", log=log)
-    # The default command runs the experiments that decide verdicts; --fast runs them all.
-    default = [n for n, e in EXPERIMENTS.items() if e.default or args.fast]
+    args.deadline = t0 + args.time_limit if args.time_limit else 0.0
+    # The default command runs the experiments that decide verdicts; --fast runs them all but
+    # those apart from the CPU suite (the one-GPU profile), which run only when named.
+    default = [n for n, e in EXPERIMENTS.items() if (e.default or args.fast) and n not in APART]
     names = args.names or default
+    lrs: dict[str, float] = {}
     outer_lr = None
-    if "async" in names:  # its DN rows' outer lr, chosen like the inner ones
-        outer = run_outer_sweep(profile, scale, out / "cache", chosen_lrs(sweep), log)
-        sweep["async_outer"], outer_lr = outer, outer["lr"]
-        sweep["run_s"] += outer["run_s"]  # the page's suite time counts both sweeps
-    (out / "lr_sweep.json").write_text(json.dumps({**sweep, "fast": args.fast}, indent=1))
+    if any(EXPERIMENTS[n].scale is None for n in names):  # the sweep is the CPU suite's
+        profile, scale = setting(args)
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        sweep = run_sweep(profile, scale, out / "cache", log=log)
+        lrs = chosen_lrs(sweep)
+        if "async" in names:  # its DN rows' outer lr, chosen like the inner ones
+            outer = run_outer_sweep(profile, scale, out / "cache", lrs, log)
+            sweep["async_outer"], outer_lr = outer, outer["lr"]
+            sweep["run_s"] += outer["run_s"]  # the page's suite time counts both sweeps
+        (out / "lr_sweep.json").write_text(json.dumps({**sweep, "fast": args.fast}, indent=1))
     for name in names:
-        result = run_experiment(name, args, chosen_lrs(sweep), outer_lr)
+        result = run_experiment(name, args, lrs, outer_lr)
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(f"suite done in {time.monotonic() - t0:.0f} s; results in {out}", flush=True)
     render_dir = args.render

@@ -34,6 +34,11 @@ KINDS = {
     "dp": "data-parallel at M times the batch",
     "diloco_m1": "DiLoCo M=1",
     "diloco": "DiLoCo at the reference M (every M >= 2 and every variant of it)",
+    # Claim p's Muon rows (muon.py) get their own: Muon's update is orthogonalised, so the best lr
+    # need not be AdamW's even with its RMS matched, and each inner optimizer is compared at its
+    # own best. At their batch (the global batch split over M workers).
+    "muon_m1": "DiLoCo M=1 with Muon inside",
+    "muon": "DiLoCo at the reference M with Muon inside (every M >= 2)",
 }
 SWEEP_SEED = 0
 
@@ -43,6 +48,8 @@ def lr_kind(config: Config) -> str:
     server or worker variant of DiLoCo takes its M's lr: the variants are what is compared)."""
     if config.kind == "dp":
         return "dp"
+    if config.inner == "muon":
+        return "muon_m1" if config.workers == 1 else "muon"
     if config.kind == "adamw":
         return "adamw_tokens" if config.equal_tokens else "adamw"
     return "diloco_m1" if config.workers == 1 else "diloco"
@@ -61,9 +68,20 @@ def sweep_configs(s: Scale) -> dict[str, Config]:
         "dp": dp,
         "diloco_m1": plain(s, "diloco_m1", workers=1, steps=steps),
         "diloco": plain(s, "diloco", steps=steps),
+        "muon_m1": muon_sweep(s, "muon_m1", 1),
+        "muon": muon_sweep(s, "muon", s.workers),
     }
     assert configs.keys() == KINDS.keys()
     return {k: replace(c, heldout="valid") for k, c in configs.items()}
+
+
+def muon_sweep(s: Scale, name: str, workers: int) -> Config:
+    """The Muon kind's configuration at ``workers``: Muon inside, the Muon rows' global batch split
+    over the workers, ``s.tune_steps`` per worker."""
+    if s.muon_batch % workers:
+        raise ValueError(f"muon_batch {s.muon_batch} does not split over {workers} workers")
+    batch = s.muon_batch // workers
+    return plain(s, name, workers=workers, steps=s.tune_steps, inner="muon", batch_size=batch)
 
 
 def run_sweep(

@@ -11,21 +11,27 @@ from typing import Any
 import pytest
 from benchmarks.harness.curves import thin
 from benchmarks.quality import run, tuning
-from benchmarks.quality.experiments import DEFAULT, EXPERIMENTS, FAST, Config
+from benchmarks.quality.experiments import DEFAULT, FAST, Config
 from benchmarks.quality.protocol import FAST as FAST_PROFILE
+from benchmarks.quality.suite import APART, EXPERIMENTS
 from benchmarks.quality.tuning import KINDS, chosen_lrs, lr_kind, run_sweep, with_lr
 
 
 def test_every_row_of_the_suite_maps_to_the_kind_the_page_names() -> None:
     """Baselines by budget, DiLoCo by M: one-worker AdamW at equal steps and at equal tokens,
     data-parallel, DiLoCo M=1, and every other DiLoCo row (any M >= 2, any variant) the
-    reference M's kind."""
-    kinds = {c.name: lr_kind(c) for e in EXPERIMENTS.values() for c in e.configs(DEFAULT)}
+    reference M's kind; claim p's Muon rows their own (M=1, and every M >= 2), its AdamW rows
+    DiLoCo's."""
+    suite = [e for n, e in EXPERIMENTS.items() if n not in APART]
+    kinds = {c.name: lr_kind(c) for e in suite for c in e.configs(DEFAULT)}
     assert kinds["AdamW, 1 worker (equal steps)"] == "adamw"
     assert kinds["AdamW, 1 worker, 4x steps (equal tokens to M=4)"] == "adamw_tokens"
     assert kinds["data-parallel, 4x batch"] == "dp"
     assert kinds["DiLoCo M=1"] == "diloco_m1"
     assert kinds["DiLoCo M=8"] == kinds["async + DN + DyLU"] == kinds["H=40"] == "diloco"
+    assert kinds["Muon inner, M=1"] == "muon_m1"
+    assert kinds["Muon inner, M=4"] == kinds["Muon inner, M=8"] == "muon"
+    assert kinds["AdamW inner, M=1"] == "diloco_m1" and kinds["AdamW inner, M=8"] == "diloco"
     assert set(kinds.values()) == set(KINDS)
     lrs = {k: float(i) for i, k in enumerate(KINDS)}
     assert with_lr(Config("x", kind="dp"), lrs).lr == lrs["dp"]
@@ -36,7 +42,15 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
 ) -> None:
     """Every kind at every lr of the grid, seed 0, on the validation split; the chosen lr is the
     lowest loss's, flagged when it lies at an end of the grid."""
-    best = {"adamw": 4e-3, "adamw_tokens": 1e-3, "dp": 8e-3, "diloco_m1": 2e-3, "diloco": 2e-3}
+    best = {
+        "adamw": 4e-3,
+        "adamw_tokens": 1e-3,
+        "dp": 8e-3,
+        "diloco_m1": 2e-3,
+        "diloco": 2e-3,
+        "muon_m1": 4e-3,
+        "muon": 2e-3,
+    }
     seen: list[tuple[str, float, int, str]] = []
 
     def fake_run(config: Config, profile: Any, seed: int, scale: Any, cache: Path) -> dict:
@@ -55,6 +69,8 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
         "dp": True,
         "diloco_m1": False,
         "diloco": False,
+        "muon_m1": False,
+        "muon": False,
     }
     assert sorted(seen) == sorted((k, lr, 0, "valid") for k in KINDS for lr in scale.lrs)
     assert sweep["grid"] == list(scale.lrs) and sweep["run_s"] == 1.5 * len(seen)
@@ -63,13 +79,14 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
 def test_the_plan_counts_each_distinct_row_once() -> None:
     """FAST at 1 s per step, evaluation left out (no windows): the sweep is, per lr, AdamW 4 steps
     + equal tokens 8 + data-parallel 4 x 2 batches + DiLoCo M=1 4 (one thread each) + DiLoCo M=2
-    2 x 4 on two cores: 32 steps, 28 s; single_worker's rows are scaling's, so it costs nothing;
+    2 x 4 on two cores: 32 steps, 28 s; Muon M=1 4 steps of the full batch (4 s) and Muon M=2
+    2 x 4 steps of half the batch on two cores (2 s): 44 steps, 34 s; single_worker's rows are scaling's, so it costs nothing;
     experiments not run by default are left out."""
     lines = {
         name: (steps, wall) for name, steps, wall in run.plan(replace(FAST, windows=0), 1.0, 4)
     }
     assert lines["pretrain"] == (FAST.pretrain_steps, FAST.pretrain_steps * 1.0)
-    assert lines["lr sweep"] == (2 * 32, 2 * 28.0)
+    assert lines["lr sweep"] == (2 * 44, 2 * 34.0)
     assert lines["single_worker"] == (0, 0.0)
     assert "async_slow" not in lines and "sparse_lr" not in lines
     # scaling: AdamW 12, DiLoCo M=1 12 and M=2 2 x 12 (12 s), AdamW 2x steps 24: 72 steps, 60 s.
