@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_progress_of_a_failed_last_sync_is_handed_in_at_exit(trial: Trial) -> No
     with trial.worker() as w:
         trial.on_every_attempt(Fault("up", 9000, prefix=b"POST /submit_pseudograd"))
         trial.sync(0.5)
-        assert w.sync_metrics["failed_syncs"] == 1
+        assert len(trial.proxy.fired) == 4 and w.sync_metrics["failed_syncs"] == 1
         assert trial.server.status()["round"] == 0
     trial.assert_server_moved(1.0)
     assert w.sync_metrics["dropped_steps"] == 0
@@ -264,6 +265,43 @@ def test_progress_kept_by_a_rebase_is_handed_in_at_exit() -> None:
             trial.assert_model_moved(1.25)
         trial.assert_server_moved(1.25)
         assert w.sync_metrics["dropped_steps"] == 0
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def test_steps_since_a_counted_upload_are_dropped_when_a_restart_says_it_is_served(
+    tmp_path: Path,
+) -> None:
+    """The upload counts and its round is saved, then every download breaks and the server
+    restarts. At the next sync the re-join says the upload is in the served parameters: the
+    worker adopts them, and the steps it took since (mixed into the values it replaces) are
+    counted as dropped, so the ledger stays exact."""
+    cfg = ServerConfig(
+        port=0,
+        num_workers=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        save_dir=str(tmp_path),
+        save_every=1,
+        heartbeat_timeout=0,
+    )
+    server = DiLoCoServer(cfg).start()
+    proxy = FaultProxy(server.port)
+    trial = Trial(server, proxy)
+    try:
+        with trial.worker() as w:
+            trial.on_every_attempt(Fault("down", 10, prefix=b"GET /global_params?min_round=1"))
+            trial.sync(0.5)  # counted, round 1 closes and is saved; every download breaks
+            assert w.sync_metrics["failed_syncs"] == 1
+            server.stop()
+            server = trial.server = DiLoCoServer(cfg).start()  # resumes round 1 from disk
+            proxy.target = ("127.0.0.1", server.port)
+            trial.sync(0.25)  # 410, re-join: the last upload is in the served parameters
+            m = w.sync_metrics
+            assert m["dropped_steps"] == 2 and m["rebases"] == 0
+            trial.assert_model_moved(1.0)
+        trial.assert_server_moved(1.0)
     finally:
         proxy.close()
         server.stop()

@@ -96,6 +96,18 @@ class PlainSync:
         # A server restarted with no state may have taken our own parameters as its initial
         # ones: then the progress is in them already.
         counted = answer.seeded or answer.in_params
+        if answer.in_params and not answer.seeded and self._last_submission is not None:
+            # The served parameters hold that upload's first body; the steps taken since are
+            # mixed into the same local values, which the adoption below replaces: dropped, as
+            # after a "duplicate" answer.
+            since = self._steps_since_sent()
+            if since > 0:
+                self._s.drop_steps(
+                    since,
+                    "worker %s: its last upload is in the served parameters; the %d local steps "
+                    "taken since are dropped",
+                    since,
+                )
         self._s.refresh(counted=counted, min_round=0)
         self._last_submission = self._unresolved = resend
         if counted:
