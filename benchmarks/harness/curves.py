@@ -26,23 +26,31 @@ class CurveWatcher(threading.Thread):
         self._seen = -1
 
     def snap(self) -> None:
-        status = self.server.status()
-        if status["updates"] == self._seen:
-            return
-        self._seen = status["updates"]
-        self.points.append(
-            {
-                "updates": status["updates"],
-                "bytes_up": status["bytes_in"],
-                "wall_s": time.monotonic() - self.t0,
-                "worker_steps": sum(self.steps),
-                "params": self.server.global_params(),
-            }
-        )
+        point = take_point(self.server, self._seen, time.monotonic() - self.t0, sum(self.steps))
+        if point is not None:
+            self._seen = point["updates"]
+            self.points.append(point)
 
     def run(self) -> None:
         while not self.stop_event.wait(self.interval):
             self.snap()
+
+
+def take_point(
+    server: DiLoCoServer, seen: int, wall_s: float, worker_steps: int
+) -> dict[str, Any] | None:
+    """A curve point (the server's update count, bytes received and global parameters, with
+    ``wall_s`` and ``worker_steps``), or None while the update count is still ``seen``."""
+    status = server.status()
+    if status["updates"] == seen:
+        return None
+    return {
+        "updates": status["updates"],
+        "bytes_up": status["bytes_in"],
+        "wall_s": wall_s,
+        "worker_steps": worker_steps,
+        "params": server.global_params(),
+    }
 
 
 def thin(points: list[Any], most: int) -> list[Any]:

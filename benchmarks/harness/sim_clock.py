@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.curves import take_point
 from diloco import DiLoCoWorker
 from diloco.wire.messages import HeartbeatReply
 
@@ -294,19 +295,10 @@ class ClockedRun:
     def record(self, at: float) -> None:
         """A curve point at simulated time ``at``, unless the update count has not moved."""
         with self._lock:
-            status = self.server.status()
-            if status["updates"] == self._seen:
-                return
-            self._seen = status["updates"]
-            self.points.append(
-                {
-                    "updates": status["updates"],
-                    "bytes_up": status["bytes_in"],
-                    "wall_s": at,
-                    "worker_steps": self.clock.steps_done(at),
-                    "params": self.server.global_params(),
-                }
-            )
+            point = take_point(self.server, self._seen, at, self.clock.steps_done(at))
+            if point is not None:
+                self._seen = point["updates"]
+                self.points.append(point)
 
     def after_step(self, rank: int, worker: DiLoCoWorker) -> None:
         """After each optimizer step: a sync that moved the worker's round records a point,
