@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         smoke.require(len(results) == len(args.configs), "every configuration ran")
         for r in results:
             smoke.require(0 < r["utilization"] <= 1.0, f"{r['config']}: a utilization")
-            smoke.require(0 < r["strict"] <= 1.0, f"{r['config']}: a strict utilization")
+            # The step alone is timed once, before the run: a load spike then (a shared machine)
+            # can lift the strict figure a little past 1; far past it would be a miscount.
+            smoke.require(0 < r["strict"] <= 1.25, f"{r['config']}: a strict utilization")
             smoke.require(r["round_s"] > 0 and r["mb_up_per_round"] > 0, "rounds moved bytes")
         smoke.passed("compute_utilization")
     return 0
