@@ -41,7 +41,7 @@ from diloco.worker.groups.group_sync import GroupSync
 
 WIDTH = 1000
 PHASES = {
-    "pool_samples": "samples all_reduce",
+    "pool_counts": "samples and tokens all_reduce",
     "collect": "gather (partitioned)",
     "send_report": "report broadcast",
     "receive_report": "report broadcast",
