@@ -3,6 +3,7 @@ training step of the single-process references, and the same training through a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,42 @@ def train_step(
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def reference_rounds(
+    num_workers: int,
+    sync_every: int,
+    rounds: int,
+    average: Callable[[list[list[torch.Tensor]]], list[torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """DiLoCo in one process, as plainly as the paper's Algorithm 1: every round each worker
+    trains ``sync_every`` steps on its ``batches`` from the global parameters (its inner
+    optimizer's state kept across rounds); ``average`` turns the workers' pseudo-gradients
+    (one list per worker, in parameter order) into the outer gradient, and the server's
+    default outer step (SGD, lr 0.7, Nesterov momentum 0.9) applies it. The final parameters."""
+    global_model = make_model()
+    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    workers = [make_model() for _ in range(num_workers)]
+    inners = [make_inner(m) for m in workers]
+    data = [batches(i, sync_every * rounds) for i in range(num_workers)]
+    for r in range(rounds):
+        pseudo_grads = []
+        for i, (model, inner) in enumerate(zip(workers, inners, strict=True)):
+            model.load_state_dict(global_model.state_dict())
+            for step in range(sync_every):
+                train_step(model, inner, data[i][r * sync_every + step])
+            pseudo_grads.append(
+                [
+                    g.detach() - p.detach()
+                    for g, p in zip(global_model.parameters(), model.parameters(), strict=True)
+                ]
+            )
+        with torch.no_grad():
+            for p, g in zip(global_model.parameters(), average(pseudo_grads), strict=True):
+                p.grad = g
+        outer.step()
+        outer.zero_grad()
+    return {n: p.detach().clone() for n, p in global_model.named_parameters()}
 
 
 def through_server(

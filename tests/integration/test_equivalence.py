@@ -7,11 +7,9 @@ import torch
 
 from tests.helpers.reference import (
     assert_same_params,
-    batches,
-    make_inner,
     make_model,
+    reference_rounds,
     through_server,
-    train_step,
 )
 
 SYNC_EVERY = 4
@@ -19,30 +17,12 @@ ROUNDS = 3
 
 
 def reference_diloco(num_workers: int) -> dict[str, torch.Tensor]:
-    """DiLoCo in one process, written as plainly as the paper's Algorithm 1."""
-    global_model = make_model()
-    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    workers = [make_model() for _ in range(num_workers)]
-    inners = [make_inner(m) for m in workers]  # inner optimizer state persists across rounds
-    data = [batches(i, SYNC_EVERY * ROUNDS) for i in range(num_workers)]
-    for r in range(ROUNDS):
-        pseudo_grads = []
-        for i, (model, inner) in enumerate(zip(workers, inners, strict=True)):
-            model.load_state_dict(global_model.state_dict())
-            for step in range(SYNC_EVERY):
-                train_step(model, inner, data[i][r * SYNC_EVERY + step])
-            pseudo_grads.append(
-                [
-                    g.detach() - p.detach()
-                    for g, p in zip(global_model.parameters(), model.parameters(), strict=True)
-                ]
-            )
-        with torch.no_grad():
-            for j, p in enumerate(global_model.parameters()):
-                p.grad = torch.stack([pg[j] for pg in pseudo_grads]).sum(0) / num_workers
-        outer.step()
-        outer.zero_grad()
-    return {n: p.detach().clone() for n, p in global_model.named_parameters()}
+    """DiLoCo in one process: the outer gradient is the workers' plain mean."""
+
+    def mean(pseudo_grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [torch.stack(ts).sum(0) / num_workers for ts in zip(*pseudo_grads, strict=True)]
+
+    return reference_rounds(num_workers, SYNC_EVERY, ROUNDS, mean)
 
 
 @pytest.mark.parametrize("num_workers", [1, 3])

@@ -15,10 +15,9 @@ from diloco.wire.messages import RegisterInfo
 from diloco.worker.transport.client import Conflict
 from tests.helpers.reference import (
     assert_same_params,
-    batches,
     make_inner,
     make_model,
-    train_step,
+    reference_rounds,
 )
 from tests.helpers.relays import regions, train_regions, upstream_of
 
@@ -29,37 +28,21 @@ ROUNDS = 3
 def reference_regions(sizes: tuple[int, ...], weighted: bool) -> dict[str, torch.Tensor]:
     """Hierarchical DiLoCo in one process: each region's mean pseudo-gradient, then the
     upstream's mean of the regions' means (``weighted``: by their worker counts) and its outer
-    step (the server's default: SGD, lr 0.7, Nesterov momentum 0.9)."""
-    global_model = make_model()
-    outer = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    total = sum(sizes)
-    workers = [make_model() for _ in range(total)]
-    inners = [make_inner(m) for m in workers]
-    data = [batches(i, SYNC_EVERY * ROUNDS) for i in range(total)]
-    for r in range(ROUNDS):
-        pseudo_grads = []
-        for i, (model, inner) in enumerate(zip(workers, inners, strict=True)):
-            model.load_state_dict(global_model.state_dict())
-            for step in range(SYNC_EVERY):
-                train_step(model, inner, data[i][r * SYNC_EVERY + step])
-            pseudo_grads.append(
-                [
-                    g.detach() - p.detach()
-                    for g, p in zip(global_model.parameters(), model.parameters(), strict=True)
-                ]
-            )
+    step."""
+    weights = [float(n) if weighted else 1.0 for n in sizes]
+
+    def regions_mean(pseudo_grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         first, means = 0, []
         for n in sizes:
             region = pseudo_grads[first : first + n]
             means.append([torch.stack(ts).sum(0) / n for ts in zip(*region, strict=True)])
             first += n
-        weights = [float(n) if weighted else 1.0 for n in sizes]
-        with torch.no_grad():
-            for j, p in enumerate(global_model.parameters()):
-                p.grad = sum(w * m[j] for w, m in zip(weights, means, strict=True)) / sum(weights)
-        outer.step()
-        outer.zero_grad()
-    return {n: p.detach().clone() for n, p in global_model.named_parameters()}
+        return [
+            sum(w * m[j] for w, m in zip(weights, means, strict=True)) / sum(weights)
+            for j in range(len(means[0]))
+        ]
+
+    return reference_rounds(sum(sizes), SYNC_EVERY, ROUNDS, regions_mean)
 
 
 @pytest.mark.timeout(120)
