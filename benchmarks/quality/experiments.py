@@ -69,6 +69,10 @@ class Scale:
     seeds: tuple[int, ...] = (0, 1)
     muon_workers: tuple[int, ...] = (1, 4, 8)  # M of the Muon rows (muon.py)
     muon_batch: int = 32  # their global batch per inner step, split over the M workers (4 at M=8)
+    # Claim q (quorum.py): real seconds three workers sleep after each step (the straggler 4x).
+    # Sleeps must outweigh the step's compute (about 0.07 s with four threads on two cores) for
+    # the straggler to be clearly slower; 0.05 makes it about 2.3x slower, at 1.5 min per row.
+    quorum_unit: float = 0.05
 
 
 DEFAULT = Scale()
@@ -91,6 +95,7 @@ FAST = Scale(
     seeds=(0,),
     muon_workers=(1, 2),
     muon_batch=4,
+    quorum_unit=0.001,
 )
 
 

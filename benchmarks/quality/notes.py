@@ -24,7 +24,8 @@ pseudo-gradients over HTTP and adopting the server's parameters (`benchmarks/har
 Only the baselines without a server (AdamW on one worker, data-parallel) are single models.
 Papers: DiLoCo (arXiv 2311.08105), asynchronous Local-SGD with Delayed Nesterov and DyLU (arXiv
 2401.09135), Streaming DiLoCo (arXiv 2501.18512); claims n and o are issue 30's targets for
-SparseLoCo's recipe (arXiv 2508.15706) and quantized all-reduce, not a paper's table.
+SparseLoCo's recipe (arXiv 2508.15706) and quantized all-reduce, and claim q issue 31's for
+quorum rounds, not a paper's table.
 """
 
 PROTOCOL = """
@@ -37,7 +38,8 @@ PROTOCOL = """
    each kind of configuration (one-worker AdamW at equal steps, one-worker AdamW at equal tokens,
    data-parallel at M times the batch, DiLoCo M=1, DiLoCo at the reference M, and claim p's
    DiLoCo with Muon inside at M=1 and at the reference M) at every lr of a log
-   grid, for a short horizon, seed 0, and measures it on the validation split (text held out of
+   grid (and, where its best lies at an end of the grid, at up to two more points beyond that
+   end), for a short horizon, seed 0, and measures it on the validation split (text held out of
    training and apart from the test split every other loss here is measured on); each kind then
    trains at its lowest-loss lr in every experiment. DiLoCo at other M and every variant of it
    (outer optimizer, codecs, fragments, async, lost uploads, iid) take the reference M's lr, so a
@@ -184,6 +186,15 @@ projections, both feed-forward layers); the token embedding, learned positions, 
 and biases stay with AdamW (`benchmarks/harness/inner.py`). Weight decay 0.01 for both; each
 trains at its own lr from the sweep (Muon's rows are kinds of their own, swept at their batch),
 so neither is judged at the other's best lr.
+""",
+    "quorum": """
+Real sleeps, not the simulated clock: the quorum's grace window is a real-time timer on the
+server, so these rows depend on thread timing and their wall times are the machine's. Three
+workers sleep 50 ms after each inner step and the straggler 200 ms, on top of the step's compute
+(about 70 ms with four threads on two cores), so the straggler is about 2.3 times slower, not 4.
+The four share one budget of inner steps (4 x the steps per worker): behind the barrier each
+takes a quarter, under the quorum the fast ones take more. The quorum rows run with two upload
+slots, as the README advises. The note column gives what happened to the straggler's uploads.
 """,
     "data_parallel": """
 Data-parallel is simulated without a server: one model whose batch per step is one batch from each

@@ -80,19 +80,37 @@ def timing(results: Results, sweep: dict[str, Any] | None) -> list[str]:
 
 def sweep_table(sweep: dict[str, Any]) -> list[str]:
     """The inner lr sweep: each kind's validation loss at every lr of the grid, the chosen lr."""
-    grid = sweep["grid"]
+    # The grid's points and those a kind tried beyond it (its best was at an end: run_sweep).
+    grid = sorted({lr for k in sweep["kinds"].values() for lr, _ in k["losses"]})
+    beyond = [lr for lr in grid if lr not in sweep["grid"]]
     out = [
         f"{sweep['steps']} inner steps per worker (the equal-tokens baseline M times that), "
         f"seed {sweep['seed']}, from the pretrained start; final loss on the validation split, "
         "the lowest in bold. Each row of every experiment trains at its kind's chosen lr (the "
-        "tables' lr column).",
+        "tables' lr column)."
+        + (
+            f" A kind whose best lr was at an end of the grid ({', '.join(f'{x:g}' for x in sweep['grid'])})"
+            " tried the next points beyond it until its best was inside ("
+            + ", ".join(f"{x:g}" for x in beyond)
+            + "; — where a kind did not)."
+            if beyond
+            else ""
+        ),
         "",
         "| kind | " + " | ".join(f"lr {lr:g}" for lr in grid) + " | chosen |",
         "|---|" + "---|" * (len(grid) + 1),
     ]
     for k in sweep["kinds"].values():
-        cells = [f"**{x:.4f}**" if lr == k["lr"] else f"{x:.4f}" for lr, x in k["losses"]]
-        chosen = f"{k['lr']:g}" + (" (the grid's end: the grid is too narrow)" if k["edge"] else "")
+        tried = dict(k["losses"])
+        cells = [
+            "—"
+            if lr not in tried
+            else f"**{tried[lr]:.4f}**"
+            if lr == k["lr"]
+            else f"{tried[lr]:.4f}"
+            for lr in grid
+        ]
+        chosen = f"{k['lr']:g}" + (" (the end of what was tried: too narrow)" if k["edge"] else "")
         out.append(f"| {k['what']} | " + " | ".join(cells) + f" | {chosen} |")
     if "async_outer" in sweep:
         out += ["", *outer_table(sweep["async_outer"], sweep["seed"])]

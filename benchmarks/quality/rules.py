@@ -155,6 +155,7 @@ RULES: dict[str, tuple[Check, ...]] = {
             "AdamW's same difference",
         ),
     ),
+    "q": (Check("quorum 3 of 4, auto grace", "within", "the barrier", MATCH),),
 }
 
 

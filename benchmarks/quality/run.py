@@ -127,6 +127,16 @@ def run_experiment(
     }
 
 
+def slept(config: Any, n: int, step_s: float) -> float:
+    """The wall time of ``n`` inner steps of a row whose workers sleep ``config.delays`` after
+    each step of ``step_s`` compute: behind a barrier every worker takes its share at the
+    slowest one's pace; otherwise (a quorum, a shared budget) each goes at its own pace."""
+    paces = [d + step_s for d in config.delays]
+    if config.server.get("quorum"):
+        return n / sum(1 / p for p in paces)
+    return n / len(paces) * max(paces)
+
+
 def plan(scale: Scale, step_s: float, batch: int, cores: int = 2) -> list[tuple[str, int, float]]:
     """What the default command would cost, before running it: the pretrains, then per
     experiment (and the lr sweep) the inner steps of its distinct rows over all workers and
@@ -166,7 +176,10 @@ def plan(scale: Scale, step_s: float, batch: int, cores: int = 2) -> list[tuple[
                     points = min(points, scale.curve_points)
                 steps += n
                 size = (config.batch_size or batch) / batch  # Muon rows: a share of the batch
-                wall += n * step_s * size / min(threads, cores) + (points + 1) * eval_steps * step_s
+                compute = n * step_s * size / min(threads, cores)
+                if config.delays and not config.clock:  # real sleeps (claim q)
+                    compute = slept(config, n, step_s * threads / min(threads, cores))
+                wall += compute + (points + 1) * eval_steps * step_s
         return steps, wall
 
     sweep = [replace(c, lr=lr) for c in sweep_configs(scale).values() for lr in scale.lrs]

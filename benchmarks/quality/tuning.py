@@ -41,6 +41,13 @@ KINDS = {
     "muon": "DiLoCo at the reference M with Muon inside (every M >= 2)",
 }
 SWEEP_SEED = 0
+EXTEND = 2  # at most this many points tried beyond either end of the grid (run_sweep)
+
+
+def next_lr(grid: tuple[float, ...], lr: float, lower: bool) -> float:
+    """The grid's next point beyond ``lr``, one grid ratio (the last step's) below or above."""
+    ratio = grid[-1] / grid[-2]
+    return lr / ratio if lower else lr * ratio
 
 
 def lr_kind(config: Config) -> str:
@@ -90,15 +97,16 @@ def run_sweep(
     cache_dir: Path,
     log: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Every kind at every lr of the grid (cached rows); the result file's content, with the
-    chosen lr of each kind and whether it lies at an end of the grid (then the grid was too
-    narrow, and the page says so)."""
+    """Every kind at every lr of the grid (cached rows), and beyond an end of it where the kind's
+    best lies there (up to ``EXTEND`` points); the result file's content, with the chosen lr of
+    each kind and whether it still lies at an end of what was tried (then the page says so)."""
     t0 = time.monotonic()
     kinds: dict[str, Any] = {}
     cost = 0.0  # the rows' run_s: what the sweep cost when computed (cached rows keep theirs)
     for kind, config in sweep_configs(scale).items():
-        losses = {}
-        for lr in scale.lrs:
+        tried: dict[float, tuple[float, float]] = {}  # lr -> (validation loss, run_s)
+
+        def trial(lr: float, kind: str = kind, config: Config = config) -> tuple[float, float]:
             row = run_config(
                 replace(config, lr=lr, name=f"{kind} lr {lr:g}"),
                 profile,
@@ -106,17 +114,30 @@ def run_sweep(
                 scale,
                 cache_dir,
             )
-            losses[lr] = row["eval_loss"]
-            cost += row["run_s"]
             log(
                 f"lr sweep  {kind:<13} lr {lr:<8g} valid {row['eval_loss']:.4f}  ({row['run_s']:5.1f} s)"
             )
+            return row["eval_loss"], row["run_s"]
+
+        for lr in scale.lrs:
+            tried[lr] = trial(lr)
+        # A best lr at an end of the grid says only that the best lies beyond it: the grid is
+        # extended by its own ratio on that side, a point at a time, until the best is inside
+        # (at most EXTEND points, then it stays flagged).
+        for _ in range(EXTEND):
+            best = min(tried, key=lambda lr: tried[lr][0])
+            if min(tried) < best < max(tried):
+                break
+            lr = next_lr(scale.lrs, best, best == min(tried))
+            tried[lr] = trial(lr)
+        losses = {lr: loss for lr, (loss, _) in tried.items()}
+        cost += sum(run_s for _, run_s in tried.values())
         chosen = min(losses, key=lambda lr: losses[lr])
         kinds[kind] = {
             "what": KINDS[kind],
-            "losses": [[lr, loss] for lr, loss in losses.items()],
+            "losses": sorted([lr, loss] for lr, loss in losses.items()),
             "lr": chosen,
-            "edge": chosen in (min(scale.lrs), max(scale.lrs)),
+            "edge": chosen in (min(losses), max(losses)),
         }
     return {
         "sweep": "inner lr",

@@ -1,6 +1,6 @@
 """The quality suite (benchmarks/quality/, issue 20) in its fast setting: every experiment runs
 through the real server and workers, its results file has the expected shape, and the docs page
-renders with one claims row per claim a-p (the one-GPU profile is not part of a bare run). No
+renders with one claims row per claim a-q (the one-GPU profile is not part of a bare run). No
 loss value is asserted: at this size a figure could fail by chance."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_every_experiment_runs_fast_and_renders(tmp_path: Path) -> None:
     page = (docs / "quality.md").read_text()
     claim_rows = [line for line in page.splitlines() if line.startswith("| ") and ". " in line]
     letters = [line[2] for line in claim_rows if line[3:5] == ". "]
-    assert letters == list("abcdefghijklmnop"), letters
+    assert letters == list("abcdefghijklmnopq"), letters
     assert "fast-setting results" in page
     assert "## One-GPU profile (not run)" in page
     sweep = json.loads((out / "lr_sweep.json").read_text())

@@ -41,12 +41,16 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Every kind at every lr of the grid, seed 0, on the validation split; the chosen lr is the
-    lowest loss's, flagged when it lies at an end of the grid."""
+    lowest loss's. A best at an end of the grid tries the next point beyond it (the grid's
+    ratio), up to EXTEND of them: data-parallel's 8e-3 is confirmed by 1.6e-2, equal tokens'
+    true best 5e-4 is found one step below the grid and confirmed by the next, and DiLoCo M=1's
+    at 6.25e-5 is still beyond EXTEND points, so it stays flagged at the end of what was
+    tried."""
     best = {
         "adamw": 4e-3,
-        "adamw_tokens": 1e-3,
+        "adamw_tokens": 5e-4,
         "dp": 8e-3,
-        "diloco_m1": 2e-3,
+        "diloco_m1": 6.25e-5,
         "diloco": 2e-3,
         "muon_m1": 4e-3,
         "muon": 2e-3,
@@ -62,17 +66,23 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
     monkeypatch.setattr(tuning, "run_config", fake_run)
     scale = replace(FAST, lrs=(1e-3, 2e-3, 4e-3, 8e-3))
     sweep = run_sweep(FAST_PROFILE, scale, tmp_path)
-    assert chosen_lrs(sweep) == best
+    chosen = chosen_lrs(sweep)
+    assert chosen == {**best, "diloco_m1": 2.5e-4}
+    assert tuning.EXTEND == 2
     assert {k: v["edge"] for k, v in sweep["kinds"].items()} == {
         "adamw": False,
-        "adamw_tokens": True,
-        "dp": True,
-        "diloco_m1": False,
+        "adamw_tokens": False,
+        "dp": False,
+        "diloco_m1": True,
         "diloco": False,
         "muon_m1": False,
         "muon": False,
     }
-    assert sorted(seen) == sorted((k, lr, 0, "valid") for k in KINDS for lr in scale.lrs)
+    extra = {"adamw_tokens": [5e-4, 2.5e-4], "dp": [1.6e-2], "diloco_m1": [5e-4, 2.5e-4]}
+    grid = [(k, lr, 0, "valid") for k in KINDS for lr in scale.lrs]
+    want = grid + [(k, lr, 0, "valid") for k, lrs in extra.items() for lr in lrs]
+    assert sorted(seen) == sorted(want)
+    assert [lr for lr, _ in sweep["kinds"]["dp"]["losses"]] == [*scale.lrs, 1.6e-2]
     assert sweep["grid"] == list(scale.lrs) and sweep["run_s"] == 1.5 * len(seen)
 
 
@@ -118,3 +128,31 @@ def test_curves_are_thinned_evenly_keeping_both_ends() -> None:
     assert thin(points, 20)[0] == 0 and thin(points, 20)[-1] == 160
     assert thin(points, 0) == points and thin(points[:5], 20) == points[:5]
     assert thin(points, 1) == [160]
+
+
+def test_the_page_shows_points_tried_beyond_the_grid_as_columns_of_their_own() -> None:
+    """A kind that tried 5e-4 below the grid (1e-3, 2e-3) gets that column; the others a dash."""
+    from benchmarks.quality.render import sweep_table
+
+    sweep = {
+        "steps": 8,
+        "seed": 0,
+        "grid": [1e-3, 2e-3],
+        "kinds": {
+            "a": {"what": "A", "losses": [[1e-3, 2.0], [2e-3, 2.5]], "lr": 1e-3, "edge": False},
+            "b": {
+                "what": "B",
+                "losses": [[5e-4, 1.9], [1e-3, 2.0], [2e-3, 2.1]],
+                "lr": 5e-4,
+                "edge": True,
+            },
+        },
+    }
+    lines = sweep_table(sweep)
+    assert "| kind | lr 0.0005 | lr 0.001 | lr 0.002 | chosen |" in lines
+    assert "| A | — | **2.0000** | 2.5000 | 0.001 |" in lines
+    assert (
+        "| B | **1.9000** | 2.0000 | 2.1000 | 0.0005 (the end of what was tried: too narrow) |"
+        in lines
+    )
+    assert "tried the next points beyond it until its best was inside (0.0005;" in lines[0]
