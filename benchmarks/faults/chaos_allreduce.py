@@ -7,12 +7,16 @@ average among themselves, and check that no worker hangs and no replicas diverge
 
 A ``diloco server --allreduce`` child on a fixed port (a restart keeps the address) and
 ``--workers`` worker children training the demo model (``chaos``'s loop) with a
-small ``--sync-every``. A seeded, clock-driven schedule then, every ``--fault-min`` to
-``--fault-max`` seconds, either kills the server with SIGKILL and starts it again on the same
+small ``--sync-every``. A seeded schedule (``chaos_allreduce_schedule.py``) whose clock starts
+once every worker has joined (not at the script's start: joining takes tens of seconds on a
+loaded machine), ``--first-fault`` seconds in and then every ``--fault-min`` to ``--fault-max``
+seconds after the previous fault was dealt with, either kills the server with SIGKILL and starts it again on the same
 port (``--server-share`` of the faults), or kills a random worker with SIGKILL and starts a
 replacement for its data shard, under a fresh worker id (a joiner, ``--fresh-share`` of them)
-or under the same id. Faults stop ``--settle`` seconds before the end, then every worker is
-asked to stop at its next completed sync, evaluates the run's parameters and leaves.
+or under the same id. Faults stop ``--settle`` seconds before the end (``--duration`` seconds of
+training, longer where dealing with the faults took longer than planned: every planned fault
+fires), then every worker is asked to stop at its next completed sync, evaluates the run's
+parameters and leaves.
 
 Kills are "aimed" with probability ``--aim-share``: the driver polls ``/status`` until a quorum
 is open (for a worker kill, one the victim is a member of) and kills 0 to ``--aim-delay``
@@ -197,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault-min", type=float, default=5.0)
     parser.add_argument("--fault-max", type=float, default=15.0)
-    parser.add_argument("--first-fault", type=float, default=20.0, help="seconds before the first")
+    parser.add_argument(
+        "--first-fault", type=float, default=20.0, help="training seconds before the first"
+    )
     parser.add_argument("--server-share", type=float, default=0.3)
     parser.add_argument("--fresh-share", type=float, default=0.5)
     parser.add_argument(
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--txt")
     smoke.add_flag(parser)
     args = parser.parse_args(argv)
-    if args.smoke:  # 3 workers, 25 s with faults from 8 s to 17 s, a tenth of them aimed
+    if args.smoke:  # 3 workers, 25 training s with faults planned from 8 s to 17 s
         args.workers, args.duration, args.settle, args.first_fault = 3, 25.0, 8.0, 8.0
         args.fault_min, args.fault_max, args.final_wait = 3.0, 4.0, 20.0
     if args.fragments > 1 and args.overlap >= args.sync_every // args.fragments:

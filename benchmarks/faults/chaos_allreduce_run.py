@@ -1,9 +1,10 @@
 """The driver of chaos_allreduce: a server, worker processes, a seeded fault schedule, checks.
 
 ``Run.go`` starts the server and ``--workers`` worker programs, kills workers or the server on a
-seeded clock (some kills aimed at an open quorum), replaces killed workers, watches for hangs
-and crashes, stops every worker at its next completed sync, and sums up (``Run.summary``): the
-replicas of each completed quorum must hold one state, no round may be reached twice with
+seeded schedule in training seconds, counted from the moment they all joined
+(``chaos_allreduce_schedule.py``; some kills aimed at an open quorum), replaces killed workers,
+watches for hangs and crashes, stops every worker at its next completed sync, and sums up
+(``Run.summary``): the replicas of each completed quorum must hold one state, no round may be reached twice with
 different states, no worker may stall past the hang limit.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.faults.chaos_adversary import BAD_WORKER, KINDS, Stranger
+from benchmarks.faults.chaos_allreduce_schedule import FaultClock, plan
 from benchmarks.faults.chaos_allreduce_server import Server
 from benchmarks.harness.source import ROOT
 
@@ -325,14 +327,28 @@ class Run:
             )
             stranger.start()
             self.stranger_since = self.now()
-        end_faults = self.t0 + c["duration"] - c["settle"]
-        end = self.t0 + c["duration"]
-        next_fault = self.t0 + c["first_fault"]
+        first = [w for w in self.workers if w.honest]  # training begins once they joined
+        faults = plan(
+            c["seed"],
+            c["first_fault"],
+            c["fault_min"],
+            c["fault_max"],
+            c["duration"] - c["settle"],
+            c["server_share"],
+        )
+        clock = FaultClock(faults if c["chaos"] else (), c["duration"], c["settle"])
         next_poll = 0.0
         try:
-            while time.monotonic() < end:
+            while True:
                 time.sleep(0.2)
                 t = time.monotonic()
+                # A worker stuck before joining stalls past the hang limit, and is reported.
+                if all(w.joined_at or w.exited for w in first) or t - self.t0 > self.hang_limit:
+                    if clock.began is None:
+                        self.note("training_began", faults_planned=len(clock.pending))
+                    clock.begin(t)
+                if (end := clock.end()) is not None and t >= end:
+                    break
                 if t >= next_poll:
                     self.poll_server()
                     next_poll = t + 1.0
@@ -343,12 +359,12 @@ class Run:
                         crash = {"worker": w.name, "rc": w.proc.returncode}
                         (self.crashes if w.honest else self.adversary_exits).append(crash)
                         self.note("worker_exited", worker=w.name, rc=w.proc.returncode)
-                if c["chaos"] and t >= next_fault and t < end_faults:
-                    if self.rng.random() < c["server_share"]:
+                if (fault := clock.due(t)) is not None:
+                    if fault.server:
                         self.kill_server()
                     else:
                         self.kill_worker()
-                    next_fault = time.monotonic() + self.rng.uniform(c["fault_min"], c["fault_max"])
+                    clock.dealt_with(time.monotonic())
             self.note("stopping")
             self.poll_server()
             for w in self.live():

@@ -1,6 +1,6 @@
-"""The quantized all-reduce's residuals across a member's restart, and the SparseLoCo rule in
-all-reduce mode (docs/design/allreduce.md, "Quantized all-reduce"): real workers in threads
-against a server in ``--allreduce`` mode."""
+"""The quantized all-reduce's residuals across a member's restart and without error feedback,
+and the SparseLoCo rule in all-reduce mode (docs/design/allreduce.md, "Quantized all-reduce"):
+real workers in threads against a server in ``--allreduce`` mode."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def spy_rounds(
     def for_round(self: Residuals, comm: str, share: int, tensors: Any, decay: float = 1.0) -> Any:
         q = original(self, comm, share, tensors, decay)
         if q is not None:
-            uses.append((self, decay, [e.clone() for e in q.residual]))
+            uses.append((self, decay, [e.clone() for e in q.residual or ()]))
         return q
 
     monkeypatch.setattr(Residuals, "for_round", for_round)
@@ -148,7 +148,7 @@ def test_a_member_that_takes_the_state_wholesale_drops_its_residual(
     def for_round(self: Residuals, comm: str, share: int, tensors: Any, decay: float = 1.0) -> Any:
         q = original_round(self, comm, share, tensors, decay)
         if q is not None:
-            events.append((self, "round", [e.clone() for e in q.residual]))
+            events.append((self, "round", [e.clone() for e in q.residual or ()]))
         return q
 
     def forget(self: Residuals) -> None:
@@ -177,6 +177,44 @@ def test_a_member_that_takes_the_state_wholesale_drops_its_residual(
     assert mine[at - 1][0] == mine[at + 1][0] == "round"
     assert any(bool(e.any()) for e in before)
     assert not any(bool(e.any()) for e in after)
+
+
+@pytest.mark.timeout(240)
+def test_without_error_feedback_members_send_keep_and_save_no_residual(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8, two members with ``error_feedback=False``, 2 rounds: no round of either gets a
+    residual to send or a buffer for a new one, and each member's checkpoint after round 2
+    (``resume.save``) holds no ``quorum_residual/`` key, as in server mode."""
+    sent: list[tuple[Any, Any]] = []
+    original = Residuals.for_round
+
+    def for_round(self: Residuals, comm: str, share: int, tensors: Any, decay: float = 1.0) -> Any:
+        q = original(self, comm, share, tensors, decay)
+        if q is not None:
+            sent.append((q.residual, q.pending))
+        return q
+
+    monkeypatch.setattr(Residuals, "for_round", for_round)
+    saved: dict[int, dict[str, torch.Tensor] | None] = {}
+
+    def save(rank: int, r: int, w: DiLoCoWorker) -> None:
+        if r == 2:
+            folder = tmp_path / f"w{rank}"
+            folder.mkdir()
+            resume.save(w, str(folder))
+            saved[rank] = resume.load_codec_state(str(folder))
+
+    with DiLoCoServer(ServerConfig(port=0, num_workers=2, allreduce=True)) as srv:
+        results = run_workers(
+            srv.address, 2, 2, after_sync=save, codec="int8", error_feedback=False
+        )
+    assert [m["rounds"] for _, m in results] == [2, 2]
+    # Each member: its join's round (weights summing to 0) and its 2 rounds.
+    assert len(sent) == 6 and all(q == (None, None) for q in sent)
+    assert sorted(saved) == [0, 1]
+    for state in saved.values():
+        assert not any(k.startswith("quorum_residual/") for k in state or {})
 
 
 def sparseloco_run(

@@ -63,8 +63,9 @@ class WorkerSettings:
     error_feedback: bool = _flag(True, "lossy codec: each round on its own, no error feedback")
     """With a lossy codec (``int8``, ``int4``, ``lowrank``), what the codec drops is added to the
     next round's pseudo-gradient, so it is delayed, not lost. False sends each round's
-    pseudo-gradient encoded on its own (to measure what error feedback buys). Raw codecs (``fp32``,
-    ``bf16``) keep no residual either way."""
+    pseudo-gradient encoded on its own (to measure what error feedback buys); in all-reduce mode
+    the quantized collective (``int8``, ``int4``, ``topk``) then keeps no residual either. Raw
+    codecs (``fp32``, ``bf16``) keep no residual either way."""
 
     ef_decay: float | None = _flag(
         None, "lossy codec: error feedback's decay in [0, 1] (default: the server's rule's)"

@@ -82,9 +82,10 @@ def checked_average(
     values, as with ``average``.
 
     ``quantized``: the average travels as the quorum's int8 or int4 codes with this member's
-    error feedback (``quantized.quantized_reduce``; ``dtype`` is then unused); an admitted
-    member adds the residual it owes (times ``quantized.decay``), and the result's bound adds the residuals' norms (one
-    more tiny all-reduce) and the two quantizations' relative error."""
+    error feedback, if it keeps any (``quantized.quantized_reduce``; ``dtype`` is then unused);
+    an admitted member adds the residual it owes (times ``quantized.decay``), and the result's
+    bound adds the residuals' norms (one more tiny all-reduce) and the two quantizations'
+    relative error."""
     if quantized is not None:
         return _checked_quantized(quorum, tensors, weight, norm_bound, bucket_bytes, quantized)
     if not dtype.is_floating_point:
@@ -127,7 +128,8 @@ def _checked_quantized(
     finite, norm = measure(quorum, flats)
     verdict = judge(*exchange(quorum, finite, norm, weight), norm_bound, MAX_WEIGHT)
     admitted = quorum.rank not in verdict.excluded
-    owed = _residual_sum(quorum, q.decay * global_norm(q.residual) if admitted else 0.0)
+    mine = q.decay * global_norm(q.residual) if admitted and q.residual is not None else 0.0
+    owed = _residual_sum(quorum, mine)  # every member calls it: the collective's shape
     total = verdict.total
     if total == 0:
         for flat in flats:

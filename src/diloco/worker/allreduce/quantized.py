@@ -17,7 +17,8 @@ passed its commit point (``commit``): a discarded round leaves the residual as i
 repeat sends the same. With a decay ``beta`` (the worker's ``ef_decay``, or its outer rule's:
 ``core/outer_rules.py``) the residual is scaled before it is added, ``c = scale * acc + beta *
 e``, as ``ErrorFeedback`` does in server mode. Rules for a member resynced, left out or
-restarted are ``Residuals``'.
+restarted are ``Residuals``'. Without error feedback (the worker's ``error_feedback`` False, as
+in server mode) there is no residual: each round sends ``scale * acc`` quantized on its own.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class Quantized:
     tensors and the buffers for its new ones (``Residuals.for_round``)."""
 
     codec: BlockCodec
-    residual: list[torch.Tensor]
-    pending: list[torch.Tensor]
+    residual: list[torch.Tensor] | None
+    pending: list[torch.Tensor] | None
+    """Both None without error feedback (``Residuals.feedback`` False): nothing sent, nothing
+    kept."""
     decay: float = 1.0
     """The residual is scaled by this before it is added to the contribution (1: plain)."""
 
@@ -87,7 +90,10 @@ class Residuals:
     round's quantization error is lost. The decay scales only a residual that is sent: a member
     left out keeps its residual undecayed. A worker's checkpoint holds them (``state_dict``,
     through ``Session.saved_feedback``) and a resumed worker starts from them
-    (``load_state_dict``), so a restart between rounds loses nothing."""
+    (``load_state_dict``), so a restart between rounds loses nothing.
+
+    ``feedback`` False (the worker's ``error_feedback``): none of that; rounds get no residual
+    (``for_round``), nothing is held or saved, and a checkpoint's residuals are dropped."""
 
     held: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     pending: tuple[str, list[torch.Tensor]] | None = None
@@ -96,13 +102,16 @@ class Residuals:
     failed: only then may ``commit`` adopt it."""
     restored: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """A checkpoint's residuals by share, not yet taken by a round (``of`` takes them)."""
+    feedback: bool = True
 
     @classmethod
-    def resumed(cls, session: Session) -> Residuals:
-        """A worker's residuals: a resumed worker's checkpoint's (``Session.resumed_feedback``),
-        and saved with its checkpoints from now on (``Session.saved_feedback``)."""
-        residuals = cls()
-        residuals.load_state_dict(session.resumed_feedback)
+    def resumed(cls, session: Session, feedback: bool = True) -> Residuals:
+        """A worker's residuals: a resumed worker's checkpoint's (``Session.resumed_feedback``;
+        dropped without ``feedback``), and saved with its checkpoints from now on
+        (``Session.saved_feedback``)."""
+        residuals = cls(feedback=feedback)
+        if feedback:
+            residuals.load_state_dict(session.resumed_feedback)
         session.resumed_feedback = {}
         session.saved_feedback = residuals.state_dict
         return residuals
@@ -138,11 +147,13 @@ class Residuals:
         """A round starts averaging ``tensors``, share ``share`` of the model (a streaming
         fragment's index, else 0), in ``comm``: what its quantized average needs (residuals keyed
         by the share and the tensors' table: equal fragments' tables may coincide; ``decay``
-        their decay), or None for a dense ``comm``."""
+        their decay; none without ``feedback``), or None for a dense ``comm``."""
         self.discard()
         make = QUANTIZED.get(comm)
         if make is None:
             return None
+        if not self.feedback:
+            return Quantized(make(), None, None, decay)
         flats = [t.view(-1) for t in tensors]
         key = f"{share};{table_of(tensors)}"
         return Quantized(make(), self.of(key, flats), self.begin(key, flats), decay)
@@ -226,8 +237,8 @@ def quantized_reduce(
     flats: list[torch.Tensor],
     scale: float,
     codec: BlockCodec,
-    residual: list[torch.Tensor],
-    pending: list[torch.Tensor],
+    residual: list[torch.Tensor] | None,
+    pending: list[torch.Tensor] | None,
     *,
     send_residual: bool,
     bucket_bytes: int = BUCKET_BYTES,
@@ -237,7 +248,8 @@ def quantized_reduce(
     residual when not ``send_residual``: a member the checks left out sends zeros and keeps its
     residual as it was), quantized as the module docstring says, written back into ``flats``
     identically on every rank. ``pending`` receives this member's new residuals (``residual``
-    itself is not written). A collective."""
+    itself is not written); both None: no error feedback, what the codes drop is dropped. A
+    collective."""
     size, rank = quorum.size, quorum.rank
     squares, sent, received, payload = 0.0, 0, 0, 0
     capacity = max(codec.align, bucket_bytes // 4 // codec.align * codec.align)
@@ -249,7 +261,7 @@ def quantized_reduce(
                 b[o : o + t].zero_()  # 0 * NaN is NaN: a member left out sends zeros
             else:
                 torch.mul(flats[i][a : a + t], scale, out=b[o : o + t])
-            if send_residual:  # times 1 is exact: the plain rule's bits
+            if send_residual and residual is not None:  # times 1 is exact: the plain rule's bits
                 b[o : o + t].add_(residual[i][a : a + t], alpha=decay)
         if codec.sparse:
             slot = slot_bytes(codec, n)
@@ -317,14 +329,17 @@ def count_bytes(
 def _keep_residual(
     b: torch.Tensor,
     pieces: list[tuple[int, int, int, int]],
-    residual: list[torch.Tensor],
-    pending: list[torch.Tensor],
+    residual: list[torch.Tensor] | None,
+    pending: list[torch.Tensor] | None,
     sent: bool,
 ) -> None:
     """``pending`` = what the bucket ``b`` holds now (what this member's codes dropped), plus
-    the old residual where it was not sent (a member left out keeps owing it)."""
+    the old residual where it was not sent (a member left out keeps owing it); nothing without
+    error feedback (``pending`` None)."""
+    if pending is None:
+        return
     for i, a, t, o in pieces:
-        if sent:
+        if sent or residual is None:
             pending[i][a : a + t].copy_(b[o : o + t])
         else:
             torch.add(residual[i][a : a + t], b[o : o + t], out=pending[i][a : a + t])

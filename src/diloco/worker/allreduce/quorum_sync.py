@@ -98,8 +98,8 @@ class QuorumSync:
         self._leaving = threading.Event()  # no more quorums once set
         # The members left out of the round in progress (worker ids), for its report.
         self._excluded: tuple[str, ...] = ()
-        # The error feedback of quantized quorums (``quantized.Residuals``: its rules).
-        self.residuals = Residuals.resumed(session)
+        # Quantized quorums' error feedback (``quantized.Residuals``), none if error_feedback off.
+        self.residuals = Residuals.resumed(session, session.settings.error_feedback)
         self._s.base_round = 0
 
     # --- SyncStrategy -------------------------------------------------------------------------
