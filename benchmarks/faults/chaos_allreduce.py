@@ -68,7 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.faults.chaos_adversary import ADVERSARIES, BAD_WORKER
-from benchmarks.faults.chaos_allreduce_run import Run, compared
+from benchmarks.faults.chaos_allreduce_record import compared
+from benchmarks.faults.chaos_allreduce_run import Run
 from benchmarks.faults.chaos_allreduce_server import short_reason
 from benchmarks.faults.chaos_allreduce_worker import parse_worker_args, worker_main
 from benchmarks.harness import smoke
