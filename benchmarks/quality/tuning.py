@@ -45,9 +45,23 @@ EXTEND = 2  # at most this many points tried beyond either end of the grid (run_
 
 
 def next_lr(grid: tuple[float, ...], lr: float, lower: bool) -> float:
-    """The grid's next point beyond ``lr``, one grid ratio (the last step's) below or above."""
-    ratio = grid[-1] / grid[-2]
-    return lr / ratio if lower else lr * ratio
+    """The grid's next point beyond ``lr``: one ratio of the grid's end on that side (its first
+    step below, its last step above)."""
+    return lr * grid[0] / grid[1] if lower else lr * grid[-1] / grid[-2]
+
+
+def extend(
+    grid: tuple[float, ...], tried: dict[float, float], trial: Callable[[float], float]
+) -> None:
+    """Where the lowest loss of ``tried`` (lr -> loss, the grid's points) lies at an end of what
+    was tried, the best may lie beyond it: try the next point on that side, up to ``EXTEND``
+    times, until the best is inside. ``trial`` runs one lr and gives its loss."""
+    for _ in range(EXTEND):
+        best = min(tried, key=lambda lr: tried[lr])
+        if min(tried) < best < max(tried):
+            return
+        lr = next_lr(grid, best, best == min(tried))
+        tried[lr] = trial(lr)
 
 
 def lr_kind(config: Config) -> str:
@@ -102,11 +116,10 @@ def run_sweep(
     each kind and whether it still lies at an end of what was tried (then the page says so)."""
     t0 = time.monotonic()
     kinds: dict[str, Any] = {}
-    cost = 0.0  # the rows' run_s: what the sweep cost when computed (cached rows keep theirs)
+    costs: list[float] = []  # the rows' run_s: the sweep's cost when computed (cached: theirs)
     for kind, config in sweep_configs(scale).items():
-        tried: dict[float, tuple[float, float]] = {}  # lr -> (validation loss, run_s)
 
-        def trial(lr: float, kind: str = kind, config: Config = config) -> tuple[float, float]:
+        def trial(lr: float, kind: str = kind, config: Config = config) -> float:
             row = run_config(
                 replace(config, lr=lr, name=f"{kind} lr {lr:g}"),
                 profile,
@@ -117,21 +130,11 @@ def run_sweep(
             log(
                 f"lr sweep  {kind:<13} lr {lr:<8g} valid {row['eval_loss']:.4f}  ({row['run_s']:5.1f} s)"
             )
-            return row["eval_loss"], row["run_s"]
+            costs.append(row["run_s"])
+            return float(row["eval_loss"])
 
-        for lr in scale.lrs:
-            tried[lr] = trial(lr)
-        # A best lr at an end of the grid says only that the best lies beyond it: the grid is
-        # extended by its own ratio on that side, a point at a time, until the best is inside
-        # (at most EXTEND points, then it stays flagged).
-        for _ in range(EXTEND):
-            best = min(tried, key=lambda lr: tried[lr][0])
-            if min(tried) < best < max(tried):
-                break
-            lr = next_lr(scale.lrs, best, best == min(tried))
-            tried[lr] = trial(lr)
-        losses = {lr: loss for lr, (loss, _) in tried.items()}
-        cost += sum(run_s for _, run_s in tried.values())
+        losses = {lr: trial(lr) for lr in scale.lrs}
+        extend(scale.lrs, losses, trial)
         chosen = min(losses, key=lambda lr: losses[lr])
         kinds[kind] = {
             "what": KINDS[kind],
@@ -145,7 +148,7 @@ def run_sweep(
         "grid": list(scale.lrs),
         "steps": scale.tune_steps,
         "kinds": kinds,
-        "run_s": cost,
+        "run_s": sum(costs),
         "elapsed_s": time.monotonic() - t0,
     }
 
@@ -168,22 +171,28 @@ def run_outer_sweep(
     log: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Async + DN + DyLU at every outer lr of ``scale.async_lrs`` (at its kind's inner lr from
-    ``lrs``), measured on the validation split; the chosen outer lr, as ``run_sweep`` gives its
-    kinds'."""
-    losses, cost = {}, 0.0
-    for config in async_lr(scale):
-        x = float(config.server["outer_lr"])
+    ``lrs``), and beyond an end of the list as ``run_sweep`` extends its grid, measured on the
+    validation split; the chosen outer lr, as ``run_sweep`` gives its kinds'."""
+    base = async_lr(replace(scale, async_lrs=scale.async_lrs[:1]))[0]
+    costs: list[float] = []
+
+    def trial(x: float) -> float:
+        server = {**base.server, "outer_lr": x}
+        config = replace(base, name=f"async + DN + DyLU, outer lr {x:g}", server=server)
         row = run_config(with_lr(config, lrs), profile, SWEEP_SEED, scale, cache_dir)
-        losses[x] = row["eval_loss"]
-        cost += row["run_s"]
+        costs.append(row["run_s"])
         log(f"outer sweep  async + DN + DyLU  outer lr {x:<5g} valid {row['eval_loss']:.4f}")
+        return float(row["eval_loss"])
+
+    losses = {x: trial(x) for x in scale.async_lrs}
+    extend(scale.async_lrs, losses, trial)  # beyond an end of the list, as the inner sweep
     chosen = min(losses, key=lambda x: losses[x])
     return {
         "what": "async + DN + DyLU's outer lr (Delayed Nesterov)",
-        "losses": [[x, loss] for x, loss in losses.items()],
+        "losses": sorted([x, loss] for x, loss in losses.items()),
         "lr": chosen,
-        "edge": chosen in (min(scale.async_lrs), max(scale.async_lrs)),
-        "run_s": cost,
+        "edge": chosen in (min(losses), max(losses)),
+        "run_s": sum(costs),
     }
 
 

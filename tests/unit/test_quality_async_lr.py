@@ -38,6 +38,28 @@ def test_the_outer_sweep_picks_the_lowest_validation_loss(
     assert outer["losses"] == [[0.3, 2.3], [0.5, 2.1], [1.0, 2.4]]
 
 
+def test_a_best_outer_lr_at_the_lists_end_tries_the_next_points_beyond(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """0.3 is the best of (0.3, 0.5, 1.0): the list's first ratio (0.6) gives 0.18, better
+    still, then 0.108, worse: 0.18 is chosen, inside what was tried, so not flagged."""
+    loss = {0.3: 2.2, 0.5: 2.3, 1.0: 2.4, 0.18: 2.1, 0.108: 2.15}
+    seen: list[float] = []
+
+    def fake_run(config: Config, profile: Any, seed: int, scale: Any, cache: Path) -> dict:
+        x = round(config.server["outer_lr"], 6)
+        seen.append(x)
+        assert config.server["delayed_nesterov"] and config.heldout == "valid"
+        return {"eval_loss": loss[x], "run_s": 1.0}
+
+    monkeypatch.setattr(tuning, "run_config", fake_run)
+    lrs = {k: 1.0 for k in KINDS}
+    outer = run_outer_sweep(FAST_PROFILE, replace(FAST, async_lrs=(0.3, 0.5, 1.0)), tmp_path, lrs)
+    assert seen == [0.3, 0.5, 1.0, 0.18, 0.108]
+    assert outer["lr"] == pytest.approx(0.18) and not outer["edge"] and outer["run_s"] == 5.0
+    assert [x for x, _ in outer["losses"]] == pytest.approx([0.108, 0.18, 0.3, 0.5, 1.0])
+
+
 def test_only_the_async_dn_rows_without_their_own_outer_lr_take_the_choice() -> None:
     """Sync and naive async keep outer lr 0.7 (the ServerConfig default and naive's own); the
     DN rows, claim g's timed row among them, take the sweep's; the sweep's rows keep theirs; and
