@@ -155,6 +155,15 @@ def sync_every(s: Scale) -> list[Config]:
     return out
 
 
+def sync_every_lr(s: Scale) -> list[Config]:
+    """Claim c's smallest H tried at half the outer lr (seed 0, not for the verdict): whether
+    the smallest H's loss comes from its many outer Nesterov steps at lr 0.7 (the paper tuned
+    0.7 at H = 500 and swept H from 50 up)."""
+    h = min(s.sweep)
+    server = {"outer_lr": 0.35}
+    return [plain(s, f"H={h}, outer lr 0.35", sync_every=h, steps=s.sweep_steps, server=server)]
+
+
 def outer(s: Scale) -> list[Config]:
     """Claim d: outer Nesterov against plain averaging (SGD lr 1, no momentum) and SGD with
     (heavy-ball) momentum at the same lr and momentum as Nesterov."""
@@ -375,6 +384,7 @@ EXPERIMENTS = {
     for e in [
         Experiment("scaling", "ab", scaling, EQUAL_STEPS + "; equal tokens in the 'Nx steps' rows"),
         Experiment("sync_every", "c", sync_every, EQUAL_STEPS),
+        Experiment("sync_every_lr", "c", sync_every_lr, EQUAL_STEPS, default=False),
         Experiment("outer", "d", outer, EQUAL_STEPS),
         Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
         Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),

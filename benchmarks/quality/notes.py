@@ -131,6 +131,12 @@ rule (momentum moves every parameter every round), so there is no Nesterov row w
 replicas are checked bit for bit against the server every round (the round's checksum), and its
 losses are those of the row above in every seed (the plot draws one curve over the other).
 """,
+    "sync_every_lr": """
+Seed 0 only, not used for the verdict (`python benchmarks/quality/run.py sync_every_lr --seeds
+0`): the smallest H again at half the outer lr, run after the suite to test whether the smallest
+H's loss comes from its outer steps (four times as many as H=20's, each a Nesterov step at lr
+0.7 with momentum 0.9). Compare it with seed 0's row of the same H above.
+""",
     "sparse_lr": """
 Seed 0 only, not used for the verdict. The outer-lr rows ran before the three seeds of `sparse`
 and chose its outer lr. The chunk-4096 row is `topk` with the paper's chunk under Nesterov, to

@@ -39,14 +39,17 @@ from benchmarks.quality.suite import APART, EXPERIMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).
-EXTRA = {"sparse": ["sparse_lr"]}
+EXTRA = {"sparse": ["sparse_lr"], "sync_every": ["sync_every_lr"]}
 
 
 def suite_time(results: Results) -> float:
     """Seconds the rows cost when computed, each distinct configuration and seed counted once
-    (several experiments share rows through the cache)."""
+    (several experiments share rows through the cache); only the default command's experiments
+    (the extra tries beside a claim, ``EXTRA``, are not part of it)."""
     seen: dict[str, float] = {}
-    for res in results.values():
+    for name, res in results.items():
+        if name in EXPERIMENTS and not EXPERIMENTS[name].default:
+            continue
         for r in res["rows"]:
             settings = {k: v for k, v in r.get("config", {}).items() if k != "name"}
             seen[json.dumps([settings, r["seed"]], sort_keys=True)] = r.get("run_s", 0.0)

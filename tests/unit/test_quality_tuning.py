@@ -156,3 +156,19 @@ def test_the_page_shows_points_tried_beyond_the_grid_as_columns_of_their_own() -
         in lines
     )
     assert "tried the next points beyond it until its best was inside (0.0005;" in lines[0]
+
+
+def test_the_suite_time_counts_shared_rows_once_and_leaves_out_the_extra_tries() -> None:
+    """A row two experiments share (same settings and seed) counts once; the rows of an
+    experiment outside the default command (claim c's extra try) count not at all."""
+    from benchmarks.quality.experiments import EXPERIMENTS as BASE
+    from benchmarks.quality.render import EXTRA, suite_time
+
+    assert not BASE["sync_every_lr"].default and "sync_every_lr" in EXTRA["sync_every"]
+    shared = {"config": {"name": "a", "workers": 4}, "seed": 0, "run_s": 10.0}
+    results = {
+        "scaling": {"rows": [shared, {**shared, "seed": 1, "run_s": 5.0}]},
+        "outer": {"rows": [{**shared, "config": {"name": "b", "workers": 4}}]},
+        "sync_every_lr": {"rows": [{**shared, "config": {"workers": 2}, "run_s": 99.0}]},
+    }
+    assert suite_time(results) == 15.0
