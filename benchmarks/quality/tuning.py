@@ -37,6 +37,10 @@ KINDS = {
     # Claim p's Muon rows (muon.py) get their own: Muon's update is orthogonalised, so the best lr
     # need not be AdamW's even with its RMS matched, and each inner optimizer is compared at its
     # own best. At their batch (the global batch split over M workers).
+    # Claim p's M=1 AdamW row trains at the Muon rows' global batch, four times the profile's:
+    # a kind of its own, swept at that batch like Muon's (at M >= 2 the batch per worker is the
+    # profile's or less, and DiLoCo's kind serves).
+    "adamw_m1_batch": "DiLoCo M=1 at claim p's global batch (AdamW inside)",
     "muon_m1": "DiLoCo M=1 with Muon inside",
     "muon": "DiLoCo at the reference M with Muon inside (every M >= 2)",
 }
@@ -66,11 +70,14 @@ def extend(
 
 def lr_kind(config: Config) -> str:
     """The kind whose chosen lr ``config`` trains at: baselines by their budget, DiLoCo by M (every
-    server or worker variant of DiLoCo takes its M's lr: the variants are what is compared)."""
+    server or worker variant of DiLoCo takes its M's lr: the variants are what is compared);
+    claim p's rows by inner optimizer and M, its M=1 AdamW row at its own batch."""
     if config.kind == "dp":
         return "dp"
     if config.inner == "muon":
         return "muon_m1" if config.workers == 1 else "muon"
+    if config.kind == "diloco" and config.workers == 1 and config.batch_size:
+        return "adamw_m1_batch"
     if config.kind == "adamw":
         return "adamw_tokens" if config.equal_tokens else "adamw"
     return "diloco_m1" if config.workers == 1 else "diloco"
@@ -89,6 +96,7 @@ def sweep_configs(s: Scale) -> dict[str, Config]:
         "dp": dp,
         "diloco_m1": plain(s, "diloco_m1", workers=1, steps=steps),
         "diloco": plain(s, "diloco", steps=steps),
+        "adamw_m1_batch": muon_sweep(s, "adamw_m1_batch", 1, inner="adamw"),
         "muon_m1": muon_sweep(s, "muon_m1", 1),
         "muon": muon_sweep(s, "muon", s.workers),
     }
@@ -96,13 +104,13 @@ def sweep_configs(s: Scale) -> dict[str, Config]:
     return {k: replace(c, heldout="valid") for k, c in configs.items()}
 
 
-def muon_sweep(s: Scale, name: str, workers: int) -> Config:
-    """The Muon kind's configuration at ``workers``: Muon inside, the Muon rows' global batch split
-    over the workers, ``s.tune_steps`` per worker."""
+def muon_sweep(s: Scale, name: str, workers: int, inner: str = "muon") -> Config:
+    """A claim p kind's configuration at ``workers``: ``inner`` inside, the Muon rows' global batch
+    split over the workers, ``s.tune_steps`` per worker."""
     if s.muon_batch % workers:
         raise ValueError(f"muon_batch {s.muon_batch} does not split over {workers} workers")
     batch = s.muon_batch // workers
-    return plain(s, name, workers=workers, steps=s.tune_steps, inner="muon", batch_size=batch)
+    return plain(s, name, workers=workers, steps=s.tune_steps, inner=inner, batch_size=batch)
 
 
 def run_sweep(

@@ -21,7 +21,7 @@ def test_every_row_of_the_suite_maps_to_the_kind_the_page_names() -> None:
     """Baselines by budget, DiLoCo by M: one-worker AdamW at equal steps and at equal tokens,
     data-parallel, DiLoCo M=1, and every other DiLoCo row (any M >= 2, any variant) the
     reference M's kind; claim p's Muon rows their own (M=1, and every M >= 2), its AdamW rows
-    DiLoCo's."""
+    DiLoCo's but at M=1 (four times the profile's batch there: a kind of its own)."""
     suite = [e for n, e in EXPERIMENTS.items() if n not in APART]
     kinds = {c.name: lr_kind(c) for e in suite for c in e.configs(DEFAULT)}
     assert kinds["AdamW, 1 worker (equal steps)"] == "adamw"
@@ -31,7 +31,7 @@ def test_every_row_of_the_suite_maps_to_the_kind_the_page_names() -> None:
     assert kinds["DiLoCo M=8"] == kinds["async + DN + DyLU"] == kinds["H=40"] == "diloco"
     assert kinds["Muon inner, M=1"] == "muon_m1"
     assert kinds["Muon inner, M=4"] == kinds["Muon inner, M=8"] == "muon"
-    assert kinds["AdamW inner, M=1"] == "diloco_m1" and kinds["AdamW inner, M=8"] == "diloco"
+    assert kinds["AdamW inner, M=1"] == "adamw_m1_batch" and kinds["AdamW inner, M=8"] == "diloco"
     assert set(kinds.values()) == set(KINDS)
     lrs = {k: float(i) for i, k in enumerate(KINDS)}
     assert with_lr(Config("x", kind="dp"), lrs).lr == lrs["dp"]
@@ -52,6 +52,7 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
         "dp": 8e-3,
         "diloco_m1": 6.25e-5,
         "diloco": 2e-3,
+        "adamw_m1_batch": 2e-3,
         "muon_m1": 4e-3,
         "muon": 2e-3,
     }
@@ -75,6 +76,7 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
         "dp": False,
         "diloco_m1": True,
         "diloco": False,
+        "adamw_m1_batch": False,
         "muon_m1": False,
         "muon": False,
     }
@@ -89,14 +91,15 @@ def test_the_sweep_picks_the_lowest_validation_loss_of_each_kind(
 def test_the_plan_counts_each_distinct_row_once() -> None:
     """FAST at 1 s per step, evaluation left out (no windows): the sweep is, per lr, AdamW 4 steps
     + equal tokens 8 + data-parallel 4 x 2 batches + DiLoCo M=1 4 (one thread each) + DiLoCo M=2
-    2 x 4 on two cores: 32 steps, 28 s; Muon M=1 4 steps of the full batch (4 s) and Muon M=2
-    2 x 4 steps of half the batch on two cores (2 s): 44 steps, 34 s; single_worker's rows are scaling's, so it costs nothing;
-    experiments not run by default are left out."""
+    2 x 4 on two cores: 32 steps, 28 s; AdamW and Muon M=1 4 steps each of claim p's global
+    batch (here the profile's: 4 s each) and Muon M=2 2 x 4 steps of half the batch on two cores
+    (2 s): 48 steps, 38 s; single_worker's rows are scaling's, so it costs nothing; experiments
+    not run by default are left out."""
     lines = {
         name: (steps, wall) for name, steps, wall in run.plan(replace(FAST, windows=0), 1.0, 4)
     }
     assert lines["pretrain"] == (FAST.pretrain_steps, FAST.pretrain_steps * 1.0)
-    assert lines["lr sweep"] == (2 * 44, 2 * 34.0)
+    assert lines["lr sweep"] == (2 * 48, 2 * 38.0)
     assert lines["single_worker"] == (0, 0.0)
     assert "async_slow" not in lines and "sparse_lr" not in lines
     # scaling: AdamW 12, DiLoCo M=1 12 and M=2 2 x 12 (12 s), AdamW 2x steps 24: 72 steps, 60 s.
