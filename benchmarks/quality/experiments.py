@@ -227,6 +227,17 @@ def asynchronous(s: Scale) -> list[Config]:
     ]
 
 
+def async_iid(s: Scale) -> list[Config]:
+    """Claim f's extra try (seed 0, not for the verdict): sync and async + DN + DyLU again on the
+    iid split, to test whether async's gap comes from the non-iid shards (fast workers take
+    most of the shared budget, so their topics dominate the updates)."""
+    return [
+        replace(c, name=f"{c.name}, iid split", split="iid")
+        for c in asynchronous(s)
+        if c.name in ("sync", "async + DN + DyLU")
+    ]
+
+
 def async_lr(s: Scale) -> list[Config]:
     """The outer sweep's rows: async + DN + DyLU at each outer lr of ``s.async_lrs``, measured on
     the validation split (``tuning.run_outer_sweep`` runs them on seed 0; no verdict)."""
@@ -388,6 +399,7 @@ EXPERIMENTS = {
         Experiment("outer", "d", outer, EQUAL_STEPS),
         Experiment("single_worker", "e", single_worker, "equal steps (= equal tokens)"),
         Experiment("async", "fg", asynchronous, "equal total inner steps over all workers"),
+        Experiment("async_iid", "f", async_iid, "equal total inner steps", default=False),
         Experiment("streaming", "h", streaming, EQUAL_STEPS),
         Experiment("overlap", "i", overlap, EQUAL_STEPS),
         Experiment("codecs", "j", codecs, EQUAL_STEPS),

@@ -131,6 +131,11 @@ rule (momentum moves every parameter every round), so there is no Nesterov row w
 replicas are checked bit for bit against the server every round (the round's checksum), and its
 losses are those of the row above in every seed (the plot draws one curve over the other).
 """,
+    "async_iid": """
+Seed 0 only, not used for the verdict (`python benchmarks/quality/run.py async_iid --seeds 0`):
+sync and async + DN + DyLU again on the iid split, run after the suite to test whether async's
+gap to sync comes from the non-iid shards. Compare the two rows with each other.
+""",
     "sync_every_lr": """
 Seed 0 only, not used for the verdict (`python benchmarks/quality/run.py sync_every_lr --seeds
 0`): the smallest H again at half the outer lr, run after the suite to test whether the smallest

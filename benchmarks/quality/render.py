@@ -39,7 +39,7 @@ from benchmarks.quality.suite import APART, EXPERIMENTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # Experiments shown in another's section, after it (what else was tried for its claims).
-EXTRA = {"sparse": ["sparse_lr"], "sync_every": ["sync_every_lr"]}
+EXTRA = {"sparse": ["sparse_lr"], "sync_every": ["sync_every_lr"], "async": ["async_iid"]}
 
 
 def suite_time(results: Results) -> float:

@@ -84,3 +84,16 @@ def test_the_plan_counts_the_async_rows() -> None:
     lines = {name: (steps, wall) for name, steps, wall in run.plan(scale, 1.0, 4)}
     assert lines["async outer sweep"] == (96, 48.0)
     assert lines["async"] == (4 * 48 + 159, (4 * 48 + 159) / 2)
+
+
+def test_claim_fs_extra_try_is_sync_and_dn_dylu_on_the_iid_split() -> None:
+    """The same two rows as the async experiment's sync and async + DN + DyLU (clock, budget,
+    server), only the split changed; not part of the default command."""
+    from benchmarks.quality.experiments import EXPERIMENTS, async_iid
+
+    base = {c.name: c for c in asynchronous(FAST)}
+    rows = async_iid(FAST)
+    assert [c.name for c in rows] == ["sync, iid split", "async + DN + DyLU, iid split"]
+    for row, name in zip(rows, ("sync", "async + DN + DyLU"), strict=True):
+        assert row.split == "iid" and replace(row, name=name, split="non-iid") == base[name]
+    assert not EXPERIMENTS["async_iid"].default
