@@ -125,8 +125,9 @@ what each worker downloaded less its joining download (full parameters once per 
 the downlink). `topk` options: density 0.0156 (1/64), chunks of 1024 elements, 2-bit values
 (`benchmarks/quality/experiments.py`, `TOPK`, says why 1024 and not the paper's 4096). Under the
 SparseLoCo rule the workers decay their error feedback by 0.95 (the server's rule tells them)
-and the outer step is the plain mean of the decoded uploads times the outer lr, chosen on seed 0
-from the sweep in the second table (`sparse_lr`) before the three seeds ran. The sparse downlink needs that
+and the outer step is the plain mean of the decoded uploads times the outer lr 4, chosen on
+seed 0 by `python benchmarks/quality/run.py sparse_lr` in the earlier, 137k-parameter regime
+(2026-11-27) and not swept again in this one. The sparse downlink needs that
 rule (momentum moves every parameter every round), so there is no Nesterov row with it; its
 replicas are checked bit for bit against the server every round (the round's checksum), and its
 losses are those of the row above in every seed (the plot draws one curve over the other).
@@ -143,11 +144,11 @@ H's loss comes from its outer steps (four times as many as H=20's, each a Nester
 0.7 with momentum 0.9). Compare it with seed 0's row of the same H above.
 """,
     "sparse_lr": """
-Seed 0 only, not used for the verdict. The outer-lr rows ran before the three seeds of `sparse`
-and chose its outer lr. The chunk-4096 row is `topk` with the paper's chunk under Nesterov, to
-compare with `sparse`'s Nesterov row (chunk 1024, same seed). The two H=5 rows ran after `sparse`
-to test the first believed reason above (four times the rounds for the same steps): compare
-them with each other, not with the first row.
+Seed 0 only, not used for the verdict (`python benchmarks/quality/run.py sparse_lr --seeds 0`).
+The outer-lr rows are the sweep that chose `sparse`'s outer lr. The chunk-4096 row is `topk` with
+the paper's chunk under Nesterov, to compare with `sparse`'s Nesterov row (chunk 1024, same
+seed). The two rows at a quarter of the default H test the residual belief above (four times the
+rounds for the same steps): compare them with each other, not with the first row.
 """,
     "allreduce_codecs": """
 All-reduce mode runs the same worker threads against a server that only hosts the rendezvous
@@ -195,8 +196,9 @@ budget and global batch fixed), so a loss rising with M is the cost of more repl
 lr carries over) trains every 2-D weight inside the transformer blocks (attention in and out
 projections, both feed-forward layers); the token embedding, learned positions, output head, norms
 and biases stay with AdamW (`benchmarks/harness/inner.py`). Weight decay 0.01 for both; each
-trains at its own lr from the sweep (Muon's rows are kinds of their own, swept at their batch),
-so neither is judged at the other's best lr.
+trains at its own lr from the sweep (Muon's rows are kinds of their own, swept at their batch,
+and so is the M=1 AdamW row, whose batch is four times the profile's), so neither is judged at
+the other's best lr.
 """,
     "quorum": """
 Real sleeps, not the simulated clock: the quorum's grace window is a real-time timer on the
@@ -215,49 +217,57 @@ computes. Its bytes are computed, not measured: each worker sending its fp32 gra
 }
 
 # Shown beside a claim only when its verdict is "not reproduced": what was tried and the believed
-# reason. Written after the 3-seed run of 2026-11-26 in the 137k-parameter regime (issue 20);
-# beliefs are marked as such. Those of c and m went with the causes issue 32's regime removed (two
-# outer steps at the largest H; one unswept inner lr); the rest need checking against new results.
+# reason. Written after the 2-seed run of 2026-11-27 in issue 32's regime (668,800 parameters,
+# swept lrs); beliefs are marked as such, and the figures they rest on are in the page's tables
+# (the extra tries' rows included), not here.
 REASONS: dict[str, str] = {
+    "c": """
+*Why not reproduced.* The order breaks at the small end: H = 5 ends far above H = 10 in both
+seeds, and H = 20 ends a hair below H = 10 (within a seed's spread); from H = 20 to H = 40 the
+loss rises gently, and H = 40 stays within the rule's margin of H = 5 (it is below it). The paper
+sweeps H from 50 up, at an outer lr tuned for H = 500. Tested once, on seed 0 (the extra try
+under the table): H = 5 at half the outer lr recovers most of its gap to H = 10 but still ends
+above H = 10 and H = 20 at 0.7. So at H = 5 the outer Nesterov step at lr 0.7 is too large (four
+times as many outer steps as H = 20's, each with momentum 0.9); whether H = 5 at its own best
+outer lr would beat H = 10 was not tested.
+""",
+    "e": """
+*Why not reproduced.* DiLoCo M=1 ends above one-worker AdamW in both seeds at its own best inner
+lr. Its sweep (the table above) kept improving down to the smallest lr tried, on a nearly flat
+curve, so no inner lr in reach closes the gap. The same kind at four times the batch (claim p's
+M=1 AdamW row, also swept) picks AdamW's lr. Believed reason, not tested: a lone worker's
+pseudo-gradient is not averaged with others, and outer Nesterov (lr 0.7, momentum 0.9: steps
+several times the pseudo-gradient's size) amplifies the noise of 16 steps of 8 sequences, so the
+sweep shrinks the inner lr to keep the outer step small; the paper's batch and run are far
+larger. The outer lr and momentum were not swept for M=1 (the paper keeps 0.7 and 0.9).
+""",
     "f": """
 *Why not reproduced.* Naive async (a full Nesterov step per arrival) diverges, so "naive is
 worse" holds, but Delayed Nesterov with or without DyLU stays above sync at equal total inner
-steps. Believed reasons, not tested: the shards are non-iid, and asynchrony lets the faster
-workers' topics dominate the updates; Delayed Nesterov averages N arrivals with equal weight, so
-with DyLU a slow worker's short pseudo-gradient counts as much as a fast worker's long one.
-""",
-    "i": """
-*Why not reproduced.* The two controls separate the changes: overlap alone (tau = 1, alpha 0)
-stays within the "almost nothing" margin, while alpha = 0.5 alone (tau = 0) costs about as much as
-tau = 1 with alpha = 0.5. So the cost is the merge factor, not the overlap. Believed reason, not
-tested: with alpha 0.5 a worker keeps half of its own drift after each merge, so its next
-pseudo-gradient carries part of the previous round's drift again, which the outer Nesterov step
-(lr 0.7, momentum 0.9) amplifies; on topic-split shards that drift is topic-specific.
+steps, at the outer lr its sweep chose (inside the range tried). The earlier belief, that the
+non-iid shards let the fast workers' topics dominate, is refuted: on the iid split (the extra
+try's rows, seed 0) async + DN + DyLU ends as far above sync as on the non-iid split. Believed
+reasons, not tested: the run is short (80 to 150 uploads, against the paper's thousands), so the stale uploads of the slowest worker (computed from a model several updates
+old) weigh on a large share of it; and the grace period of one unit is our reading of the paper's,
+not checked against its code.
 """,
     "k": """
-*Why not reproduced.* Losing half the uploads cost about 13% perplexity in the run of 2026-11-26,
-whose lost uploads also threw away the worker's progress of that round (not the paper's
-procedure, since changed: the notes below). Believed reasons: the run had only 15 rounds, so the
-lost work (about half of all inner steps) was a large share of it; and in about 1 round in 16
-every upload is lost, and the outer step then applies momentum alone.
+*Why not reproduced.* Losing each upload with probability 0.5 costs a little more than the rule's
+0.05 nats per byte (the paper reports a small degradation at 50%; the threshold is ours). The mechanism is the paper's (the notes below). Believed
+reasons, not tested: a run of 20 rounds, in which a lost round's progress reaches the global model
+a round late, through the next upload, after the outer momentum has already moved on; and in
+about 1 round in 16 every upload is lost and the outer step applies momentum alone.
 """,
     "n": """
-*Why not reproduced.* All three parts of the rule fail here, for different reasons. **Loss**
-(`topk` about 0.44 above fp32 under Nesterov, 0.20 under the SparseLoCo rule). Believed reason:
-the run has 15 rounds, each sending 1/64 of every worker's corrected pseudo-gradient, so most of
-the run's work is still in the workers' residuals when it ends; SparseLoCo's runs have thousands
-of outer steps. Tested once, on seed 0 only (`sparse_lr`, the H=5 rows: 60 rounds for the same
-steps): there `topk` under the SparseLoCo rule ended below fp32 at H=5 and close to fp32 at H=20,
-at four times the upload bytes of its H=20 run (the ratio per round is unchanged). **Upload
-bytes** (÷42 in this run, not ÷50): at 137k parameters the body's safetensors header (the
-names, dtypes, shapes and offsets of three parts per parameter tensor, 29 tensors) weighed more
-than the kept values (7.9 kB of a 13.0 kB body). Since this run each tensor is one part of
-per-chunk records with positions packed in log2(chunk) bits: seed 0 of this configuration,
-rerun alone, sends 6,250 bytes per round, ÷88.1, with the same eval losses to the last digit
-(docs/benchmarks.md, "Sparse top-k codec"). **Download bytes** (÷10, not ÷20): with M = 4
-workers, up to 4 x 1.56% = 6.25% of the positions change each round, at 5.5 bytes each (a 12-bit
-position and the fp32 value; 6 in this run) against 4 per parameter for full parameters, so
-4 / (5.5 x 0.0625) = 11.6x is the ceiling before headers at this M (the rerun: ÷10.7); 20x
-needs overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update").
+*Why not reproduced.* The upload part holds (see the table). **Loss:** under Nesterov `topk` is
+far above fp32; under the SparseLoCo rule it is just above the rule's 0.02. Believed reason, not
+tested in this regime: the run has 20 rounds, each sending 1/64 of every worker's corrected
+pseudo-gradient, so much of the run's work is still in the workers' residuals when it ends
+(SparseLoCo's runs have thousands of outer steps); and outer momentum on top of error feedback
+(the Nesterov row) applies each kept value again for many rounds, which SparseLoCo's rule avoids.
+**Download bytes** (not 20x): with M = 4 workers up to 4 x 1.56% = 6.25% of the positions change
+each round, at 5.5 bytes each (a 12-bit position and the fp32 value) against 4 per parameter for
+full parameters, so 4 / (5.5 x 0.0625) = 11.6x is the ceiling at this M before headers; 20x needs
+overlapping supports or M = 2 (docs/design/codecs.md, "The sparse update").
 """,
 }
