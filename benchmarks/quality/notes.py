@@ -126,8 +126,8 @@ the downlink). `topk` options: density 0.0156 (1/64), chunks of 1024 elements, 2
 (`benchmarks/quality/experiments.py`, `TOPK`, says why 1024 and not the paper's 4096). Under the
 SparseLoCo rule the workers decay their error feedback by 0.95 (the server's rule tells them)
 and the outer step is the plain mean of the decoded uploads times the outer lr 4, chosen on
-seed 0 by `python benchmarks/quality/run.py sparse_lr` in the earlier, 137k-parameter regime
-(2026-11-27) and not swept again in this one. The sparse downlink needs that
+seed 0 by the sweep in the second table (`sparse_lr`, first in the earlier 137k-parameter regime,
+then again in this one, after the suite: 4 stayed the best). The sparse downlink needs that
 rule (momentum moves every parameter every round), so there is no Nesterov row with it; its
 replicas are checked bit for bit against the server every round (the round's checksum), and its
 losses are those of the row above in every seed (the plot draws one curve over the other).
@@ -260,10 +260,13 @@ about 1 round in 16 every upload is lost and the outer step applies momentum alo
 """,
     "n": """
 *Why not reproduced.* The upload part holds (see the table). **Loss:** under Nesterov `topk` is
-far above fp32; under the SparseLoCo rule it is just above the rule's 0.02. Believed reason, not
-tested in this regime: the run has 20 rounds, each sending 1/64 of every worker's corrected
-pseudo-gradient, so much of the run's work is still in the workers' residuals when it ends
-(SparseLoCo's runs have thousands of outer steps); and outer momentum on top of error feedback
+far above fp32; under the SparseLoCo rule it is just above the rule's 0.02. Believed reason: the
+run has 20 rounds, each sending 1/64 of every worker's corrected pseudo-gradient, so much of the
+run's work is still in the workers' residuals when it ends (SparseLoCo's runs have thousands of
+outer steps). Tested once, on seed 0 (the extra try's two rows at a quarter of the default H,
+four times the rounds for the same steps): there `topk` under the SparseLoCo rule ends below fp32
+at that H and below fp32 at the default H too, at four times the upload bytes of its default-H
+run (the ratio per round unchanged). Not tested: that outer momentum on top of error feedback
 (the Nesterov row) applies each kept value again for many rounds, which SparseLoCo's rule avoids.
 **Download bytes** (not 20x): with M = 4 workers up to 4 x 1.56% = 6.25% of the positions change
 each round, at 5.5 bytes each (a 12-bit position and the fp32 value) against 4 per parameter for
