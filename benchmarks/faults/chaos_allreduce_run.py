@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.faults.chaos_adversary import BAD_WORKER, KINDS, Stranger
 from benchmarks.faults.chaos_allreduce_fleet import Fleet
-from benchmarks.faults.chaos_allreduce_schedule import FaultClock, plan
+from benchmarks.faults.chaos_allreduce_schedule import FaultClock, plan, victims
 from benchmarks.faults.chaos_allreduce_server import Server
 
 
@@ -60,9 +60,15 @@ class Run(Fleet):
         return aimed, self.rng.uniform(0.0, self.cfg["aim_delay"])
 
     def kill_worker(self) -> None:
-        live = self.live_honest()
-        if not live:
-            return
+        # Only a kill the run can survive: one that leaves a live worker holding the model
+        # (``victims``); else wait, up to the hang limit, for a replacement to catch up.
+        deadline = time.monotonic() + self.hang_limit
+        while not (live := victims(self.live_honest(), lambda w: bool(w.syncs))):
+            if time.monotonic() >= deadline:
+                self.note("kill_skipped", reason="no worker but the one holding the model")
+                return
+            time.sleep(0.2)
+            self.check_stalls()
         w = self.rng.choice(live)
         fresh = self.rng.random() < self.cfg["fresh_share"]
         delay = self.rng.uniform(0.0, 2.0)

@@ -15,7 +15,11 @@ every planned fault fires, whatever the load, and the same seed fires the same o
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,16 @@ class FaultClock:
             return None
         end = self.began + self.duration
         return end if self._last is None else max(end, self._last + self.settle)
+
+
+def victims(live: Sequence[T], holds: Callable[[T], bool]) -> list[T]:
+    """The live workers a kill may choose from without losing the run: in all-reduce mode the
+    model lives only in the members, so a kill must leave at least one live worker holding it
+    (one that has completed a sync). With two holders or more, any; with one, only workers
+    not holding it (replacements still joining); with none (nothing trained yet), any. Empty:
+    wait for a replacement to catch up. (Killing every holder before a replacement caught up
+    restarted the run from its first round: the smoke saw every round reached twice.)"""
+    holders = [w for w in live if holds(w)]
+    if len(holders) != 1:
+        return list(live)
+    return [w for w in live if not holds(w)]

@@ -5,7 +5,7 @@ however long joining and dealing with the faults take. Times are plain numbers: 
 from __future__ import annotations
 
 import pytest
-from benchmarks.faults.chaos_allreduce_schedule import Fault, FaultClock, plan
+from benchmarks.faults.chaos_allreduce_schedule import Fault, FaultClock, plan, victims
 
 
 def test_the_plan_fits_the_fault_window_and_depends_on_the_seed_alone() -> None:
@@ -55,3 +55,14 @@ def test_faults_dealt_with_in_time_end_the_run_at_its_duration() -> None:
     assert clock.due(8.0) == Fault(8.0, False)
     clock.dealt_with(9.0)
     assert clock.end() == 25.0
+
+
+def test_a_kill_never_takes_the_last_worker_holding_the_model() -> None:
+    """Holders are the workers that completed a sync. Two or more: any live worker may go; one:
+    only those still joining; none (nothing trained yet): any."""
+    holds = {"a": True, "b": True, "c": False}.__getitem__
+    assert victims(["a", "b", "c"], holds) == ["a", "b", "c"]
+    assert victims(["a", "c"], holds) == ["c"]
+    assert victims(["a"], holds) == []  # the caller waits for a replacement to catch up
+    assert victims(["c"], holds) == ["c"]
+    assert victims([], holds) == []
