@@ -22,6 +22,13 @@ def name(inner: str, m: int) -> str:
     return f"{'Muon' if inner == 'muon' else 'AdamW'} inner, M={m}"
 
 
+def split_batch(s: Scale, workers: int) -> int:
+    """Each worker's batch: the claim's global batch ``s.muon_batch`` split over ``workers``."""
+    if s.muon_batch % workers:
+        raise ValueError(f"muon_batch {s.muon_batch} does not split over {workers} workers")
+    return s.muon_batch // workers
+
+
 def muon(s: Scale) -> list[Config]:
     """Claim p (MuLoCo): DiLoCo with AdamW and with Muon (hidden matrices; AdamW for embeddings,
     head, norms and biases) as the inner optimizer at M = 1, 4 and 8 workers, the global batch
@@ -29,9 +36,7 @@ def muon(s: Scale) -> list[Config]:
     out = []
     for inner in ("adamw", "muon"):
         for m in s.muon_workers:
-            if s.muon_batch % m:
-                raise ValueError(f"muon_batch {s.muon_batch} does not split over {m} workers")
-            batch = s.muon_batch // m
+            batch = split_batch(s, m)
             out.append(plain(s, name(inner, m), workers=m, inner=inner, batch_size=batch))
     return out
 

@@ -253,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         lrs = chosen_lrs(sweep)
         # The async DN rows' outer lr, chosen like the inner ones: when async runs, and when the
         # file being rewritten has it (a later run of other experiments keeps it: cached rows).
-        old = out / "lr_sweep.json"
-        if "async" in names or (old.exists() and "async_outer" in json.loads(old.read_text())):
+        sweep_file = out / "lr_sweep.json"
+        had_outer = sweep_file.exists() and "async_outer" in json.loads(sweep_file.read_text())
+        if "async" in names or had_outer:
             outer = run_outer_sweep(profile, scale, out / "cache", lrs, log)
             sweep["async_outer"], outer_lr = outer, outer["lr"]
             sweep["run_s"] += outer["run_s"]  # the page's suite time counts both sweeps
-        (out / "lr_sweep.json").write_text(json.dumps({**sweep, "fast": args.fast}, indent=1))
+        sweep_file.write_text(json.dumps({**sweep, "fast": args.fast}, indent=1))
     for name in names:
         result = run_experiment(name, args, lrs, outer_lr)
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.quality.experiments import Config, Scale, adamw, async_lr, plain
+from benchmarks.quality.muon import split_batch
 from benchmarks.quality.protocol import Profile
 from benchmarks.quality.rows import run_config
 
@@ -96,20 +97,18 @@ def sweep_configs(s: Scale) -> dict[str, Config]:
         "dp": dp,
         "diloco_m1": plain(s, "diloco_m1", workers=1, steps=steps),
         "diloco": plain(s, "diloco", steps=steps),
-        "adamw_m1_batch": muon_sweep(s, "adamw_m1_batch", 1, inner="adamw"),
-        "muon_m1": muon_sweep(s, "muon_m1", 1),
-        "muon": muon_sweep(s, "muon", s.workers),
+        "adamw_m1_batch": claim_p_sweep(s, "adamw_m1_batch", 1, inner="adamw"),
+        "muon_m1": claim_p_sweep(s, "muon_m1", 1),
+        "muon": claim_p_sweep(s, "muon", s.workers),
     }
     assert configs.keys() == KINDS.keys()
     return {k: replace(c, heldout="valid") for k, c in configs.items()}
 
 
-def muon_sweep(s: Scale, name: str, workers: int, inner: str = "muon") -> Config:
-    """A claim p kind's configuration at ``workers``: ``inner`` inside, the Muon rows' global batch
-    split over the workers, ``s.tune_steps`` per worker."""
-    if s.muon_batch % workers:
-        raise ValueError(f"muon_batch {s.muon_batch} does not split over {workers} workers")
-    batch = s.muon_batch // workers
+def claim_p_sweep(s: Scale, name: str, workers: int, inner: str = "muon") -> Config:
+    """A claim p kind's configuration at ``workers``: ``inner`` inside, the claim's global batch
+    split over the workers (``muon.split_batch``), ``s.tune_steps`` per worker."""
+    batch = split_batch(s, workers)
     return plain(s, name, workers=workers, steps=s.tune_steps, inner=inner, batch_size=batch)
 
 
